@@ -1,0 +1,1 @@
+"""`sing`: the command-line client of singularityd (never imports textual)."""

@@ -1,0 +1,106 @@
+"""Connecting `sing` to singularityd: finding the socket and turning RPC failures into CliErrors."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from singularity.cli.errors import EXIT_UNAVAILABLE, CliError, exit_code_for_status
+from singularityd.api.v1 import singularity_pb2_grpc as pb_grpc
+
+SYSTEM_SOCKET = Path("/run/singularity/sing.sock")
+SYSTEM_CONFIG = Path("/etc/singularity/singularityd.toml")
+START_HINT = (
+    "start it with `sudo systemctl start singularityd`, or `scripts/daemon` from a checkout "
+    "(or point SING_SOCKET / --socket at a running one)"
+)
+
+
+def _user_socket() -> Path:
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime) / "singularity" if runtime else Path(f"/tmp/singularity-{os.geteuid()}")
+    return base / "sing.sock"
+
+
+def _config_socket() -> Path | None:
+    path = Path(os.environ.get("SING_CONFIG") or SYSTEM_CONFIG)
+    try:
+        with path.open("rb") as handle:
+            data = tomllib.load(handle)
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    section = data.get("singularityd", data)
+    value = section.get("socket") if isinstance(section, dict) else None
+    return Path(value) if isinstance(value, str) else None
+
+
+def resolve_socket(flag: str | None) -> Path:
+    """The socket to use: --socket, then SING_SOCKET, then the config file, then the defaults.
+
+    The default is the system daemon's socket; a non-root user without one falls back to their
+    own user-mode daemon's socket when it exists.
+    """
+    if flag:
+        return Path(flag)
+    if os.environ.get("SING_SOCKET"):
+        return Path(os.environ["SING_SOCKET"])
+    configured = _config_socket()
+    if configured is not None:
+        return configured
+    if os.geteuid() != 0 and not SYSTEM_SOCKET.exists() and _user_socket().exists():
+        return _user_socket()
+    return SYSTEM_SOCKET
+
+
+def unreachable_message(socket_path: Path) -> str:
+    """Why the daemon cannot be reached at this socket, and how to fix it."""
+    if not socket_path.exists():
+        why = "no such socket"
+    elif not os.access(socket_path, os.R_OK | os.W_OK):
+        return f"cannot reach singularityd at {socket_path}: permission denied on the socket"
+    else:
+        why = "nothing is listening"
+    return f"cannot reach singularityd at {socket_path} ({why}); {START_HINT}"
+
+
+class Connection:
+    """A gRPC channel to the daemon plus its stub."""
+
+    def __init__(self, socket_path: Path) -> None:
+        self.socket_path = socket_path
+        self.channel = grpc.insecure_channel(f"unix:{socket_path}", options=[("grpc.enable_retries", 0)])
+        self.stub = pb_grpc.SingularityStub(self.channel)
+
+    def close(self) -> None:
+        """Close the channel."""
+        self.channel.close()
+
+
+def rpc_error(error: grpc.RpcError, socket_path: Path) -> CliError:
+    """A CliError for a failed call, with the daemon's message and the matching exit code."""
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return CliError(unreachable_message(socket_path), EXIT_UNAVAILABLE)
+    details = error.details() if hasattr(error, "details") else str(error)
+    return CliError(details or str(code), exit_code_for_status(code))
+
+
+@contextmanager
+def connect(socket_flag: str | None) -> Iterator[Any]:
+    """Yield the daemon's stub; failures of calls made inside become CliErrors."""
+    socket_path = resolve_socket(socket_flag)
+    if not socket_path.exists():
+        raise CliError(unreachable_message(socket_path), EXIT_UNAVAILABLE)
+    connection = Connection(socket_path)
+    try:
+        yield connection.stub
+    except grpc.RpcError as error:
+        raise rpc_error(error, socket_path) from None
+    finally:
+        connection.close()

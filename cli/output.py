@@ -1,0 +1,216 @@
+"""Rendering API messages for people (tables, timelines) and for programs (JSON)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from singularityd.api.v1 import singularity_pb2 as pb
+
+
+def human_bytes(count: float) -> str:
+    """1536 -> '1.5K'; binary units, like ps and nvtop."""
+    for unit in ("B", "K", "M", "G", "T"):
+        if abs(count) < 1024 or unit == "T":
+            return f"{count:.0f}{unit}" if unit == "B" else f"{count:.1f}{unit}"
+        count /= 1024
+    return f"{count:.1f}T"
+
+
+def duration(seconds: float) -> str:
+    """Elapsed time as squeue shows it: M:SS, H:MM:SS or D-HH:MM:SS."""
+    seconds = max(0, int(seconds))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}-{hours:02d}:{minutes:02d}:{secs:02d}"
+    if hours:
+        return f"{hours}:{minutes:02d}:{secs:02d}"
+    return f"{minutes}:{secs:02d}"
+
+
+def run_time(job: pb.Job, now: float) -> float:
+    """How long the job has run (so far, or in total)."""
+    if not job.started_at:
+        return 0.0
+    return (job.ended_at or now) - job.started_at
+
+
+def timestamp(at: float) -> str:
+    """A local timestamp, or '-' for unset."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at)) if at else "-"
+
+
+def job_dict(job: pb.Job) -> dict[str, Any]:
+    """A job as plain JSON-friendly data (numbers stay numbers, unset times are null)."""
+    return {
+        "id": job.id,
+        "name": job.name,
+        "user": job.user,
+        "uid": job.uid,
+        "state": job.state,
+        "reason": job.reason,
+        "pending_reason": job.pending_reason or None,
+        "priority": job.priority,
+        "gpus": job.gpus,
+        "ranks": job.ranks,
+        "devices": list(job.devices),
+        "command": list(job.command),
+        "cwd": job.cwd,
+        "submitted_at": job.submitted_at or None,
+        "started_at": job.started_at or None,
+        "ended_at": job.ended_at or None,
+        "exit_code": job.exit_code if job.HasField("exit_code") else None,
+        "signal": job.signal if job.HasField("signal") else None,
+        "cpu_seconds": job.cpu_seconds,
+        "rss_bytes": job.rss_bytes,
+        "attempt": job.attempt,
+    }
+
+
+def device_dict(device: pb.Device) -> dict[str, Any]:
+    """A device as plain JSON-friendly data."""
+    return {
+        "index": device.index,
+        "kind": device.kind,
+        "name": device.name,
+        "uuid": device.uuid,
+        "memory_total": device.memory_total,
+        "memory_used": device.memory_used,
+        "utilization_percent": (
+            device.utilization_percent if device.HasField("utilization_percent") else None
+        ),
+        "jobs": list(device.jobs),
+    }
+
+
+def to_json(data: Any) -> str:
+    """Indented JSON, the form `-o json` prints."""
+    return json.dumps(data, indent=2, sort_keys=False)
+
+
+def table(rows: Sequence[Sequence[str]], header: Sequence[str] | None) -> str:
+    """Left-aligned columns separated by two spaces; the last column is not padded."""
+    all_rows = [list(header)] if header else []
+    all_rows += [list(r) for r in rows]
+    if not all_rows:
+        return ""
+    widths = [max(len(r[i]) for r in all_rows) for i in range(len(all_rows[0]))]
+    lines = []
+    for row in all_rows:
+        cells = [cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])] + [row[-1]]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def devices_or_reason(job: pb.Job) -> str:
+    """squeue's NODELIST(REASON) column: the devices of a running job, else why it waits/ended."""
+    if job.devices and job.state in ("RUNNING", "MIGRATING"):
+        return ",".join(str(d) for d in job.devices)
+    if job.pending_reason:
+        return f"({job.pending_reason})"
+    return f"({job.reason})" if job.reason else ""
+
+
+JOB_HEADER = ("ID", "NAME", "USER", "STATE", "PRI", "GPUS", "TIME", "DEVICES(REASON)")
+WIDE_HEADER = (
+    "ID", "NAME", "USER", "STATE", "PRI", "GPUS", "RANKS", "TIME", "CPU", "RSS", "EXIT",
+    "SUBMITTED", "COMMAND", "DEVICES(REASON)",
+)  # fmt: skip
+
+
+def exit_text(job: pb.Job) -> str:
+    """'0', '1', 'SIG9' or '-'."""
+    if job.HasField("signal"):
+        return f"SIG{job.signal}"
+    if job.HasField("exit_code"):
+        return str(job.exit_code)
+    return "-"
+
+
+def job_row(job: pb.Job, wide: bool, now: float) -> list[str]:
+    """One line of `sing ps`."""
+    if not wide:
+        return [
+            str(job.id), job.name, job.user, job.state, str(job.priority), str(job.gpus),
+            duration(run_time(job, now)), devices_or_reason(job),
+        ]  # fmt: skip
+    return [
+        str(job.id), job.name, job.user, job.state, str(job.priority), str(job.gpus),
+        str(job.ranks), duration(run_time(job, now)), f"{job.cpu_seconds:.1f}s",
+        human_bytes(job.rss_bytes), exit_text(job), timestamp(job.submitted_at),
+        " ".join(job.command), devices_or_reason(job),
+    ]  # fmt: skip
+
+
+def jobs_table(jobs: Sequence[pb.Job], wide: bool, header: bool) -> str:
+    """The `sing ps` table."""
+    now = time.time()
+    return table(
+        [job_row(j, wide, now) for j in jobs], (WIDE_HEADER if wide else JOB_HEADER) if header else None
+    )
+
+
+def job_detail_text(detail: pb.JobDetail) -> str:
+    """`sing show`: the spec, devices, status, then the event timeline."""
+    job = detail.job
+    now = time.time()
+    lines = [
+        f"Job:        {job.id} ({job.name})",
+        f"User:       {job.user} (uid {job.uid})",
+        f"State:      {job.state}",
+        f"Reason:     {job.reason}",
+    ]
+    if job.pending_reason:
+        lines.append(f"Pending:    {job.pending_reason}")
+    lines += [
+        f"Command:    {' '.join(job.command)}",
+        f"Directory:  {job.cwd}",
+        f"Priority:   {job.priority}",
+        f"GPUs:       {job.gpus}",
+        f"Ranks:      {job.ranks}",
+        f"Devices:    {','.join(str(d) for d in job.devices) or '-'}",
+        f"Submitted:  {timestamp(job.submitted_at)}",
+        f"Started:    {timestamp(job.started_at)}",
+        f"Ended:      {timestamp(job.ended_at)}",
+        f"Run time:   {duration(run_time(job, now))}",
+        f"Attempts:   {job.attempt}",
+        f"Exit:       {exit_text(job)}",
+        f"CPU time:   {job.cpu_seconds:.2f}s",
+        f"Memory:     {human_bytes(job.rss_bytes)}" + (" (peak)" if job.ended_at else " (resident)"),
+    ]
+    if detail.log_path:
+        lines.append(f"Log:        {detail.log_path}")
+    if detail.env:
+        lines.append(f"Env:        {len(detail.env)} variables (see -o json)")
+    lines.append("")
+    lines.append("Events:")
+    rows = [[timestamp(e.at), f"{e.from_state or '-'} -> {e.to_state}", e.reason] for e in detail.events]
+    lines += ["  " + line for line in table(rows, ("TIME", "TRANSITION", "REASON")).splitlines()]
+    return "\n".join(lines)
+
+
+def job_detail_dict(detail: pb.JobDetail) -> dict[str, Any]:
+    """`sing show -o json`."""
+    data = job_dict(detail.job)
+    data["env"] = dict(detail.env) if detail.env else None
+    data["log_path"] = detail.log_path or None
+    data["events"] = [
+        {"at": e.at, "from_state": e.from_state or None, "to_state": e.to_state, "reason": e.reason}
+        for e in detail.events
+    ]
+    return data
+
+
+def devices_table(devices: Sequence[pb.Device], header: bool = True) -> str:
+    """The `sing devices` table."""
+    rows = []
+    for device in devices:
+        util = f"{device.utilization_percent:.0f}%" if device.HasField("utilization_percent") else "-"
+        memory = f"{human_bytes(device.memory_used)}/{human_bytes(device.memory_total)}"
+        jobs = ",".join(str(j) for j in device.jobs) or "-"
+        rows.append([str(device.index), device.kind, device.name, memory, util, jobs])
+    return table(rows, ("INDEX", "KIND", "NAME", "MEMORY", "UTIL", "JOBS") if header else None)

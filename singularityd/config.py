@@ -1,0 +1,198 @@
+"""Daemon configuration: embedded defaults, then a TOML file, then environment, then flags.
+
+Every option has a documented default (`OPTIONS`), so the daemon starts with no file at all.
+Run as root it is a system daemon (socket under /run, state under /var/lib); run as any other
+user it works in user mode, under that user's XDG directories.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+SYSTEM_CONFIG = Path("/etc/singularity/singularityd.toml")
+SYSTEM_SOCKET = Path("/run/singularity/sing.sock")
+SYSTEM_STATE_DIR = Path("/var/lib/singularity")
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used; the message says which file or value and why."""
+
+
+def user_runtime_dir(uid: int) -> Path:
+    """Where a non-root user's sockets live: $XDG_RUNTIME_DIR, else a private /tmp folder."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return Path(runtime) / "singularity"
+    return Path(f"/tmp/singularity-{uid}")
+
+
+def user_state_dir() -> Path:
+    """Where a non-root user's daemon keeps its state: $XDG_STATE_HOME/singularity."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "singularity"
+
+
+def user_config_file() -> Path:
+    """A non-root user's config file: $XDG_CONFIG_HOME/singularity/singularityd.toml."""
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "singularity" / "singularityd.toml"
+
+
+def default_socket(uid: int) -> Path:
+    """The socket a daemon of this uid listens on by default."""
+    return SYSTEM_SOCKET if uid == 0 else user_runtime_dir(uid) / "sing.sock"
+
+
+def default_config_file(uid: int) -> Path:
+    """The config file a daemon of this uid reads by default (missing is fine)."""
+    return SYSTEM_CONFIG if uid == 0 else user_config_file()
+
+
+@dataclass(frozen=True)
+class Config:
+    """All settings of one daemon; see OPTIONS for what each means and its default."""
+
+    socket: Path
+    state_dir: Path
+    devices: str = "auto"
+    virtual_devices: int = 4
+    virtual_device_memory_gib: float = 16.0
+    admin_group: str = "singularity-admin"
+    kill_grace_seconds: float = 10.0
+    shutdown_grace_seconds: float = 5.0
+    criu: str = "auto"
+    checkpoint_interval_seconds: float = 0.0
+    checkpoint_keep: int = 2
+    log_level: str = "info"
+
+    @property
+    def user_mode(self) -> bool:
+        """True when the daemon runs without root: jobs run as the daemon's own user only."""
+        return os.geteuid() != 0
+
+    @property
+    def database(self) -> Path:
+        """The SQLite file holding jobs, events and device assignments."""
+        return self.state_dir / "singularity.db"
+
+    @property
+    def jobs_dir(self) -> Path:
+        """Per-job folders: logs, status files and launch specs."""
+        return self.state_dir / "jobs"
+
+    @property
+    def internal_socket_dir(self) -> Path:
+        """Private sockets of the per-user API servers, reachable only by the daemon."""
+        return self.socket.parent / ".internal"
+
+
+OPTIONS: dict[str, str] = {
+    "socket": "Unix socket of the API (root: /run/singularity/sing.sock; "
+    "users: $XDG_RUNTIME_DIR/singularity/sing.sock). Env SING_SOCKET, flag --socket.",
+    "state_dir": "Jobs database, logs and checkpoints (root: /var/lib/singularity; "
+    "users: $XDG_STATE_HOME/singularity). Env SING_STATE_DIR, flag --state-dir.",
+    "devices": "'auto' (NVIDIA GPUs through NVML when present, else virtual), 'nvml' or "
+    "'virtual'. Env SING_DEVICES, flag --devices.",
+    "virtual_devices": "How many CPU-backed virtual devices to offer (default 4). "
+    "Env SING_VIRTUAL_DEVICES, flag --virtual-devices.",
+    "virtual_device_memory_gib": "Memory capacity of each virtual device in GiB (default 16).",
+    "admin_group": "Unix group whose members may act on any job (default singularity-admin); "
+    "root always may.",
+    "kill_grace_seconds": "Time between SIGTERM and SIGKILL when a job is cancelled (default 10).",
+    "shutdown_grace_seconds": "Time the daemon gives in-flight requests on SIGTERM (default 5).",
+    "criu": "'auto' (criu on PATH if `criu check` passes, else the private copy in the venv) "
+    "or a path to a criu binary.",
+    "checkpoint_interval_seconds": "Default periodic checkpoint interval; 0 disables (default 0).",
+    "checkpoint_keep": "How many complete checkpoints to keep per job (default 2).",
+    "log_level": "debug, info, warning or error (default info). Env SING_LOG_LEVEL.",
+}
+
+ENV_NAMES: dict[str, str] = {
+    "socket": "SING_SOCKET",
+    "state_dir": "SING_STATE_DIR",
+    "devices": "SING_DEVICES",
+    "virtual_devices": "SING_VIRTUAL_DEVICES",
+    "log_level": "SING_LOG_LEVEL",
+}
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    """Turn a raw value from a file, env or flag into the field's type, or raise ConfigError."""
+    kinds: dict[str, type] = {
+        f.name: type(f.default) for f in fields(Config) if f.name not in ("socket", "state_dir")
+    }
+    try:
+        if name in ("socket", "state_dir"):
+            return Path(str(value)).expanduser()
+        kind = kinds[name]
+        if kind is int and isinstance(value, bool):
+            raise TypeError
+        coerced = kind(value)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"{source}: {name} = {value!r} is not a valid value") from error
+    if name == "devices" and coerced not in ("auto", "nvml", "virtual"):
+        raise ConfigError(f"{source}: devices must be 'auto', 'nvml' or 'virtual', not {coerced!r}")
+    if name in ("virtual_devices", "checkpoint_keep") and coerced < 1:
+        raise ConfigError(f"{source}: {name} must be at least 1")
+    if (
+        name in ("kill_grace_seconds", "shutdown_grace_seconds", "checkpoint_interval_seconds")
+        and coerced < 0
+    ):
+        raise ConfigError(f"{source}: {name} must not be negative")
+    return coerced
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Parse a TOML config file; a missing file is empty, an unreadable one an error."""
+    try:
+        with path.open("rb") as handle:
+            data = tomllib.load(handle)
+    except FileNotFoundError:
+        return {}
+    except PermissionError:
+        raise ConfigError(f"cannot read config file {path}: permission denied") from None
+    except IsADirectoryError:
+        raise ConfigError(f"cannot read config file {path}: it is a directory") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
+    section = data.get("singularityd", data)
+    if not isinstance(section, dict):
+        raise ConfigError(f"config file {path}: [singularityd] must be a table")
+    return section
+
+
+def load_config(
+    config_file: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Build the configuration: defaults < file < environment < explicit overrides (flags)."""
+    env = os.environ if env is None else env
+    uid = os.geteuid()
+    explicit_file = config_file is not None or "SING_CONFIG" in env
+    path = config_file or Path(env.get("SING_CONFIG") or default_config_file(uid))
+    raw = read_config_file(path)
+    if explicit_file and not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    known = {f.name for f in fields(Config)}
+    values: dict[str, Any] = {}
+    for name, value in raw.items():
+        if name not in known:
+            raise ConfigError(f"config file {path}: unknown option {name!r}")
+        values[name] = _coerce(name, value, str(path))
+    for name, variable in ENV_NAMES.items():
+        if env.get(variable):
+            values[name] = _coerce(name, env[variable], f"environment {variable}")
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            values[name] = _coerce(name, value, f"--{name.replace('_', '-')}")
+    socket = values.pop("socket", default_socket(uid))
+    state_dir = values.pop("state_dir", SYSTEM_STATE_DIR if uid == 0 else user_state_dir())
+    return replace(Config(socket=socket, state_dir=state_dir), **values)

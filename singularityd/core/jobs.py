@@ -1,0 +1,256 @@
+"""The job state machine: pure decisions, no I/O.
+
+The daemon feeds a job's current facts and one stimulus to `decide`, records the transition it
+returns in the store and carries out the actions. Keeping this free of I/O lets every rule be
+tested in microseconds and replayed by a simulator.
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+from dataclasses import dataclass, field
+
+
+class JobState(enum.StrEnum):
+    """The states a job passes through; the terminal ones never change again."""
+
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    SUSPENDED = "SUSPENDED"
+    PREEMPTED = "PREEMPTED"
+    MIGRATING = "MIGRATING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def is_terminal(self) -> bool:
+        """Whether the job has ended for good."""
+        return self in TERMINAL_STATES
+
+    @property
+    def is_queued(self) -> bool:
+        """Whether the scheduler may start (or resume) the job when devices free up."""
+        return self in QUEUED_STATES
+
+    @property
+    def holds_devices(self) -> bool:
+        """Whether the job's processes exist and own devices in this state."""
+        return self in (JobState.RUNNING, JobState.MIGRATING)
+
+
+TERMINAL_STATES = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED})
+QUEUED_STATES = frozenset({JobState.PENDING, JobState.PREEMPTED})
+
+ALLOWED_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.PENDING: frozenset({JobState.RUNNING, JobState.CANCELLED, JobState.FAILED}),
+    JobState.RUNNING: frozenset(
+        {
+            JobState.COMPLETED,
+            JobState.FAILED,
+            JobState.CANCELLED,
+            JobState.SUSPENDED,
+            JobState.PREEMPTED,
+            JobState.MIGRATING,
+            JobState.PENDING,
+        }
+    ),
+    JobState.SUSPENDED: frozenset({JobState.PREEMPTED, JobState.CANCELLED, JobState.FAILED}),
+    JobState.PREEMPTED: frozenset(
+        {JobState.RUNNING, JobState.SUSPENDED, JobState.CANCELLED, JobState.FAILED}
+    ),
+    JobState.MIGRATING: frozenset(
+        {JobState.RUNNING, JobState.PREEMPTED, JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED}
+    ),
+    JobState.COMPLETED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+}
+
+
+class InvalidTransition(ValueError):
+    """A stimulus asked for a change the job's state does not allow."""
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One recorded change of a job's state, always with the reason for it."""
+
+    job_id: int
+    from_state: JobState | None
+    to_state: JobState
+    reason: str
+    at: float
+
+
+def check_transition(job_id: int, current: JobState, target: JobState, reason: str, at: float) -> Transition:
+    """Return the transition from `current` to `target`, or raise InvalidTransition."""
+    if target not in ALLOWED_TRANSITIONS[current]:
+        raise InvalidTransition(f"job {job_id} is {current}; it cannot become {target}")
+    if not reason:
+        raise ValueError("every transition needs a reason")
+    return Transition(job_id, current, target, reason, at)
+
+
+@dataclass(frozen=True)
+class JobFacts:
+    """What the state machine needs to know about a job to decide."""
+
+    job_id: int
+    state: JobState
+    cancel_requested: bool = False
+
+
+# Stimuli: things that happened to a job.
+
+
+@dataclass(frozen=True)
+class Started:
+    """The scheduler gave the job devices and its processes were launched."""
+
+    devices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LaunchFailed:
+    """The job's processes could not be started."""
+
+    error: str
+
+
+@dataclass(frozen=True)
+class Exited:
+    """The job's processes ended; exactly one of exit_code/signal is usually set."""
+
+    exit_code: int | None
+    signal: int | None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class CancelRequested:
+    """A user asked to cancel the job."""
+
+    by: str
+
+
+@dataclass(frozen=True)
+class ProcessesLost:
+    """The job's processes vanished without an exit status (e.g. while the daemon was down)."""
+
+    detail: str
+
+
+@dataclass(frozen=True)
+class Requeued:
+    """The job's launch was interrupted before its processes existed; it may run again."""
+
+    detail: str
+
+
+Stimulus = Started | LaunchFailed | Exited | CancelRequested | ProcessesLost | Requeued
+
+
+# Actions: what the daemon must carry out.
+
+
+@dataclass(frozen=True)
+class TerminateProcesses:
+    """Ask the job's processes to stop (SIGTERM, then SIGKILL after the grace period)."""
+
+
+@dataclass(frozen=True)
+class ReleaseDevices:
+    """Give the job's devices back to the pool."""
+
+
+@dataclass(frozen=True)
+class MarkCancelRequested:
+    """Remember that the job's coming exit is a cancellation."""
+
+
+@dataclass(frozen=True)
+class Reschedule:
+    """Run the scheduling policy again (devices freed or the queue changed)."""
+
+
+Action = TerminateProcesses | ReleaseDevices | MarkCancelRequested | Reschedule
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of one stimulus: an optional transition and the actions to carry out."""
+
+    transition: Transition | None = None
+    actions: tuple[Action, ...] = field(default_factory=tuple)
+
+
+def describe_exit(exit_code: int | None, sig: int | None) -> str:
+    """A short human description of how processes ended."""
+    if sig is not None:
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        return f"killed by {name}"
+    if exit_code is None:
+        return "ended without an exit status"
+    return f"exited with code {exit_code}"
+
+
+def shell_exit_status(exit_code: int | None, sig: int | None) -> int | None:
+    """The status a shell would report: the exit code, or 128 + the signal number."""
+    if sig is not None:
+        return 128 + sig
+    return exit_code
+
+
+def decide(job: JobFacts, stimulus: Stimulus, now: float) -> Decision:
+    """Decide what a stimulus does to a job: the transition to record and the actions to take."""
+    state = job.state
+    match stimulus:
+        case Started(devices=devices):
+            listed = ",".join(str(d) for d in devices)
+            reason = f"started on device{'s' if len(devices) != 1 else ''} {listed}"
+            return Decision(check_transition(job.job_id, state, JobState.RUNNING, reason, now))
+        case LaunchFailed(error=error):
+            return Decision(
+                check_transition(job.job_id, state, JobState.FAILED, f"launch failed: {error}", now),
+                (ReleaseDevices(), Reschedule()),
+            )
+        case Exited(exit_code=code, signal=sig, error=error):
+            how = error or describe_exit(code, sig)
+            if job.cancel_requested:
+                target, reason = JobState.CANCELLED, f"cancelled ({how})"
+            elif code == 0 and sig is None and not error:
+                target, reason = JobState.COMPLETED, how
+            else:
+                target, reason = JobState.FAILED, how
+            return Decision(
+                check_transition(job.job_id, state, target, reason, now),
+                (ReleaseDevices(), Reschedule()),
+            )
+        case CancelRequested(by=by):
+            if state.is_terminal:
+                raise InvalidTransition(f"job {job.job_id} is already {state}")
+            if state.holds_devices:
+                if job.cancel_requested:
+                    return Decision(actions=(TerminateProcesses(),))
+                return Decision(actions=(MarkCancelRequested(), TerminateProcesses()))
+            return Decision(
+                check_transition(job.job_id, state, JobState.CANCELLED, f"cancelled by {by}", now),
+                (ReleaseDevices(), Reschedule()),
+            )
+        case ProcessesLost(detail=detail):
+            target = JobState.CANCELLED if job.cancel_requested else JobState.FAILED
+            return Decision(
+                check_transition(job.job_id, state, target, detail, now),
+                (ReleaseDevices(), Reschedule()),
+            )
+        case Requeued(detail=detail):
+            return Decision(
+                check_transition(job.job_id, state, JobState.PENDING, detail, now),
+                (ReleaseDevices(), Reschedule()),
+            )
+    raise TypeError(f"unknown stimulus {stimulus!r}")

@@ -1,0 +1,684 @@
+"""singularityd: owns the devices, keeps the queue, runs and supervises jobs.
+
+The daemon turns requests and process exits into stimuli for the pure job state machine and the
+scheduling policy (singularityd.core), records every decision in the store first and then carries
+it out. Jobs outlive the daemon: after a crash or a restart it re-adopts those still running.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
+import argparse
+import asyncio
+import contextlib
+import fcntl
+import logging
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from singularityd import __version__, runtime
+from singularityd.api.service import add_service
+from singularityd.config import OPTIONS, Config, ConfigError, load_config
+from singularityd.core.jobs import (
+    CancelRequested,
+    Decision,
+    Exited,
+    InvalidTransition,
+    JobFacts,
+    JobState,
+    LaunchFailed,
+    MarkCancelRequested,
+    ProcessesLost,
+    ReleaseDevices,
+    Requeued,
+    Reschedule,
+    Started,
+    Stimulus,
+    TerminateProcesses,
+    decide,
+)
+from singularityd.core.policy import QueuedJob, plan_starts
+from singularityd.devices import Device, Inventory, discover, refresh
+from singularityd.identity import Caller, IdentityRelay, resolve_caller
+from singularityd.requests import RequestError, SubmitArgs, not_found
+from singularityd.store import JobRecord, JobSpec, Store, StoreError
+
+log = logging.getLogger("singularityd")
+
+MAX_PRIORITY = 1_000_000
+
+
+@dataclass(frozen=True)
+class CriuStatus:
+    """Whether checkpoints can work here, with the binary used or the reason they cannot."""
+
+    path: str
+    version: str
+    unavailable_reason: str
+
+
+def probe_criu(setting: str, user_mode: bool) -> CriuStatus:
+    """Find a CRIU that passes `criu check`: the configured one, PATH's, or the private copy."""
+    if user_mode:
+        return CriuStatus("", "", "checkpoints need root (the daemon runs in user mode)")
+    if setting != "auto":
+        candidates = [setting]
+    else:
+        candidates = [c for c in (shutil.which("criu"), str(Path(sys.prefix) / "criu" / "criu")) if c]
+    reasons = []
+    for candidate in candidates:
+        if not Path(candidate).exists():
+            reasons.append(f"{candidate}: not found")
+            continue
+        try:
+            version = subprocess.run(
+                [candidate, "--version"], capture_output=True, text=True, timeout=20
+            ).stdout.splitlines()
+            check = subprocess.run([candidate, "check"], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            reasons.append(f"{candidate}: {error}")
+            continue
+        if check.returncode == 0:
+            return CriuStatus(candidate, (version or ["?"])[0].removeprefix("Version: "), "")
+        last = (check.stderr or check.stdout).strip().splitlines()
+        reasons.append(f"{candidate}: criu check failed: {last[-1] if last else check.returncode}")
+    return CriuStatus("", "", "; ".join(reasons) or "no criu found (run scripts/setup)")
+
+
+class Daemon:
+    """The running daemon: store, devices, job processes and the API servers."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.started_at = time.time()
+        self.store: Store
+        self.inventory: Inventory
+        self.criu = CriuStatus("", "", "not probed yet")
+        self._watches: dict[int, runtime.ProcessWatch] = {}
+        self._kill_timers: dict[int, asyncio.TimerHandle] = {}
+        self._launching: set[int] = set()
+        self._subscribers: set[asyncio.Queue[int]] = set()
+        self._schedule_requested = False
+        self._servers: dict[int, grpc.aio.Server] = {}
+        self._server_lock = asyncio.Lock()
+        self._relay: IdentityRelay | None = None
+        self._stopping = asyncio.Event()
+        self._lock_file: Any = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # Start and stop
+
+    def _prepare_directories(self) -> None:
+        config = self.config
+        config.state_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(config.state_dir, 0o755 if not config.user_mode else 0o700)
+        config.jobs_dir.mkdir(exist_ok=True)
+        os.chmod(config.jobs_dir, 0o711 if not config.user_mode else 0o700)
+        config.socket.parent.mkdir(parents=True, exist_ok=True)
+        if config.user_mode:
+            os.chmod(config.socket.parent, 0o700)
+        config.internal_socket_dir.mkdir(exist_ok=True)
+        os.chmod(config.internal_socket_dir, 0o700)
+        self._lock_file = open(config.state_dir / "daemon.lock", "w")  # noqa: SIM115
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(
+                f"another singularityd is already running with state directory {config.state_dir}"
+            ) from None
+        if _socket_answers(config.socket):
+            raise ConfigError(f"another singularityd is already listening on {config.socket}")
+
+    async def start(self) -> None:
+        """Open the store, find devices, re-adopt jobs, then start serving."""
+        self._prepare_directories()
+        self.store = Store(self.config.database)
+        self.inventory = discover(
+            self.config.devices, self.config.virtual_devices, self.config.virtual_device_memory_gib
+        )
+        log.info(
+            "%d %s device(s); NVML %s",
+            len(self.inventory.devices),
+            self.inventory.kind,
+            self.inventory.nvml_status,
+        )
+        self._spawn(self._probe_criu())
+        await self._recover()
+        self._relay = IdentityRelay(
+            self.config.socket,
+            self._server_for_uid,
+            frozenset({os.geteuid()}) if self.config.user_mode else None,
+            0o600 if self.config.user_mode else 0o666,
+        )
+        await self._relay.start()
+        self.request_schedule()
+        log.info("singularityd %s listening on %s", __version__, self.config.socket)
+
+    async def _probe_criu(self) -> None:
+        self.criu = await asyncio.to_thread(probe_criu, self.config.criu, self.config.user_mode)
+        if self.criu.unavailable_reason:
+            log.warning("checkpoints unavailable: %s", self.criu.unavailable_reason)
+        else:
+            log.info("CRIU %s at %s", self.criu.version, self.criu.path)
+
+    async def stop(self) -> None:
+        """Stop serving and close the store; jobs keep running and are re-adopted on restart."""
+        if self._relay is not None:
+            await self._relay.stop()
+        grace = self.config.shutdown_grace_seconds
+        await asyncio.gather(*(server.stop(grace) for server in self._servers.values()))
+        for watch in self._watches.values():
+            watch.close()
+        for timer in self._kill_timers.values():
+            timer.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        self.store.close()
+        for path in self.config.internal_socket_dir.glob("*.sock"):
+            path.unlink(missing_ok=True)
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _server_for_uid(self, uid: int, gid: int) -> Path:
+        """The private gRPC server that serves requests from this uid, started on first use."""
+        path = self.config.internal_socket_dir / f"uid-{uid}.sock"
+        async with self._server_lock:
+            if uid not in self._servers:
+                caller = resolve_caller(uid, gid, self.config.admin_group)
+                server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+                add_service(server, self, caller)
+                path.unlink(missing_ok=True)
+                server.add_insecure_port(f"unix:{path}")
+                await server.start()
+                self._servers[uid] = server
+        return path
+
+    # Recovery
+
+    async def _recover(self) -> None:
+        """Re-adopt jobs whose processes still run; settle those that ended while we were down."""
+        for job in self.store.list_jobs(states=(JobState.RUNNING, JobState.MIGRATING)):
+            paths = self.job_paths(job.id)
+            pid, ticks = job.init_pid, job.init_start_ticks
+            if pid is None:
+                with contextlib.suppress(FileNotFoundError, ValueError):
+                    pid = int(paths.pid.read_text().strip())
+                    ticks = runtime.process_start_ticks(pid)
+                    if ticks is not None:
+                        self.store.set_process(job.id, pid, ticks)
+            alive = pid is not None and ticks is not None and runtime.process_start_ticks(pid) == ticks
+            if alive:
+                assert pid is not None
+                log.info("re-adopted job %d (supervisor pid %d)", job.id, pid)
+                self._watch(job.id, pid)
+                continue
+            status = runtime.read_exit_status(paths)
+            if status is not None:
+                self.apply(job.id, _exited(status), status)
+            elif pid is None:
+                self.apply(job.id, Requeued("launch interrupted by a daemon restart; queued again"))
+            else:
+                self.apply(
+                    job.id,
+                    ProcessesLost(
+                        "the job's processes ended while the daemon was down, without an exit status"
+                    ),
+                )
+
+    # Decisions
+
+    def job_paths(self, job_id: int) -> runtime.JobPaths:
+        """The folder of one job."""
+        return runtime.JobPaths(self.config.jobs_dir / str(job_id))
+
+    def apply(self, job_id: int, stimulus: Stimulus, status: runtime.ExitStatus | None = None) -> Decision:
+        """Feed one stimulus to the state machine, record the result, carry out its actions."""
+        job = self.store.get(job_id)
+        if job is None:
+            raise not_found(job_id)
+        decision = decide(JobFacts(job.id, job.state, job.cancel_requested), stimulus, time.time())
+        if decision.transition is not None:
+            exit_code = signal_number = None
+            if isinstance(stimulus, Exited):
+                exit_code, signal_number = stimulus.exit_code, stimulus.signal
+            self.store.record_transition(
+                decision.transition,
+                devices=stimulus.devices if isinstance(stimulus, Started) else None,
+                exit_code=exit_code,
+                signal=signal_number,
+                cpu_seconds=status.cpu_seconds if status else None,
+                max_rss_bytes=status.max_rss_bytes if status else None,
+            )
+            log.info(
+                "job %d: %s -> %s (%s)",
+                job_id,
+                decision.transition.from_state,
+                decision.transition.to_state,
+                decision.transition.reason,
+            )
+        for action in decision.actions:
+            match action:
+                case MarkCancelRequested():
+                    self.store.set_cancel_requested(job_id)
+                case TerminateProcesses():
+                    self._terminate(job_id)
+                case ReleaseDevices():
+                    self._forget_processes(job_id)
+                case Reschedule():
+                    self.request_schedule()
+        self._notify(job_id)
+        return decision
+
+    def _notify(self, job_id: int) -> None:
+        for queue in self._subscribers:
+            queue.put_nowait(job_id)
+
+    @contextlib.contextmanager
+    def subscribe(self) -> Any:
+        """A queue that receives the id of every job that changes while the context is open."""
+        queue: asyncio.Queue[int] = asyncio.Queue()
+        self._subscribers.add(queue)
+        try:
+            yield queue
+        finally:
+            self._subscribers.discard(queue)
+
+    def request_schedule(self) -> None:
+        """Run the scheduling policy soon (many requests in one tick make one round)."""
+        if not self._schedule_requested:
+            self._schedule_requested = True
+            asyncio.get_running_loop().call_soon(self._schedule)
+
+    def _schedule(self) -> None:
+        self._schedule_requested = False
+        queued = self.store.list_jobs(states=(JobState.PENDING, JobState.PREEMPTED))
+        if not queued:
+            return
+        busy = self.store.busy_devices()
+        free = [d.index for d in self.inventory.devices if d.index not in busy]
+        plan = plan_starts(
+            [QueuedJob(j.id, j.spec.priority, j.id, j.spec.gpus) for j in queued],
+            free,
+            len(self.inventory.devices),
+        )
+        for job_id, devices in plan.starts:
+            self.apply(job_id, Started(devices))
+            self._launching.add(job_id)
+            self._spawn(self._launch(job_id))
+        self.store.set_pending_reasons(plan.pending_reasons)
+        for job_id in plan.pending_reasons:
+            self._notify(job_id)
+
+    # Processes
+
+    async def _launch(self, job_id: int) -> None:
+        job = self.store.get(job_id)
+        assert job is not None
+        paths = self.job_paths(job_id)
+        try:
+            spec = await asyncio.to_thread(self._launch_spec, job, paths)
+            pid, ticks = await runtime.launch(spec, paths)
+        except (runtime.LaunchError, OSError) as error:
+            self._launching.discard(job_id)
+            self.apply(job_id, LaunchFailed(str(error)))
+            return
+        self._launching.discard(job_id)
+        self.store.set_process(job_id, pid, ticks)
+        log.info("job %d: supervisor pid %d", job_id, pid)
+        self._watch(job_id, pid)
+        current = self.store.get(job_id)
+        if current is not None and current.cancel_requested:
+            self._terminate(job_id)
+
+    def _launch_spec(self, job: JobRecord, paths: runtime.JobPaths) -> dict[str, Any]:
+        spec = job.spec
+        runtime.prepare_job_dir(paths, spec.uid, spec.gid)
+        return {
+            "job_id": job.id,
+            "uid": spec.uid,
+            "gid": spec.gid,
+            "groups": runtime.user_groups(spec.user, spec.gid),
+            "command": list(spec.command),
+            "cwd": spec.cwd,
+            "rank_envs": runtime.rank_environments(
+                spec.env,
+                job_id=job.id,
+                user=spec.user,
+                ranks=spec.ranks,
+                devices=job.devices,
+                device_kind=self.inventory.kind,
+                master_port=runtime.free_tcp_port(),
+            ),
+            "rank_logs": [str(paths.rank_log(r)) for r in range(spec.ranks)],
+            "supervisor_log": str(paths.supervisor_log),
+            "status_path": str(paths.status),
+            "pid_path": str(paths.pid),
+            "pid_namespace": not self.config.user_mode,
+            "kill_grace_seconds": self.config.kill_grace_seconds,
+        }
+
+    def _watch(self, job_id: int, pid: int) -> None:
+        self._watches[job_id] = runtime.ProcessWatch(pid, lambda: self._on_exit(job_id))
+
+    def _on_exit(self, job_id: int) -> None:
+        watch = self._watches.pop(job_id, None)
+        if watch is not None:
+            watch.close()
+        timer = self._kill_timers.pop(job_id, None)
+        if timer is not None:
+            timer.cancel()
+        job = self.store.get(job_id)
+        if job is None or not job.state.holds_devices:
+            return
+        status = runtime.read_exit_status(self.job_paths(job_id))
+        if status is None:
+            self.apply(
+                job_id, ProcessesLost("the job's supervisor was killed before it recorded an exit status")
+            )
+        else:
+            self.apply(job_id, _exited(status), status)
+
+    def _terminate(self, job_id: int) -> None:
+        watch = self._watches.get(job_id)
+        if watch is None:
+            return
+        watch.signal(signal.SIGTERM)
+        if job_id not in self._kill_timers:
+            deadline = self.config.kill_grace_seconds + 2.0
+            self._kill_timers[job_id] = asyncio.get_running_loop().call_later(
+                deadline, lambda: watch.signal(signal.SIGKILL)
+            )
+
+    def _forget_processes(self, job_id: int) -> None:
+        watch = self._watches.pop(job_id, None)
+        if watch is not None:
+            watch.close()
+
+    # Requests (called by the API servicer with the kernel-proven caller)
+
+    def submit(self, caller: Caller, args: SubmitArgs) -> JobRecord:
+        """Validate and queue a job that will run as the caller."""
+        if not args.command or not args.command[0]:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT, "empty command: give the program to run after --"
+            )
+        if args.gpus < 1:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"--gpus must be at least 1, not {args.gpus}"
+            )
+        if args.ranks < 1:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"--ranks must be at least 1, not {args.ranks}"
+            )
+        if abs(args.priority) > MAX_PRIORITY:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"--priority must be between -{MAX_PRIORITY} and {MAX_PRIORITY}",
+            )
+        total = len(self.inventory.devices)
+        if args.gpus > total:
+            raise RequestError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"requested {args.gpus} devices but this machine has {total}",
+            )
+        if not os.path.isabs(args.cwd):
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"working directory must be absolute: {args.cwd!r}"
+            )
+        if not os.path.isdir(args.cwd):
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"working directory {args.cwd} does not exist"
+            )
+        bad = [key for key in args.env if not key or "=" in key or "\0" in key]
+        if bad:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"invalid environment variable name {bad[0]!r}"
+            )
+        name = args.name or os.path.basename(args.command[0])
+        spec = JobSpec(
+            name=name,
+            uid=caller.uid,
+            gid=caller.gid,
+            user=caller.user,
+            priority=args.priority,
+            gpus=args.gpus,
+            ranks=args.ranks,
+            command=args.command,
+            env=args.env,
+            cwd=args.cwd,
+        )
+        job = self.store.create_job(spec, time.time(), f"submitted by {caller.user}")
+        log.info("job %d submitted by %s: %s", job.id, caller.user, " ".join(args.command))
+        self._notify(job.id)
+        self.request_schedule()
+        return job
+
+    def get_job(self, job_id: int) -> JobRecord:
+        """The stored job, or NOT_FOUND."""
+        job = self.store.get(job_id)
+        if job is None:
+            raise not_found(job_id)
+        return job
+
+    def owned_job(self, caller: Caller, job_id: int) -> JobRecord:
+        """The job, if the caller may act on it; else NOT_FOUND or PERMISSION_DENIED."""
+        job = self.get_job(job_id)
+        if not caller.may_act_on(job.spec.uid):
+            raise RequestError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"job {job_id} belongs to {job.spec.user}; {caller.user} may not act on it",
+            )
+        return job
+
+    def cancel(self, caller: Caller, job_id: int) -> JobRecord:
+        """Cancel a job: a queued one at once, a running one by signalling its processes."""
+        self.owned_job(caller, job_id)
+        try:
+            self.apply(job_id, CancelRequested(caller.user))
+        except InvalidTransition as error:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from None
+        return self.get_job(job_id)
+
+    async def wait_for_end(self, job_id: int) -> JobRecord:
+        """Return the job once it has reached a terminal state."""
+        with self.subscribe() as changes:
+            while True:
+                job = self.get_job(job_id)
+                if job.state.is_terminal:
+                    return job
+                while await changes.get() != job_id:
+                    pass
+
+    def current_devices(self) -> tuple[Device, ...]:
+        """The devices with live memory use and utilisation where the hardware reports them."""
+        self.inventory = refresh(self.inventory)
+        return self.inventory.devices
+
+    def usage(self, job: JobRecord) -> runtime.Usage | None:
+        """Live CPU time and memory for a running job; the recorded totals for an ended one."""
+        if job.state.holds_devices and job.init_pid is not None:
+            return runtime.usage(job.init_pid)
+        if job.cpu_seconds is not None:
+            return runtime.Usage(job.cpu_seconds, job.max_rss_bytes or 0)
+        return None
+
+    async def follow_log(self, job_id: int, rank: int, follow: bool, tail: int) -> AsyncIterator[bytes]:
+        """The rank's log from the start (or its last `tail` lines), then new output if following."""
+        path = self.job_paths(job_id).rank_log(rank)
+        offset = 0
+        if tail > 0 and path.exists():
+            offset = await asyncio.to_thread(_offset_of_last_lines, path, tail)
+        while True:
+            job = self.get_job(job_id)
+            ended = job.state.is_terminal or not follow
+            with contextlib.suppress(FileNotFoundError), path.open("rb") as handle:
+                handle.seek(offset)
+                while chunk := handle.read(64 * 1024):
+                    offset += len(chunk)
+                    yield chunk
+            if ended:
+                return
+            await asyncio.sleep(0.2)
+
+    def info(self) -> dict[str, Any]:
+        """Facts for `sing doctor`."""
+        return {
+            "version": __version__,
+            "mode": "user" if self.config.user_mode else "system",
+            "socket": str(self.config.socket),
+            "state_dir": str(self.config.state_dir),
+            "device_kind": self.inventory.kind,
+            "device_count": len(self.inventory.devices),
+            "nvml_status": self.inventory.nvml_status,
+            "criu_unavailable_reason": self.criu.unavailable_reason,
+            "criu_path": self.criu.path,
+            "criu_version": self.criu.version,
+            "started_at": self.started_at,
+            "pid_namespaces": not self.config.user_mode,
+        }
+
+
+def _exited(status: runtime.ExitStatus) -> Exited:
+    return Exited(status.exit_code, status.signal, status.error)
+
+
+def _offset_of_last_lines(path: Path, lines: int) -> int:
+    """Byte offset where the last `lines` lines of a file begin."""
+    with path.open("rb") as handle:
+        handle.seek(0, os.SEEK_END)
+        end = position = handle.tell()
+        found = 0
+        block = 64 * 1024
+        while position > 0:
+            step = min(block, position)
+            position -= step
+            handle.seek(position)
+            data = handle.read(step)
+            if position + step == end and data.endswith(b"\n"):
+                data = data[:-1]
+            for index in range(len(data) - 1, -1, -1):
+                if data[index] == 0x0A:
+                    found += 1
+                    if found == lines:
+                        return position + index + 1
+        return 0
+
+
+def _socket_answers(path: Path) -> bool:
+    """Whether something accepts connections on this Unix socket."""
+    if not path.exists():
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(str(path))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+def notify_systemd(message: str) -> None:
+    """Send a state line to systemd when it started us with Type=notify (no-op otherwise)."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(address)
+            sock.sendall(message.encode())
+        except OSError as error:
+            log.warning("cannot notify systemd at %s: %s", address, error)
+
+
+async def serve(config: Config) -> None:
+    """Run the daemon until SIGTERM or SIGINT."""
+    daemon = Daemon(config)
+    await daemon.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    notify_systemd(f"READY=1\nSTATUS=serving on {config.socket}\nMAINPID={os.getpid()}")
+    await stop.wait()
+    log.info("stopping (running jobs keep running and are re-adopted on restart)")
+    notify_systemd("STOPPING=1")
+    await daemon.stop()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The daemon's command line; every flag overrides the config file and environment."""
+    parser = argparse.ArgumentParser(
+        prog="singularityd",
+        description="The singularityd daemon. Options come from defaults, the config file, "
+        "SING_* environment variables and these flags, later ones winning.",
+    )
+    parser.add_argument("--config", type=Path, help="TOML config file (env SING_CONFIG)")
+    parser.add_argument("--socket", help="API socket path (env SING_SOCKET)")
+    parser.add_argument("--state-dir", help="state directory (env SING_STATE_DIR)")
+    parser.add_argument("--devices", choices=["auto", "nvml", "virtual"], help="device source")
+    parser.add_argument("--virtual-devices", type=int, help="number of virtual devices")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--show-config", action="store_true", help="print the effective configuration and exit"
+    )
+    parser.add_argument("--version", action="version", version=f"singularityd {__version__}")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `singularityd`."""
+    args = parse_args(argv)
+    try:
+        config = load_config(
+            args.config,
+            overrides={
+                "socket": args.socket,
+                "state_dir": args.state_dir,
+                "devices": args.devices,
+                "virtual_devices": args.virtual_devices,
+                "log_level": args.log_level,
+            },
+        )
+    except ConfigError as error:
+        print(f"singularityd: {error}", file=sys.stderr)
+        sys.exit(2)
+    if args.show_config:
+        for name, doc in OPTIONS.items():
+            print(f"# {doc}\n{name} = {getattr(config, name)!r}\n")
+        return
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        asyncio.run(serve(config))
+    except (ConfigError, StoreError, RuntimeError) as error:
+        print(f"singularityd: {error}", file=sys.stderr)
+        sys.exit(2)
+    except PermissionError as error:
+        print(f"singularityd: permission denied: {error.filename or error}", file=sys.stderr)
+        sys.exit(2)
+
+
+__all__ = ["Daemon", "RequestError", "SubmitArgs", "main"]

@@ -1,0 +1,146 @@
+"""Who is calling: taken from the kernel (SO_PEERCRED), never from a request field.
+
+gRPC does not tell a server which Unix user connected, so the daemon accepts connections on
+the public socket itself, reads the peer's credentials, and relays the bytes to a private gRPC
+server bound to that user. Each such server knows its caller, so every request is attributed
+by the kernel's word.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import logging
+import os
+import pwd
+import socket
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+RELAY_CHUNK = 256 * 1024
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The user behind a connection, as the kernel reported it."""
+
+    uid: int
+    gid: int
+    user: str
+    is_admin: bool
+
+    def may_act_on(self, owner_uid: int) -> bool:
+        """Users act on their own jobs; root and admins on any."""
+        return self.is_admin or self.uid == owner_uid
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
+
+
+def resolve_caller(uid: int, gid: int, admin_group: str) -> Caller:
+    """Name the user and decide whether they are an admin (root, or in the admin group)."""
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        user = str(uid)
+    is_admin = uid == 0
+    if not is_admin and admin_group:
+        try:
+            group = grp.getgrnam(admin_group)
+        except KeyError:
+            group = None
+        if group is not None:
+            members = set(group.gr_mem)
+            try:
+                groups = set(os.getgrouplist(user, gid))
+            except OSError:
+                groups = {gid}
+            is_admin = user in members or group.gr_gid in groups
+    return Caller(uid=uid, gid=gid, user=user, is_admin=is_admin)
+
+
+class IdentityRelay:
+    """Accept on the public socket, learn the peer's uid, pipe the bytes to that uid's server."""
+
+    def __init__(
+        self,
+        public_socket: Path,
+        server_for_uid: Callable[[int, int], Awaitable[Path]],
+        allowed_uids: frozenset[int] | None,
+        socket_mode: int,
+    ) -> None:
+        self.public_socket = public_socket
+        self.server_for_uid = server_for_uid
+        self.allowed_uids = allowed_uids
+        self.socket_mode = socket_mode
+        self._server: asyncio.Server | None = None
+        self._pipes: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        """Bind the public socket (replacing a stale one) with the configured permissions."""
+        with contextlib.suppress(FileNotFoundError):
+            self.public_socket.unlink()
+        self._server = await asyncio.start_unix_server(
+            self._accept, path=str(self.public_socket), limit=RELAY_CHUNK
+        )
+        os.chmod(self.public_socket, self.socket_mode)
+
+    async def stop(self) -> None:
+        """Stop accepting and close the relayed connections."""
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+        for task in list(self._pipes):
+            task.cancel()
+        with contextlib.suppress(FileNotFoundError):
+            self.public_socket.unlink()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        try:
+            _, uid, gid = peer_credentials(sock)
+            if self.allowed_uids is not None and uid not in self.allowed_uids:
+                log.warning("refused a connection from uid %d (user-mode daemon)", uid)
+                writer.close()
+                return
+            target = await self.server_for_uid(uid, gid)
+            upstream_reader, upstream_writer = await asyncio.open_unix_connection(
+                str(target), limit=RELAY_CHUNK
+            )
+        except (OSError, ValueError) as error:
+            log.warning("relay failed to connect a client: %s", error)
+            writer.close()
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        self._pipes.add(task)
+        try:
+            await asyncio.gather(
+                _pipe(reader, upstream_writer), _pipe(upstream_reader, writer), return_exceptions=True
+            )
+        finally:
+            self._pipes.discard(task)
+            for stream in (writer, upstream_writer):
+                stream.close()
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copy bytes one way until EOF, then half-close the other side."""
+    try:
+        while data := await reader.read(RELAY_CHUNK):
+            writer.write(data)
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+    except (ConnectionError, OSError):
+        writer.close()

@@ -1,0 +1,374 @@
+"""Durable state in SQLite (WAL): jobs and their specs, the event log, device assignments.
+
+Every state change is written in one transaction together with its event, before the daemon
+acts on it, so a daemon killed at any moment restarts with a consistent queue.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from singularityd.core.jobs import JobState, Transition
+
+SCHEMA_VERSION = 1
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS jobs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    name TEXT NOT NULL,
+    uid INTEGER NOT NULL,
+    gid INTEGER NOT NULL,
+    user TEXT NOT NULL,
+    priority INTEGER NOT NULL,
+    gpus INTEGER NOT NULL,
+    ranks INTEGER NOT NULL,
+    command TEXT NOT NULL,
+    env TEXT NOT NULL,
+    cwd TEXT NOT NULL,
+    state TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    pending_reason TEXT NOT NULL DEFAULT '',
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    submitted_at REAL NOT NULL,
+    started_at REAL,
+    ended_at REAL,
+    exit_code INTEGER,
+    signal INTEGER,
+    cpu_seconds REAL,
+    max_rss_bytes INTEGER,
+    attempt INTEGER NOT NULL DEFAULT 0,
+    init_pid INTEGER,
+    init_start_ticks INTEGER
+);
+CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id INTEGER NOT NULL REFERENCES jobs (id),
+    at REAL NOT NULL,
+    from_state TEXT,
+    to_state TEXT NOT NULL,
+    reason TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, id);
+CREATE TABLE IF NOT EXISTS device_assignments (
+    device_index INTEGER PRIMARY KEY,
+    job_id INTEGER NOT NULL REFERENCES jobs (id),
+    assigned_at REAL NOT NULL
+);
+"""
+
+
+class StoreError(Exception):
+    """The state database cannot be opened or written; the message says why."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a user asked for; fixed at submission."""
+
+    name: str
+    uid: int
+    gid: int
+    user: str
+    priority: int
+    gpus: int
+    ranks: int
+    command: tuple[str, ...]
+    env: dict[str, str]
+    cwd: str
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A job as stored: its spec and everything that has happened to it."""
+
+    id: int
+    spec: JobSpec
+    state: JobState
+    reason: str
+    pending_reason: str
+    cancel_requested: bool
+    submitted_at: float
+    started_at: float | None
+    ended_at: float | None
+    exit_code: int | None
+    signal: int | None
+    cpu_seconds: float | None
+    max_rss_bytes: int | None
+    attempt: int
+    init_pid: int | None
+    init_start_ticks: int | None
+    devices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    """One entry of a job's event log."""
+
+    job_id: int
+    at: float
+    from_state: JobState | None
+    to_state: JobState
+    reason: str
+
+
+class Store:
+    """The SQLite state store; one instance per daemon, used from the daemon's event loop."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+            self._db.row_factory = sqlite3.Row
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._db.execute("PRAGMA busy_timeout=5000")
+            self._db.executescript(SCHEMA)
+            self._check_version()
+        except sqlite3.DatabaseError as error:
+            raise StoreError(f"cannot open state database {path}: {error}") from None
+        except OSError as error:
+            raise StoreError(f"cannot open state database {path}: {error.strerror}") from None
+
+    def _check_version(self) -> None:
+        row = self._db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        if row is None:
+            self._db.execute(
+                "INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+            )
+        elif int(row["value"]) != SCHEMA_VERSION:
+            raise StoreError(
+                f"state database {self.path} has schema {row['value']}, this daemon knows {SCHEMA_VERSION}"
+            )
+
+    def close(self) -> None:
+        """Close the database (WAL contents are checkpointed by SQLite)."""
+        self._db.close()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    # Jobs
+
+    def create_job(self, spec: JobSpec, at: float, reason: str) -> JobRecord:
+        """Insert a new PENDING job and its first event; returns the stored record."""
+        with self._transaction() as db:
+            cursor = db.execute(
+                """INSERT INTO jobs (name, uid, gid, user, priority, gpus, ranks, command, env, cwd,
+                                     state, reason, pending_reason, submitted_at)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                (
+                    spec.name,
+                    spec.uid,
+                    spec.gid,
+                    spec.user,
+                    spec.priority,
+                    spec.gpus,
+                    spec.ranks,
+                    json.dumps(list(spec.command)),
+                    json.dumps(spec.env),
+                    spec.cwd,
+                    JobState.PENDING.value,
+                    reason,
+                    "waiting for the scheduler",
+                    at,
+                ),
+            )
+            job_id = int(cursor.lastrowid or 0)
+            db.execute(
+                "INSERT INTO events (job_id, at, from_state, to_state, reason) VALUES (?, ?, NULL, ?, ?)",
+                (job_id, at, JobState.PENDING.value, reason),
+            )
+        job = self.get(job_id)
+        assert job is not None
+        return job
+
+    def get(self, job_id: int) -> JobRecord | None:
+        """The job with this id, or None."""
+        row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if row is None:
+            return None
+        return self._record(row, self._devices_of([job_id]).get(job_id, ()))
+
+    def list_jobs(
+        self, *, include_finished: bool = False, states: Iterable[JobState] = ()
+    ) -> list[JobRecord]:
+        """Jobs in id order: the live ones, all of them, or those in the given states."""
+        wanted = [s.value for s in states]
+        if wanted:
+            marks = ",".join("?" * len(wanted))
+            rows = self._db.execute(f"SELECT * FROM jobs WHERE state IN ({marks}) ORDER BY id", wanted)
+        elif include_finished:
+            rows = self._db.execute("SELECT * FROM jobs ORDER BY id")
+        else:
+            rows = self._db.execute(
+                "SELECT * FROM jobs WHERE state NOT IN ('COMPLETED', 'FAILED', 'CANCELLED') ORDER BY id"
+            )
+        fetched = rows.fetchall()
+        devices = self._devices_of([int(r["id"]) for r in fetched]) if fetched else {}
+        return [self._record(row, devices.get(int(row["id"]), ())) for row in fetched]
+
+    def _devices_of(self, job_ids: list[int]) -> dict[int, tuple[int, ...]]:
+        found: dict[int, list[int]] = {}
+        if len(job_ids) == 1:
+            rows = self._db.execute(
+                "SELECT job_id, device_index FROM device_assignments WHERE job_id = ? ORDER BY device_index",
+                (job_ids[0],),
+            )
+        else:
+            rows = self._db.execute(
+                "SELECT job_id, device_index FROM device_assignments ORDER BY device_index"
+            )
+        for row in rows:
+            found.setdefault(int(row["job_id"]), []).append(int(row["device_index"]))
+        return {job_id: tuple(devices) for job_id, devices in found.items()}
+
+    @staticmethod
+    def _record(row: sqlite3.Row, devices: tuple[int, ...]) -> JobRecord:
+        spec = JobSpec(
+            name=row["name"],
+            uid=row["uid"],
+            gid=row["gid"],
+            user=row["user"],
+            priority=row["priority"],
+            gpus=row["gpus"],
+            ranks=row["ranks"],
+            command=tuple(json.loads(row["command"])),
+            env=json.loads(row["env"]),
+            cwd=row["cwd"],
+        )
+        return JobRecord(
+            id=row["id"],
+            spec=spec,
+            state=JobState(row["state"]),
+            reason=row["reason"],
+            pending_reason=row["pending_reason"],
+            cancel_requested=bool(row["cancel_requested"]),
+            submitted_at=row["submitted_at"],
+            started_at=row["started_at"],
+            ended_at=row["ended_at"],
+            exit_code=row["exit_code"],
+            signal=row["signal"],
+            cpu_seconds=row["cpu_seconds"],
+            max_rss_bytes=row["max_rss_bytes"],
+            attempt=row["attempt"],
+            init_pid=row["init_pid"],
+            init_start_ticks=row["init_start_ticks"],
+            devices=devices,
+        )
+
+    def record_transition(
+        self,
+        transition: Transition,
+        *,
+        devices: tuple[int, ...] | None = None,
+        exit_code: int | None = None,
+        signal: int | None = None,
+        cpu_seconds: float | None = None,
+        max_rss_bytes: int | None = None,
+    ) -> None:
+        """Write a state change and its event atomically, with what the new state implies.
+
+        Entering RUNNING assigns `devices` and counts an attempt; leaving the device-holding
+        states releases them; a terminal state records the end time and the exit status.
+        """
+        target = transition.to_state
+        with self._transaction() as db:
+            db.execute(
+                "UPDATE jobs SET state = ?, reason = ?, pending_reason = '' WHERE id = ?",
+                (target.value, transition.reason, transition.job_id),
+            )
+            db.execute(
+                "INSERT INTO events (job_id, at, from_state, to_state, reason) VALUES (?, ?, ?, ?, ?)",
+                (
+                    transition.job_id,
+                    transition.at,
+                    transition.from_state.value if transition.from_state else None,
+                    target.value,
+                    transition.reason,
+                ),
+            )
+            if target is JobState.RUNNING:
+                db.execute(
+                    "UPDATE jobs SET started_at = COALESCE(started_at, ?), attempt = attempt + 1,"
+                    " init_pid = NULL, init_start_ticks = NULL WHERE id = ?",
+                    (transition.at, transition.job_id),
+                )
+                db.execute("DELETE FROM device_assignments WHERE job_id = ?", (transition.job_id,))
+                db.executemany(
+                    "INSERT INTO device_assignments (device_index, job_id, assigned_at) VALUES (?, ?, ?)",
+                    [(d, transition.job_id, transition.at) for d in devices or ()],
+                )
+            elif not target.holds_devices:
+                db.execute("DELETE FROM device_assignments WHERE job_id = ?", (transition.job_id,))
+                db.execute(
+                    "UPDATE jobs SET init_pid = NULL, init_start_ticks = NULL WHERE id = ?",
+                    (transition.job_id,),
+                )
+            if target.is_terminal:
+                db.execute(
+                    """UPDATE jobs SET ended_at = ?, exit_code = ?, signal = ?,
+                       cpu_seconds = COALESCE(?, cpu_seconds), max_rss_bytes = COALESCE(?, max_rss_bytes)
+                       WHERE id = ?""",
+                    (transition.at, exit_code, signal, cpu_seconds, max_rss_bytes, transition.job_id),
+                )
+
+    def set_process(self, job_id: int, pid: int, start_ticks: int) -> None:
+        """Remember the host PID (and its start time, against PID reuse) of the job's init."""
+        with self._transaction() as db:
+            db.execute(
+                "UPDATE jobs SET init_pid = ?, init_start_ticks = ? WHERE id = ?",
+                (pid, start_ticks, job_id),
+            )
+
+    def set_cancel_requested(self, job_id: int) -> None:
+        """Remember that the job's coming exit is a cancellation."""
+        with self._transaction() as db:
+            db.execute("UPDATE jobs SET cancel_requested = 1 WHERE id = ?", (job_id,))
+
+    def set_pending_reasons(self, reasons: dict[int, str]) -> None:
+        """Store the scheduler's latest reason for every waiting job."""
+        if not reasons:
+            return
+        with self._transaction() as db:
+            db.executemany(
+                "UPDATE jobs SET pending_reason = ? WHERE id = ? AND pending_reason != ?",
+                [(reason, job_id, reason) for job_id, reason in reasons.items()],
+            )
+
+    def events(self, job_id: int) -> list[EventRecord]:
+        """The job's event log, oldest first."""
+        rows = self._db.execute(
+            "SELECT job_id, at, from_state, to_state, reason FROM events WHERE job_id = ? ORDER BY id",
+            (job_id,),
+        )
+        return [
+            EventRecord(
+                job_id=row["job_id"],
+                at=row["at"],
+                from_state=JobState(row["from_state"]) if row["from_state"] else None,
+                to_state=JobState(row["to_state"]),
+                reason=row["reason"],
+            )
+            for row in rows
+        ]
+
+    def busy_devices(self) -> dict[int, int]:
+        """Device index -> the job holding it."""
+        rows = self._db.execute("SELECT device_index, job_id FROM device_assignments")
+        return {int(row["device_index"]): int(row["job_id"]) for row in rows}

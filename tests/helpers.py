@@ -1,0 +1,222 @@
+"""Test helpers: a real singularityd on a temporary socket and state directory, and the real `sing`."""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import json
+import os
+import pwd
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BIN = Path(sys.executable).parent
+SING = str(BIN / "sing")
+SINGULARITYD = str(BIN / "singularityd")
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Result:
+    """What a finished `sing` command printed and returned."""
+
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> Any:
+        """stdout parsed as JSON."""
+        return json.loads(self.out)
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05) -> Any:
+    """Poll until the predicate returns something truthy; fail the test on timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {predicate}")
+        time.sleep(interval)
+
+
+@dataclass
+class Daemon:
+    """A singularityd process driven by the tests."""
+
+    root: Path
+    virtual_devices: int = 4
+    config: dict[str, Any] = field(default_factory=dict)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def socket(self) -> Path:
+        """The API socket."""
+        return self.root / "run" / "sing.sock"
+
+    @property
+    def state_dir(self) -> Path:
+        """The state directory."""
+        return self.root / "state"
+
+    @property
+    def log(self) -> Path:
+        """The daemon's own stderr."""
+        return self.root / "daemon.log"
+
+    def write_config(self) -> Path:
+        """The TOML file the daemon reads (settings from `config`)."""
+        path = self.root / "singularityd.toml"
+        lines = [f"{key} = {json.dumps(value)}" for key, value in self.config.items()]
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Start the daemon and return once it told systemd's protocol it is ready."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        notify_path = self.root / "notify.sock"
+        notify_path.unlink(missing_ok=True)
+        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        notify.bind(str(notify_path))
+        notify.settimeout(timeout)
+        env = {**os.environ, "NOTIFY_SOCKET": str(notify_path)}
+        env.pop("SING_SOCKET", None)
+        log = self.log.open("ab")
+        self.process = subprocess.Popen(
+            [
+                SINGULARITYD,
+                "--config",
+                str(self.write_config()),
+                "--socket",
+                str(self.socket),
+                "--state-dir",
+                str(self.state_dir),
+                "--devices",
+                "virtual",
+                "--virtual-devices",
+                str(self.virtual_devices),
+                "--log-level",
+                "debug",
+            ],
+            stdout=log,
+            stderr=log,
+            env=env,
+        )
+        log.close()
+        try:
+            while True:
+                message = notify.recv(4096).decode()
+                if "READY=1" in message:
+                    break
+        except TimeoutError:
+            self.process.kill()
+            raise AssertionError(f"daemon not ready in {timeout}s:\n{self.log.read_text()}") from None
+        finally:
+            notify.close()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Send a signal to the daemon and wait for it to exit; returns its exit status."""
+        assert self.process is not None
+        self.process.send_signal(sig)
+        code = self.process.wait(timeout)
+        self.process = None
+        return code
+
+    def sing(self, *args: str, user: str | None = None, timeout: float = 60.0, **env: str) -> Result:
+        """Run the real `sing` against this daemon (as another user when given)."""
+        return run_sing(args, socket_path=self.socket, user=user, timeout=timeout, env=env)
+
+    def job(self, job_id: int) -> dict[str, Any]:
+        """`sing show ID -o json`, parsed."""
+        result = self.sing("show", str(job_id), "-o", "json")
+        assert result.code == 0, result.err
+        data: dict[str, Any] = result.json()
+        return data
+
+    def wait_state(self, job_id: int, *states: str, timeout: float = 30.0) -> dict[str, Any]:
+        """Poll until the job is in one of the states; returns its JSON."""
+
+        def reached() -> dict[str, Any] | None:
+            job = self.job(job_id)
+            return job if job["state"] in states else None
+
+        result: dict[str, Any] = wait_until(reached, timeout)
+        return result
+
+    def submit(self, *command: str, options: Sequence[str] = (), user: str | None = None) -> int:
+        """Submit a job and return its id."""
+        result = self.sing("submit", *options, "--", *command, user=user)
+        assert result.code == 0, result.err
+        return int(result.out.strip())
+
+
+def run_sing(
+    args: Sequence[str],
+    *,
+    socket_path: Path | None,
+    user: str | None = None,
+    timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+) -> Result:
+    """Run `sing` with its output captured."""
+    full_env = {**os.environ, **(env or {})}
+    if socket_path is not None:
+        full_env["SING_SOCKET"] = str(socket_path)
+    command = [SING, *args]
+    kwargs: dict[str, Any] = {}
+    if user is not None:
+        account = pwd.getpwnam(user)
+        full_env.update(HOME=account.pw_dir, USER=user, LOGNAME=user)
+        kwargs.update(user=account.pw_uid, group=account.pw_gid, extra_groups=os.getgrouplist(user, account.pw_gid))
+        cwd = cwd or "/tmp"
+    completed = subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd, **kwargs
+    )
+    return Result(completed.returncode, completed.stdout, completed.stderr)
+
+
+def ensure_user(name: str, groups: Sequence[str] = ()) -> pwd.struct_passwd:
+    """Create a system user for the test if missing (needs root), in the given groups."""
+    for group in groups:
+        try:
+            grp.getgrnam(group)
+        except KeyError:
+            subprocess.run(["groupadd", "--system", group], check=True)
+    try:
+        account = pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent", "--shell", "/bin/sh", name],
+            check=True,
+        )
+        account = pwd.getpwnam(name)
+    for group in groups:
+        if name not in grp.getgrnam(group).gr_mem:
+            subprocess.run(["usermod", "--append", "--groups", group, name], check=True)
+    return account
+
+
+@contextlib.contextmanager
+def running_daemon(root: Path, **kwargs: Any) -> Iterator[Daemon]:
+    """A started daemon that is stopped (SIGTERM, then SIGKILL) at the end."""
+    daemon = Daemon(root, **kwargs)
+    daemon.start()
+    try:
+        yield daemon
+    finally:
+        if daemon.process is not None:
+            daemon.process.terminate()
+            try:
+                daemon.process.wait(15)
+            except subprocess.TimeoutExpired:
+                daemon.process.kill()
+                daemon.process.wait()

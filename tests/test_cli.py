@@ -1,0 +1,185 @@
+"""The real daemon on a real socket, driven by the real `sing` binary."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+from tests.helpers import SING, Daemon, wait_until
+
+
+def test_submit_ps_show_logs_wait(daemon: Daemon) -> None:
+    release = daemon.root / "release"
+    job_id = daemon.submit(
+        "sh", "-c",
+        f'echo "rank=$RANK world=$WORLD_SIZE devices=$SING_DEVICES x=$X"; '
+        f"while [ ! -e {release} ]; do sleep 0.05; done; echo done; exit 3",
+        options=["--name", "demo", "--gpus", "2", "--priority", "4", "--env", "X=42"],
+    )  # fmt: skip
+    running = daemon.wait_state(job_id, "RUNNING")
+    assert running["devices"] == [0, 1]
+    assert running["name"] == "demo" and running["priority"] == 4 and running["gpus"] == 2
+
+    table = daemon.sing("ps")
+    assert table.code == 0
+    header, *rows = table.out.splitlines()
+    assert header.split() == ["ID", "NAME", "USER", "STATE", "PRI", "GPUS", "TIME", "DEVICES(REASON)"]
+    assert rows[0].split()[:6] == [str(job_id), "demo", "root", "RUNNING", "4", "2"]
+    assert rows[0].split()[-1] == "0,1"
+    wide = daemon.sing("ps", "-o", "wide", "--no-header")
+    assert wide.code == 0 and wide.out.split()[0] == str(job_id) and "RSS" not in wide.out
+    listed = daemon.sing("ps", "-o", "json").json()
+    assert [j["id"] for j in listed] == [job_id] and listed[0]["state"] == "RUNNING"
+    assert listed[0]["rss_bytes"] > 0
+
+    release.touch()
+    waited = daemon.sing("wait", str(job_id))
+    assert waited.code == 3, waited.err
+    assert daemon.sing("ps", "--no-header").out == ""
+    ended = daemon.sing("ps", "-a", "-o", "json").json()
+    assert ended[0]["state"] == "FAILED" and ended[0]["exit_code"] == 3
+
+    logs = daemon.sing("logs", str(job_id))
+    assert logs.out == "rank=0 world=1 devices=0,1 x=42\ndone\n"
+    assert daemon.sing("logs", "--tail", "1", str(job_id)).out == "done\n"
+
+    shown = daemon.sing("show", str(job_id))
+    assert shown.code == 0
+    assert "State:      FAILED" in shown.out and "exited with code 3" in shown.out
+    detail = daemon.job(job_id)
+    assert [e["to_state"] for e in detail["events"]] == ["PENDING", "RUNNING", "FAILED"]
+    assert all(e["reason"] for e in detail["events"])
+    assert detail["env"]["X"] == "42"
+
+
+def test_logs_follow_streams_until_the_job_ends(daemon: Daemon) -> None:
+    job_id = daemon.submit("sh", "-c", "for i in 1 2 3 4; do echo line $i; sleep 0.3; done")
+    daemon.wait_state(job_id, "RUNNING")
+    follower = subprocess.Popen(
+        [SING, "logs", "-f", str(job_id)], stdout=subprocess.PIPE, text=True, env=daemon_env(daemon)
+    )
+    assert follower.stdout is not None
+    first = follower.stdout.readline()
+    assert first == "line 1\n"
+    job = daemon.job(job_id)
+    assert job["state"] == "RUNNING", "the first line must arrive while the job still runs"
+    rest = follower.stdout.read()
+    assert follower.wait(30) == 0
+    assert first + rest == "".join(f"line {i}\n" for i in range(1, 5))
+
+
+def daemon_env(daemon: Daemon) -> dict[str, str]:
+    import os
+
+    return {**os.environ, "SING_SOCKET": str(daemon.socket)}
+
+
+def test_submit_wait_passes_exit_code_and_signals(daemon: Daemon) -> None:
+    assert daemon.sing("submit", "--wait", "--", "sh", "-c", "exit 0").code == 0
+    assert daemon.sing("submit", "--wait", "--", "sh", "-c", "exit 42").code == 42
+    killed = daemon.sing("submit", "-W", "--", "sh", "-c", "kill -9 $$")
+    assert killed.code == 128 + 9
+
+
+def test_cancel_running_and_queued(daemon: Daemon) -> None:
+    running = daemon.submit("sleep", "300", options=["--gpus", "4"])
+    daemon.wait_state(running, "RUNNING")
+    queued = daemon.submit("sleep", "300")
+    job = daemon.wait_state(queued, "PENDING")
+    assert wait_until(lambda: daemon.job(queued)["pending_reason"]) == "Resources: needs 1 device, 0 free"
+    assert "Resources: needs 1 device, 0 free" in daemon.sing("ps").out
+    assert job["state"] == "PENDING"
+
+    result = daemon.sing("cancel", str(queued), str(running))
+    assert result.code == 0, result.err
+    assert daemon.job(queued)["state"] == "CANCELLED"
+    ended = daemon.wait_state(running, "CANCELLED", timeout=20)
+    assert ended["signal"] == 15 or ended["exit_code"] is not None
+    assert [e["to_state"] for e in ended["events"]][-1] == "CANCELLED"
+    assert daemon.sing("wait", str(running)).code == 128 + 15
+    again = daemon.sing("cancel", str(running))
+    assert again.code == 6 and "already CANCELLED" in again.err
+
+
+def test_cancel_escalates_to_sigkill(daemon_root: object) -> None:
+    from pathlib import Path
+
+    from tests.helpers import running_daemon
+
+    assert isinstance(daemon_root, Path)
+    with running_daemon(daemon_root) as daemon:
+        daemon.config = {}
+        job_id = daemon.submit("python3", "-c", "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(300)")
+        daemon.wait_state(job_id, "RUNNING")
+        wait_until(lambda: daemon.sing("logs", str(job_id)).out == "ready\n")
+        started = time.monotonic()
+        assert daemon.sing("cancel", str(job_id)).code == 0
+        ended = daemon.wait_state(job_id, "CANCELLED", timeout=30)
+        assert ended["signal"] == 9
+        assert time.monotonic() - started < 20
+
+
+def test_devices(daemon: Daemon) -> None:
+    table = daemon.sing("devices")
+    assert table.code == 0
+    assert table.out.splitlines()[0].split() == ["INDEX", "KIND", "NAME", "MEMORY", "UTIL", "JOBS"]
+    assert len(table.out.splitlines()) == 5
+    job_id = daemon.submit("sleep", "30", options=["--gpus", "2"])
+    daemon.wait_state(job_id, "RUNNING")
+    devices = daemon.sing("devices", "-o", "json").json()
+    assert [d["index"] for d in devices] == [0, 1, 2, 3]
+    assert {d["kind"] for d in devices} == {"virtual"}
+    assert devices[0]["memory_total"] == 16 * 1024**3
+    assert [d["jobs"] for d in devices] == [[job_id], [job_id], [], []]
+
+
+def test_ranks_get_torchrun_environment(daemon: Daemon) -> None:
+    job_id = daemon.submit(
+        "sh", "-c", 'echo "$RANK/$WORLD_SIZE/$LOCAL_RANK $MASTER_ADDR:$MASTER_PORT"', options=["--ranks", "3"]
+    )
+    assert daemon.sing("wait", str(job_id)).code == 0
+    outputs = [daemon.sing("logs", "--rank", str(r), str(job_id)).out for r in range(3)]
+    port = outputs[0].split(":")[1].strip()
+    assert outputs == [f"{r}/3/{r} 127.0.0.1:{port}\n" for r in range(3)]
+    bad = daemon.sing("logs", "--rank", "3", str(job_id))
+    assert bad.code == 2 and "ranks 0 to 2" in bad.err
+
+
+def test_failed_rank_stops_the_others(daemon: Daemon) -> None:
+    job_id = daemon.submit("sh", "-c", 'if [ "$RANK" = 1 ]; then exit 5; fi; sleep 300', options=["--ranks", "2"])
+    assert daemon.sing("wait", str(job_id), timeout=40).code == 5
+    assert daemon.job(job_id)["state"] == "FAILED"
+
+
+def test_command_not_found_is_a_clear_failure(daemon: Daemon) -> None:
+    job_id = daemon.submit("no-such-program-xyz")
+    assert daemon.sing("wait", str(job_id)).code == 127
+    job = daemon.job(job_id)
+    assert job["state"] == "FAILED"
+    assert job["reason"] == "command not found: no-such-program-xyz"
+
+
+def test_watch_prints_changes(daemon: Daemon) -> None:
+    watcher = subprocess.Popen(
+        [SING, "ps", "-w", "--no-header"], stdout=subprocess.PIPE, text=True, env=daemon_env(daemon)
+    )
+    try:
+        time.sleep(0.5)
+        job_id = daemon.submit("sh", "-c", "sleep 0.5")
+        daemon.sing("wait", str(job_id))
+        assert watcher.stdout is not None
+        states = []
+        while "COMPLETED" not in states:
+            line = watcher.stdout.readline()
+            assert line, "watch ended early"
+            states.append(line.split()[3])
+        assert states[0] == "PENDING" and "RUNNING" in states
+    finally:
+        watcher.terminate()
+        watcher.wait(10)
+
+
+def test_shell_completion_is_offered() -> None:
+    result = subprocess.run([SING, "--show-completion", "bash"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0
+    assert "complete" in result.stdout

@@ -1,0 +1,58 @@
+"""The SQLite store: jobs, event log and device assignments survive reopening."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from singularityd.core.jobs import JobState, check_transition
+from singularityd.store import JobSpec, Store
+
+
+def spec(name: str = "train") -> JobSpec:
+    return JobSpec(
+        name=name, uid=1000, gid=1000, user="alice", priority=0, gpus=2, ranks=1,
+        command=("python", "train.py"), env={"A": "1"}, cwd="/tmp",
+    )  # fmt: skip
+
+
+def test_job_lifecycle_is_durable(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.db")
+    job = store.create_job(spec(), at=10.0, reason="submitted by alice")
+    assert job.state is JobState.PENDING and job.id == 1
+    store.record_transition(check_transition(1, JobState.PENDING, JobState.RUNNING, "started", 11.0), devices=(2, 3))
+    store.set_process(1, pid=4242, start_ticks=99)
+    store.close()
+
+    reopened = Store(tmp_path / "s.db")
+    job2 = reopened.get(1)
+    assert job2 is not None
+    assert (job2.state, job2.devices, job2.init_pid, job2.attempt, job2.started_at) == (
+        JobState.RUNNING, (2, 3), 4242, 1, 11.0,
+    )  # fmt: skip
+    assert job2.spec == spec()
+    assert reopened.busy_devices() == {2: 1, 3: 1}
+    reopened.record_transition(
+        check_transition(1, JobState.RUNNING, JobState.FAILED, "exited with code 3", 12.0), exit_code=3
+    )
+    done = reopened.get(1)
+    assert done is not None
+    assert (done.state, done.exit_code, done.ended_at, done.devices, done.init_pid) == (
+        JobState.FAILED, 3, 12.0, (), None,
+    )  # fmt: skip
+    assert [(e.from_state, e.to_state, e.reason) for e in reopened.events(1)] == [
+        (None, JobState.PENDING, "submitted by alice"),
+        (JobState.PENDING, JobState.RUNNING, "started"),
+        (JobState.RUNNING, JobState.FAILED, "exited with code 3"),
+    ]
+    assert reopened.list_jobs() == []
+    assert [j.id for j in reopened.list_jobs(include_finished=True)] == [1]
+
+
+def test_pending_reasons_and_listing(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.db")
+    for index in range(3):
+        store.create_job(spec(f"j{index}"), at=float(index), reason="submitted")
+    store.set_pending_reasons({2: "Resources: needs 2 devices, 0 free"})
+    jobs = store.list_jobs(states=(JobState.PENDING,))
+    assert [j.id for j in jobs] == [1, 2, 3]
+    assert jobs[1].pending_reason == "Resources: needs 2 devices, 0 free"
