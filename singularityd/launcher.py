@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import json
 import os
+import resource  # noqa: F401  (os.wait4 needs it; it cannot be imported after dropping root)
 import signal
 import subprocess
 import sys

@@ -112,16 +112,21 @@ def rank_environments(
     device_kind: str,
     master_port: int,
 ) -> list[dict[str, str]]:
-    """The environment of each rank: the user's, plus what torchrun and singularityd provide."""
+    """The environment of each rank: the user's, plus what torchrun and singularityd provide.
+
+    USER and LOGNAME always name the job's real user, whatever the request carried.
+    """
+    identity = {"USER": user, "LOGNAME": user}
+    defaults: dict[str, str] = {}
     try:
         account = pwd.getpwnam(user)
-        identity = {"HOME": account.pw_dir, "USER": user, "LOGNAME": user, "SHELL": account.pw_shell}
+        defaults = {"HOME": account.pw_dir, "SHELL": account.pw_shell}
     except KeyError:
-        identity = {"USER": user, "LOGNAME": user}
+        pass
     listed = ",".join(str(d) for d in devices)
     environments = []
     for rank in range(ranks):
-        env = {**identity, **base}
+        env = {**defaults, **base, **identity}
         env.update(
             {
                 "RANK": str(rank),

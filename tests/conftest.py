@@ -39,7 +39,8 @@ def daemon_root() -> Iterator[Path]:
     os.chmod(root, 0o755)
     yield root
     _kill_jobs_under(root / "state")
-    shutil.rmtree(root, ignore_errors=True)
+    if not os.environ.get("SING_KEEP_TEST_DIRS"):
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 BIN = Path(sys.executable).parent
 SING = str(BIN / "sing")
 SINGULARITYD = str(BIN / "singularityd")
@@ -158,6 +160,33 @@ class Daemon:
         return int(result.out.strip())
 
 
+def python_for_user(user: str) -> list[str] | None:
+    """A Python command line, with this project importable, that another user can run; or None.
+
+    The test venv's interpreter may live where other users cannot reach it (a pyenv under /root):
+    then a system Python of the same minor version with this checkout and the venv's
+    site-packages on PYTHONPATH serves, when the user can read those.
+    """
+    account = pwd.getpwnam(user)
+    site_packages = next(p for p in sys.path if p.endswith("site-packages"))
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    candidates = [sys.executable, f"/usr/bin/{version}", f"/usr/local/bin/{version}"]
+    env = {"PYTHONPATH": f"{REPO}:{site_packages}", "PATH": os.environ.get("PATH", "")}
+    for candidate in candidates:
+        if not Path(candidate).exists():
+            continue
+        try:
+            probe = subprocess.run(
+                [candidate, "-c", "import singularity.cli.main, singularityd.daemon"],
+                user=account.pw_uid, group=account.pw_gid, env=env, capture_output=True, cwd="/",
+            )  # fmt: skip
+        except OSError:
+            continue
+        if probe.returncode == 0:
+            return ["env", f"PYTHONPATH={env['PYTHONPATH']}", candidate]
+    return None
+
+
 def run_sing(
     args: Sequence[str],
     *,
@@ -174,9 +203,15 @@ def run_sing(
     command = [SING, *args]
     kwargs: dict[str, Any] = {}
     if user is not None:
+        python = python_for_user(user)
+        if python is None:
+            pytest.skip(f"no Python with this project importable by {user} here")
+        command = [*python, "-m", "singularity.cli.main", *args]
         account = pwd.getpwnam(user)
         full_env.update(HOME=account.pw_dir, USER=user, LOGNAME=user)
-        kwargs.update(user=account.pw_uid, group=account.pw_gid, extra_groups=os.getgrouplist(user, account.pw_gid))
+        kwargs.update(
+            user=account.pw_uid, group=account.pw_gid, extra_groups=os.getgrouplist(user, account.pw_gid)
+        )
         cwd = cwd or "/tmp"
     completed = subprocess.run(
         command, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd, **kwargs
@@ -195,7 +230,16 @@ def ensure_user(name: str, groups: Sequence[str] = ()) -> pwd.struct_passwd:
         account = pwd.getpwnam(name)
     except KeyError:
         subprocess.run(
-            ["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent", "--shell", "/bin/sh", name],
+            [
+                "useradd",
+                "--system",
+                "--no-create-home",
+                "--home-dir",
+                "/nonexistent",
+                "--shell",
+                "/bin/sh",
+                name,
+            ],
             check=True,
         )
         account = pwd.getpwnam(name)

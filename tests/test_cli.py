@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
+from pathlib import Path
 
-from tests.helpers import SING, Daemon, wait_until
+from tests.helpers import SING, Daemon, running_daemon, wait_until
 
 
 def test_submit_ps_show_logs_wait(daemon: Daemon) -> None:
@@ -69,8 +71,6 @@ def test_logs_follow_streams_until_the_job_ends(daemon: Daemon) -> None:
 
 
 def daemon_env(daemon: Daemon) -> dict[str, str]:
-    import os
-
     return {**os.environ, "SING_SOCKET": str(daemon.socket)}
 
 
@@ -101,22 +101,23 @@ def test_cancel_running_and_queued(daemon: Daemon) -> None:
     assert again.code == 6 and "already CANCELLED" in again.err
 
 
-def test_cancel_escalates_to_sigkill(daemon_root: object) -> None:
-    from pathlib import Path
-
-    from tests.helpers import running_daemon
-
-    assert isinstance(daemon_root, Path)
-    with running_daemon(daemon_root) as daemon:
-        daemon.config = {}
-        job_id = daemon.submit("python3", "-c", "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(300)")
+def test_cancel_escalates_to_sigkill(daemon_root: Path) -> None:
+    with running_daemon(daemon_root, config={"kill_grace_seconds": 1.0}) as daemon:
+        job_id = daemon.submit(
+            "python3",
+            "-c",
+            "import signal, time\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(300)",
+        )
         daemon.wait_state(job_id, "RUNNING")
         wait_until(lambda: daemon.sing("logs", str(job_id)).out == "ready\n")
         started = time.monotonic()
         assert daemon.sing("cancel", str(job_id)).code == 0
         ended = daemon.wait_state(job_id, "CANCELLED", timeout=30)
         assert ended["signal"] == 9
-        assert time.monotonic() - started < 20
+        assert time.monotonic() - started < 10
 
 
 def test_devices(daemon: Daemon) -> None:
@@ -146,7 +147,9 @@ def test_ranks_get_torchrun_environment(daemon: Daemon) -> None:
 
 
 def test_failed_rank_stops_the_others(daemon: Daemon) -> None:
-    job_id = daemon.submit("sh", "-c", 'if [ "$RANK" = 1 ]; then exit 5; fi; sleep 300', options=["--ranks", "2"])
+    job_id = daemon.submit(
+        "sh", "-c", 'if [ "$RANK" = 1 ]; then exit 5; fi; sleep 300', options=["--ranks", "2"]
+    )
     assert daemon.sing("wait", str(job_id), timeout=40).code == 5
     assert daemon.job(job_id)["state"] == "FAILED"
 

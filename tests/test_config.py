@@ -29,7 +29,11 @@ def test_precedence_file_env_flag(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text('virtual_devices = 2\nsocket = "/tmp/from-file.sock"\nkill_grace_seconds = 3\n')
     config = load_config(path, env={})
-    assert (config.virtual_devices, config.socket, config.kill_grace_seconds) == (2, Path("/tmp/from-file.sock"), 3.0)
+    assert (config.virtual_devices, config.socket, config.kill_grace_seconds) == (
+        2,
+        Path("/tmp/from-file.sock"),
+        3.0,
+    )
     config = load_config(path, env={"SING_SOCKET": "/tmp/env.sock", "SING_VIRTUAL_DEVICES": "3"})
     assert (config.virtual_devices, config.socket) == (3, Path("/tmp/env.sock"))
     config = load_config(path, env={"SING_SOCKET": "/tmp/env.sock"}, overrides={"socket": "/tmp/flag.sock"})

@@ -114,7 +114,9 @@ def queued(job_id: int, wanted: int, priority: int = 0) -> QueuedJob:
 
 
 def test_policy_priority_then_fifo() -> None:
-    plan = plan_starts([queued(1, 1), queued(2, 1, priority=5), queued(3, 1)], free_devices=[0, 1], total_devices=2)
+    plan = plan_starts(
+        [queued(1, 1), queued(2, 1, priority=5), queued(3, 1)], free_devices=[0, 1], total_devices=2
+    )
     assert plan.starts == ((2, (0,)), (1, (1,)))
     assert plan.pending_reasons == {3: "Resources: needs 1 device, 0 free"}
 
@@ -122,7 +124,10 @@ def test_policy_priority_then_fifo() -> None:
 def test_policy_gang_allocation_and_strict_queue() -> None:
     plan = plan_starts([queued(1, 3), queued(2, 1)], free_devices=[1, 3], total_devices=4)
     assert plan.starts == ()
-    assert plan.pending_reasons == {1: "Resources: needs 3 devices, 2 free", 2: "Priority: queued behind job 1"}
+    assert plan.pending_reasons == {
+        1: "Resources: needs 3 devices, 2 free",
+        2: "Priority: queued behind job 1",
+    }
     plan = plan_starts([queued(1, 2), queued(2, 2)], free_devices=[0, 1, 2, 3], total_devices=4)
     assert plan.starts == ((1, (0, 1)), (2, (2, 3)))
 
@@ -131,5 +136,9 @@ def test_policy_never_overcommits_and_names_unsatisfiable_jobs() -> None:
     plan = plan_starts([queued(1, 5), queued(2, 1)], free_devices=[0], total_devices=4)
     assert plan.starts == ((2, (0,)),)
     assert plan.pending_reasons[1] == "Unsatisfiable: needs 5 devices, the machine has 4"
-    granted = [d for _, devices in plan_starts([queued(i, 1) for i in range(10)], [0, 1, 2], 3).starts for d in devices]
+    granted = [
+        d
+        for _, devices in plan_starts([queued(i, 1) for i in range(10)], [0, 1, 2], 3).starts
+        for d in devices
+    ]
     assert sorted(granted) == [0, 1, 2]

@@ -19,7 +19,9 @@ def test_job_lifecycle_is_durable(tmp_path: Path) -> None:
     store = Store(tmp_path / "s.db")
     job = store.create_job(spec(), at=10.0, reason="submitted by alice")
     assert job.state is JobState.PENDING and job.id == 1
-    store.record_transition(check_transition(1, JobState.PENDING, JobState.RUNNING, "started", 11.0), devices=(2, 3))
+    store.record_transition(
+        check_transition(1, JobState.PENDING, JobState.RUNNING, "started", 11.0), devices=(2, 3)
+    )
     store.set_process(1, pid=4242, start_ticks=99)
     store.close()
 

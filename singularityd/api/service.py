@@ -82,9 +82,9 @@ class SingularityService(pb_grpc.SingularityServicer):  # type: ignore[misc]
             SubmitArgs(
                 command=tuple(request.command),
                 name=request.name,
-                gpus=request.gpus,
+                gpus=request.gpus if request.HasField("gpus") else 1,
                 priority=request.priority,
-                ranks=request.ranks or 1,
+                ranks=request.ranks if request.HasField("ranks") else 1,
                 cwd=request.cwd,
                 env=dict(request.env),
             ),

@@ -1,23 +1,20 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("command", "cwd", "env", "gpus", "name", "priority", "ranks")
+    __slots__ = ("command", "name", "gpus", "priority", "ranks", "cwd", "env")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: str
-        def __init__(self, key: str | None = ..., value: str | None = ...) -> None: ...
-
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
@@ -32,47 +29,16 @@ class SubmitRequest(_message.Message):
     ranks: int
     cwd: str
     env: _containers.ScalarMap[str, str]
-    def __init__(
-        self,
-        command: _Iterable[str] | None = ...,
-        name: str | None = ...,
-        gpus: int | None = ...,
-        priority: int | None = ...,
-        ranks: int | None = ...,
-        cwd: str | None = ...,
-        env: _Mapping[str, str] | None = ...,
-    ) -> None: ...
+    def __init__(self, command: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., gpus: _Optional[int] = ..., priority: _Optional[int] = ..., ranks: _Optional[int] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("job",)
     JOB_FIELD_NUMBER: _ClassVar[int]
     job: Job
-    def __init__(self, job: Job | _Mapping | None = ...) -> None: ...
+    def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = (
-        "attempt",
-        "command",
-        "cpu_seconds",
-        "cwd",
-        "devices",
-        "ended_at",
-        "exit_code",
-        "gpus",
-        "id",
-        "name",
-        "pending_reason",
-        "priority",
-        "ranks",
-        "reason",
-        "rss_bytes",
-        "signal",
-        "started_at",
-        "state",
-        "submitted_at",
-        "uid",
-        "user",
-    )
+    __slots__ = ("id", "name", "user", "uid", "state", "reason", "pending_reason", "priority", "gpus", "ranks", "devices", "command", "submitted_at", "started_at", "ended_at", "exit_code", "signal", "cpu_seconds", "rss_bytes", "cwd", "attempt")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
@@ -115,33 +81,10 @@ class Job(_message.Message):
     rss_bytes: int
     cwd: str
     attempt: int
-    def __init__(
-        self,
-        id: int | None = ...,
-        name: str | None = ...,
-        user: str | None = ...,
-        uid: int | None = ...,
-        state: str | None = ...,
-        reason: str | None = ...,
-        pending_reason: str | None = ...,
-        priority: int | None = ...,
-        gpus: int | None = ...,
-        ranks: int | None = ...,
-        devices: _Iterable[int] | None = ...,
-        command: _Iterable[str] | None = ...,
-        submitted_at: float | None = ...,
-        started_at: float | None = ...,
-        ended_at: float | None = ...,
-        exit_code: int | None = ...,
-        signal: int | None = ...,
-        cpu_seconds: float | None = ...,
-        rss_bytes: int | None = ...,
-        cwd: str | None = ...,
-        attempt: int | None = ...,
-    ) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., user: _Optional[str] = ..., uid: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., pending_reason: _Optional[str] = ..., priority: _Optional[int] = ..., gpus: _Optional[int] = ..., ranks: _Optional[int] = ..., devices: _Optional[_Iterable[int]] = ..., command: _Optional[_Iterable[str]] = ..., submitted_at: _Optional[float] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., cpu_seconds: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., cwd: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("at", "from_state", "reason", "to_state")
+    __slots__ = ("at", "from_state", "to_state", "reason")
     AT_FIELD_NUMBER: _ClassVar[int]
     FROM_STATE_FIELD_NUMBER: _ClassVar[int]
     TO_STATE_FIELD_NUMBER: _ClassVar[int]
@@ -150,24 +93,17 @@ class Event(_message.Message):
     from_state: str
     to_state: str
     reason: str
-    def __init__(
-        self,
-        at: float | None = ...,
-        from_state: str | None = ...,
-        to_state: str | None = ...,
-        reason: str | None = ...,
-    ) -> None: ...
+    def __init__(self, at: _Optional[float] = ..., from_state: _Optional[str] = ..., to_state: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class JobDetail(_message.Message):
-    __slots__ = ("env", "events", "job", "log_path")
+    __slots__ = ("job", "env", "events", "log_path")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: str
-        def __init__(self, key: str | None = ..., value: str | None = ...) -> None: ...
-
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     JOB_FIELD_NUMBER: _ClassVar[int]
     ENV_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
@@ -176,19 +112,13 @@ class JobDetail(_message.Message):
     env: _containers.ScalarMap[str, str]
     events: _containers.RepeatedCompositeFieldContainer[Event]
     log_path: str
-    def __init__(
-        self,
-        job: Job | _Mapping | None = ...,
-        env: _Mapping[str, str] | None = ...,
-        events: _Iterable[Event | _Mapping] | None = ...,
-        log_path: str | None = ...,
-    ) -> None: ...
+    def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ..., env: _Optional[_Mapping[str, str]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., log_path: _Optional[str] = ...) -> None: ...
 
 class JobRef(_message.Message):
     __slots__ = ("id",)
     ID_FIELD_NUMBER: _ClassVar[int]
     id: int
-    def __init__(self, id: int | None = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
     __slots__ = ("all", "user")
@@ -196,26 +126,24 @@ class ListJobsRequest(_message.Message):
     USER_FIELD_NUMBER: _ClassVar[int]
     all: bool
     user: str
-    def __init__(self, all: bool | None = ..., user: str | None = ...) -> None: ...
+    def __init__(self, all: _Optional[bool] = ..., user: _Optional[str] = ...) -> None: ...
 
 class ListJobsResponse(_message.Message):
     __slots__ = ("jobs",)
     JOBS_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[Job]
-    def __init__(self, jobs: _Iterable[Job | _Mapping] | None = ...) -> None: ...
+    def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ...) -> None: ...
 
 class JobUpdate(_message.Message):
-    __slots__ = ("is_change", "jobs")
+    __slots__ = ("jobs", "is_change")
     JOBS_FIELD_NUMBER: _ClassVar[int]
     IS_CHANGE_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[Job]
     is_change: bool
-    def __init__(
-        self, jobs: _Iterable[Job | _Mapping] | None = ..., is_change: bool | None = ...
-    ) -> None: ...
+    def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ..., is_change: _Optional[bool] = ...) -> None: ...
 
 class LogsRequest(_message.Message):
-    __slots__ = ("follow", "id", "rank", "tail")
+    __slots__ = ("id", "follow", "tail", "rank")
     ID_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_FIELD_NUMBER: _ClassVar[int]
     TAIL_FIELD_NUMBER: _ClassVar[int]
@@ -224,28 +152,22 @@ class LogsRequest(_message.Message):
     follow: bool
     tail: int
     rank: int
-    def __init__(
-        self,
-        id: int | None = ...,
-        follow: bool | None = ...,
-        tail: int | None = ...,
-        rank: int | None = ...,
-    ) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., follow: _Optional[bool] = ..., tail: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class LogChunk(_message.Message):
     __slots__ = ("data",)
     DATA_FIELD_NUMBER: _ClassVar[int]
     data: bytes
-    def __init__(self, data: bytes | None = ...) -> None: ...
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("ids",)
     IDS_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CancelResult(_message.Message):
-    __slots__ = ("code", "error", "id", "ok", "state")
+    __slots__ = ("id", "ok", "error", "state", "code")
     ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -256,36 +178,20 @@ class CancelResult(_message.Message):
     error: str
     state: str
     code: int
-    def __init__(
-        self,
-        id: int | None = ...,
-        ok: bool | None = ...,
-        error: str | None = ...,
-        state: str | None = ...,
-        code: int | None = ...,
-    ) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., state: _Optional[str] = ..., code: _Optional[int] = ...) -> None: ...
 
 class CancelResponse(_message.Message):
     __slots__ = ("results",)
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[CancelResult]
-    def __init__(self, results: _Iterable[CancelResult | _Mapping] | None = ...) -> None: ...
+    def __init__(self, results: _Optional[_Iterable[_Union[CancelResult, _Mapping]]] = ...) -> None: ...
 
 class ListDevicesRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class Device(_message.Message):
-    __slots__ = (
-        "index",
-        "jobs",
-        "kind",
-        "memory_total",
-        "memory_used",
-        "name",
-        "utilization_percent",
-        "uuid",
-    )
+    __slots__ = ("index", "kind", "name", "uuid", "memory_total", "memory_used", "utilization_percent", "jobs")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -302,46 +208,20 @@ class Device(_message.Message):
     memory_used: int
     utilization_percent: float
     jobs: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(
-        self,
-        index: int | None = ...,
-        kind: str | None = ...,
-        name: str | None = ...,
-        uuid: str | None = ...,
-        memory_total: int | None = ...,
-        memory_used: int | None = ...,
-        utilization_percent: float | None = ...,
-        jobs: _Iterable[int] | None = ...,
-    ) -> None: ...
+    def __init__(self, index: _Optional[int] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., uuid: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_used: _Optional[int] = ..., utilization_percent: _Optional[float] = ..., jobs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListDevicesResponse(_message.Message):
     __slots__ = ("devices",)
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     devices: _containers.RepeatedCompositeFieldContainer[Device]
-    def __init__(self, devices: _Iterable[Device | _Mapping] | None = ...) -> None: ...
+    def __init__(self, devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ...) -> None: ...
 
 class DaemonInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class DaemonInfo(_message.Message):
-    __slots__ = (
-        "caller_is_admin",
-        "caller_uid",
-        "caller_user",
-        "criu_path",
-        "criu_unavailable_reason",
-        "criu_version",
-        "device_count",
-        "device_kind",
-        "mode",
-        "nvml_status",
-        "pid_namespaces",
-        "socket",
-        "started_at",
-        "state_dir",
-        "version",
-    )
+    __slots__ = ("version", "mode", "socket", "state_dir", "caller_uid", "caller_user", "caller_is_admin", "device_kind", "device_count", "nvml_status", "criu_unavailable_reason", "criu_path", "criu_version", "started_at", "pid_namespaces")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     SOCKET_FIELD_NUMBER: _ClassVar[int]
@@ -372,21 +252,4 @@ class DaemonInfo(_message.Message):
     criu_version: str
     started_at: float
     pid_namespaces: bool
-    def __init__(
-        self,
-        version: str | None = ...,
-        mode: str | None = ...,
-        socket: str | None = ...,
-        state_dir: str | None = ...,
-        caller_uid: int | None = ...,
-        caller_user: str | None = ...,
-        caller_is_admin: bool | None = ...,
-        device_kind: str | None = ...,
-        device_count: int | None = ...,
-        nvml_status: str | None = ...,
-        criu_unavailable_reason: str | None = ...,
-        criu_path: str | None = ...,
-        criu_version: str | None = ...,
-        started_at: float | None = ...,
-        pid_namespaces: bool | None = ...,
-    ) -> None: ...
+    def __init__(self, version: _Optional[str] = ..., mode: _Optional[str] = ..., socket: _Optional[str] = ..., state_dir: _Optional[str] = ..., caller_uid: _Optional[int] = ..., caller_user: _Optional[str] = ..., caller_is_admin: _Optional[bool] = ..., device_kind: _Optional[str] = ..., device_count: _Optional[int] = ..., nvml_status: _Optional[str] = ..., criu_unavailable_reason: _Optional[str] = ..., criu_path: _Optional[str] = ..., criu_version: _Optional[str] = ..., started_at: _Optional[float] = ..., pid_namespaces: _Optional[bool] = ...) -> None: ...

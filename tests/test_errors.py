@@ -1,0 +1,109 @@
+"""Bad input: one clear line on stderr, a documented non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import requires_root
+from tests.helpers import SINGULARITYD, Daemon, Result, ensure_user, python_for_user, run_sing
+
+
+def assert_one_line_error(result: Result, code: int, text: str) -> None:
+    assert result.code == code, (result.code, result.err)
+    assert "Traceback" not in result.err
+    lines = result.err.strip().splitlines()
+    assert len(lines) == 1, result.err
+    assert text in lines[0], lines[0]
+    assert result.out == ""
+
+
+@pytest.mark.parametrize("command", [["show", "999"], ["cancel", "999"], ["logs", "999"], ["wait", "999"]])
+def test_unknown_job_id(daemon: Daemon, command: list[str]) -> None:
+    assert_one_line_error(daemon.sing(*command), 4, "sing: job 999 not found")
+
+
+def test_more_gpus_than_the_machine_has(daemon: Daemon) -> None:
+    result = daemon.sing("submit", "--gpus", "5", "--", "true")
+    assert_one_line_error(result, 6, "requested 5 devices but this machine has 4")
+    assert daemon.sing("ps", "-a", "--no-header").out == "", "a refused job is not queued"
+
+
+@pytest.mark.parametrize(
+    ("options", "text"),
+    [
+        (["--gpus", "0"], "--gpus must be at least 1, not 0"),
+        (["--gpus", "-2"], "--gpus must be at least 1, not -2"),
+        (["--ranks", "0"], "--ranks must be at least 1, not 0"),
+        (["--env", "NOEQUALS"], "--env takes KEY=VALUE"),
+        (["--cwd", "/no/such/dir"], "working directory /no/such/dir does not exist"),
+    ],
+)
+def test_bad_counts_and_options(daemon: Daemon, options: list[str], text: str) -> None:
+    assert_one_line_error(daemon.sing("submit", *options, "--", "true"), 2, text)
+
+
+@pytest.mark.parametrize("args", [["submit"], ["submit", "--"], ["submit", "--gpus", "1", "--"]])
+def test_empty_command(daemon: Daemon, args: list[str]) -> None:
+    assert_one_line_error(daemon.sing(*args), 2, "empty command")
+
+
+def test_bad_output_format(daemon: Daemon) -> None:
+    assert_one_line_error(daemon.sing("ps", "-o", "yaml"), 2, "-o must be one of wide, json")
+
+
+def test_daemon_not_running(tmp_path: Path) -> None:
+    missing = tmp_path / "nothing.sock"
+    for args in (["ps"], ["submit", "--", "true"], ["devices"], ["show", "1"]):
+        result = run_sing(args, socket_path=missing)
+        assert_one_line_error(result, 3, f"cannot reach singularityd at {missing} (no such socket)")
+        assert "start it with" in result.err
+    stale = tmp_path / "stale.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(stale))
+    listener.close()
+    assert_one_line_error(run_sing(["ps"], socket_path=stale), 3, "cannot reach singularityd")
+    doctor = run_sing(["doctor"], socket_path=missing)
+    assert doctor.code == 3 and "start it with" in doctor.out
+
+
+def run_daemon(*args: str, user: str | None = None) -> subprocess.CompletedProcess[str]:
+    command = [SINGULARITYD, *args]
+    kwargs = {}
+    if user is not None:
+        python = python_for_user(user)
+        if python is None:
+            pytest.skip("no Python with this project importable by another user here")
+        command = [*python, "-m", "singularityd", *args]
+        kwargs = {"user": user, "cwd": "/tmp"}
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, **kwargs)  # type: ignore[call-overload, no-any-return]
+
+
+def test_config_file_errors(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("virtual_devices = [")
+    result = run_daemon(
+        "--config", str(bad), "--socket", str(tmp_path / "s.sock"), "--state-dir", str(tmp_path)
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"singularityd: config file {bad} is not valid TOML")
+    assert len(result.stderr.strip().splitlines()) == 1
+    result = run_daemon("--config", str(tmp_path), "--socket", str(tmp_path / "s.sock"))
+    assert result.returncode == 2 and "it is a directory" in result.stderr
+    result = run_daemon("--config", str(tmp_path / "absent.toml"))
+    assert result.returncode == 2 and "does not exist" in result.stderr
+
+
+@requires_root
+def test_unreadable_config_file(daemon_root: Path) -> None:
+    ensure_user("sing-alice")
+    secret = daemon_root / "secret.toml"
+    secret.write_text("virtual_devices = 2\n")
+    os.chmod(secret, 0o600)
+    result = run_daemon("--config", str(secret), user="sing-alice")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == f"singularityd: cannot read config file {secret}: permission denied"
