@@ -1,0 +1,138 @@
+"""Foundation benchmark: submit-to-running latency and `sing ps` latency with 1,000 jobs stored.
+
+Each figure is measured beside a reference taken in the same run on the same machine, and the
+ratio is the result (these machines are shared and noisy):
+- submit-to-running: from the Submit call until the job's first instruction runs, against
+  spawning the same command directly with subprocess;
+- `sing ps` with 1,000 queued jobs: the whole CLI invocation, against `sing --help` (the cost
+  of starting the CLI at all), and the ListJobs RPC alone from a warm client.
+
+Run: .venv/bin/python bench/bench_foundation.py [--jobs 1000] [--repeat 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from singularityd.api.v1 import singularity_pb2 as pb  # noqa: E402
+from singularityd.api.v1 import singularity_pb2_grpc as pb_grpc  # noqa: E402
+from tests.helpers import SING, Daemon  # noqa: E402
+
+STAMP = "date +%s.%N"
+
+
+def timed(action: Callable[[], object], repeat: int) -> list[float]:
+    """Wall-clock seconds of each of `repeat` runs of the action."""
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        action()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def submit_to_running(stub: pb_grpc.SingularityStub, daemon: Daemon, repeat: int) -> list[float]:
+    """Seconds from calling Submit until the job's command printed its first timestamp."""
+    samples = []
+    for _ in range(repeat):
+        started = time.time()
+        job = stub.Submit(
+            pb.SubmitRequest(command=["sh", "-c", STAMP], cwd="/tmp", env={"PATH": os.environ["PATH"]})
+        ).job
+        stub.Wait(pb.JobRef(id=job.id))
+        log = daemon.state_dir / "jobs" / str(job.id) / "logs" / "rank-0.log"
+        samples.append(float(log.read_text().split()[0]) - started)
+    return samples
+
+
+def direct_spawn(repeat: int) -> list[float]:
+    """Seconds from spawning the same command directly until it printed its timestamp."""
+    samples = []
+    for _ in range(repeat):
+        started = time.time()
+        out = subprocess.run(["sh", "-c", STAMP], capture_output=True, text=True, check=True).stdout
+        samples.append(float(out.split()[0]) - started)
+    return samples
+
+
+def fill_queue(stub: pb_grpc.SingularityStub, count: int) -> None:
+    """One job holding the only device, then `count - 1` jobs queued behind it."""
+    env = {"PATH": os.environ["PATH"]}
+    stub.Submit(pb.SubmitRequest(command=["sleep", "3600"], cwd="/tmp", env=env))
+    for index in range(count - 1):
+        stub.Submit(pb.SubmitRequest(command=["true"], name=f"queued-{index}", cwd="/tmp", env=env))
+
+
+def describe(samples: list[float]) -> tuple[float, float]:
+    """Median and 90th percentile, in milliseconds."""
+    ordered = sorted(samples)
+    return statistics.median(ordered) * 1e3, ordered[int(0.9 * (len(ordered) - 1))] * 1e3
+
+
+def main() -> None:
+    """Run both measurements and print a Markdown table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=1000)
+    parser.add_argument("--repeat", type=int, default=20)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="sing-bench-", dir="/tmp") as root:
+        daemon = Daemon(Path(root), virtual_devices=1)
+        daemon.start()
+        channel = grpc.insecure_channel(f"unix:{daemon.socket}")
+        stub = pb_grpc.SingularityStub(channel)
+        try:
+            latency = submit_to_running(stub, daemon, args.repeat)
+            reference = direct_spawn(args.repeat)
+            fill_queue(stub, args.jobs)
+            env = {**os.environ, "SING_SOCKET": str(daemon.socket)}
+            ps = timed(
+                lambda: subprocess.run([SING, "ps"], env=env, capture_output=True, check=True), args.repeat
+            )
+            cli_start = timed(
+                lambda: subprocess.run([SING, "--help"], env=env, capture_output=True, check=True),
+                args.repeat,
+            )
+            rpc = timed(lambda: stub.ListJobs(pb.ListJobsRequest()), args.repeat)
+            listed = len(stub.ListJobs(pb.ListJobsRequest()).jobs)
+        finally:
+            channel.close()
+            stub = None
+            for job_dir in (daemon.state_dir / "jobs").glob("*/init.pid"):
+                subprocess.run(["kill", "-9", job_dir.read_text().strip()], capture_output=True)
+            daemon.stop()
+    rows = [
+        ("submit-to-running (singularityd)", latency, None),
+        ("spawn the same command directly (reference)", reference, None),
+        (f"`sing ps`, {listed} jobs queued", ps, None),
+        ("`sing --help` (CLI start, reference)", cli_start, None),
+        (f"ListJobs RPC alone, {listed} jobs", rpc, None),
+    ]
+    print(f"| measurement ({args.repeat} runs) | median ms | p90 ms |")
+    print("|---|---:|---:|")
+    for label, samples, _ in rows:
+        median, p90 = describe(samples)
+        print(f"| {label} | {median:.1f} | {p90:.1f} |")
+    print()
+    print(
+        f"submit-to-running / direct spawn: {statistics.median(latency) / statistics.median(reference):.1f}x"
+    )
+    print(
+        f"`sing ps` ({listed} jobs) / CLI start: {statistics.median(ps) / statistics.median(cli_start):.2f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()
