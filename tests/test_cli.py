@@ -56,9 +56,9 @@ def test_submit_ps_show_logs_wait(daemon: Daemon) -> None:
 
 def test_logs_follow_streams_until_the_job_ends(daemon: Daemon) -> None:
     release = daemon.root / "release"
-    job_id = daemon.submit(
-        "sh", "-c", f"echo line 1; while [ ! -e {release} ]; do sleep 0.05; done; for i in 2 3 4; do echo line $i; done"
-    )  # fmt: skip
+    wait = f"while [ ! -e {release} ]; do sleep 0.05; done"
+    script = f"echo line 1; {wait}; echo line 2; echo line 3; echo line 4"
+    job_id = daemon.submit("sh", "-c", script)
     daemon.wait_state(job_id, "RUNNING")
     follower = subprocess.Popen(
         [SING, "logs", "-f", str(job_id)], stdout=subprocess.PIPE, text=True, env=daemon_env(daemon)
