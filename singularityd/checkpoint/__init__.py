@@ -1,0 +1,55 @@
+"""Checkpoints of job process trees with CRIU: driver, image store, and the daemon's entry point.
+
+Typical use by the daemon:
+
+    info = locate_criu(config.criu)            # once at start-up; CheckpointUnavailable says why not
+    cp = Checkpointer(Criu(info), ImageStore(state_dir / "checkpoints"), keep=3, pre_copy=1)
+    result = await cp.checkpoint(job_id, init_pid, owner_uid=uid, owner_gid=gid,
+                                 leave_running=False, rewind_paths=log_paths)
+    restored = await cp.restore_latest(job_id)  # restored.pid, restored.skipped
+"""
+
+from singularityd.checkpoint.criu import (
+    Criu,
+    CriuInfo,
+    CriuOptions,
+    DumpStats,
+    RestoreOutcome,
+    dump_problems,
+    locate_criu,
+    tree_pids,
+)
+from singularityd.checkpoint.errors import (
+    CheckpointError,
+    CheckpointUnavailable,
+    CriuError,
+    NoValidCheckpoint,
+)
+from singularityd.checkpoint.manifest import FileRecord, Manifest, Skipped, Verdict
+from singularityd.checkpoint.service import Checkpointer, CheckpointResult, RestoreResult
+from singularityd.checkpoint.store import ImageStore, JobUsage, rewind_files
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointResult",
+    "CheckpointUnavailable",
+    "Checkpointer",
+    "Criu",
+    "CriuError",
+    "CriuInfo",
+    "CriuOptions",
+    "DumpStats",
+    "FileRecord",
+    "ImageStore",
+    "JobUsage",
+    "Manifest",
+    "NoValidCheckpoint",
+    "RestoreOutcome",
+    "RestoreResult",
+    "Skipped",
+    "Verdict",
+    "dump_problems",
+    "locate_criu",
+    "rewind_files",
+    "tree_pids",
+]

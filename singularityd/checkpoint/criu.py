@@ -1,0 +1,652 @@
+"""CRIU driver: find a usable CRIU, check a process tree before dumping it, dump, pre-dump, restore.
+
+The methods that run CRIU are coroutines: CRIU runs as a child process through asyncio, so the
+daemon's event loop is never blocked. A dump that has started is never interrupted: cancelling the
+awaiting task waits for CRIU to finish first (a CRIU killed half-way could leave the job broken).
+`locate_criu` and `dump_problems` are plain functions (a few quick subprocesses and /proc reads);
+call them once at start-up or through `asyncio.to_thread`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from singularityd.checkpoint.errors import CheckpointUnavailable, CriuError
+
+MIN_VERSION = (4, 0)
+TCP_FIXED_VERSION = (4, 2)
+KERNEL_RESTRICTS_PASSCRED = (6, 16)
+CAP_SYS_RESOURCE = 24
+FORK_RETRY_PATTERN = "Can't fork for"
+T = TypeVar("T")
+
+ERROR_HINTS: tuple[tuple[str, str], ...] = (
+    ("No space left on device", "no space left on the device that holds the images"),
+    (
+        "Can't get 1:16 opt",
+        "this CRIU cannot dump TCP sockets on Linux 6.16 or newer: CRIU 4.2 or newer is needed",
+    ),
+    ("anon_inode:[io_uring]", "a job process uses io_uring, which CRIU cannot checkpoint"),
+    (
+        "External socket is used",
+        "a job process holds a Unix socket connected outside the job: name it as external",
+    ),
+    (
+        "half of stream unix connection",
+        "a job process holds a Unix socket connected outside the job: name it as external",
+    ),
+    (
+        "doesn't belong to it",
+        "the init of the job's PID namespace must run as root for CRIU to dump it",
+    ),
+    (
+        "Can't get rlimit",
+        "CRIU cannot read another user's process limits without CAP_SYS_RESOURCE",
+    ),
+    ("Iptables configuration failed", "network locking with iptables failed"),
+    ("Tracking memory is not available", "the kernel has no memory dirty tracking"),
+    ("In-flight connection", "a listening socket has a connection not yet accepted"),
+    ("Address already in use", "an address the job had bound is in use (is the job running?)"),
+    (FORK_RETRY_PATTERN, "a PID that the images need is still taken"),
+)
+NOISE = ("rlimit: Can't setup RLIMIT_NOFILE",)
+
+
+@dataclass(frozen=True)
+class CriuInfo:
+    """A CRIU that passed `criu check`, how to run it, and what it can do on this machine."""
+
+    argv: tuple[str, ...]
+    version: tuple[int, ...]
+    source: str
+    dirty_tracking: bool
+    dirty_tracking_reason: str = ""
+    tcp_problem: str = ""
+    network_lock: str = "iptables"
+
+    @property
+    def version_text(self) -> str:
+        """The version as CRIU prints it (e.g. "4.2.1")."""
+        return ".".join(str(p) for p in self.version)
+
+
+@dataclass(frozen=True)
+class CriuOptions:
+    """Knobs of the dumps and restores; the defaults suit the daemon's job trees."""
+
+    log_level: int = 4
+    tcp_established: bool = True
+    file_locks: bool = True
+    network_lock: str | None = None
+    ghost_limit_bytes: int | None = None
+    pre_dump_mode: str = "splice"
+    fork_retry_attempts: int = 10
+    fork_retry_delay_s: float = 0.2
+    extra_dump_args: Sequence[str] = ()
+    extra_restore_args: Sequence[str] = ()
+
+
+@dataclass(frozen=True)
+class DumpStats:
+    """CRIU's own measurements of a dump or pre-dump (`--display-stats`)."""
+
+    frozen_us: int = 0
+    freezing_us: int = 0
+    memdump_us: int = 0
+    memwrite_us: int = 0
+    pages_scanned: int = 0
+    pages_skipped_parent: int = 0
+    pages_written: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def pause_s(self) -> float:
+        """Seconds the job's processes were frozen by this CRIU call."""
+        return self.frozen_us / 1e6
+
+    def as_dict(self) -> dict[str, float]:
+        """Plain numbers, for manifests and events."""
+        return {
+            "frozen_us": self.frozen_us,
+            "freezing_us": self.freezing_us,
+            "memdump_us": self.memdump_us,
+            "memwrite_us": self.memwrite_us,
+            "pages_scanned": self.pages_scanned,
+            "pages_skipped_parent": self.pages_skipped_parent,
+            "pages_written": self.pages_written,
+            "wall_s": round(self.wall_s, 6),
+        }
+
+
+@dataclass(frozen=True)
+class RestoreOutcome:
+    """A restored tree: the host PID of its root, CRIU's timings and how many tries it took."""
+
+    pid: int
+    restore_us: int
+    forking_us: int
+    pages_restored: int
+    wall_s: float
+    attempts: int
+
+
+def parse_version(text: str) -> tuple[int, ...] | None:
+    """The version in `criu --version` output ("Version: 4.1.1" -> (4, 1, 1)), if any."""
+    m = re.search(r"Version:\s*(\d+(?:\.\d+)*)", text)
+    return tuple(int(p) for p in m.group(1).split(".")) if m else None
+
+
+def parse_kernel_release(release: str) -> tuple[int, int]:
+    """(major, minor) of a kernel release string such as "6.18.44-fc"."""
+    m = re.match(r"(\d+)\.(\d+)", release)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def tcp_problem(criu_version: Sequence[int], kernel: tuple[int, int]) -> str:
+    """Why TCP sockets cannot be dumped with this CRIU on this kernel ("" when they can)."""
+    if tuple(criu_version[:2]) < TCP_FIXED_VERSION and kernel >= KERNEL_RESTRICTS_PASSCRED:
+        return (
+            f"CRIU {'.'.join(map(str, criu_version))} cannot dump TCP sockets on Linux "
+            f"{kernel[0]}.{kernel[1]} (SO_PASSCRED is refused on inet sockets since 6.16); "
+            "CRIU 4.2 or newer is needed"
+        )
+    return ""
+
+
+def privilege_problem(euid: int) -> str:
+    """Why checkpoints cannot work for a daemon with this effective uid ("" when they can)."""
+    if euid != 0:
+        return (
+            f"the daemon runs as uid {euid} (user mode): CRIU needs root, jobs have no PID "
+            "namespace, and CRIU's unprivileged mode needs file capabilities on its binary; "
+            "checkpoints are unavailable"
+        )
+    return ""
+
+
+def parse_stats(text: str) -> dict[str, int]:
+    """CRIU's `--display-stats` lines ("Frozen time: 950655 us") as snake_case keys."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        m = re.match(r"\s*([A-Za-z][A-Za-z ]*?):\s*(\d+)", line)
+        if m:
+            out[m.group(1).strip().lower().replace(" ", "_")] = int(m.group(2))
+    return out
+
+
+def dump_stats_from(text: str, wall_s: float) -> DumpStats:
+    """DumpStats from CRIU's stats output."""
+    s = parse_stats(text)
+    return DumpStats(
+        frozen_us=s.get("frozen_time", 0),
+        freezing_us=s.get("freezing_time", 0),
+        memdump_us=s.get("memory_dump_time", 0),
+        memwrite_us=s.get("memory_write_time", 0),
+        pages_scanned=s.get("memory_pages_scanned", 0),
+        pages_skipped_parent=s.get("memory_pages_skipped_from_parent", 0),
+        pages_written=s.get("memory_pages_written", 0),
+        wall_s=wall_s,
+    )
+
+
+def summarize_log(text: str) -> str:
+    """One line that says why CRIU failed: a hint for a known cause, else its first real error."""
+    errors = [
+        line.split("): ", 1)[-1].strip()
+        for line in text.splitlines()
+        if "Error (" in line and not any(n in line for n in NOISE)
+    ]
+    for pattern, hint in ERROR_HINTS:
+        if pattern in text:
+            first = next((e for e in errors if pattern in e), errors[0] if errors else "")
+            return f"{hint} ({first})" if first and first != hint else hint
+    if errors:
+        return errors[0]
+    return "CRIU failed without an error line in its log"
+
+
+@dataclass(frozen=True)
+class ProcFacts:
+    """What /proc says about one process of a job's tree, for the pre-dump checks."""
+
+    pid: int
+    name: str
+    uids: tuple[int, ...]
+    gids: tuple[int, ...]
+    nspid: tuple[int, ...]
+    fd_targets: tuple[str, ...] = ()
+    tcp_inodes: frozenset[int] = field(default_factory=frozenset)
+
+
+def tree_problems(
+    procs: Sequence[ProcFacts],
+    *,
+    our_uid: int,
+    our_gid: int,
+    have_cap_sys_resource: bool,
+    tcp_problem_text: str,
+) -> list[str]:
+    """Reasons a tree cannot be dumped, found before CRIU freezes anything (pure)."""
+    problems: list[str] = []
+    if not procs:
+        return ["the job's root process does not exist"]
+    root = procs[0]
+    if len(root.nspid) > 1 and root.nspid[-1] == 1 and 0 not in root.uids[1:2]:
+        problems.append(
+            f"the job's PID-namespace init (pid {root.pid}) runs as uid {root.uids[1]}: "
+            "CRIU needs it to be root (only the ranks should drop privileges)"
+        )
+    if not have_cap_sys_resource:
+        foreign = [p for p in procs if any(u != our_uid for u in p.uids) or any(g != our_gid for g in p.gids)]
+        if foreign:
+            p = foreign[0]
+            problems.append(
+                f"process {p.pid} ({p.name}) runs as uid {p.uids[0]} and this daemon lacks "
+                "CAP_SYS_RESOURCE, without which CRIU cannot read another user's limits"
+            )
+    for p in procs:
+        if any("io_uring" in t for t in p.fd_targets):
+            problems.append(
+                f"process {p.pid} ({p.name}) uses io_uring, which CRIU cannot checkpoint "
+                "(for torch.distributed set USE_LIBUV=0 so its TCPStore does not use libuv)"
+            )
+            break
+    if tcp_problem_text:
+        for p in procs:
+            inodes = {int(t[8:-1]) for t in p.fd_targets if t.startswith("socket:[") and t.endswith("]")}
+            if inodes & p.tcp_inodes:
+                problems.append(f"process {p.pid} ({p.name}) has TCP sockets: {tcp_problem_text}")
+                break
+    return problems
+
+
+def tree_pids(root: int) -> list[int]:
+    """Host PIDs of a process and all its descendants, root first."""
+    out = [root]
+    i = 0
+    while i < len(out):
+        pid = out[i]
+        i += 1
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    children = Path(f"/proc/{pid}/task/{tid}/children").read_text().split()
+                    out.extend(int(c) for c in children if int(c) not in out)
+    return out
+
+
+def _tcp_inodes(pid: int) -> frozenset[int]:
+    inodes: set[int] = set()
+    for name in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]:
+                cols = line.split()
+                if len(cols) > 9 and cols[9].isdigit():
+                    inodes.add(int(cols[9]))
+    return frozenset(inodes)
+
+
+def read_proc_facts(pid: int, *, with_tcp: bool) -> ProcFacts | None:
+    """Facts about one process from /proc, or None when it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    fields: dict[str, str] = {}
+    for line in status.splitlines():
+        key, _, value = line.partition(":")
+        fields[key] = value.strip()
+    targets: list[str] = []
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return ProcFacts(
+        pid=pid,
+        name=fields.get("Name", "?"),
+        uids=tuple(int(x) for x in fields.get("Uid", "0").split()),
+        gids=tuple(int(x) for x in fields.get("Gid", "0").split()),
+        nspid=tuple(int(x) for x in fields.get("NSpid", str(pid)).split()),
+        fd_targets=tuple(targets),
+        tcp_inodes=_tcp_inodes(pid) if with_tcp else frozenset(),
+    )
+
+
+def have_capability(cap: int) -> bool:
+    """Whether this process has capability number `cap` in its effective set."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> cap & 1)
+    return False
+
+
+def dump_problems(pid: int, info: CriuInfo) -> list[str]:
+    """Reasons the tree rooted at `pid` cannot be dumped, checked before CRIU touches it."""
+    facts = [read_proc_facts(p, with_tcp=bool(info.tcp_problem)) for p in tree_pids(pid)]
+    return tree_problems(
+        [f for f in facts if f is not None],
+        our_uid=os.getuid(),
+        our_gid=os.getgid(),
+        have_cap_sys_resource=have_capability(CAP_SYS_RESOURCE),
+        tcp_problem_text=info.tcp_problem,
+    )
+
+
+def _run_sync(argv: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        list(argv),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def probe_criu(argv: Sequence[str], source: str) -> CriuInfo | str:
+    """Check one CRIU command: a CriuInfo when it is usable, else the reason it is not."""
+    try:
+        ver = _run_sync([*argv, "--version"])
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{source}: cannot run {argv[-1]}: {e}"
+    version = parse_version(ver.stdout + ver.stderr)
+    if version is None:
+        return f"{source}: {argv[-1]} --version printed no version"
+    if version[:2] < MIN_VERSION:
+        return f"{source}: CRIU {'.'.join(map(str, version))} is older than 4.0"
+    check = _run_sync([*argv, "check"])
+    if check.returncode != 0:
+        last = (check.stderr or check.stdout).strip().splitlines()
+        return f"{source}: `criu check` failed: {last[-1] if last else check.returncode}"
+    dirty = _run_sync([*argv, "check", "--feature", "mem_dirty_track"])
+    dirty_ok = dirty.returncode == 0
+    if shutil.which("iptables-restore"):
+        lock = "iptables"
+    else:
+        nft = _run_sync([*argv, "check", "--feature", "network_lock_nftables"])
+        lock = "nftables" if nft.returncode == 0 else "iptables"
+    return CriuInfo(
+        argv=tuple(argv),
+        version=version,
+        source=source,
+        dirty_tracking=dirty_ok,
+        dirty_tracking_reason=""
+        if dirty_ok
+        else "the kernel has no memory dirty tracking (CONFIG_MEM_SOFT_DIRTY), so CRIU cannot "
+        "pre-dump; every checkpoint is a full dump",
+        tcp_problem=tcp_problem(version, parse_kernel_release(platform.release())),
+        network_lock=lock,
+    )
+
+
+def locate_criu(
+    setting: str = "auto", *, prefix: str | os.PathLike[str] = sys.prefix, euid: int | None = None
+) -> CriuInfo:
+    """Find the CRIU to use, or raise CheckpointUnavailable with every reason it found.
+
+    `setting` is the config value: "auto" tries a `criu` on PATH (if `criu check` passes and it is
+    version 4 or newer), then `<prefix>/criu/criu` (the private install of scripts/install-criu);
+    "off" disables checkpoints; anything else is the path of the CRIU to run.
+    """
+    problem = privilege_problem(os.geteuid() if euid is None else euid)
+    if problem:
+        raise CheckpointUnavailable(problem)
+    if setting in ("off", "none", "disabled"):
+        raise CheckpointUnavailable("checkpoints are turned off in the configuration")
+    candidates: list[tuple[str, str]] = []
+    if setting == "auto":
+        on_path = shutil.which("criu")
+        if on_path:
+            candidates.append((on_path, "criu on PATH"))
+        candidates.append((str(Path(prefix) / "criu" / "criu"), "private CRIU install"))
+    else:
+        candidates.append((setting, "configured CRIU"))
+    reasons: list[str] = []
+    for path, source in candidates:
+        if not os.access(path, os.X_OK):
+            reasons.append(f"{source}: {path} is not an executable file")
+            continue
+        found = probe_criu([path], source)
+        if isinstance(found, CriuInfo):
+            return found
+        reasons.append(found)
+    raise CheckpointUnavailable("no usable CRIU: " + "; ".join(reasons))
+
+
+async def run_to_completion(aw: Awaitable[T]) -> T:
+    """Await `aw` to its end even if the caller is cancelled meanwhile, then re-raise the cancel.
+
+    A CRIU dump or a checkpoint half-way through must not be abandoned: the job could be left
+    frozen, or killed with its images deleted.
+    """
+    task = asyncio.ensure_future(aw)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                break
+            cancelled = True
+    result = task.result()
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
+
+
+async def _run_to_end(argv: Sequence[str], pass_fds: Sequence[int] = ()) -> tuple[int, str, str, float]:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        pass_fds=tuple(pass_fds),
+        start_new_session=True,
+    )
+    out, err = await run_to_completion(proc.communicate())
+    rc = proc.returncode if proc.returncode is not None else -1
+    return rc, out.decode(errors="replace"), err.decode(errors="replace"), loop.time() - start
+
+
+def _read_log(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+class Criu:
+    """Runs CRIU for the daemon; one instance can serve every job (it keeps no per-job state)."""
+
+    def __init__(self, info: CriuInfo, options: CriuOptions | None = None) -> None:
+        self.info = info
+        self.options = options or CriuOptions()
+
+    @property
+    def network_lock(self) -> str:
+        """The network-lock method passed to CRIU (configured, else the one found to work)."""
+        return self.options.network_lock or self.info.network_lock
+
+    def _common(self, image_dir: Path, log_file: Path) -> list[str]:
+        return [
+            "-D",
+            str(image_dir),
+            "-o",
+            str(log_file),
+            f"-v{self.options.log_level}",
+            "--display-stats",
+        ]
+
+    def _socket_args(self) -> list[str]:
+        args: list[str] = []
+        if self.options.tcp_established:
+            args += ["--tcp-established", "--network-lock", self.network_lock]
+        if self.options.file_locks:
+            args.append("--file-locks")
+        return args
+
+    def dump_argv(
+        self,
+        pid: int,
+        image_dir: Path,
+        *,
+        log_file: Path,
+        leave_running: bool,
+        parent_image_dir: str | None = None,
+        track_mem: bool = False,
+        external_unix_inodes: Sequence[int] = (),
+        action_script: Path | None = None,
+    ) -> list[str]:
+        """The CRIU command line of a dump (exposed so tests and logs can show it)."""
+        argv = [*self.info.argv, "dump", "-t", str(pid), *self._common(image_dir, log_file)]
+        argv += self._socket_args()
+        if leave_running:
+            argv.append("--leave-running")
+        if track_mem:
+            argv.append("--track-mem")
+        if parent_image_dir is not None:
+            argv += ["--prev-images-dir", parent_image_dir]
+        for inode in external_unix_inodes:
+            argv += ["--external", f"unix[{inode}]"]
+        if self.options.ghost_limit_bytes is not None:
+            argv += ["--ghost-limit", str(self.options.ghost_limit_bytes)]
+        if action_script is not None:
+            argv += ["--action-script", str(action_script)]
+        return argv + list(self.options.extra_dump_args)
+
+    async def dump(
+        self,
+        pid: int,
+        image_dir: Path,
+        *,
+        log_file: Path,
+        leave_running: bool,
+        parent_image_dir: str | None = None,
+        track_mem: bool = False,
+        external_unix_inodes: Sequence[int] = (),
+        action_script: Path | None = None,
+    ) -> DumpStats:
+        """Dump the tree rooted at host PID `pid` into `image_dir` (which must exist).
+
+        With `leave_running` the tree goes on after the dump, else CRIU kills it once the images
+        are complete. On failure CRIU resumes the tree, and CriuError says why. `parent_image_dir`
+        (relative to `image_dir`, e.g. "../pre-2") names the last pre-dump; `track_mem` keeps the
+        kernel's dirty tracking on for a later incremental dump.
+        """
+        if track_mem and not self.info.dirty_tracking:
+            raise CheckpointUnavailable(self.info.dirty_tracking_reason)
+        argv = self.dump_argv(
+            pid,
+            image_dir,
+            log_file=log_file,
+            leave_running=leave_running,
+            parent_image_dir=parent_image_dir,
+            track_mem=track_mem,
+            external_unix_inodes=external_unix_inodes,
+            action_script=action_script,
+        )
+        rc, out, err, wall = await _run_to_end(argv)
+        if rc != 0:
+            why = summarize_log(_read_log(log_file) or err)
+            raise CriuError(f"dump of pid {pid} failed: {why}", log_file, rc)
+        return dump_stats_from(out + err, wall)
+
+    async def pre_dump(
+        self,
+        pid: int,
+        image_dir: Path,
+        *,
+        log_file: Path,
+        parent_image_dir: str | None = None,
+        external_unix_inodes: Sequence[int] = (),
+    ) -> DumpStats:
+        """Copy the tree's memory into `image_dir` while it keeps running, tracking what it dirties.
+
+        Needs kernel dirty tracking (CheckpointUnavailable otherwise: CRIU 4 aborts a pre-dump
+        without it). Chain pre-dumps with `parent_image_dir`, then finish with `dump(...,
+        parent_image_dir=..., track_mem=True)`, which writes only the pages dirtied since.
+        """
+        if not self.info.dirty_tracking:
+            raise CheckpointUnavailable(self.info.dirty_tracking_reason)
+        argv = [*self.info.argv, "pre-dump", "-t", str(pid), *self._common(image_dir, log_file)]
+        argv += ["--track-mem", "--pre-dump-mode", self.options.pre_dump_mode]
+        if parent_image_dir is not None:
+            argv += ["--prev-images-dir", parent_image_dir]
+        for inode in external_unix_inodes:
+            argv += ["--external", f"unix[{inode}]"]
+        rc, out, err, wall = await _run_to_end(argv)
+        if rc != 0:
+            why = summarize_log(_read_log(log_file) or err)
+            raise CriuError(f"pre-dump of pid {pid} failed: {why}", log_file, rc)
+        return dump_stats_from(out + err, wall)
+
+    def restore_argv(
+        self, image_dir: Path, *, log_file: Path, pidfile: Path, inherit_fds: Mapping[str, int]
+    ) -> list[str]:
+        """The CRIU command line of a restore."""
+        argv = [*self.info.argv, "restore", *self._common(image_dir, log_file)]
+        argv += ["--restore-detached", "--pidfile", str(pidfile), *self._socket_args()]
+        for key, fd in inherit_fds.items():
+            argv += ["--inherit-fd", f"fd[{fd}]:{key}"]
+        return argv + list(self.options.extra_restore_args)
+
+    async def restore(
+        self,
+        image_dir: Path,
+        *,
+        log_file: Path,
+        pidfile: Path,
+        inherit_fds: Mapping[str, int] | None = None,
+    ) -> RestoreOutcome:
+        """Restore the tree in `image_dir` detached from CRIU; return its root's host PID.
+
+        `inherit_fds` maps a resource as CRIU names it in the images (e.g. "socket:[12345]", an
+        external Unix socket of the dump) to an fd open in this process that replaces it. A job
+        dumped from its own PID namespace gets a new one, so its PIDs never clash with running
+        processes. "Can't fork for PID" (a dumped process not yet reaped) is retried briefly.
+        """
+        fds = dict(inherit_fds or {})
+        argv = self.restore_argv(image_dir, log_file=log_file, pidfile=pidfile, inherit_fds=fds)
+        attempts = 0
+        total = 0.0
+        while True:
+            attempts += 1
+            with contextlib.suppress(FileNotFoundError):
+                pidfile.unlink()
+            rc, out, err, wall = await _run_to_end(argv, pass_fds=sorted(set(fds.values())))
+            total += wall
+            if rc == 0:
+                break
+            log = _read_log(log_file) or err
+            if FORK_RETRY_PATTERN in log and attempts < self.options.fork_retry_attempts:
+                await asyncio.sleep(self.options.fork_retry_delay_s)
+                continue
+            raise CriuError(f"restore from {image_dir} failed: {summarize_log(log)}", log_file, rc)
+        try:
+            pid = int(pidfile.read_text().strip())
+        except (OSError, ValueError) as e:
+            raise CriuError(
+                f"restore from {image_dir} succeeded but wrote no pid file: {e}", log_file, 0
+            ) from e
+        s = parse_stats(out + err)
+        return RestoreOutcome(
+            pid=pid,
+            restore_us=s.get("restore_time", 0),
+            forking_us=s.get("forking_time", 0),
+            pages_restored=s.get("pages_restored", 0),
+            wall_s=total,
+            attempts=attempts,
+        )

@@ -1,0 +1,391 @@
+"""Checkpointer: what the daemon calls to checkpoint a job's tree and to restore it.
+
+It joins the CRIU driver and the image store: checks the tree, dumps it (after pre-dumps when the
+kernel can track dirty memory), verifies and records the images, prunes old checkpoints, and on
+restore takes the newest checkpoint that verifies, saying why each newer one was passed over.
+All methods are coroutines; file hashing and other blocking work run in threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shlex
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from singularityd.checkpoint.criu import (
+    Criu,
+    DumpStats,
+    RestoreOutcome,
+    dump_problems,
+    run_to_completion,
+    tree_pids,
+)
+from singularityd.checkpoint.errors import CheckpointError, NoValidCheckpoint
+from singularityd.checkpoint.manifest import IMAGES_DIR, Manifest, Skipped, Verdict
+from singularityd.checkpoint.store import (
+    ImageStore,
+    JobUsage,
+    PendingCheckpoint,
+    rewind_files,
+    tree_anon_bytes,
+)
+
+InheritFds = Mapping[str, int] | Callable[[Manifest], Mapping[str, int]]
+
+
+def post_dump_script(paths: Sequence[str], out: Path) -> str:
+    """A CRIU action script that records the sizes of `paths` while the tree is still frozen."""
+    lines = [f"stat -L -c %s -- {shlex.quote(p)} 2>/dev/null || echo -1" for p in paths]
+    body = "\n".join(lines)
+    return (
+        "#!/bin/sh\n"
+        '[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\n'
+        f"{{\n{body}\n}} > {shlex.quote(str(out))}\n"
+        "exit 0\n"
+    )
+
+
+def parse_sizes(paths: Sequence[str], text: str) -> dict[str, int]:
+    """Pair the action script's output lines with the paths it was given."""
+    values = text.split()
+    if len(values) != len(paths):
+        return {}
+    return {p: int(v) for p, v in zip(paths, values, strict=True) if v.lstrip("-").isdigit()}
+
+
+@dataclass(frozen=True)
+class CheckpointResult:
+    """A complete checkpoint and what it cost."""
+
+    job_id: str
+    seq: int
+    path: Path
+    manifest: Manifest
+    dump: DumpStats
+    pre_dumps: tuple[DumpStats, ...]
+    pre_copy_skipped: str
+    wall_s: float
+    pruned: tuple[int, ...] = ()
+
+    @property
+    def pause_s(self) -> float:
+        """How long the job was frozen by the final dump (its pause, when it keeps running)."""
+        return self.dump.pause_s
+
+    @property
+    def total_frozen_s(self) -> float:
+        """Frozen time summed over the pre-dumps and the final dump."""
+        return self.dump.pause_s + sum(p.pause_s for p in self.pre_dumps)
+
+    @property
+    def image_bytes(self) -> int:
+        """Bytes of all image files of this checkpoint."""
+        return self.manifest.total_bytes
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    """A restored job: the host PID of its root, the checkpoint used and the ones passed over."""
+
+    job_id: str
+    seq: int
+    pid: int
+    manifest: Manifest
+    outcome: RestoreOutcome
+    skipped: tuple[Skipped, ...]
+    rewound: Mapping[str, int] = field(default_factory=dict)
+    verify_s: float = 0.0
+
+
+class Checkpointer:
+    """Checkpoints and restores jobs; serialises operations per job through the store's lock."""
+
+    def __init__(self, criu: Criu, store: ImageStore, *, keep: int = 3, pre_copy: int = 0) -> None:
+        self.criu = criu
+        self.store = store
+        self.keep = max(1, keep)
+        self.pre_copy = pre_copy
+
+    async def checkpoint(
+        self,
+        job_id: str,
+        pid: int,
+        *,
+        owner_uid: int,
+        owner_gid: int,
+        leave_running: bool,
+        pre_copy: int | None = None,
+        external_unix_inodes: Sequence[int] = (),
+        rewind_paths: Sequence[str] = (),
+        extra: Mapping[str, Any] | None = None,
+        prune: bool = True,
+        before_final_dump: Callable[[], Any] | None = None,
+    ) -> CheckpointResult:
+        """Checkpoint the tree rooted at host PID `pid` (the job's init) as the job's next one.
+
+        `leave_running=False` is a preemption: the tree is gone once this returns. If anything
+        fails, CheckpointError says why, the tree is still running and the previous checkpoints
+        are untouched. `pre_copy` pre-dumps (default: the Checkpointer's) are taken first when the
+        kernel tracks dirty memory; otherwise the result says why none were. `rewind_paths` (the
+        job's O_APPEND logs) have their sizes recorded at the dump, so a later restore can cut
+        them back. `extra` is small JSON state stored in the manifest. `before_final_dump` is
+        called (and awaited if it returns an awaitable) between the pre-dumps and the final dump.
+        Once started, a checkpoint runs to its end even if the awaiting task is cancelled.
+        """
+        return await run_to_completion(
+            self._checkpoint(
+                job_id,
+                pid,
+                owner_uid=owner_uid,
+                owner_gid=owner_gid,
+                leave_running=leave_running,
+                pre_copy=pre_copy,
+                external_unix_inodes=external_unix_inodes,
+                rewind_paths=rewind_paths,
+                extra=extra,
+                prune=prune,
+                before_final_dump=before_final_dump,
+            )
+        )
+
+    async def _checkpoint(
+        self,
+        job_id: str,
+        pid: int,
+        *,
+        owner_uid: int,
+        owner_gid: int,
+        leave_running: bool,
+        pre_copy: int | None,
+        external_unix_inodes: Sequence[int],
+        rewind_paths: Sequence[str],
+        extra: Mapping[str, Any] | None,
+        prune: bool,
+        before_final_dump: Callable[[], Any] | None,
+    ) -> CheckpointResult:
+        start = time.monotonic()
+        info = self.criu.info
+        problems = await asyncio.to_thread(dump_problems, pid, info)
+        if problems:
+            raise CheckpointError(f"cannot checkpoint job {job_id}: {problems[0]}")
+        wanted = self.pre_copy if pre_copy is None else pre_copy
+        rounds = wanted if info.dirty_tracking else 0
+        skipped = "" if rounds or not wanted else info.dirty_tracking_reason
+        with self.store.locked(job_id):
+            needed = await asyncio.to_thread(tree_anon_bytes, tree_pids(pid))
+            pending = await asyncio.to_thread(
+                self.store.begin,
+                job_id,
+                owner_uid=owner_uid,
+                owner_gid=owner_gid,
+                needed_bytes=needed,
+            )
+            try:
+                pre_stats, dump_stats, sizes = await self._dump(
+                    pending,
+                    pid,
+                    rounds,
+                    leave_running,
+                    external_unix_inodes,
+                    rewind_paths,
+                    before_final_dump,
+                )
+            except BaseException:
+                await asyncio.to_thread(self.store.abort, pending)
+                raise
+            stats = {
+                "dump": dump_stats.as_dict(),
+                "pre_dumps": [p.as_dict() for p in pre_stats],
+                "pre_copy_skipped": skipped,
+            }
+            try:
+                manifest = await asyncio.to_thread(
+                    self.store.finish,
+                    pending,
+                    leave_running=leave_running,
+                    criu_version=info.version_text,
+                    pre_dumps=[f"pre-{i}" for i in range(1, rounds + 1)],
+                    external_unix_inodes=external_unix_inodes,
+                    rewind_sizes=sizes,
+                    stats=stats,
+                    extra=extra,
+                )
+            except BaseException as e:
+                if leave_running:
+                    await asyncio.to_thread(self.store.abort, pending)
+                    raise
+                raise CheckpointError(
+                    f"job {job_id} was dumped and stopped, but recording checkpoint "
+                    f"{pending.seq} failed ({e}); its images are left in {pending.path}"
+                ) from e
+            pruned: list[int] = []
+            if prune:
+                pruned = await asyncio.to_thread(self.store.prune, job_id, self.keep)
+        return CheckpointResult(
+            job_id=job_id,
+            seq=pending.seq,
+            path=pending.path,
+            manifest=manifest,
+            dump=dump_stats,
+            pre_dumps=tuple(pre_stats),
+            pre_copy_skipped=skipped,
+            wall_s=time.monotonic() - start,
+            pruned=tuple(pruned),
+        )
+
+    async def _dump(
+        self,
+        pending: PendingCheckpoint,
+        pid: int,
+        rounds: int,
+        leave_running: bool,
+        external_unix_inodes: Sequence[int],
+        rewind_paths: Sequence[str],
+        before_final_dump: Callable[[], Any] | None,
+    ) -> tuple[list[DumpStats], DumpStats, dict[str, int]]:
+        logs = self.store.logs_dir(pending.job_id)
+        tag = f"{pending.seq:08d}"
+        pre_stats: list[DumpStats] = []
+        parent: str | None = None
+        for i in range(1, rounds + 1):
+            d = pending.pre_dump_dir(i)
+            d.mkdir(mode=0o755)
+            pre_stats.append(
+                await self.criu.pre_dump(
+                    pid,
+                    d,
+                    log_file=logs / f"pre-dump-{tag}-{i}.log",
+                    parent_image_dir=parent,
+                    external_unix_inodes=external_unix_inodes,
+                )
+            )
+            parent = f"../pre-{i}"
+        if before_final_dump is not None:
+            r = before_final_dump()
+            if asyncio.iscoroutine(r) or isinstance(r, asyncio.Future):
+                await r
+        script: Path | None = None
+        sizes_file = logs / f"sizes-{tag}.txt"
+        if rewind_paths:
+            script = logs / f"post-dump-{tag}.sh"
+            script.write_text(post_dump_script(rewind_paths, sizes_file))
+            script.chmod(0o700)
+        try:
+            dump_stats = await self.criu.dump(
+                pid,
+                pending.images,
+                log_file=logs / f"dump-{tag}.log",
+                leave_running=leave_running,
+                parent_image_dir=parent,
+                track_mem=rounds > 0,
+                external_unix_inodes=external_unix_inodes,
+                action_script=script,
+            )
+            sizes: dict[str, int] = {}
+            if rewind_paths:
+                with contextlib.suppress(OSError):
+                    sizes = parse_sizes(rewind_paths, sizes_file.read_text())
+        finally:
+            for f in (script, sizes_file):
+                if f is not None:
+                    with contextlib.suppress(FileNotFoundError):
+                        f.unlink()
+        return pre_stats, dump_stats, sizes
+
+    async def restore_latest(
+        self,
+        job_id: str,
+        *,
+        inherit_fds: InheritFds | None = None,
+        rewind: bool = True,
+        deep_verify: bool = True,
+    ) -> RestoreResult:
+        """Restore the job from its newest checkpoint that verifies.
+
+        Each newer checkpoint that fails verification is skipped and reported in the result (the
+        daemon logs these as events); NoValidCheckpoint is raised when none verifies. A CRIU
+        failure on a good checkpoint raises CriuError without trying older ones (going back in
+        time silently would be wrong). With `rewind`, the files recorded at the dump are cut back
+        to their sizes then. `inherit_fds` (or a function of the manifest returning it) gives the
+        replacement fds for the external sockets named in the manifest.
+        """
+        with self.store.locked(job_id):
+            skipped: list[Skipped] = []
+            for seq in reversed(self.store.seqs(job_id)):
+                result = await run_to_completion(
+                    self._try_restore(job_id, seq, inherit_fds, rewind, deep_verify, tuple(skipped))
+                )
+                if isinstance(result, RestoreResult):
+                    return result
+                skipped.append(Skipped(seq, result.reason))
+        reasons = "; ".join(f"{s.seq}: {s.reason}" for s in skipped) or "it has none"
+        raise NoValidCheckpoint(f"job {job_id} has no valid checkpoint ({reasons})")
+
+    async def restore(
+        self,
+        job_id: str,
+        seq: int,
+        *,
+        inherit_fds: InheritFds | None = None,
+        rewind: bool = True,
+        deep_verify: bool = True,
+    ) -> RestoreResult:
+        """Restore the job from checkpoint `seq`, which must verify."""
+        with self.store.locked(job_id):
+            result = await run_to_completion(
+                self._try_restore(job_id, seq, inherit_fds, rewind, deep_verify, ())
+            )
+        if isinstance(result, RestoreResult):
+            return result
+        raise NoValidCheckpoint(f"checkpoint {seq} of job {job_id} is not usable: {result.reason}")
+
+    async def _try_restore(
+        self,
+        job_id: str,
+        seq: int,
+        inherit_fds: InheritFds | None,
+        rewind: bool,
+        deep_verify: bool,
+        skipped: tuple[Skipped, ...],
+    ) -> RestoreResult | Verdict:
+        with self.store.sealed(job_id, seq) as path:
+            t0 = time.monotonic()
+            verdict = await asyncio.to_thread(self.store.verify, job_id, seq, deep=deep_verify)
+            verify_s = time.monotonic() - t0
+            if not verdict.ok:
+                return verdict
+            manifest = await asyncio.to_thread(self.store.read_manifest, job_id, seq)
+            fds = inherit_fds(manifest) if callable(inherit_fds) else dict(inherit_fds or {})
+            rewound = rewind_files(manifest.rewind_sizes) if rewind else {}
+            logs = self.store.logs_dir(job_id)
+            stamp = time.strftime("%Y%m%dT%H%M%S")
+            outcome = await self.criu.restore(
+                path / IMAGES_DIR,
+                log_file=logs / f"restore-{seq:08d}-{stamp}.log",
+                pidfile=logs / f"restore-{seq:08d}.pid",
+                inherit_fds=fds,
+            )
+        return RestoreResult(
+            job_id=job_id,
+            seq=seq,
+            pid=outcome.pid,
+            manifest=manifest,
+            outcome=outcome,
+            skipped=skipped,
+            rewound=rewound,
+            verify_s=verify_s,
+        )
+
+    async def latest_valid(self, job_id: str) -> tuple[Manifest | None, tuple[Skipped, ...]]:
+        """The newest checkpoint that verifies (checksums included) and the newer ones skipped."""
+        manifest, choice = await asyncio.to_thread(self.store.latest_valid, job_id)
+        return manifest, choice.skipped
+
+    async def usage(self, job_id: str) -> JobUsage:
+        """Disk used by the job's checkpoints (for `sing show`)."""
+        return await asyncio.to_thread(self.store.usage, job_id)

@@ -1,0 +1,430 @@
+"""The image store: per-job checkpoint directories, their manifests, verification and pruning.
+
+Layout under the store's root (all blocking file I/O: call from a thread in the event loop):
+
+    <root>/<job_id>/                 root, 0711
+        .lock                        flock held by whoever writes or restores this job's images
+        logs/                        root, 0700: CRIU logs, pid files, action scripts
+        00000007/                    the job's user, 0700 (root while being written or restored)
+            images/                  the final dump (root-owned files)
+            pre-1/ pre-2/            pre-dumps the final dump refers to through `images/parent`
+            manifest.json            written last: size and sha256 of every file
+
+The files inside a checkpoint belong to root, so the job's user (who may list its own checkpoint)
+cannot substitute an image that root's CRIU would then restore: verification rejects any file or
+directory not owned by the daemon.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import stat
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from singularityd.checkpoint.errors import CheckpointError
+from singularityd.checkpoint.manifest import (
+    IMAGES_DIR,
+    MANIFEST_NAME,
+    Choice,
+    FileFact,
+    FileRecord,
+    Manifest,
+    ManifestError,
+    Verdict,
+    choose_latest,
+    digest_problems,
+    next_seq,
+    parse_seq_dir_name,
+    plan_prune,
+    seq_dir_name,
+    structural_problems,
+)
+
+RESERVE_NAME = ".reserve"
+RESERVE_BYTES = 1 << 20
+HASH_CHUNK = 4 << 20
+JOB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def hash_file(path: Path) -> tuple[int, str]:
+    """Size and sha256 of a file (read in large chunks; hashlib releases the GIL)."""
+    h = hashlib.sha256()
+    size = 0
+    buf = bytearray(HASH_CHUNK)
+    view = memoryview(buf)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        while True:
+            n = os.readv(fd, [buf])
+            if n == 0:
+                break
+            h.update(view[:n])
+            size += n
+    finally:
+        os.close(fd)
+    return size, h.hexdigest()
+
+
+def hash_files(root: Path, rels: Sequence[str], workers: int = 4) -> dict[str, tuple[int, str]]:
+    """Size and sha256 of each relative path under `root`, hashed on a few threads."""
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(rels)))) as pool:
+        results = pool.map(lambda r: hash_file(root / r), rels)
+        return dict(zip(rels, results, strict=True))
+
+
+def _fact(path: Path) -> FileFact:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return FileFact("missing")
+    if stat.S_ISREG(st.st_mode):
+        return FileFact("file", st.st_uid, st.st_size)
+    if stat.S_ISDIR(st.st_mode):
+        return FileFact("dir", st.st_uid, 0)
+    if stat.S_ISLNK(st.st_mode):
+        return FileFact("symlink", st.st_uid, 0, os.readlink(path))
+    return FileFact("other", st.st_uid, 0)
+
+
+def _space_message(path: Path, err: OSError) -> str:
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"no space left on the device of {path} for the checkpoint"
+    return f"cannot write {path}: {err.strerror or err}"
+
+
+@dataclass(frozen=True)
+class JobUsage:
+    """Disk used by one job's checkpoints."""
+
+    bytes_on_disk: int
+    apparent_bytes: int
+    checkpoints: int
+
+
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint directory being written: not yet usable, removed again if the dump fails."""
+
+    job_id: str
+    seq: int
+    path: Path
+    owner_uid: int
+    owner_gid: int
+
+    @property
+    def images(self) -> Path:
+        """Directory of the final dump."""
+        return self.path / IMAGES_DIR
+
+    def pre_dump_dir(self, n: int) -> Path:
+        """Directory of the n-th pre-dump (1-based)."""
+        return self.path / f"pre-{n}"
+
+
+class ImageStore:
+    """Per-job checkpoint directories under one root; every method does blocking file I/O."""
+
+    def __init__(self, root: Path, *, trusted_uid: int | None = None) -> None:
+        self.root = Path(root)
+        self.trusted_uid = os.geteuid() if trusted_uid is None else trusted_uid
+        self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o711)
+
+    def job_dir(self, job_id: str) -> Path:
+        """The directory of one job (the id must be a plain name)."""
+        if not JOB_ID_RE.fullmatch(job_id):
+            raise CheckpointError(f"bad job id {job_id!r} for the image store")
+        return self.root / job_id
+
+    def logs_dir(self, job_id: str) -> Path:
+        """Root-only directory for a job's CRIU logs and helper files."""
+        d = self.job_dir(job_id) / "logs"
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return d
+
+    def checkpoint_dir(self, job_id: str, seq: int) -> Path:
+        """The directory of checkpoint `seq` of a job."""
+        return self.job_dir(job_id) / seq_dir_name(seq)
+
+    def seqs(self, job_id: str) -> list[int]:
+        """Sequence numbers of the job's checkpoint directories, complete or not, ascending."""
+        try:
+            names = os.listdir(self.job_dir(job_id))
+        except FileNotFoundError:
+            return []
+        return sorted(s for s in (parse_seq_dir_name(n) for n in names) if s is not None)
+
+    @contextlib.contextmanager
+    def locked(self, job_id: str) -> Iterator[None]:
+        """Hold the job's store lock; fail at once if another operation holds it."""
+        jd = self.job_dir(job_id)
+        jd.mkdir(parents=True, exist_ok=True, mode=0o711)
+        fd = os.open(jd / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as e:
+                raise CheckpointError(f"another checkpoint or restore of job {job_id} is in progress") from e
+            yield
+        finally:
+            os.close(fd)
+
+    def begin(
+        self, job_id: str, *, owner_uid: int, owner_gid: int, needed_bytes: int = 0
+    ) -> PendingCheckpoint:
+        """Create the next checkpoint directory (root-only until finished) with a reserve.
+
+        The reserve keeps room for the manifest, so a dump that fills the disk still leaves space
+        to record a complete one. Fails before any dump when the free space is below
+        `needed_bytes` (an estimate of the image size).
+        """
+        jd = self.job_dir(job_id)
+        jd.mkdir(parents=True, exist_ok=True, mode=0o711)
+        st = os.statvfs(jd)
+        free = st.f_bavail * st.f_frsize
+        if needed_bytes and free < needed_bytes + RESERVE_BYTES:
+            raise CheckpointError(
+                f"not enough space for a checkpoint of job {job_id}: about "
+                f"{needed_bytes / 2**20:.0f} MiB needed, {free / 2**20:.0f} MiB free in {jd}"
+            )
+        seq = next_seq(self.seqs(job_id))
+        path = jd / seq_dir_name(seq)
+        try:
+            path.mkdir(mode=0o700)
+            os.chown(path, self.trusted_uid, -1)
+            os.chmod(jd, 0o711)
+            (path / IMAGES_DIR).mkdir(mode=0o755)
+            with open(path / RESERVE_NAME, "wb") as f:
+                f.write(b"\0" * RESERVE_BYTES)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            shutil.rmtree(path, ignore_errors=True)
+            raise CheckpointError(_space_message(path, e)) from e
+        return PendingCheckpoint(job_id, seq, path, owner_uid, owner_gid)
+
+    def abort(self, pending: PendingCheckpoint) -> None:
+        """Remove a checkpoint directory whose dump failed."""
+        shutil.rmtree(pending.path, ignore_errors=True)
+
+    def finish(
+        self,
+        pending: PendingCheckpoint,
+        *,
+        leave_running: bool,
+        criu_version: str,
+        pre_dumps: Sequence[str] = (),
+        external_unix_inodes: Sequence[int] = (),
+        rewind_sizes: Mapping[str, int] | None = None,
+        stats: Mapping[str, Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> Manifest:
+        """Hash every file, write the manifest last (atomically), hand the directory to its owner."""
+        path = pending.path
+        with contextlib.suppress(FileNotFoundError):
+            (path / RESERVE_NAME).unlink()
+        rels: list[str] = []
+        links: dict[str, str] = {}
+        for sub in (*pre_dumps, IMAGES_DIR):
+            for dirpath, dirs, files in os.walk(path / sub):
+                for name in (*dirs, *files):
+                    full = Path(dirpath) / name
+                    rel = full.relative_to(path).as_posix()
+                    if full.is_symlink():
+                        links[rel] = os.readlink(full)
+                    elif full.is_file():
+                        rels.append(rel)
+        digests = hash_files(path, sorted(rels))
+        manifest = Manifest(
+            job_id=pending.job_id,
+            seq=pending.seq,
+            created_at=time.time(),
+            owner_uid=pending.owner_uid,
+            leave_running=leave_running,
+            criu_version=criu_version,
+            files={r: FileRecord(size=s, sha256=h) for r, (s, h) in digests.items()},
+            links=links,
+            pre_dumps=tuple(pre_dumps),
+            external_unix_inodes=tuple(external_unix_inodes),
+            rewind_sizes=dict(rewind_sizes or {}),
+            stats=dict(stats or {}),
+            extra=dict(extra or {}),
+        )
+        tmp = path / (MANIFEST_NAME + ".tmp")
+        try:
+            with open(tmp, "w") as f:
+                f.write(manifest.to_json())
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, path / MANIFEST_NAME)
+            dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as e:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise CheckpointError(_space_message(path, e)) from e
+        os.chown(path, pending.owner_uid, pending.owner_gid)
+        os.chmod(path, 0o700)
+        return manifest
+
+    def read_manifest(self, job_id: str, seq: int) -> Manifest:
+        """Load a checkpoint's manifest; raise ManifestError saying why it cannot be used."""
+        p = self.checkpoint_dir(job_id, seq) / MANIFEST_NAME
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError as e:
+            raise ManifestError("incomplete: no manifest (the dump did not finish)") from e
+        except OSError as e:
+            raise ManifestError(f"cannot open the manifest: {e.strerror}") from e
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != self.trusted_uid:
+                raise ManifestError(f"the manifest is not a regular file owned by uid {self.trusted_uid}")
+            with os.fdopen(os.dup(fd), "r") as f:
+                text = f.read()
+        finally:
+            os.close(fd)
+        return Manifest.from_json(text)
+
+    def gather_facts(self, job_id: str, seq: int, manifest: Manifest) -> dict[str, FileFact]:
+        """lstat facts for every path the manifest names and every directory in the checkpoint."""
+        base = self.checkpoint_dir(job_id, seq)
+        facts = {rel: _fact(base / rel) for rel in (*manifest.files, *manifest.links)}
+        for dirpath, dirs, _files in os.walk(base):
+            for d in dirs:
+                full = Path(dirpath) / d
+                facts[full.relative_to(base).as_posix()] = _fact(full)
+        return facts
+
+    def verify(self, job_id: str, seq: int, *, deep: bool = True) -> Verdict:
+        """Whether checkpoint `seq` may be restored: structure always, checksums when `deep`."""
+        try:
+            manifest = self.read_manifest(job_id, seq)
+        except ManifestError as e:
+            return Verdict.bad(seq, [str(e)])
+        facts = self.gather_facts(job_id, seq, manifest)
+        problems = structural_problems(
+            manifest, facts, expected_job=job_id, expected_seq=seq, trusted_uid=self.trusted_uid
+        )
+        if problems:
+            return Verdict.bad(seq, problems)
+        if deep:
+            base = self.checkpoint_dir(job_id, seq)
+            try:
+                digests = {r: h for r, (_s, h) in hash_files(base, list(manifest.files)).items()}
+            except OSError as e:
+                return Verdict.bad(seq, [f"cannot read an image file: {e}"])
+            problems = digest_problems(manifest, digests)
+            if problems:
+                return Verdict.bad(seq, problems)
+        return Verdict.good(seq)
+
+    def latest_valid(self, job_id: str, *, deep: bool = True) -> tuple[Manifest | None, Choice]:
+        """The newest checkpoint that verifies, and every newer one skipped with its reason.
+
+        Verification goes newest first and stops at the first good one, so older checkpoints
+        are not read.
+        """
+        verdicts: list[Verdict] = []
+        for seq in reversed(self.seqs(job_id)):
+            v = self.verify(job_id, seq, deep=deep)
+            verdicts.append(v)
+            if v.ok:
+                break
+        choice = choose_latest(verdicts)
+        if choice.seq is None:
+            return None, choice
+        return self.read_manifest(job_id, choice.seq), choice
+
+    def prune(self, job_id: str, keep: int, *, deep: bool = False) -> list[int]:
+        """Delete all but the newest `keep` good checkpoints and every bad one; return them.
+
+        The newest good checkpoint is never deleted, and nothing is while none is good. The
+        default check is structural (manifest, sizes, owners); `deep` also verifies checksums.
+        """
+        verdicts = [self.verify(job_id, s, deep=deep) for s in self.seqs(job_id)]
+        doomed = plan_prune(verdicts, keep)
+        for seq in doomed:
+            shutil.rmtree(self.checkpoint_dir(job_id, seq), ignore_errors=True)
+        return doomed
+
+    def usage(self, job_id: str) -> JobUsage:
+        """Bytes on disk (allocated blocks) and apparent bytes of all of a job's checkpoints."""
+        on_disk = apparent = 0
+        seqs = self.seqs(job_id)
+        for seq in seqs:
+            for dirpath, _dirs, files in os.walk(self.checkpoint_dir(job_id, seq)):
+                for name in files:
+                    with contextlib.suppress(FileNotFoundError):
+                        st = os.lstat(Path(dirpath) / name)
+                        on_disk += st.st_blocks * 512
+                        apparent += st.st_size
+        return JobUsage(on_disk, apparent, len(seqs))
+
+    def delete_job(self, job_id: str) -> None:
+        """Remove every checkpoint and log of a job."""
+        shutil.rmtree(self.job_dir(job_id), ignore_errors=True)
+
+    @contextlib.contextmanager
+    def sealed(self, job_id: str, seq: int) -> Iterator[Path]:
+        """Make a checkpoint root-only while it is verified and restored, then give it back.
+
+        This closes the window in which the job's user could swap a verified file.
+        """
+        path = self.checkpoint_dir(job_id, seq)
+        st = os.lstat(path)
+        os.chown(path, self.trusted_uid, -1)
+        os.chmod(path, 0o700)
+        try:
+            yield path
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.chown(path, st.st_uid, st.st_gid)
+
+
+def rewind_files(sizes: Mapping[str, int]) -> dict[str, int]:
+    """Cut each file back to its size at the dump (log lines written after it would repeat).
+
+    Only regular files longer than recorded are touched; returns the bytes cut from each.
+    """
+    cut: dict[str, int] = {}
+    for path, size in sizes.items():
+        if size < 0:
+            continue
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_size > size:
+                os.ftruncate(fd, size)
+                cut[path] = st.st_size - size
+        finally:
+            os.close(fd)
+    return cut
+
+
+def tree_anon_bytes(pids: Sequence[int]) -> int:
+    """Resident anonymous and shared memory of some processes: about what a dump will write."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith(("RssAnon:", "RssShmem:")):
+                    total += int(line.split()[1]) * 1024
+    return total
