@@ -86,9 +86,14 @@ def submit(
     env: list[str] = typer.Option([], "--env", "-e", help="Extra KEY=VALUE for the job."),
     cwd: str = typer.Option(None, "--cwd", help="Working directory (default: the current one)."),
     wait: bool = typer.Option(False, "--wait", "-W", help="Wait for the job; exit with its status."),
+    checkpoint_every: float = typer.Option(
+        None, "--checkpoint-every", help="Seconds between periodic checkpoints (0: none; default: daemon's)."
+    ),
     socket: str = SocketOption,
 ) -> None:
     """Queue a program; prints its job id. The job runs as you, with your environment."""
+    if checkpoint_every is not None and checkpoint_every < 0:
+        raise CliError(f"--checkpoint-every must not be negative, not {checkpoint_every:g}", EXIT_USAGE)
     if not command:
         raise CliError(
             "empty command: give the program to run after --, e.g. sing submit -- python train.py", EXIT_USAGE
@@ -99,6 +104,8 @@ def submit(
     request = pb.SubmitRequest(
         command=command, name=name, gpus=gpus, priority=priority, ranks=ranks, cwd=directory, env=job_env
     )
+    if checkpoint_every is not None:
+        request.checkpoint_interval = checkpoint_every
     with connect(socket) as stub:
         job = stub.Submit(request).job
         print(job.id, flush=True)
@@ -194,6 +201,35 @@ def cancel(
             if status == EXIT_OK:
                 status = exit_code_for_status(result.code)
     raise SystemExit(status)
+
+
+@app.command()
+def preempt(job_id: int = typer.Argument(..., metavar="ID"), socket: str = SocketOption) -> None:
+    """Checkpoint a running job and stop it; it resumes when the scheduler gives it devices."""
+    with connect(socket) as stub:
+        stub.Preempt(pb.JobRef(id=job_id))
+
+
+@app.command()
+def suspend(job_id: int = typer.Argument(..., metavar="ID"), socket: str = SocketOption) -> None:
+    """Checkpoint a running job and stop it (or hold a queued one) until `sing resume`."""
+    with connect(socket) as stub:
+        stub.Suspend(pb.JobRef(id=job_id))
+
+
+@app.command()
+def resume(job_id: int = typer.Argument(..., metavar="ID"), socket: str = SocketOption) -> None:
+    """Put a suspended job back in the queue."""
+    with connect(socket) as stub:
+        stub.Resume(pb.JobRef(id=job_id))
+
+
+@app.command()
+def checkpoint(job_id: int = typer.Argument(..., metavar="ID"), socket: str = SocketOption) -> None:
+    """Checkpoint a running job and let it keep running; prints the checkpoint taken."""
+    with connect(socket) as stub:
+        response = stub.Checkpoint(pb.JobRef(id=job_id))
+    print(output.checkpoint_text(response))
 
 
 @app.command()

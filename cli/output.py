@@ -68,6 +68,9 @@ def job_dict(job: pb.Job) -> dict[str, Any]:
         "cpu_seconds": job.cpu_seconds,
         "rss_bytes": job.rss_bytes,
         "attempt": job.attempt,
+        "checkpoint_interval": job.checkpoint_interval,
+        "checkpoints": job.checkpoints,
+        "checkpoint_bytes": job.checkpoint_bytes,
     }
 
 
@@ -182,15 +185,26 @@ def job_detail_text(detail: pb.JobDetail) -> str:
         f"CPU time:   {job.cpu_seconds:.2f}s",
         f"Memory:     {human_bytes(job.rss_bytes)}" + (" (peak)" if job.ended_at else " (resident)"),
     ]
+    interval = f"every {job.checkpoint_interval:g}s" if job.checkpoint_interval else "on demand only"
+    lines.append(
+        f"Checkpoints: {job.checkpoints} kept, {human_bytes(job.checkpoint_bytes)} on disk ({interval})"
+    )
     if detail.log_path:
         lines.append(f"Log:        {detail.log_path}")
     if detail.env:
         lines.append(f"Env:        {len(detail.env)} variables (see -o json)")
     lines.append("")
     lines.append("Events:")
-    rows = [[timestamp(e.at), f"{e.from_state or '-'} -> {e.to_state}", e.reason] for e in detail.events]
-    lines += ["  " + line for line in table(rows, ("TIME", "TRANSITION", "REASON")).splitlines()]
+    rows = [[timestamp(e.at), _transition_text(e), e.reason] for e in detail.events]
+    lines += ["  " + line for line in table(rows, ("TIME", "STATE", "EVENT")).splitlines()]
     return "\n".join(lines)
+
+
+def _transition_text(event: pb.Event) -> str:
+    """'PENDING -> RUNNING' for a change of state; just the state for an event within one."""
+    if event.from_state == event.to_state:
+        return event.to_state
+    return f"{event.from_state or '-'} -> {event.to_state}"
 
 
 def job_detail_dict(detail: pb.JobDetail) -> dict[str, Any]:
@@ -198,11 +212,24 @@ def job_detail_dict(detail: pb.JobDetail) -> dict[str, Any]:
     data = job_dict(detail.job)
     data["env"] = dict(detail.env) if detail.env else None
     data["log_path"] = detail.log_path or None
+    data["checkpoint_list"] = [
+        {"seq": c.seq, "created_at": c.created_at, "bytes": c.bytes, "complete": c.complete}
+        for c in detail.checkpoint_list
+    ]
     data["events"] = [
         {"at": e.at, "from_state": e.from_state or None, "to_state": e.to_state, "reason": e.reason}
         for e in detail.events
     ]
     return data
+
+
+def checkpoint_text(response: pb.CheckpointResponse) -> str:
+    """One line for `sing checkpoint`: which checkpoint, its size, the pause it cost."""
+    taken = response.checkpoint
+    return (
+        f"job {response.job.id}: checkpoint {taken.seq}, {human_bytes(taken.bytes)}, "
+        f"paused {response.pause_seconds:.2f}s"
+    )
 
 
 def devices_table(devices: Sequence[pb.Device], header: bool = True) -> str:

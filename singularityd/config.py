@@ -68,6 +68,8 @@ class Config:
     criu: str = "auto"
     checkpoint_interval_seconds: float = 0.0
     checkpoint_keep: int = 2
+    checkpoint_pre_copy: int = 1
+    checkpoint_dir: Path | None = None
     log_level: str = "info"
 
     @property
@@ -84,6 +86,11 @@ class Config:
     def jobs_dir(self) -> Path:
         """Per-job folders: logs, status files and launch specs."""
         return self.state_dir / "jobs"
+
+    @property
+    def checkpoints(self) -> Path:
+        """Where checkpoint images are kept: checkpoint_dir, else <state_dir>/checkpoints."""
+        return self.checkpoint_dir or self.state_dir / "checkpoints"
 
     @property
     def internal_socket_dir(self) -> Path:
@@ -109,6 +116,9 @@ OPTIONS: dict[str, str] = {
     "or a path to a criu binary.",
     "checkpoint_interval_seconds": "Default periodic checkpoint interval; 0 disables (default 0).",
     "checkpoint_keep": "How many complete checkpoints to keep per job (default 2).",
+    "checkpoint_pre_copy": "Pre-copy rounds (CRIU pre-dumps while the job runs) before the final "
+    "dump, so the pause grows with dirtied memory only; 0 disables (default 1).",
+    "checkpoint_dir": "Where checkpoint images are kept (default <state_dir>/checkpoints).",
     "log_level": "debug, info, warning or error (default info). Env SING_LOG_LEVEL.",
 }
 
@@ -123,11 +133,10 @@ ENV_NAMES: dict[str, str] = {
 
 def _coerce(name: str, value: Any, source: str) -> Any:
     """Turn a raw value from a file, env or flag into the field's type, or raise ConfigError."""
-    kinds: dict[str, type] = {
-        f.name: type(f.default) for f in fields(Config) if f.name not in ("socket", "state_dir")
-    }
+    paths = ("socket", "state_dir", "checkpoint_dir")
+    kinds: dict[str, type] = {f.name: type(f.default) for f in fields(Config) if f.name not in paths}
     try:
-        if name in ("socket", "state_dir"):
+        if name in paths:
             return Path(str(value)).expanduser()
         kind = kinds[name]
         if kind is int and isinstance(value, bool):
@@ -139,6 +148,8 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         raise ConfigError(f"{source}: devices must be 'auto', 'nvml' or 'virtual', not {coerced!r}")
     if name in ("virtual_devices", "checkpoint_keep") and coerced < 1:
         raise ConfigError(f"{source}: {name} must be at least 1")
+    if name == "checkpoint_pre_copy" and coerced < 0:
+        raise ConfigError(f"{source}: {name} must not be negative")
     if (
         name in ("kill_grace_seconds", "shutdown_grace_seconds", "checkpoint_interval_seconds")
         and coerced < 0

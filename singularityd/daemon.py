@@ -16,10 +16,8 @@ import asyncio
 import contextlib
 import fcntl
 import logging
-import shutil
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -31,9 +29,22 @@ import grpc
 
 from singularityd import __version__, runtime
 from singularityd.api.service import add_service
+from singularityd.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointResult,
+    CheckpointUnavailable,
+    Criu,
+    ImageStore,
+    locate_criu,
+)
+from singularityd.checkpoint.manifest import MANIFEST_NAME
 from singularityd.config import OPTIONS, Config, ConfigError, load_config
 from singularityd.core.jobs import (
     CancelRequested,
+    Checkpointed,
+    CheckpointFailed,
+    CheckpointRequested,
     Decision,
     Exited,
     InvalidTransition,
@@ -41,16 +52,21 @@ from singularityd.core.jobs import (
     JobState,
     LaunchFailed,
     MarkCancelRequested,
+    Note,
+    PreemptRequested,
     ProcessesLost,
     ReleaseDevices,
     Requeued,
     Reschedule,
+    RestoreFailed,
+    ResumeRequested,
     Started,
     Stimulus,
+    TakeCheckpoint,
     TerminateProcesses,
     decide,
 )
-from singularityd.core.policy import QueuedJob, plan_starts
+from singularityd.core.policy import QueuedJob, RunningJob, plan_starts
 from singularityd.devices import Device, Inventory, discover, refresh
 from singularityd.identity import Caller, IdentityRelay, resolve_caller
 from singularityd.requests import RequestError, SubmitArgs, not_found
@@ -70,32 +86,23 @@ class CriuStatus:
     unavailable_reason: str
 
 
-def probe_criu(setting: str, user_mode: bool) -> CriuStatus:
-    """Find a CRIU that passes `criu check`: the configured one, PATH's, or the private copy."""
-    if user_mode:
-        return CriuStatus("", "", "checkpoints need root (the daemon runs in user mode)")
-    if setting != "auto":
-        candidates = [setting]
-    else:
-        candidates = [c for c in (shutil.which("criu"), str(Path(sys.prefix) / "criu" / "criu")) if c]
-    reasons = []
-    for candidate in candidates:
-        if not Path(candidate).exists():
-            reasons.append(f"{candidate}: not found")
-            continue
-        try:
-            version = subprocess.run(
-                [candidate, "--version"], capture_output=True, text=True, timeout=20
-            ).stdout.splitlines()
-            check = subprocess.run([candidate, "check"], capture_output=True, text=True, timeout=60)
-        except (OSError, subprocess.TimeoutExpired) as error:
-            reasons.append(f"{candidate}: {error}")
-            continue
-        if check.returncode == 0:
-            return CriuStatus(candidate, (version or ["?"])[0].removeprefix("Version: "), "")
-        last = (check.stderr or check.stdout).strip().splitlines()
-        reasons.append(f"{candidate}: criu check failed: {last[-1] if last else check.returncode}")
-    return CriuStatus("", "", "; ".join(reasons) or "no criu found (run scripts/setup)")
+def human_bytes(count: float) -> str:
+    """1536 -> '1.5K' (binary units), for event texts."""
+    for unit in ("B", "K", "M", "G"):
+        if abs(count) < 1024:
+            return f"{count:.0f}{unit}" if unit == "B" else f"{count:.1f}{unit}"
+        count /= 1024
+    return f"{count:.1f}T"
+
+
+def checkpoint_summary(result: CheckpointResult) -> str:
+    """What an event says about a checkpoint: its number, size, the pause and pre-copy."""
+    text = f"checkpoint {result.seq} ({human_bytes(result.image_bytes)}, paused {result.pause_s:.2f}s"
+    if result.pre_dumps:
+        text += f" after {len(result.pre_dumps)} pre-copy round(s)"
+    if result.pruned:
+        text += f"; removed older checkpoint(s) {','.join(str(s) for s in result.pruned)}"
+    return text + ")"
 
 
 class Daemon:
@@ -107,6 +114,10 @@ class Daemon:
         self.store: Store
         self.inventory: Inventory
         self.criu = CriuStatus("", "", "not probed yet")
+        self.checkpointer: Checkpointer | None = None
+        self._checkpointing: set[int] = set()
+        self._exited_while_checkpointing: set[int] = set()
+        self._periodic: dict[int, asyncio.TimerHandle] = {}
         self._watches: dict[int, runtime.ProcessWatch] = {}
         self._kill_timers: dict[int, asyncio.TimerHandle] = {}
         self._launching: set[int] = set()
@@ -155,7 +166,7 @@ class Daemon:
             self.inventory.kind,
             self.inventory.nvml_status,
         )
-        self._spawn(self._probe_criu())
+        await self._probe_criu()
         await self._recover()
         self._relay = IdentityRelay(
             self.config.socket,
@@ -168,11 +179,18 @@ class Daemon:
         log.info("singularityd %s listening on %s", __version__, self.config.socket)
 
     async def _probe_criu(self) -> None:
-        self.criu = await asyncio.to_thread(probe_criu, self.config.criu, self.config.user_mode)
-        if self.criu.unavailable_reason:
-            log.warning("checkpoints unavailable: %s", self.criu.unavailable_reason)
-        else:
-            log.info("CRIU %s at %s", self.criu.version, self.criu.path)
+        try:
+            info = await asyncio.to_thread(locate_criu, self.config.criu)
+        except CheckpointUnavailable as error:
+            self.criu = CriuStatus("", "", str(error))
+            log.warning("checkpoints unavailable: %s", error)
+            return
+        self.criu = CriuStatus(" ".join(info.argv), info.version_text, "")
+        images = ImageStore(self.config.checkpoints)
+        self.checkpointer = Checkpointer(
+            Criu(info), images, keep=self.config.checkpoint_keep, pre_copy=self.config.checkpoint_pre_copy
+        )
+        log.info("CRIU %s (%s); checkpoints in %s", info.version_text, info.source, self.config.checkpoints)
 
     async def stop(self) -> None:
         """Stop serving and close the store; jobs keep running and are re-adopted on restart."""
@@ -182,7 +200,7 @@ class Daemon:
         await asyncio.gather(*(server.stop(grace) for server in self._servers.values()))
         for watch in self._watches.values():
             watch.close()
-        for timer in self._kill_timers.values():
+        for timer in [*self._kill_timers.values(), *self._periodic.values()]:
             timer.cancel()
         for task in list(self._tasks):
             task.cancel()
@@ -252,7 +270,15 @@ class Daemon:
         job = self.store.get(job_id)
         if job is None:
             raise not_found(job_id)
-        decision = decide(JobFacts(job.id, job.state, job.cancel_requested), stimulus, time.time())
+        facts = JobFacts(
+            job.id,
+            job.state,
+            job.cancel_requested,
+            has_checkpoint=self.has_checkpoint(job.id),
+            checkpointing=job.id in self._checkpointing,
+            checkpoints_available=self.checkpointer is not None,
+        )
+        decision = decide(facts, stimulus, time.time())
         if decision.transition is not None:
             exit_code = signal_number = None
             if isinstance(stimulus, Exited):
@@ -282,6 +308,11 @@ class Daemon:
                     self._forget_processes(job_id)
                 case Reschedule():
                     self.request_schedule()
+                case Note(reason=reason):
+                    self.store.add_note(job_id, job.state, reason, time.time())
+                    log.info("job %d: %s", job_id, reason)
+                case TakeCheckpoint():
+                    pass  # the caller runs the checkpoint and reports how it went
         self._notify(job_id)
         return decision
 
@@ -312,15 +343,30 @@ class Daemon:
             return
         busy = self.store.busy_devices()
         free = [d.index for d in self.inventory.devices if d.index not in busy]
+        running = [
+            RunningJob(
+                j.id,
+                j.spec.priority,
+                j.started_at or 0.0,
+                j.devices,
+                stopping=j.id in self._checkpointing or j.cancel_requested,
+                preemptible=j.init_pid is not None,
+            )
+            for j in self.store.list_jobs(states=(JobState.RUNNING,))
+        ]
         plan = plan_starts(
             [QueuedJob(j.id, j.spec.priority, j.id, j.spec.gpus) for j in queued],
             free,
             len(self.inventory.devices),
+            running,
+            can_preempt=self.checkpointer is not None,
         )
         for job_id, devices in plan.starts:
             self.apply(job_id, Started(devices))
             self._launching.add(job_id)
             self._spawn(self._launch(job_id))
+        for job_id in plan.preemptions:
+            self._spawn(self._scheduler_preempt(job_id))
         self.store.set_pending_reasons(plan.pending_reasons)
         for job_id in plan.pending_reasons:
             self._notify(job_id)
@@ -331,6 +377,9 @@ class Daemon:
         job = self.store.get(job_id)
         assert job is not None
         paths = self.job_paths(job_id)
+        if self.has_checkpoint(job_id):
+            await self._restore(job_id, paths)
+            return
         try:
             spec = await asyncio.to_thread(self._launch_spec, job, paths)
             pid, ticks = await runtime.launch(spec, paths)
@@ -339,20 +388,48 @@ class Daemon:
             self.apply(job_id, LaunchFailed(str(error)))
             return
         self._launching.discard(job_id)
+        self._running(job_id, pid, ticks)
+
+    def _running(self, job_id: int, pid: int, ticks: int) -> None:
+        """The job's supervisor (launched or restored) runs: record it, watch it, arm checkpoints."""
         self.store.set_process(job_id, pid, ticks)
         log.info("job %d: supervisor pid %d", job_id, pid)
         self._watch(job_id, pid)
+        self._arm_periodic_checkpoint(job_id)
+        self._notify(job_id)
         current = self.store.get(job_id)
         if current is not None and current.cancel_requested:
             self._terminate(job_id)
 
+    async def _restore(self, job_id: int, paths: runtime.JobPaths) -> None:
+        assert self.checkpointer is not None
+        paths.status.unlink(missing_ok=True)
+        try:
+            result = await self.checkpointer.restore_latest(str(job_id))
+        except CheckpointError as error:
+            self._launching.discard(job_id)
+            self.apply(job_id, RestoreFailed(str(error)))
+            return
+        finally:
+            self._launching.discard(job_id)
+        job = self.get_job(job_id)
+        for skipped in result.skipped:
+            self.store.add_note(
+                job_id, job.state, f"checkpoint {skipped.seq} not used: {skipped.reason}", time.time()
+            )
+        self.store.add_note(job_id, job.state, f"restored from checkpoint {result.seq}", time.time())
+        paths.pid.write_text(str(result.pid))
+        ticks = runtime.process_start_ticks(result.pid)
+        self._running(job_id, result.pid, ticks if ticks is not None else 0)
+
     def _launch_spec(self, job: JobRecord, paths: runtime.JobPaths) -> dict[str, Any]:
         spec = job.spec
-        runtime.prepare_job_dir(paths, spec.uid, spec.gid)
+        runtime.prepare_job_dir(paths)
         return {
             "job_id": job.id,
             "uid": spec.uid,
             "gid": spec.gid,
+            "user": spec.user,
             "groups": runtime.user_groups(spec.user, spec.gid),
             "command": list(spec.command),
             "cwd": spec.cwd,
@@ -380,6 +457,9 @@ class Daemon:
         watch = self._watches.pop(job_id, None)
         if watch is not None:
             watch.close()
+        if job_id in self._checkpointing:
+            self._exited_while_checkpointing.add(job_id)
+            return
         timer = self._kill_timers.pop(job_id, None)
         if timer is not None:
             timer.cancel()
@@ -409,6 +489,89 @@ class Daemon:
         watch = self._watches.pop(job_id, None)
         if watch is not None:
             watch.close()
+        timer = self._periodic.pop(job_id, None)
+        if timer is not None:
+            timer.cancel()
+
+    # Checkpoints
+
+    def has_checkpoint(self, job_id: int) -> bool:
+        """Whether the job has at least one complete checkpoint (verified only when restoring)."""
+        if self.checkpointer is None:
+            return False
+        images = self.checkpointer.store
+        return any(
+            (images.checkpoint_dir(str(job_id), seq) / MANIFEST_NAME).exists()
+            for seq in images.seqs(str(job_id))
+        )
+
+    def checkpoint_interval(self, job: JobRecord) -> float:
+        """The job's own periodic checkpoint interval, else the daemon's default (0: none)."""
+        if job.spec.checkpoint_interval is not None:
+            return job.spec.checkpoint_interval
+        return self.config.checkpoint_interval_seconds
+
+    def _arm_periodic_checkpoint(self, job_id: int) -> None:
+        job = self.store.get(job_id)
+        if job is None or self.checkpointer is None:
+            return
+        interval = self.checkpoint_interval(job)
+        if interval <= 0:
+            return
+        self._periodic[job_id] = asyncio.get_running_loop().call_later(
+            interval, lambda: self._spawn(self._periodic_checkpoint(job_id))
+        )
+
+    async def _periodic_checkpoint(self, job_id: int) -> None:
+        self._periodic.pop(job_id, None)
+        job = self.store.get(job_id)
+        if job is None or job.state is not JobState.RUNNING or job_id not in self._watches:
+            return
+        if job_id not in self._checkpointing and not job.cancel_requested:
+            with contextlib.suppress(RequestError):
+                await self._checkpoint(job_id, stop=False, hold=False, reason="periodic checkpoint")
+        if job_id in self._watches:
+            self._arm_periodic_checkpoint(job_id)
+
+    async def _checkpoint(self, job_id: int, *, stop: bool, hold: bool, reason: str) -> CheckpointResult:
+        """Checkpoint a running job (and stop it when asked); record the outcome as events."""
+        assert self.checkpointer is not None
+        job = self.get_job(job_id)
+        if job.init_pid is None:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"job {job_id} is still starting")
+        paths = self.job_paths(job_id)
+        logs = [str(paths.rank_log(r)) for r in range(job.spec.ranks)] + [str(paths.supervisor_log)]
+        self._checkpointing.add(job_id)
+        try:
+            result = await self.checkpointer.checkpoint(
+                str(job_id),
+                job.init_pid,
+                owner_uid=job.spec.uid,
+                owner_gid=job.spec.gid,
+                leave_running=not stop,
+                rewind_paths=logs,
+                extra={"reason": reason, "devices": list(job.devices)},
+            )
+        except CheckpointError as error:
+            self._checkpointing.discard(job_id)
+            self.apply(job_id, CheckpointFailed(str(error)))
+            if job_id in self._exited_while_checkpointing:
+                self._exited_while_checkpointing.discard(job_id)
+                self._on_exit(job_id)
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"checkpoint failed: {error}") from None
+        self._checkpointing.discard(job_id)
+        self._exited_while_checkpointing.discard(job_id)
+        summary = f"{reason}: {checkpoint_summary(result)}"
+        self.apply(job_id, Checkpointed(summary, stopped=stop, hold=hold))
+        return result
+
+    async def _scheduler_preempt(self, job_id: int) -> None:
+        with contextlib.suppress(RequestError, InvalidTransition):
+            self.apply(job_id, PreemptRequested("the scheduler (a higher-priority job needs its devices)"))
+            await self._checkpoint(
+                job_id, stop=True, hold=False, reason="preempted for a higher-priority job"
+            )
+        self.request_schedule()
 
     # Requests (called by the API servicer with the kernel-proven caller)
 
@@ -445,6 +608,11 @@ class Daemon:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"working directory {args.cwd} does not exist"
             )
+        if args.checkpoint_interval is not None and args.checkpoint_interval < 0:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"--checkpoint-every must not be negative, not {args.checkpoint_interval:g}",
+            )
         bad = [key for key in args.env if not key or "=" in key or "\0" in key]
         if bad:
             raise RequestError(
@@ -462,6 +630,7 @@ class Daemon:
             command=args.command,
             env=args.env,
             cwd=args.cwd,
+            checkpoint_interval=args.checkpoint_interval,
         )
         job = self.store.create_job(spec, time.time(), f"submitted by {caller.user}")
         log.info("job %d submitted by %s: %s", job.id, caller.user, " ".join(args.command))
@@ -494,6 +663,59 @@ class Daemon:
         except InvalidTransition as error:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from None
         return self.get_job(job_id)
+
+    async def preempt(self, caller: Caller, job_id: int, hold: bool) -> JobRecord:
+        """Checkpoint and stop a running job (hold: until resumed by hand); returns once stopped."""
+        self.owned_job(caller, job_id)
+        try:
+            decision = self.apply(job_id, PreemptRequested(caller.user, hold=hold))
+        except InvalidTransition as error:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from None
+        if any(isinstance(a, TakeCheckpoint) for a in decision.actions):
+            verb = "suspended" if hold else "preempted"
+            await self._checkpoint(job_id, stop=True, hold=hold, reason=f"{verb} by {caller.user}")
+        return self.get_job(job_id)
+
+    def resume(self, caller: Caller, job_id: int) -> JobRecord:
+        """Put a suspended job back in the queue."""
+        self.owned_job(caller, job_id)
+        try:
+            self.apply(job_id, ResumeRequested(caller.user))
+        except InvalidTransition as error:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from None
+        return self.get_job(job_id)
+
+    async def checkpoint(self, caller: Caller, job_id: int) -> tuple[JobRecord, CheckpointResult]:
+        """Checkpoint a running job in place; returns once the checkpoint is complete."""
+        self.owned_job(caller, job_id)
+        try:
+            self.apply(job_id, CheckpointRequested(caller.user))
+        except InvalidTransition as error:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from None
+        result = await self._checkpoint(job_id, stop=False, hold=False, reason=f"checkpoint by {caller.user}")
+        return self.get_job(job_id), result
+
+    def checkpoint_usage(self, job_id: int) -> tuple[int, int]:
+        """How many checkpoints the job has and the bytes they take on disk."""
+        if self.checkpointer is None:
+            return 0, 0
+        usage = self.checkpointer.store.usage(str(job_id))
+        return usage.checkpoints, usage.bytes_on_disk
+
+    def checkpoint_list(self, job_id: int) -> list[tuple[int, float, int, bool]]:
+        """(seq, created_at, bytes, complete) of each of the job's checkpoint folders."""
+        if self.checkpointer is None:
+            return []
+        images = self.checkpointer.store
+        found = []
+        for seq in images.seqs(str(job_id)):
+            try:
+                manifest = images.read_manifest(str(job_id), seq)
+            except (CheckpointError, OSError, ValueError):
+                found.append((seq, 0.0, 0, False))
+                continue
+            found.append((seq, manifest.created_at, manifest.total_bytes, True))
+        return found
 
     async def wait_for_end(self, job_id: int) -> JobRecord:
         """Return the job once it has reached a terminal state."""

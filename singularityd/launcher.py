@@ -5,6 +5,10 @@ it starts fast and never depends on the daemon's packages. As root it puts the j
 namespace (so a CRIU restore never needs the original PIDs), forks the supervisor, prints the
 supervisor's host PID and exits: the supervisor outlives the daemon, and records the job's exit
 status in a file, so a restarted daemon can re-adopt the job or learn how it ended.
+
+The supervisor itself stays root (CRIU can only restore a PID namespace whose init is root, and
+the status file lives where the user cannot tamper with it); every rank drops to the user
+before it runs anything, and enters its working directory only as that user.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ import contextlib
 import ctypes
 import json
 import os
-import resource  # noqa: F401  (os.wait4 needs it; it cannot be imported after dropping root)
 import signal
 import subprocess
 import sys
@@ -34,13 +37,50 @@ def _unshare_pid_namespace() -> None:
         raise OSError(errno, f"unshare(CLONE_NEWPID): {os.strerror(errno)}")
 
 
-def _die_with_parent() -> None:
-    """Run in each rank before exec: the kernel kills the rank if its supervisor dies."""
-    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+def _rank_setup(cwd: str) -> Any:
+    """What each rank runs after dropping to the user and before exec.
+
+    The kernel kills the rank if its supervisor dies (set after the uid change, which would
+    clear it), and the working directory is entered with the user's own permissions.
+    """
+
+    def setup() -> None:
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        os.chdir(cwd)
+
+    return setup
+
+
+def _check_cwd_as_user(spec: dict[str, Any]) -> str:
+    """Whether the user may enter the working directory; an error message or ''."""
+    if os.geteuid() != 0:
+        try:
+            os.chdir(spec["cwd"])
+        except OSError as error:
+            return f"cannot enter working directory {spec['cwd']}: {error.strerror}"
+        return ""
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            os.setgroups(spec["groups"])
+            os.setgid(spec["gid"])
+            os.setuid(spec["uid"])
+            os.chdir(spec["cwd"])
+        except OSError as error:
+            code = error.errno or 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    errno = os.waitstatus_to_exitcode(status)
+    if errno == 0:
+        return ""
+    who = spec.get("user", spec["uid"])
+    return f"cannot enter working directory {spec['cwd']} as {who}: {os.strerror(errno)}"
 
 
 def _open_log(path: str, uid: int, gid: int) -> int:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    """Open a log for appending, owned by the job's user and private to them."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     if os.geteuid() == 0:
         os.fchown(fd, uid, gid)
     return fd
@@ -90,17 +130,24 @@ class Supervisor:
         devnull = os.open(os.devnull, os.O_RDONLY)
         for rank, env in enumerate(self.spec["rank_envs"]):
             log_fd = _open_log(self.spec["rank_logs"][rank], self.spec["uid"], self.spec["gid"])
+            identity: dict[str, Any] = {}
+            if os.geteuid() == 0:
+                identity = {
+                    "user": self.spec["uid"],
+                    "group": self.spec["gid"],
+                    "extra_groups": self.spec["groups"],
+                }
             try:
                 process = subprocess.Popen(
                     self.spec["command"],
                     env=env,
-                    cwd=self.spec["cwd"],
                     stdin=devnull,
                     stdout=log_fd,
                     stderr=log_fd,
                     process_group=0,
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=_rank_setup(self.spec["cwd"]),
                     close_fds=True,
+                    **identity,
                 )
             finally:
                 os.close(log_fd)
@@ -134,27 +181,24 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_term)
         signal.signal(signal.SIGINT, self._on_term)
         signal.signal(signal.SIGALRM, self._on_deadline)
-        status: dict[str, Any]
+        status: dict[str, Any] = {}
+        cwd_problem = _check_cwd_as_user(self.spec)
         try:
-            os.chdir(self.spec["cwd"])
-            self.start_ranks()
-        except FileNotFoundError as error:
-            missing = error.filename or self.spec["command"][0]
-            if missing == self.spec["cwd"]:
-                message = f"working directory {missing} does not exist"
+            if cwd_problem:
+                status = {"exit_code": 126, "signal": None, "error": cwd_problem}
             else:
-                message = f"command not found: {missing}"
+                self.start_ranks()
+        except FileNotFoundError as error:
+            message = f"command not found: {error.filename or self.spec['command'][0]}"
             self.terminate_ranks(signal.SIGKILL)
             status = {"exit_code": EXIT_LAUNCH_ERROR, "signal": None, "error": message}
         except PermissionError as error:
             message = f"permission denied: {error.filename or self.spec['command'][0]}"
             self.terminate_ranks(signal.SIGKILL)
             status = {"exit_code": 126, "signal": None, "error": message}
-        except OSError as error:
+        except (OSError, subprocess.SubprocessError) as error:
             self.terminate_ranks(signal.SIGKILL)
             status = {"exit_code": EXIT_LAUNCH_ERROR, "signal": None, "error": f"cannot start: {error}"}
-        else:
-            status = {}
         self.wait_ranks()
         if not status:
             code, sig = self.first_failure or (0, None)
@@ -172,14 +216,6 @@ class Supervisor:
         return int(status["exit_code"] or 0) & 0xFF
 
 
-def _become_user(spec: dict[str, Any]) -> None:
-    if os.geteuid() != 0:
-        return
-    os.setgroups(spec["groups"])
-    os.setgid(spec["gid"])
-    os.setuid(spec["uid"])
-
-
 def _supervise(spec: dict[str, Any]) -> int:
     """Body of the forked supervisor; returns its exit code."""
     os.setsid()
@@ -190,7 +226,6 @@ def _supervise(spec: dict[str, Any]) -> int:
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     os.closerange(3, 1 << 16)
-    _become_user(spec)
     return Supervisor(spec).run()
 
 

@@ -32,3 +32,4 @@ class SubmitArgs:
     ranks: int
     cwd: str
     env: dict[str, str]
+    checkpoint_interval: float | None = None

@@ -86,13 +86,21 @@ class JobPaths:
         return self.root / "launch.json"
 
 
-def prepare_job_dir(paths: JobPaths, uid: int, gid: int) -> None:
-    """Create the job's folder, owned by its user and private to them (logs hold their output)."""
+def prepare_job_dir(paths: JobPaths) -> None:
+    """Create the job's folders.
+
+    As root they belong to root (mode 0711), so the files root writes there (status, PID, the
+    logs it opens) cannot be swapped for links by the job's user; each log file is the user's
+    own, readable by them alone. In user mode everything is the user's, mode 0700.
+    """
     paths.logs.mkdir(parents=True, exist_ok=True)
+    mode = 0o711 if os.geteuid() == 0 else 0o700
     for folder in (paths.root, paths.logs):
-        os.chmod(folder, 0o700)
+        if folder.is_symlink() or not folder.is_dir():
+            raise LaunchError(f"{folder} is not a directory")
+        os.chmod(folder, mode)
         if os.geteuid() == 0:
-            os.chown(folder, uid, gid)
+            os.chown(folder, 0, 0)
 
 
 def free_tcp_port() -> int:
@@ -115,6 +123,7 @@ def rank_environments(
     """The environment of each rank: the user's, plus what torchrun and singularityd provide.
 
     USER and LOGNAME always name the job's real user, whatever the request carried.
+    USE_LIBUV defaults to 0: torch's libuv TCPStore creates an io_uring, which CRIU cannot dump.
     """
     identity = {"USER": user, "LOGNAME": user}
     defaults: dict[str, str] = {}
@@ -125,6 +134,7 @@ def rank_environments(
         pass
     listed = ",".join(str(d) for d in devices)
     environments = []
+    defaults["USE_LIBUV"] = "0"
     for rank in range(ranks):
         env = {**defaults, **base, **identity}
         env.update(

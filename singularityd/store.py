@@ -43,6 +43,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     cpu_seconds REAL,
     max_rss_bytes INTEGER,
     attempt INTEGER NOT NULL DEFAULT 0,
+    checkpoint_interval REAL,
     init_pid INTEGER,
     init_start_ticks INTEGER
 );
@@ -82,6 +83,7 @@ class JobSpec:
     command: tuple[str, ...]
     env: dict[str, str]
     cwd: str
+    checkpoint_interval: float | None = None
 
 
 @dataclass(frozen=True)
@@ -170,8 +172,8 @@ class Store:
         with self._transaction() as db:
             cursor = db.execute(
                 """INSERT INTO jobs (name, uid, gid, user, priority, gpus, ranks, command, env, cwd,
-                                     state, reason, pending_reason, submitted_at)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                                     checkpoint_interval, state, reason, pending_reason, submitted_at)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
                 (
                     spec.name,
                     spec.uid,
@@ -183,6 +185,7 @@ class Store:
                     json.dumps(list(spec.command)),
                     json.dumps(spec.env),
                     spec.cwd,
+                    spec.checkpoint_interval,
                     JobState.PENDING.value,
                     reason,
                     "waiting for the scheduler",
@@ -251,6 +254,7 @@ class Store:
             command=tuple(json.loads(row["command"])),
             env=json.loads(row["env"]),
             cwd=row["cwd"],
+            checkpoint_interval=row["checkpoint_interval"],
         )
         return JobRecord(
             id=row["id"],
@@ -327,6 +331,14 @@ class Store:
                        WHERE id = ?""",
                     (transition.at, exit_code, signal, cpu_seconds, max_rss_bytes, transition.job_id),
                 )
+
+    def add_note(self, job_id: int, state: JobState, reason: str, at: float) -> None:
+        """Log an event that does not change the job's state (a checkpoint, a failed attempt)."""
+        with self._transaction() as db:
+            db.execute(
+                "INSERT INTO events (job_id, at, from_state, to_state, reason) VALUES (?, ?, ?, ?, ?)",
+                (job_id, at, state.value, state.value, reason),
+            )
 
     def set_process(self, job_id: int, pid: int, start_ticks: int) -> None:
         """Remember the host PID (and its start time, against PID reuse) of the job's init."""

@@ -25,7 +25,7 @@ from singularityd.core.jobs import (
     decide,
     shell_exit_status,
 )
-from singularityd.core.policy import QueuedJob, plan_starts
+from singularityd.core.policy import QueuedJob, RunningJob, plan_starts
 
 
 def facts(state: JobState, cancel: bool = False) -> JobFacts:
@@ -142,3 +142,91 @@ def test_policy_never_overcommits_and_names_unsatisfiable_jobs() -> None:
         for d in devices
     ]
     assert sorted(granted) == [0, 1, 2]
+
+
+def running(
+    job_id: int, priority: int, devices: tuple[int, ...], started: float, stopping: bool = False
+) -> RunningJob:
+    return RunningJob(
+        job_id=job_id, priority=priority, started_seq=started, devices=devices, stopping=stopping
+    )
+
+
+def test_policy_preempts_the_fewest_lowest_priority_jobs() -> None:
+    busy = [running(1, 0, (0,), 1.0), running(2, 0, (1,), 2.0), running(3, 5, (2, 3), 3.0)]
+    plan = plan_starts([queued(9, 1, priority=3)], [], 4, busy, can_preempt=True)
+    assert plan.starts == () and plan.preemptions == (2,), "newest of the lowest priority goes first"
+    assert plan.pending_reasons[9] == "Preempting: checkpointing lower-priority job(s) 2"
+    plan = plan_starts([queued(9, 2, priority=3)], [], 4, busy, can_preempt=True)
+    assert plan.preemptions == (2, 1)
+
+
+def test_policy_never_preempts_equal_or_higher_priority_or_without_checkpoints() -> None:
+    busy = [running(1, 3, (0, 1), 1.0)]
+    plan = plan_starts([queued(9, 1, priority=3)], [], 2, busy, can_preempt=True)
+    assert plan.preemptions == () and plan.pending_reasons[9] == "Resources: needs 1 device, 0 free"
+    lower = [running(1, 0, (0, 1), 1.0)]
+    assert plan_starts([queued(9, 1, priority=3)], [], 2, lower, can_preempt=False).preemptions == ()
+
+
+def test_policy_waits_for_jobs_already_stopping() -> None:
+    busy = [running(1, 0, (0,), 1.0, stopping=True), running(2, 0, (1,), 2.0)]
+    plan = plan_starts([queued(9, 1, priority=3), queued(10, 1, priority=3)], [], 2, busy, can_preempt=True)
+    assert plan.preemptions == ()
+    assert plan.pending_reasons[9] == "Preempting: waiting for job(s) 1 to stop"
+    assert plan.pending_reasons[10] == "Priority: queued behind job 9"
+
+
+def test_preempt_suspend_resume_checkpoint_decisions() -> None:
+    from singularityd.core.jobs import (
+        Checkpointed,
+        CheckpointFailed,
+        CheckpointRequested,
+        Note,
+        PreemptRequested,
+        RestoreFailed,
+        ResumeRequested,
+        TakeCheckpoint,
+    )
+
+    run = JobFacts(1, JobState.RUNNING)
+    assert decide(run, PreemptRequested("alice"), 0).actions[-1] == TakeCheckpoint(stop=True, hold=False)
+    assert decide(run, PreemptRequested("alice", hold=True), 0).actions[-1] == TakeCheckpoint(True, True)
+    assert decide(run, CheckpointRequested("alice"), 0).actions[-1] == TakeCheckpoint(stop=False)
+    done = decide(run, Checkpointed("preempted by alice: checkpoint 2 (10 MB)", stopped=True), 0)
+    assert done.transition is not None and done.transition.to_state is JobState.PREEMPTED
+    assert done.transition.reason == "preempted by alice: checkpoint 2 (10 MB); queued to resume"
+    held = decide(run, Checkpointed("checkpoint 3", stopped=True, hold=True), 0)
+    assert held.transition is not None and held.transition.to_state is JobState.SUSPENDED
+    in_place = decide(run, Checkpointed("checkpoint 4", stopped=False), 0)
+    assert in_place.transition is None and in_place.actions == (Note("checkpoint 4"),)
+    failed = decide(run, CheckpointFailed("No space left on device"), 0)
+    assert failed.transition is None
+    assert failed.actions == (Note("checkpoint failed, the job keeps running: No space left on device"),)
+
+    with pytest.raises(InvalidTransition, match="is PENDING; only a RUNNING job can be preempted"):
+        decide(JobFacts(1, JobState.PENDING), PreemptRequested("alice"), 0)
+    with pytest.raises(InvalidTransition, match="already being checkpointed"):
+        decide(JobFacts(1, JobState.RUNNING, checkpointing=True), CheckpointRequested("a"), 0)
+    with pytest.raises(InvalidTransition, match="checkpoints are unavailable"):
+        decide(JobFacts(1, JobState.RUNNING, checkpoints_available=False), PreemptRequested("a"), 0)
+    with pytest.raises(InvalidTransition, match="only a SUSPENDED job can be resumed"):
+        decide(JobFacts(1, JobState.PREEMPTED, has_checkpoint=True), ResumeRequested("a"), 0)
+
+    suspended = JobFacts(1, JobState.SUSPENDED, has_checkpoint=True)
+    resumed = decide(suspended, ResumeRequested("alice"), 0)
+    assert resumed.transition is not None and resumed.transition.to_state is JobState.PREEMPTED
+    never_ran = decide(JobFacts(1, JobState.SUSPENDED), ResumeRequested("alice"), 0)
+    assert never_ran.transition is not None and never_ran.transition.to_state is JobState.PENDING
+    hold_pending = decide(JobFacts(1, JobState.PENDING), PreemptRequested("alice", hold=True), 0)
+    assert hold_pending.transition is not None and hold_pending.transition.to_state is JobState.SUSPENDED
+
+    restart = decide(JobFacts(1, JobState.PREEMPTED, has_checkpoint=True), Started((2,)), 0)
+    assert (
+        restart.transition is not None
+        and restart.transition.reason == "resumed from its checkpoint on device 2"
+    )
+    lost = decide(JobFacts(1, JobState.RUNNING, has_checkpoint=True), ProcessesLost("gone"), 0)
+    assert lost.transition is not None and lost.transition.to_state is JobState.PREEMPTED
+    broken = decide(JobFacts(1, JobState.RUNNING, has_checkpoint=True), RestoreFailed("all corrupt"), 0)
+    assert broken.transition is not None and broken.transition.reason == "cannot resume: all corrupt"

@@ -9,6 +9,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.conftest import requires_root
@@ -41,10 +42,13 @@ def test_job_runs_as_the_submitter(lab_daemon: Daemon, users: dict[str, pwd.stru
         options=["--env", "USER=root"], user="sing-alice",
     )  # fmt: skip
     lab_daemon.wait_state(job, "RUNNING")
-    pid = int((lab_daemon.state_dir / "jobs" / str(job) / "init.pid").read_text())
-    status = Path(f"/proc/{pid}/status").read_text()
-    uid_line = next(line for line in status.splitlines() if line.startswith("Uid:"))
-    assert uid_line.split()[1:] == [str(alice.pw_uid)] * 4, "the kernel must see the job as alice"
+    supervisor = psutil.Process(int((lab_daemon.state_dir / "jobs" / str(job) / "init.pid").read_text()))
+    rank = wait_until(lambda: supervisor.children())[0]
+    uid_line = next(
+        line for line in Path(f"/proc/{rank.pid}/status").read_text().splitlines() if line.startswith("Uid:")
+    )
+    assert uid_line.split()[1:] == [str(alice.pw_uid)] * 4, "the kernel must see the rank as alice"
+    assert supervisor.uids().real == 0, "the supervisor (the job's PID 1, never the user's code) stays root"
     release.touch()
     assert lab_daemon.sing("wait", str(job), user="sing-alice").code == 0
     out = lab_daemon.sing("logs", str(job), user="sing-alice").out.split()
@@ -54,8 +58,11 @@ def test_job_runs_as_the_submitter(lab_daemon: Daemon, users: dict[str, pwd.stru
 
     log = lab_daemon.state_dir / "jobs" / str(job) / "logs" / "rank-0.log"
     assert log.stat().st_uid == alice.pw_uid
-    assert stat.S_IMODE(log.stat().st_mode) == 0o600
-    assert stat.S_IMODE(log.parent.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600, "only alice (and root) read her output"
+    for folder in (log.parent, log.parent.parent):
+        assert folder.stat().st_uid == 0 and stat.S_IMODE(folder.stat().st_mode) == 0o711, (
+            "root's folder: alice cannot swap the files root writes there for links"
+        )
 
 
 def test_users_act_only_on_their_own_jobs(lab_daemon: Daemon, users: dict[str, pwd.struct_passwd]) -> None:
@@ -116,7 +123,8 @@ def test_user_mode_daemon(users: dict[str, pwd.struct_passwd], daemon_root: Path
         assert (home / ".local" / "state" / "singularity" / "singularity.db").exists()
         doctor = as_alice("doctor")
         assert "user mode" in doctor.stdout
-        assert "checkpoints unavailable: checkpoints need root" in doctor.stdout
+        assert "checkpoints unavailable: the daemon runs as uid" in doctor.stdout
+        assert "(user mode): CRIU needs root" in doctor.stdout
         assert stat.S_IMODE(socket_path.stat().st_mode) == 0o600
     finally:
         daemon.terminate()

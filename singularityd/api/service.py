@@ -40,7 +40,9 @@ def job_message(job: JobRecord, daemon: Daemon) -> pb.Job:
         ended_at=job.ended_at or 0.0,
         cwd=job.spec.cwd,
         attempt=job.attempt,
+        checkpoint_interval=daemon.checkpoint_interval(job),
     )
+    message.checkpoints, message.checkpoint_bytes = daemon.checkpoint_usage(job.id)
     if job.exit_code is not None:
         message.exit_code = job.exit_code
     if job.signal is not None:
@@ -87,6 +89,9 @@ class SingularityService(pb_grpc.SingularityServicer):  # type: ignore[misc]
                 ranks=request.ranks if request.HasField("ranks") else 1,
                 cwd=request.cwd,
                 env=dict(request.env),
+                checkpoint_interval=(
+                    request.checkpoint_interval if request.HasField("checkpoint_interval") else None
+                ),
             ),
         )
         return pb.SubmitResponse(job=job_message(job, self.daemon))
@@ -129,6 +134,10 @@ class SingularityService(pb_grpc.SingularityServicer):  # type: ignore[misc]
                 )
                 for e in self.daemon.store.events(job.id)
             ],
+        )
+        detail.checkpoint_list.extend(
+            pb.CheckpointInfo(seq=seq, created_at=created, bytes=size, complete=complete)
+            for seq, created, size, complete in self.daemon.checkpoint_list(job.id)
         )
         if self.caller.may_act_on(job.spec.uid):
             detail.env.update(job.spec.env)
@@ -185,6 +194,29 @@ class SingularityService(pb_grpc.SingularityServicer):  # type: ignore[misc]
                 message.utilization_percent = device.utilization_percent
             devices.append(message)
         return pb.ListDevicesResponse(devices=devices)
+
+    @_translating_errors
+    async def Preempt(self, request: pb.JobRef, context: Any) -> pb.Job:
+        return job_message(await self.daemon.preempt(self.caller, request.id, hold=False), self.daemon)
+
+    @_translating_errors
+    async def Suspend(self, request: pb.JobRef, context: Any) -> pb.Job:
+        return job_message(await self.daemon.preempt(self.caller, request.id, hold=True), self.daemon)
+
+    @_translating_errors
+    async def Resume(self, request: pb.JobRef, context: Any) -> pb.Job:
+        return job_message(self.daemon.resume(self.caller, request.id), self.daemon)
+
+    @_translating_errors
+    async def Checkpoint(self, request: pb.JobRef, context: Any) -> pb.CheckpointResponse:
+        job, result = await self.daemon.checkpoint(self.caller, request.id)
+        return pb.CheckpointResponse(
+            job=job_message(job, self.daemon),
+            checkpoint=pb.CheckpointInfo(
+                seq=result.seq, created_at=result.manifest.created_at, bytes=result.image_bytes, complete=True
+            ),
+            pause_seconds=result.pause_s,
+        )
 
     @_translating_errors
     async def GetDaemonInfo(self, request: pb.DaemonInfoRequest, context: Any) -> pb.DaemonInfo:

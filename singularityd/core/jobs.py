@@ -44,7 +44,7 @@ TERMINAL_STATES = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.CANCE
 QUEUED_STATES = frozenset({JobState.PENDING, JobState.PREEMPTED})
 
 ALLOWED_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
-    JobState.PENDING: frozenset({JobState.RUNNING, JobState.CANCELLED, JobState.FAILED}),
+    JobState.PENDING: frozenset({JobState.RUNNING, JobState.SUSPENDED, JobState.CANCELLED, JobState.FAILED}),
     JobState.RUNNING: frozenset(
         {
             JobState.COMPLETED,
@@ -56,7 +56,9 @@ ALLOWED_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
             JobState.PENDING,
         }
     ),
-    JobState.SUSPENDED: frozenset({JobState.PREEMPTED, JobState.CANCELLED, JobState.FAILED}),
+    JobState.SUSPENDED: frozenset(
+        {JobState.PENDING, JobState.PREEMPTED, JobState.CANCELLED, JobState.FAILED}
+    ),
     JobState.PREEMPTED: frozenset(
         {JobState.RUNNING, JobState.SUSPENDED, JobState.CANCELLED, JobState.FAILED}
     ),
@@ -100,6 +102,9 @@ class JobFacts:
     job_id: int
     state: JobState
     cancel_requested: bool = False
+    has_checkpoint: bool = False
+    checkpointing: bool = False
+    checkpoints_available: bool = True
 
 
 # Stimuli: things that happened to a job.
@@ -107,7 +112,7 @@ class JobFacts:
 
 @dataclass(frozen=True)
 class Started:
-    """The scheduler gave the job devices and its processes were launched."""
+    """The scheduler gave the job devices; its processes are launched (or restored) next."""
 
     devices: tuple[int, ...]
 
@@ -149,7 +154,65 @@ class Requeued:
     detail: str
 
 
-Stimulus = Started | LaunchFailed | Exited | CancelRequested | ProcessesLost | Requeued
+@dataclass(frozen=True)
+class PreemptRequested:
+    """Checkpoint the job and stop it: back to the queue, or held until resumed by hand."""
+
+    by: str
+    hold: bool = False
+
+
+@dataclass(frozen=True)
+class ResumeRequested:
+    """Release a held (SUSPENDED) job back into the queue."""
+
+    by: str
+
+
+@dataclass(frozen=True)
+class CheckpointRequested:
+    """Checkpoint the job and let it keep running."""
+
+    by: str
+
+
+@dataclass(frozen=True)
+class Checkpointed:
+    """A checkpoint completed; `stopped` when the job's processes were stopped by it."""
+
+    summary: str
+    stopped: bool
+    hold: bool = False
+
+
+@dataclass(frozen=True)
+class CheckpointFailed:
+    """A checkpoint did not complete; the job keeps running and the previous images stay."""
+
+    error: str
+
+
+@dataclass(frozen=True)
+class RestoreFailed:
+    """No checkpoint of the job could be restored."""
+
+    error: str
+
+
+Stimulus = (
+    Started
+    | LaunchFailed
+    | Exited
+    | CancelRequested
+    | ProcessesLost
+    | Requeued
+    | PreemptRequested
+    | ResumeRequested
+    | CheckpointRequested
+    | Checkpointed
+    | CheckpointFailed
+    | RestoreFailed
+)
 
 
 # Actions: what the daemon must carry out.
@@ -175,7 +238,22 @@ class Reschedule:
     """Run the scheduling policy again (devices freed or the queue changed)."""
 
 
-Action = TerminateProcesses | ReleaseDevices | MarkCancelRequested | Reschedule
+@dataclass(frozen=True)
+class TakeCheckpoint:
+    """Checkpoint the job's processes; stop them afterwards when `stop` (hold: keep off the queue)."""
+
+    stop: bool
+    hold: bool = False
+
+
+@dataclass(frozen=True)
+class Note:
+    """Record an event in the job's log without changing its state."""
+
+    reason: str
+
+
+Action = TerminateProcesses | ReleaseDevices | MarkCancelRequested | Reschedule | TakeCheckpoint | Note
 
 
 @dataclass(frozen=True)
@@ -206,13 +284,27 @@ def shell_exit_status(exit_code: int | None, sig: int | None) -> int | None:
     return exit_code
 
 
+def _require_running(job: JobFacts, verb: str) -> None:
+    if job.state is not JobState.RUNNING:
+        raise InvalidTransition(f"job {job.job_id} is {job.state}; only a RUNNING job can be {verb}")
+    if not job.checkpoints_available:
+        raise InvalidTransition(f"job {job.job_id} cannot be {verb}: checkpoints are unavailable here")
+    if job.checkpointing:
+        raise InvalidTransition(f"job {job.job_id} is already being checkpointed")
+    if job.cancel_requested:
+        raise InvalidTransition(f"job {job.job_id} is being cancelled")
+
+
 def decide(job: JobFacts, stimulus: Stimulus, now: float) -> Decision:
     """Decide what a stimulus does to a job: the transition to record and the actions to take."""
     state = job.state
     match stimulus:
         case Started(devices=devices):
             listed = ",".join(str(d) for d in devices)
-            reason = f"started on device{'s' if len(devices) != 1 else ''} {listed}"
+            where = f"device{'s' if len(devices) != 1 else ''} {listed}"
+            reason = (
+                f"resumed from its checkpoint on {where}" if job.has_checkpoint else f"started on {where}"
+            )
             return Decision(check_transition(job.job_id, state, JobState.RUNNING, reason, now))
         case LaunchFailed(error=error):
             return Decision(
@@ -243,9 +335,50 @@ def decide(job: JobFacts, stimulus: Stimulus, now: float) -> Decision:
                 (ReleaseDevices(), Reschedule()),
             )
         case ProcessesLost(detail=detail):
+            if job.has_checkpoint and not job.cancel_requested:
+                reason = f"{detail}; queued to resume from its last checkpoint"
+                return Decision(
+                    check_transition(job.job_id, state, JobState.PREEMPTED, reason, now),
+                    (ReleaseDevices(), Reschedule()),
+                )
             target = JobState.CANCELLED if job.cancel_requested else JobState.FAILED
             return Decision(
                 check_transition(job.job_id, state, target, detail, now),
+                (ReleaseDevices(), Reschedule()),
+            )
+        case PreemptRequested(by=by, hold=hold):
+            if hold and state in (JobState.PENDING, JobState.PREEMPTED):
+                return Decision(check_transition(job.job_id, state, JobState.SUSPENDED, f"held by {by}", now))
+            _require_running(job, "suspended" if hold else "preempted")
+            verb = "suspend" if hold else "preempt"
+            return Decision(
+                actions=(Note(f"{verb} requested by {by}: checkpointing"), TakeCheckpoint(True, hold))
+            )
+        case ResumeRequested(by=by):
+            if state is not JobState.SUSPENDED:
+                raise InvalidTransition(f"job {job.job_id} is {state}; only a SUSPENDED job can be resumed")
+            target = JobState.PREEMPTED if job.has_checkpoint else JobState.PENDING
+            return Decision(
+                check_transition(job.job_id, state, target, f"resumed by {by}; queued", now), (Reschedule(),)
+            )
+        case CheckpointRequested(by=by):
+            _require_running(job, "checkpointed")
+            return Decision(actions=(Note(f"checkpoint requested by {by}"), TakeCheckpoint(False)))
+        case Checkpointed(summary=summary, stopped=stopped, hold=hold):
+            if not stopped:
+                return Decision(actions=(Note(summary),))
+            if hold:
+                target, reason = JobState.SUSPENDED, f"{summary}; held until resumed"
+            else:
+                target, reason = JobState.PREEMPTED, f"{summary}; queued to resume"
+            return Decision(
+                check_transition(job.job_id, state, target, reason, now), (ReleaseDevices(), Reschedule())
+            )
+        case CheckpointFailed(error=error):
+            return Decision(actions=(Note(f"checkpoint failed, the job keeps running: {error}"),))
+        case RestoreFailed(error=error):
+            return Decision(
+                check_transition(job.job_id, state, JobState.FAILED, f"cannot resume: {error}", now),
                 (ReleaseDevices(), Reschedule()),
             )
         case Requeued(detail=detail):

@@ -1,7 +1,8 @@
-"""The scheduling policy: priority then FIFO, gang allocation, no overcommit. Pure, no I/O.
+"""The scheduling policy: priority then FIFO, gang allocation, no overcommit, preemption. Pure.
 
-The daemon passes the queue and the free devices; the policy returns which jobs start on which
-devices and, for every job left waiting, a reason a person can read.
+The daemon passes the queue, the running jobs and the free devices; the policy returns which
+jobs start on which devices, which running jobs to preempt (checkpoint and stop) to make room
+for a higher-priority one, and, for every job left waiting, a reason a person can read.
 """
 
 from __future__ import annotations
@@ -21,10 +22,23 @@ class QueuedJob:
 
 
 @dataclass(frozen=True)
+class RunningJob:
+    """A job holding devices; `stopping` when it is already being preempted or cancelled."""
+
+    job_id: int
+    priority: int
+    started_seq: float
+    devices: tuple[int, ...]
+    stopping: bool = False
+    preemptible: bool = True
+
+
+@dataclass(frozen=True)
 class Plan:
     """What one scheduling round decided."""
 
     starts: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    preemptions: tuple[int, ...] = ()
     pending_reasons: dict[int, str] = field(default_factory=dict)
 
 
@@ -33,14 +47,42 @@ def queue_order(job: QueuedJob) -> tuple[int, int]:
     return (-job.priority, job.submit_seq)
 
 
-def plan_starts(queue: Sequence[QueuedJob], free_devices: Sequence[int], total_devices: int) -> Plan:
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}{'s' if count != 1 else ''}"
+
+
+def _victims(job: QueuedJob, running: Sequence[RunningJob], needed: int) -> list[RunningJob] | None:
+    """The fewest lower-priority jobs (lowest priority, then most recently started) freeing `needed`."""
+    candidates = sorted(
+        (r for r in running if r.preemptible and not r.stopping and r.priority < job.priority),
+        key=lambda r: (r.priority, -r.started_seq),
+    )
+    chosen: list[RunningJob] = []
+    freed = 0
+    for candidate in candidates:
+        if freed >= needed:
+            break
+        chosen.append(candidate)
+        freed += len(candidate.devices)
+    return chosen if freed >= needed else None
+
+
+def plan_starts(
+    queue: Sequence[QueuedJob],
+    free_devices: Sequence[int],
+    total_devices: int,
+    running: Sequence[RunningJob] = (),
+    can_preempt: bool = False,
+) -> Plan:
     """Start jobs in priority-then-FIFO order while each gets all its devices at once.
 
     The queue is strict: once a job cannot start, the jobs behind it wait too, so a large job
-    is never starved by a stream of small ones.
+    is never starved by a stream of small ones. When the blocked job outranks running jobs and
+    preemption is possible, the policy preempts the fewest lower-priority jobs that make room.
     """
     free = sorted(free_devices)
     starts: list[tuple[int, tuple[int, ...]]] = []
+    preemptions: list[int] = []
     reasons: dict[int, str] = {}
     blocker: QueuedJob | None = None
     for job in sorted(queue, key=queue_order):
@@ -57,8 +99,17 @@ def plan_starts(queue: Sequence[QueuedJob], free_devices: Sequence[int], total_d
             starts.append((job.job_id, granted))
             continue
         blocker = job
-        reasons[job.job_id] = (
-            f"Resources: needs {job.devices_wanted} device{'s' if job.devices_wanted != 1 else ''}, "
-            f"{len(free)} free"
-        )
-    return Plan(tuple(starts), reasons)
+        stopping = [r for r in running if r.stopping]
+        soon_free = len(free) + sum(len(r.devices) for r in stopping)
+        if soon_free >= job.devices_wanted and stopping:
+            waiting = ",".join(str(r.job_id) for r in stopping)
+            reasons[job.job_id] = f"Preempting: waiting for job(s) {waiting} to stop"
+            continue
+        victims = _victims(job, running, job.devices_wanted - soon_free) if can_preempt else None
+        if victims:
+            preemptions += [v.job_id for v in victims]
+            listed = ",".join(str(v.job_id) for v in victims)
+            reasons[job.job_id] = f"Preempting: checkpointing lower-priority job(s) {listed}"
+            continue
+        reasons[job.job_id] = f"Resources: needs {_plural(job.devices_wanted, 'device')}, {len(free)} free"
+    return Plan(tuple(starts), tuple(preemptions), reasons)

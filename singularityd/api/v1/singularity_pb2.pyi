@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("command", "name", "gpus", "priority", "ranks", "cwd", "env")
+    __slots__ = ("command", "name", "gpus", "priority", "ranks", "cwd", "env", "checkpoint_interval")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class SubmitRequest(_message.Message):
     RANKS_FIELD_NUMBER: _ClassVar[int]
     CWD_FIELD_NUMBER: _ClassVar[int]
     ENV_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     command: _containers.RepeatedScalarFieldContainer[str]
     name: str
     gpus: int
@@ -29,7 +30,8 @@ class SubmitRequest(_message.Message):
     ranks: int
     cwd: str
     env: _containers.ScalarMap[str, str]
-    def __init__(self, command: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., gpus: _Optional[int] = ..., priority: _Optional[int] = ..., ranks: _Optional[int] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    checkpoint_interval: float
+    def __init__(self, command: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., gpus: _Optional[int] = ..., priority: _Optional[int] = ..., ranks: _Optional[int] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., checkpoint_interval: _Optional[float] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("job",)
@@ -38,7 +40,7 @@ class SubmitResponse(_message.Message):
     def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "user", "uid", "state", "reason", "pending_reason", "priority", "gpus", "ranks", "devices", "command", "submitted_at", "started_at", "ended_at", "exit_code", "signal", "cpu_seconds", "rss_bytes", "cwd", "attempt")
+    __slots__ = ("id", "name", "user", "uid", "state", "reason", "pending_reason", "priority", "gpus", "ranks", "devices", "command", "submitted_at", "started_at", "ended_at", "exit_code", "signal", "cpu_seconds", "rss_bytes", "cwd", "attempt", "checkpoint_interval", "checkpoints", "checkpoint_bytes")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +62,9 @@ class Job(_message.Message):
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     CWD_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_BYTES_FIELD_NUMBER: _ClassVar[int]
     id: int
     name: str
     user: str
@@ -81,7 +86,10 @@ class Job(_message.Message):
     rss_bytes: int
     cwd: str
     attempt: int
-    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., user: _Optional[str] = ..., uid: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., pending_reason: _Optional[str] = ..., priority: _Optional[int] = ..., gpus: _Optional[int] = ..., ranks: _Optional[int] = ..., devices: _Optional[_Iterable[int]] = ..., command: _Optional[_Iterable[str]] = ..., submitted_at: _Optional[float] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., cpu_seconds: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., cwd: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
+    checkpoint_interval: float
+    checkpoints: int
+    checkpoint_bytes: int
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., user: _Optional[str] = ..., uid: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., pending_reason: _Optional[str] = ..., priority: _Optional[int] = ..., gpus: _Optional[int] = ..., ranks: _Optional[int] = ..., devices: _Optional[_Iterable[int]] = ..., command: _Optional[_Iterable[str]] = ..., submitted_at: _Optional[float] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., cpu_seconds: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., cwd: _Optional[str] = ..., attempt: _Optional[int] = ..., checkpoint_interval: _Optional[float] = ..., checkpoints: _Optional[int] = ..., checkpoint_bytes: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("at", "from_state", "to_state", "reason")
@@ -96,7 +104,7 @@ class Event(_message.Message):
     def __init__(self, at: _Optional[float] = ..., from_state: _Optional[str] = ..., to_state: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class JobDetail(_message.Message):
-    __slots__ = ("job", "env", "events", "log_path")
+    __slots__ = ("job", "env", "events", "log_path", "checkpoint_list")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -108,11 +116,35 @@ class JobDetail(_message.Message):
     ENV_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     LOG_PATH_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_LIST_FIELD_NUMBER: _ClassVar[int]
     job: Job
     env: _containers.ScalarMap[str, str]
     events: _containers.RepeatedCompositeFieldContainer[Event]
     log_path: str
-    def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ..., env: _Optional[_Mapping[str, str]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., log_path: _Optional[str] = ...) -> None: ...
+    checkpoint_list: _containers.RepeatedCompositeFieldContainer[CheckpointInfo]
+    def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ..., env: _Optional[_Mapping[str, str]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., log_path: _Optional[str] = ..., checkpoint_list: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ...) -> None: ...
+
+class CheckpointInfo(_message.Message):
+    __slots__ = ("seq", "created_at", "bytes", "complete")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    created_at: float
+    bytes: int
+    complete: bool
+    def __init__(self, seq: _Optional[int] = ..., created_at: _Optional[float] = ..., bytes: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("job", "checkpoint", "pause_seconds")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job: Job
+    checkpoint: CheckpointInfo
+    pause_seconds: float
+    def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., pause_seconds: _Optional[float] = ...) -> None: ...
 
 class JobRef(_message.Message):
     __slots__ = ("id",)

@@ -79,6 +79,26 @@ class SingularityStub:
                 request_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.DaemonInfoRequest.SerializeToString,
                 response_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.DaemonInfo.FromString,
                 _registered_method=True)
+        self.Preempt = channel.unary_unary(
+                '/singularity.v1.Singularity/Preempt',
+                request_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.JobRef.SerializeToString,
+                response_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.Job.FromString,
+                _registered_method=True)
+        self.Suspend = channel.unary_unary(
+                '/singularity.v1.Singularity/Suspend',
+                request_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.JobRef.SerializeToString,
+                response_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.Job.FromString,
+                _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/singularity.v1.Singularity/Resume',
+                request_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.JobRef.SerializeToString,
+                response_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.Job.FromString,
+                _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/singularity.v1.Singularity/Checkpoint',
+                request_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.JobRef.SerializeToString,
+                response_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class SingularityServicer:
@@ -140,6 +160,34 @@ class SingularityServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Preempt(self, request, context):
+        """Checkpoint a running job and stop it; it goes back to the queue. Returns once stopped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Suspend(self, request, context):
+        """Checkpoint a running job and stop it, held until Resume (a queued job is just held).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """Put a suspended job back in the queue.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Checkpoint(self, request, context):
+        """Checkpoint a running job and let it keep running. Returns once the checkpoint is complete.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SingularityServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -187,6 +235,26 @@ def add_SingularityServicer_to_server(servicer, server):
                     servicer.GetDaemonInfo,
                     request_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.DaemonInfoRequest.FromString,
                     response_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.DaemonInfo.SerializeToString,
+            ),
+            'Preempt': grpc.unary_unary_rpc_method_handler(
+                    servicer.Preempt,
+                    request_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.JobRef.FromString,
+                    response_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.Job.SerializeToString,
+            ),
+            'Suspend': grpc.unary_unary_rpc_method_handler(
+                    servicer.Suspend,
+                    request_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.JobRef.FromString,
+                    response_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.Job.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.JobRef.FromString,
+                    response_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.Job.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.JobRef.FromString,
+                    response_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.CheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -432,6 +500,114 @@ class Singularity:
             '/singularity.v1.Singularity/GetDaemonInfo',
             singularityd_dot_api_dot_v1_dot_singularity__pb2.DaemonInfoRequest.SerializeToString,
             singularityd_dot_api_dot_v1_dot_singularity__pb2.DaemonInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Preempt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/singularity.v1.Singularity/Preempt',
+            singularityd_dot_api_dot_v1_dot_singularity__pb2.JobRef.SerializeToString,
+            singularityd_dot_api_dot_v1_dot_singularity__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Suspend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/singularity.v1.Singularity/Suspend',
+            singularityd_dot_api_dot_v1_dot_singularity__pb2.JobRef.SerializeToString,
+            singularityd_dot_api_dot_v1_dot_singularity__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/singularity.v1.Singularity/Resume',
+            singularityd_dot_api_dot_v1_dot_singularity__pb2.JobRef.SerializeToString,
+            singularityd_dot_api_dot_v1_dot_singularity__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/singularity.v1.Singularity/Checkpoint',
+            singularityd_dot_api_dot_v1_dot_singularity__pb2.JobRef.SerializeToString,
+            singularityd_dot_api_dot_v1_dot_singularity__pb2.CheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

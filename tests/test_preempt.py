@@ -1,0 +1,324 @@
+"""Transparent preemption through the daemon: real CRIU dumps and restores of real PyTorch jobs.
+
+The proof is bitwise: the job's output (every step's loss and the final weight checksum) under
+preemption, suspension, in-place checkpoints, crashes and corrupt images equals the output of the
+same unmodified script run once without interruption.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from singularityd.checkpoint.criu import have_capability
+from tests.conftest import requires_root
+from tests.helpers import REPO, Daemon, ensure_user, running_daemon, wait_until
+
+pytestmark = [requires_root, pytest.mark.slow]
+
+SCRIPT = REPO / "tests" / "workloads" / "train_cpu.py"
+STEPS = 300
+JOB_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def train_command(steps: int = STEPS, sleep: float = 0.01) -> list[str]:
+    return [sys.executable, str(SCRIPT), "--steps", str(steps), "--sleep", str(sleep)]
+
+
+@functools.cache
+def uninterrupted_output(steps: int = STEPS) -> str:
+    """The script's stdout when run directly, once, without singularityd."""
+    env = {**os.environ, **JOB_ENV}
+    done = subprocess.run(train_command(steps, 0.0), capture_output=True, text=True, env=env, check=True)
+    return done.stdout
+
+
+def submit_training(daemon: Daemon, *options: str, steps: int = STEPS, user: str | None = None) -> int:
+    env_options = [f"--env={key}={value}" for key, value in JOB_ENV.items()]
+    return daemon.submit(*train_command(steps), options=[*env_options, *options], user=user)
+
+
+def steps_done(daemon: Daemon, job_id: int) -> int:
+    """How many steps rank 0 has printed."""
+    log = daemon.state_dir / "jobs" / str(job_id) / "logs" / "rank-0.log"
+    try:
+        return log.read_text().count("step ")
+    except FileNotFoundError:
+        return 0
+
+
+def wait_progress(daemon: Daemon, job_id: int, beyond: int) -> int:
+    """Wait until the job has printed more than `beyond` steps; return how many it has."""
+    return int(wait_until(lambda: (n := steps_done(daemon, job_id)) > beyond and n, timeout=60))
+
+
+def events(daemon: Daemon, job_id: int) -> list[dict[str, Any]]:
+    found: list[dict[str, Any]] = daemon.job(job_id)["events"]
+    return found
+
+
+@pytest.fixture
+def cr_daemon(daemon_root: Path) -> Iterator[Daemon]:
+    """A daemon with working checkpoints (fails clearly when CRIU is missing)."""
+    with running_daemon(daemon_root, virtual_devices=2, config={"checkpoint_keep": 3}) as daemon:
+        info = daemon.sing("doctor")
+        if "checkpoints unavailable" in info.out:
+            pytest.fail(f"CRIU must work for these tests (run scripts/setup):\n{info.out}")
+        yield daemon
+
+
+def test_preempt_resume_and_checkpoint_are_bitwise_exact(cr_daemon: Daemon) -> None:
+    expected = uninterrupted_output()
+    rng = random.Random(20261129)
+    operations = ["preempt"] * 5 + ["checkpoint"] * 3
+    rng.shuffle(operations)
+    job = submit_training(cr_daemon)
+    cr_daemon.wait_state(job, "RUNNING")
+    progress = 0
+    for operation in operations:
+        progress = wait_progress(cr_daemon, job, progress + rng.randint(1, 15))
+        time.sleep(rng.uniform(0.0, 0.05))
+        result = cr_daemon.sing(operation, str(job))
+        assert result.code == 0, result.err
+        if operation == "checkpoint":
+            assert result.out.startswith(f"job {job}: checkpoint ")
+        else:
+            cr_daemon.wait_state(job, "RUNNING")
+    assert steps_done(cr_daemon, job) < STEPS, "every operation must hit the job while it trains"
+    preempts = operations.count("preempt")
+    assert cr_daemon.sing("wait", str(job), timeout=300).code == 0
+    assert cr_daemon.sing("logs", str(job)).out == expected
+    reasons = [e["reason"] for e in events(cr_daemon, job)]
+    assert sum(r.startswith("preempted by root: checkpoint") for r in reasons) == preempts
+    assert sum(r.startswith("restored from checkpoint") for r in reasons) == preempts
+    shown = cr_daemon.job(job)
+    assert shown["checkpoints"] == 3 and shown["checkpoint_bytes"] > 0, "keeps the last 3 (checkpoint_keep)"
+
+
+def test_suspend_hold_and_resume(cr_daemon: Daemon) -> None:
+    job = submit_training(cr_daemon, steps=120)
+    cr_daemon.wait_state(job, "RUNNING")
+    wait_progress(cr_daemon, job, 10)
+    assert cr_daemon.sing("suspend", str(job)).code == 0
+    held = cr_daemon.job(job)
+    assert held["state"] == "SUSPENDED" and held["devices"] == []
+    assert held["reason"].endswith("held until resumed")
+    frozen = steps_done(cr_daemon, job)
+    time.sleep(1.0)
+    assert steps_done(cr_daemon, job) == frozen and cr_daemon.job(job)["state"] == "SUSPENDED"
+    again = cr_daemon.sing("resume", str(job))
+    assert again.code == 0, again.err
+    assert cr_daemon.sing("wait", str(job), timeout=300).code == 0
+    assert cr_daemon.sing("logs", str(job)).out == uninterrupted_output(120)
+
+
+def test_scheduler_preempts_lower_priority_job(daemon_root: Path) -> None:
+    with running_daemon(daemon_root, virtual_devices=1) as daemon:
+        low = submit_training(daemon, "--priority", "0", steps=150)
+        daemon.wait_state(low, "RUNNING")
+        wait_progress(daemon, low, 10)
+        high = daemon.submit("sh", "-c", "echo urgent", options=["--priority", "10"])
+        assert daemon.sing("wait", str(high), timeout=120).code == 0
+        reasons = [e["reason"] for e in events(daemon, low)]
+        assert any(r.startswith("preempted for a higher-priority job: checkpoint") for r in reasons), reasons
+        assert daemon.sing("wait", str(low), timeout=300).code == 0
+        assert daemon.sing("logs", str(low)).out == uninterrupted_output(150)
+        high_events = events(daemon, high)
+        assert high_events[1]["to_state"] == "RUNNING"
+
+
+def test_daemon_and_job_killed_resume_from_periodic_checkpoint(daemon_root: Path) -> None:
+    expected = uninterrupted_output(200)
+    with running_daemon(daemon_root, virtual_devices=1) as daemon:
+        job = submit_training(daemon, "--checkpoint-every", "1.5", steps=200)
+        daemon.wait_state(job, "RUNNING")
+        wait_until(
+            lambda: sum("periodic checkpoint" in e["reason"] for e in events(daemon, job)) >= 2, timeout=120
+        )
+        before = steps_done(daemon, job)
+        assert 0 < before < 200
+        supervisor = int((daemon.state_dir / "jobs" / str(job) / "init.pid").read_text())
+        daemon.stop(signal.SIGKILL)
+        os.kill(supervisor, signal.SIGKILL)  # PID 1 of the job's namespace: every rank dies with it
+        wait_until(lambda: not Path(f"/proc/{supervisor}").exists(), timeout=30)
+        daemon.start()
+        lost = daemon.wait_state(job, "RUNNING", "PREEMPTED", "COMPLETED", timeout=60)
+        assert lost["state"] != "FAILED"
+        assert daemon.sing("wait", str(job), timeout=300).code == 0
+        reasons = [e["reason"] for e in events(daemon, job)]
+        assert any("queued to resume from its last checkpoint" in r for r in reasons), reasons
+        assert daemon.sing("logs", str(job)).out == expected, "logs rewound to the checkpoint, then replayed"
+
+
+def newest_checkpoint(daemon: Daemon, job_id: int) -> Path:
+    folders = [p for p in (daemon.state_dir / "checkpoints" / str(job_id)).iterdir() if p.name[0].isdigit()]
+    return max(folders, key=lambda p: int(p.name.split("-")[0]))
+
+
+def test_corrupt_newest_image_falls_back_to_previous(cr_daemon: Daemon) -> None:
+    job = submit_training(cr_daemon, steps=150)
+    cr_daemon.wait_state(job, "RUNNING")
+    wait_progress(cr_daemon, job, 20)
+    assert cr_daemon.sing("checkpoint", str(job)).code == 0
+    wait_progress(cr_daemon, job, steps_done(cr_daemon, job) + 10)
+    assert cr_daemon.sing("suspend", str(job)).code == 0
+    newest = newest_checkpoint(cr_daemon, job)
+    pages = max((p for p in newest.rglob("pages-*.img")), key=lambda p: p.stat().st_size)
+    with pages.open("r+b") as handle:
+        handle.seek(pages.stat().st_size // 2)
+        handle.write(b"\xff\x00\xff\x00 corrupt")
+    assert cr_daemon.sing("resume", str(job)).code == 0
+    assert cr_daemon.sing("wait", str(job), timeout=300).code == 0
+    reasons = [e["reason"] for e in events(cr_daemon, job)]
+    skipped = [r for r in reasons if r.startswith("checkpoint ") and " not used: " in r]
+    assert skipped, reasons
+    assert "sha256" in skipped[0] or "checksum" in skipped[0] or "digest" in skipped[0], skipped[0]
+    assert any(r.startswith("restored from checkpoint") for r in reasons)
+    assert cr_daemon.sing("logs", str(job)).out == uninterrupted_output(150)
+
+
+CAP_SYS_RESOURCE = 24
+
+
+def test_images_are_private_to_the_job_owner(cr_daemon: Daemon) -> None:
+    """Images hold process memory: owned by the job's user, mode 0700, unreadable by others.
+
+    CRIU can dump another user's processes only with CAP_SYS_RESOURCE (to read their limits);
+    where the daemon lacks it (some containers), the job is root's and the check is the same.
+    """
+    ensure_user("sing-bob")
+    owner = "sing-alice" if have_capability(CAP_SYS_RESOURCE) else None
+    owner_uid = ensure_user(owner).pw_uid if owner else 0
+    job = cr_daemon.submit("sh", "-c", "while true; do sleep 0.1; done", user=owner)
+    cr_daemon.wait_state(job, "RUNNING")
+    wait_until(lambda: (cr_daemon.state_dir / "jobs" / str(job) / "init.pid").exists())
+    time.sleep(0.3)
+    result = cr_daemon.sing("checkpoint", str(job), user=owner)
+    assert result.code == 0, result.err
+    newest = newest_checkpoint(cr_daemon, job)
+    assert newest.stat().st_uid == owner_uid
+    assert stat.S_IMODE(newest.stat().st_mode) == 0o700
+    image = next(newest.rglob("pages-*.img"))
+    as_bob = subprocess.run(["cat", str(image)], user="sing-bob", capture_output=True, cwd="/tmp", timeout=30)
+    assert as_bob.returncode != 0 and b"Permission denied" in as_bob.stderr
+    listing = subprocess.run(
+        ["ls", str(newest)], user="sing-bob", capture_output=True, cwd="/tmp", timeout=30
+    )
+    assert listing.returncode != 0
+    if owner:
+        mine = subprocess.run(["head", "-c", "1", str(image)], user=owner, capture_output=True, cwd="/tmp")
+        assert mine.returncode == 0
+    cr_daemon.sing("cancel", str(job))
+
+
+def test_bad_checkpoint_requests(cr_daemon: Daemon) -> None:
+    blocker = cr_daemon.submit("sleep", "300", options=["--gpus", "2"])
+    cr_daemon.wait_state(blocker, "RUNNING")
+    queued = cr_daemon.submit("true")
+    for verb in ("preempt", "checkpoint"):
+        result = cr_daemon.sing(verb, str(queued))
+        assert result.code == 6, result.err
+        assert result.err.strip().startswith(f"sing: job {queued} is PENDING; only a RUNNING job can be")
+    resumed = cr_daemon.sing("resume", str(blocker))
+    assert resumed.code == 6 and "only a SUSPENDED job can be resumed" in resumed.err
+    assert cr_daemon.sing("preempt", "999").code == 4
+    cr_daemon.sing("cancel", str(blocker), str(queued))
+    ended = cr_daemon.wait_state(blocker, "CANCELLED")
+    result = cr_daemon.sing("preempt", str(ended["id"]))
+    assert result.code == 6 and "is CANCELLED" in result.err
+
+
+def test_checkpoint_on_a_full_disk_keeps_job_and_previous_images(daemon_root: Path) -> None:
+    mount = daemon_root / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mount)], check=True)
+    try:
+        config = {"checkpoint_dir": str(mount), "checkpoint_pre_copy": 0}
+        with running_daemon(daemon_root, config=config) as daemon:
+            script = "\n".join(
+                [
+                    "import time",
+                    "x = bytearray(12 * 2**20)",
+                    "while True:",
+                    "    print(1, flush=True)",
+                    "    time.sleep(0.2)",
+                ]
+            )
+            job = daemon.submit(sys.executable, "-c", script)
+            daemon.wait_state(job, "RUNNING")
+            wait_until(lambda: steps_done_lines(daemon, job) > 1)
+            first = daemon.sing("checkpoint", str(job))
+            assert first.code == 0, first.err
+            filler = mount / "filler"
+            subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M", "count=64"], capture_output=True)
+            second = daemon.sing("checkpoint", str(job))
+            assert second.code == 6
+            assert "No space left" in second.err or "space" in second.err, second.err
+            assert len(second.err.strip().splitlines()) == 1 and "Traceback" not in second.err
+            shown = daemon.job(job)
+            assert shown["state"] == "RUNNING" and shown["checkpoints"] == 1
+            assert any("checkpoint failed, the job keeps running" in e["reason"] for e in shown["events"])
+            lines = steps_done_lines(daemon, job)
+            wait_until(lambda: steps_done_lines(daemon, job) > lines)
+            filler.unlink()
+            assert daemon.sing("preempt", str(job)).code == 0
+            daemon.wait_state(job, "RUNNING")
+            daemon.sing("cancel", str(job))
+            daemon.wait_state(job, "CANCELLED")
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def steps_done_lines(daemon: Daemon, job_id: int) -> int:
+    log = daemon.state_dir / "jobs" / str(job_id) / "logs" / "rank-0.log"
+    return log.read_text().count("\n") if log.exists() else 0
+
+
+DDP_SCRIPT = REPO / "tests" / "workloads" / "train_ddp.py"
+
+
+def direct_ddp_outputs(steps: int) -> list[str]:
+    """Both ranks' stdout when the script runs directly, torchrun-style, without singularityd."""
+    from singularityd.runtime import free_tcp_port
+
+    port = str(free_tcp_port())
+    ranks = []
+    for rank in range(2):
+        env = {**os.environ, **JOB_ENV, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank)}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, USE_LIBUV="0")
+        command = [sys.executable, str(DDP_SCRIPT), "--steps", str(steps)]
+        ranks.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True))
+    outputs = [process.communicate(timeout=300)[0] for process in ranks]
+    assert all(process.returncode == 0 for process in ranks)
+    return outputs
+
+
+def test_two_rank_job_preempted_and_restored_exactly(cr_daemon: Daemon) -> None:
+    """All ranks are dumped at once, TCP connections between them included, and resume exactly."""
+    steps = 120
+    expected = direct_ddp_outputs(steps)
+    env_options = [f"--env={key}={value}" for key, value in JOB_ENV.items()]
+    command = [sys.executable, str(DDP_SCRIPT), "--steps", str(steps), "--sleep", "0.02"]
+    job = cr_daemon.submit(*command, options=[*env_options, "--ranks", "2"])
+    cr_daemon.wait_state(job, "RUNNING")
+    progress = 0
+    for _ in range(2):
+        progress = wait_progress(cr_daemon, job, progress + 10)
+        result = cr_daemon.sing("preempt", str(job))
+        assert result.code == 0, result.err
+        cr_daemon.wait_state(job, "RUNNING")
+    assert steps_done(cr_daemon, job) < steps
+    assert cr_daemon.sing("wait", str(job), timeout=300).code == 0
+    outputs = [cr_daemon.sing("logs", "--rank", str(rank), str(job)).out for rank in range(2)]
+    assert outputs == expected

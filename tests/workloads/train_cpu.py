@@ -1,0 +1,43 @@
+"""An ordinary PyTorch training script (CPU): fixed seed, prints the loss every step and a checksum
+of the final weights. Tests run it unmodified, directly and under singularityd."""
+
+import argparse
+import hashlib
+import time
+
+import torch
+from torch import nn
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=300)
+parser.add_argument("--hidden", type=int, default=256)
+parser.add_argument("--sleep", type=float, default=0.0, help="seconds to idle after each step")
+args = parser.parse_args()
+
+torch.manual_seed(1234)
+model = nn.Sequential(
+    nn.Linear(64, args.hidden),
+    nn.ReLU(),
+    nn.Linear(args.hidden, args.hidden),
+    nn.ReLU(),
+    nn.Linear(args.hidden, 10),
+)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+loss_fn = nn.CrossEntropyLoss()
+inputs = torch.randn(512, 64)
+targets = torch.randint(0, 10, (512,))
+
+for step in range(args.steps):
+    batch = torch.randint(0, 512, (64,))
+    optimizer.zero_grad()
+    loss = loss_fn(model(inputs[batch]), targets[batch])
+    loss.backward()
+    optimizer.step()
+    print(f"step {step} loss {loss.item():.10f}", flush=True)
+    if args.sleep:
+        time.sleep(args.sleep)
+
+digest = hashlib.sha256()
+for tensor in model.state_dict().values():
+    digest.update(tensor.numpy().tobytes())
+print(f"final weights sha256 {digest.hexdigest()}", flush=True)
