@@ -1,0 +1,159 @@
+"""Daemon-facing control of proxy servers: quiesce, save, release, load and resume a job.
+
+Preempting a job whose processes use proxied devices goes like this (the daemon runs CRIU):
+
+1. `ProxyControl(ctl).quiesce(job)` on every device of the job: each process stops at an
+   operation boundary with nothing left in its sockets.
+2. `save(job, dir)` on every device: only the job's live tensors are written.
+3. For each job process: `criu dump -t PID ... *criu_dump_args(PID)` (the proxy sockets are
+   declared external, so CRIU dumps the process without the server's half).
+4. `release(job)` on every device frees its memory.
+
+Resuming, on the same devices or others:
+
+1. `load(job, dir)` on the new device's server, for each device index of the job.
+2. `open_restored_connection(socket, job, rank, index)` for each process and device:
+   a fresh connection the server already treats as that process's.
+3. `criu restore --restore-detached ... *criu_restore_args(old_fds, new_socks)` with the new
+   sockets passed down to CRIU (pass_fds).
+4. `resume(job)` on every device: the processes go on where they stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from singularity.proxy.bootstrap._singularity_proxy import wire
+
+FD_BASE = 1000
+"""A job process keeps its connection to device i at file descriptor FD_BASE + i."""
+
+
+class ControlError(RuntimeError):
+    """A control request failed in the proxy server."""
+
+
+def control_socket_path(socket_path: str | os.PathLike[str]) -> Path:
+    """The control socket of the server listening on `socket_path` (default naming)."""
+    return Path(str(socket_path) + ".ctl")
+
+
+class ProxyControl:
+    """A connection to one proxy server's control socket."""
+
+    def __init__(self, control_socket: str | os.PathLike[str], timeout: float = 120.0) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        self._sock.connect(os.fspath(control_socket))
+
+    def close(self) -> None:
+        """Close the control connection."""
+        self._sock.close()
+
+    def __enter__(self) -> ProxyControl:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, *req: Any) -> Any:
+        wire.send_msg(self._sock, req)
+        reply = wire.recv_msg(self._sock)
+        if reply[0] != "ok":
+            raise ControlError(f"{reply[1]}: {reply[2]}")
+        return reply[1]
+
+    def quiesce(self, job_id: str, timeout: float = 60.0) -> list[int]:
+        """Stop every process of the job at an operation boundary; the ranks stopped.
+
+        Returns once each connected process has acknowledged and has read everything
+        the server sent, so that no byte of the job sits in a socket buffer.
+        """
+        return list(self._call("quiesce", job_id, timeout))
+
+    def save(self, job_id: str, directory: str | os.PathLike[str]) -> dict[str, int]:
+        """Write the quiesced job's live tensors under `directory` (one file per rank).
+
+        Returns {"live_bytes", "file_bytes", "ranks"}.
+        """
+        return dict(self._call("save", job_id, os.fspath(directory)))
+
+    def release(self, job_id: str) -> int:
+        """Free everything the job holds on this device; the bytes freed."""
+        return int(self._call("release", job_id))
+
+    def load(self, job_id: str, directory: str | os.PathLike[str]) -> dict[str, int]:
+        """Recreate a saved job's tensors on this server (any server), parked until resume."""
+        return dict(self._call("load", job_id, os.fspath(directory)))
+
+    def resume(self, job_id: str) -> list[int]:
+        """Let the job's parked processes go on; the ranks resumed."""
+        return list(self._call("resume", job_id))
+
+    def status(self) -> dict[str, Any]:
+        """Capacity, bytes in use and the jobs present on this device."""
+        return dict(self._call("status"))
+
+
+def client_sockets(pid: int) -> dict[int, tuple[int, int]]:
+    """The proxy connections of a job process: {device index: (fd, socket inode)}."""
+    out: dict[int, tuple[int, int]] = {}
+    fd_dir = Path(f"/proc/{pid}/fd")
+    for entry in fd_dir.iterdir():
+        fd = int(entry.name)
+        if fd < FD_BASE or fd >= FD_BASE + 256:
+            continue
+        try:
+            target = os.readlink(entry)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out[fd - FD_BASE] = (fd, int(target[len("socket:[") : -1]))
+    return out
+
+
+def criu_dump_args(pid: int) -> list[str]:
+    """CRIU dump options declaring the process's proxy sockets external."""
+    args: list[str] = []
+    for _index, (_fd, inode) in sorted(client_sockets(pid).items()):
+        args += ["--external", f"unix[{inode}]"]
+    return args
+
+
+def open_restored_connection(
+    socket_path: str | os.PathLike[str], job_id: str, rank: int, device_index: int
+) -> socket.socket:
+    """Open the connection a restored process will use for device `device_index`.
+
+    The hello is done here on the process's behalf, so the server attaches the connection
+    to the job's loaded state; the returned socket is inheritable, ready to be passed to
+    `criu restore --inherit-fd`.
+    """
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(os.fspath(socket_path))
+    wire.send_msg(s, (wire.HELLO, job_id, rank, device_index, True))
+    msg = wire.recv_msg(s)
+    if msg[0] != wire.WELCOME:
+        s.close()
+        raise ControlError(str(msg[3]) if len(msg) > 3 else str(msg))
+    s.set_inheritable(True)
+    return s
+
+
+def criu_restore_args(
+    old_sockets: Mapping[int, tuple[int, int]], new_sockets: Mapping[int, socket.socket]
+) -> list[str]:
+    """CRIU restore options putting each new connection in place of the dumped one.
+
+    `old_sockets` is what `client_sockets(pid)` returned before the dump; `new_sockets`
+    maps the same device indices to sockets from `open_restored_connection`, which must
+    be passed to the criu process (e.g. subprocess pass_fds).
+    """
+    args: list[str] = []
+    for index, (_fd, inode) in sorted(old_sockets.items()):
+        args += ["--inherit-fd", f"fd[{new_sockets[index].fileno()}]:socket:[{inode}]"]
+    return args

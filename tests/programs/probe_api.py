@@ -1,0 +1,62 @@
+"""The torch.cuda / torch.accelerator surface a program can observe, and saving cuda tensors."""
+
+import copy
+import sys
+
+import torch
+
+path = sys.argv[1]
+print("available", torch.cuda.is_available(), torch.accelerator.is_available())
+print("count", torch.cuda.device_count(), torch.accelerator.device_count())
+print("accelerator", torch.accelerator.current_accelerator())
+print("current", torch.cuda.current_device(), torch.accelerator.current_device_index())
+print("name", torch.cuda.get_device_name(0))
+props = torch.cuda.get_device_properties(0)
+print("total_memory", props.total_memory, "capability", torch.cuda.get_device_capability())
+torch.backends.cudnn.benchmark = True
+torch.backends.cudnn.deterministic = True
+base = torch.cuda.memory_allocated()
+t = torch.zeros(256, 1024, device="cuda")  # 1 MiB
+print("allocated", torch.cuda.memory_allocated() - base)
+del t
+print("after del", torch.cuda.memory_allocated() - base, "peak", torch.cuda.max_memory_allocated() >= 1 << 20)
+torch.cuda.reset_peak_memory_stats()
+print("peak reset", torch.cuda.max_memory_allocated() - base)
+free, total = torch.cuda.mem_get_info()
+print("mem_get_info", total == props.total_memory, free <= total)
+s = torch.cuda.Stream()
+start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+with torch.cuda.stream(s):
+    start.record()
+    z = torch.ones(100, 100, device="cuda") @ torch.ones(100, 100, device="cuda")
+    end.record()
+torch.cuda.synchronize()
+print("elapsed", end.elapsed_time(start) <= 0 <= start.elapsed_time(end), z[0, 0].item())
+x = torch.arange(6, dtype=torch.float32, device="cuda").reshape(2, 3)
+print(x)
+print(x.device, x.is_cuda, x.get_device(), x.cpu().device, x.to("cpu").tolist())
+print("item", x[1, 2].item(), "tolist", x.tolist())
+try:
+    x.numpy()
+except TypeError as e:
+    print("numpy", e)
+try:
+    print(x + torch.ones(2, 3))
+except RuntimeError as e:
+    print("mixed", str(e).split(",")[0])
+with torch.device("cuda"):
+    d = torch.ones(2)
+print("default device", d.device)
+m = torch.nn.Linear(3, 2).cuda()
+m2 = copy.deepcopy(m)
+print("deepcopy", m2.weight.device, torch.equal(m.weight, m2.weight), m2.weight is not m.weight)
+print(m.bias)
+torch.manual_seed(0)
+g = torch.randn(3, 3, device="cuda", requires_grad=True)
+(g * 2).sum().backward()
+print("grad", g.grad.device, g.grad.sum().item())
+torch.save({"x": x, "model": m.state_dict(), "param": m.weight}, path)
+back = torch.load(path)
+print("load", back["x"].device, torch.equal(back["x"], x), isinstance(back["param"], torch.nn.Parameter))
+back = torch.load(path, map_location="cpu")
+print("load cpu", back["x"].device, back["model"]["weight"].device)

@@ -1,0 +1,111 @@
+"""Fixtures for the device proxy tests: real proxy server processes and job processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from singularity.proxy import bootstrap_path
+
+REPO = Path(__file__).resolve().parents[2]
+PROGRAMS = REPO / "tests" / "programs"
+PYTHON = sys.executable
+
+
+@dataclass
+class ProxyServer:
+    """A running proxy server process."""
+
+    socket: Path
+    control: Path
+    proc: subprocess.Popen[bytes]
+
+
+def base_env() -> dict[str, str]:
+    """Environment of a job process without the proxy: one intra-op thread."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SING_")}
+    env["OMP_NUM_THREADS"] = "1"
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def proxy_env(sockets: Sequence[Path], job_id: str = "job", rank: int = 0) -> dict[str, str]:
+    """Environment the daemon gives a job process on proxied devices."""
+    env = base_env()
+    env["PYTHONPATH"] = str(bootstrap_path())
+    env["SING_PROXY_SOCKETS"] = ",".join(str(s) for s in sockets)
+    env["SING_JOB_ID"] = job_id
+    env["RANK"] = str(rank)
+    env["WORLD_SIZE"] = "1"
+    env["LOCAL_RANK"] = "0"
+    return env
+
+
+def start_server(directory: Path, name: str, memory_bytes: int = 1 << 30, index: int = 0) -> ProxyServer:
+    """Start `python -m singularity.proxy.server` and wait until it listens."""
+    sock = directory / f"{name}.sock"
+    proc = subprocess.Popen(
+        [
+            PYTHON,
+            "-m",
+            "singularity.proxy.server",
+            "--socket",
+            str(sock),
+            "--device-index",
+            str(index),
+            "--memory-bytes",
+            str(memory_bytes),
+            "--threads",
+            "1",
+        ],
+        env=base_env(),
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+    )
+    ctl = Path(str(sock) + ".ctl")
+    deadline = time.monotonic() + 60
+    while not (sock.exists() and ctl.exists()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"proxy server {name} did not start")
+        time.sleep(0.05)
+    return ProxyServer(sock, ctl, proc)
+
+
+def stop_server(server: ProxyServer) -> None:
+    """Terminate a proxy server process."""
+    server.proc.terminate()
+    try:
+        server.proc.wait(10)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        server.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyServer]:
+    """One virtual device with 1 GiB, shared by the tests of a session."""
+    s = start_server(tmp_path_factory.mktemp("proxy"), "dev0")
+    yield s
+    stop_server(s)
+
+
+def run_program(
+    args: Sequence[str], env: dict[str, str], timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """Run a corpus program (from tests/programs) to completion."""
+    return subprocess.run(
+        [PYTHON, *args],
+        env=env,
+        cwd=PROGRAMS,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )

@@ -1,0 +1,112 @@
+"""What a program sees on a proxied device: errors, out of memory, API surface, no CUDA state."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.proxy.conftest import (
+    PROGRAMS,
+    PYTHON,
+    ProxyServer,
+    base_env,
+    proxy_env,
+    run_program,
+    start_server,
+    stop_server,
+)
+
+
+def test_program_errors_match_direct_run(server: ProxyServer) -> None:
+    direct = run_program(["probe_errors.py", "cpu"], base_env())
+    proxied = run_program(["probe_errors.py", "cuda"], proxy_env([server.socket], "errors"))
+    assert direct.returncode == 0, direct.stderr
+    assert proxied.returncode == 0, proxied.stderr
+    assert "mat1 and mat2 shapes cannot be multiplied (4x3 and 5x2)" in direct.stdout
+    assert proxied.stdout == direct.stdout
+
+
+@pytest.fixture
+def small_server(tmp_path: Path) -> Iterator[ProxyServer]:
+    s = start_server(tmp_path, "small", memory_bytes=16 << 20)
+    yield s
+    stop_server(s)
+
+
+def test_out_of_memory_on_small_device(small_server: ProxyServer) -> None:
+    r = run_program(["probe_oom.py"], proxy_env([small_server.socket], "oom"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        f"total {16 << 20}",
+        "big OutOfMemoryError True",
+        "small OutOfMemoryError True",
+        "allocated before free True",
+        "allocated after free 40",  # exact bytes of the one live tensor
+        "sum 10.0",
+    ]
+
+
+def test_job_process_holds_no_cuda_state(server: ProxyServer) -> None:
+    r = run_program(["probe_no_cuda.py"], proxy_env([server.socket], "nocuda"))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "available True count 1"
+    assert "nvidia fds []" in lines
+    assert "cuda libraries []" in lines
+    assert "real lazy init ran False" in lines
+
+
+def test_api_surface_and_portable_save(server: ProxyServer, tmp_path: Path) -> None:
+    path = tmp_path / "saved.pt"
+    r = run_program(["probe_api.py", str(path)], proxy_env([server.socket], "api"))
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    for line in [
+        "available True True",
+        "count 1 1",
+        "accelerator cuda",
+        "current 0 0",
+        "name Singularity Virtual Device",
+        f"total_memory {1 << 30} capability (8, 0)",
+        "allocated 1048576",
+        "after del 0 peak True",
+        "peak reset 0",
+        "mem_get_info True True",
+        "elapsed True 100.0",
+        "tensor([[0., 1., 2.],\n        [3., 4., 5.]], device='cuda:0')",
+        "cuda:0 True 0 cpu [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]",
+        "item 5.0 tolist [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]",
+        "numpy can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the "
+        "tensor to host memory first.",
+        "mixed Expected all tensors to be on the same device",
+        "default device cuda:0",
+        "deepcopy cuda:0 True True",
+        "grad cuda:0 18.0",
+        "load cuda:0 True True",
+        "load cpu cpu cpu",
+    ]:
+        assert line in out, (line, out)
+    assert "Parameter containing:\ntensor([" in out and "device='cuda:0', requires_grad=True)" in out
+    # the file is what torch writes for cuda tensors: a plain torch loads it with map_location
+    check = (
+        "import torch, sys\n"
+        "d = torch.load(sys.argv[1], map_location='cpu')\n"
+        "print(d['x'].tolist(), type(d['param']).__name__, sorted(d['model']))\n"
+        "try:\n    torch.load(sys.argv[1])\nexcept Exception as e:\n    print('cuda' in str(e))\n"
+    )
+    plain = subprocess.run(
+        [PYTHON, "-c", check, str(path)],
+        env=base_env(),
+        cwd=PROGRAMS,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.splitlines() == [
+        "[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]] Parameter ['bias', 'weight']",
+        "True",
+    ]

@@ -1,0 +1,42 @@
+"""The sitecustomize activation: inert without the proxy env, chains to other sitecustomizes."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from singularity.proxy import bootstrap_path
+from tests.proxy.conftest import PYTHON, ProxyServer, base_env, proxy_env
+
+PROBE = "import sys; print('torch' in sys.modules, 'chained' in sys.modules)"
+
+
+def _run(code: str, env: dict[str, str]) -> str:
+    r = subprocess.run(
+        [PYTHON, "-c", code], env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+    )
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_bootstrap_path_holds_sitecustomize() -> None:
+    assert (bootstrap_path() / "sitecustomize.py").is_file()
+    assert (bootstrap_path() / "_singularity_proxy" / "__init__.py").is_file()
+
+
+def test_chains_and_stays_inert_without_sockets(tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("import sys\nsys.modules['chained'] = sys\n")
+    env = base_env()
+    env["PYTHONPATH"] = f"{bootstrap_path()}:{other}"
+    assert _run(PROBE, env) == "False True\n"
+    code = "import torch; print(torch.cuda.is_available(), '_singularity_proxy' in __import__('sys').modules)"
+    assert _run(code, env) == "False False\n"
+
+
+def test_activates_only_when_torch_is_imported(server: ProxyServer, tmp_path: Path) -> None:
+    env = proxy_env([server.socket], "boot")
+    assert _run(PROBE, env) == "False False\n"
+    code = "import torch; print(torch.cuda.is_available(), torch.cuda.device_count())"
+    assert _run(code, env) == "True 1\n"
