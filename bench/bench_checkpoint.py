@@ -130,7 +130,7 @@ async def bench_size(cp: Checkpointer, work: Path, mib: int, dirty: float, copy_
         if cp.criu.info.dirty_tracking:
             count = [0]
 
-            def make_dirty() -> None:
+            def make_dirty(images: Path) -> None:
                 count[0] += 1
                 os.kill(rank, signal.SIGUSR1)
                 _wait_line(log, f"dirtied {count[0]}", 60)

@@ -54,25 +54,10 @@ def _loads(data: bytes) -> Any:
     return _SafeUnpickler(io.BytesIO(data)).load()
 
 
-_LEN = struct.Struct("<Q")
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ConnectionError("closed")
-        got += k
-    return bytes(buf)
-
-
 def recv_safe(sock: socket.socket) -> Any:
     """Receive one message from an untrusted peer."""
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    return _loads(_recv_exact(sock, n))
+    (n,) = wire.LENGTH.unpack(wire.recv_exact(sock, wire.LENGTH.size))
+    return _loads(wire.recv_exact(sock, n))
 
 
 def _raw(t: torch.Tensor) -> tuple[torch.Tensor, bytes]:
@@ -621,6 +606,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda-device", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None, help="intra-op CPU threads")
     ap.add_argument("--name", default=None, help="device name the jobs see")
+    ap.add_argument(
+        "--listen-fd",
+        type=int,
+        default=None,
+        help="an inherited, already listening socket for --socket (socket activation by the daemon)",
+    )
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -628,7 +619,12 @@ def main(argv: list[str] | None = None) -> int:
     control_path = a.control or a.socket + ".ctl"
     ctl = _listen(control_path)
     os.chmod(control_path, 0o600)
-    data = _listen(a.socket)
+    if a.listen_fd is not None:
+        data = socket.socket(fileno=a.listen_fd)
+        data.setblocking(True)
+    else:
+        data = _listen(a.socket)
+        os.chmod(a.socket, 0o666)  # every user's jobs connect; a session is bound to its uid at hello
     threading.Thread(target=_accept_loop, args=(ctl, server.control), daemon=True).start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

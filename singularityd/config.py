@@ -70,6 +70,8 @@ class Config:
     checkpoint_keep: int = 2
     checkpoint_pre_copy: int = 1
     checkpoint_dir: Path | None = None
+    device_proxy: bool = True
+    proxy_threads: int = 1
     log_level: str = "info"
 
     @property
@@ -119,6 +121,10 @@ OPTIONS: dict[str, str] = {
     "checkpoint_pre_copy": "Pre-copy rounds (CRIU pre-dumps while the job runs) before the final "
     "dump, so the pause grows with dirtied memory only; 0 disables (default 1).",
     "checkpoint_dir": "Where checkpoint images are kept (default <state_dir>/checkpoints).",
+    "device_proxy": "Serve devices to jobs through per-device proxy servers, so job processes hold no "
+    "device state (default true); false gives jobs their GPUs directly (CUDA_VISIBLE_DEVICES).",
+    "proxy_threads": "Intra-op CPU threads of each proxy server (default 1); a job's results match a "
+    "direct CPU run with the same OMP_NUM_THREADS.",
     "log_level": "debug, info, warning or error (default info). Env SING_LOG_LEVEL.",
 }
 
@@ -141,12 +147,16 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         kind = kinds[name]
         if kind is int and isinstance(value, bool):
             raise TypeError
+        if kind is bool and not isinstance(value, bool):
+            if str(value).lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            value = str(value).lower() in ("true", "1", "yes")
         coerced = kind(value)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"{source}: {name} = {value!r} is not a valid value") from error
     if name == "devices" and coerced not in ("auto", "nvml", "virtual"):
         raise ConfigError(f"{source}: devices must be 'auto', 'nvml' or 'virtual', not {coerced!r}")
-    if name in ("virtual_devices", "checkpoint_keep") and coerced < 1:
+    if name in ("virtual_devices", "checkpoint_keep", "proxy_threads") and coerced < 1:
         raise ConfigError(f"{source}: {name} must be at least 1")
     if name == "checkpoint_pre_copy" and coerced < 0:
         raise ConfigError(f"{source}: {name} must not be negative")

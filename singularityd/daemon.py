@@ -27,6 +27,7 @@ from typing import Any
 
 import grpc
 
+from singularity.proxy.control import ControlError
 from singularityd import __version__, runtime
 from singularityd.api.service import add_service
 from singularityd.checkpoint import (
@@ -38,7 +39,8 @@ from singularityd.checkpoint import (
     ImageStore,
     locate_criu,
 )
-from singularityd.checkpoint.manifest import MANIFEST_NAME
+from singularityd.checkpoint.criu import tree_pids
+from singularityd.checkpoint.manifest import IMAGES_DIR, MANIFEST_NAME, Manifest
 from singularityd.config import OPTIONS, Config, ConfigError, load_config
 from singularityd.core.jobs import (
     CancelRequested,
@@ -69,6 +71,7 @@ from singularityd.core.jobs import (
 from singularityd.core.policy import QueuedJob, RunningJob, plan_starts
 from singularityd.devices import Device, Inventory, discover, refresh
 from singularityd.identity import Caller, IdentityRelay, resolve_caller
+from singularityd.proxies import ProxyError, ProxyPool, job_connections
 from singularityd.requests import RequestError, SubmitArgs, not_found
 from singularityd.store import JobRecord, JobSpec, Store, StoreError
 
@@ -115,6 +118,7 @@ class Daemon:
         self.inventory: Inventory
         self.criu = CriuStatus("", "", "not probed yet")
         self.checkpointer: Checkpointer | None = None
+        self.proxies: ProxyPool | None = None
         self._checkpointing: set[int] = set()
         self._exited_while_checkpointing: set[int] = set()
         self._periodic: dict[int, asyncio.TimerHandle] = {}
@@ -166,6 +170,14 @@ class Daemon:
             self.inventory.kind,
             self.inventory.nvml_status,
         )
+        if self.config.device_proxy:
+            self.proxies = ProxyPool(
+                self.config.socket.parent,
+                self.config.state_dir,
+                self.inventory.devices,
+                self.config.proxy_threads,
+            )
+            self.proxies.start()
         await self._probe_criu()
         await self._recover()
         self._relay = IdentityRelay(
@@ -196,6 +208,8 @@ class Daemon:
         """Stop serving and close the store; jobs keep running and are re-adopted on restart."""
         if self._relay is not None:
             await self._relay.stop()
+        if self.proxies is not None:
+            self.proxies.stop()
         grace = self.config.shutdown_grace_seconds
         await asyncio.gather(*(server.stop(grace) for server in self._servers.values()))
         for watch in self._watches.values():
@@ -404,14 +418,40 @@ class Daemon:
     async def _restore(self, job_id: int, paths: runtime.JobPaths) -> None:
         assert self.checkpointer is not None
         paths.status.unlink(missing_ok=True)
+        job = self.get_job(job_id)
+        images = self.checkpointer.store
+        opened: list[socket.socket] = []
+        proxies = self.proxies
+
+        def reconnect(manifest: Manifest) -> dict[str, int]:
+            connections = manifest.extra.get("proxy_connections") or []
+            if not connections:
+                return {}
+            if proxies is None:
+                raise ProxyError("the job used device proxies, which are turned off in this daemon")
+            folder = images.checkpoint_dir(str(job_id), manifest.seq) / IMAGES_DIR
+            inherit, sockets = proxies.reconnect(job_id, job.devices, folder, connections)
+            opened.extend(sockets)
+            return inherit
+
         try:
-            result = await self.checkpointer.restore_latest(str(job_id))
-        except CheckpointError as error:
+            if proxies is not None and self._used_device_proxies(job_id):
+                for device in job.devices:
+                    await proxies.ensure_running(device)
+            result = await self.checkpointer.restore_latest(str(job_id), inherit_fds=reconnect)
+        except (CheckpointError, ProxyError, ControlError, OSError) as error:
             self._launching.discard(job_id)
+            if proxies is not None:
+                with contextlib.suppress(ProxyError, ControlError, OSError):
+                    await proxies.release(job_id, job.devices)
             self.apply(job_id, RestoreFailed(str(error)))
             return
         finally:
             self._launching.discard(job_id)
+            for connection in opened:
+                connection.close()
+        if opened and proxies is not None:
+            await proxies.resume(job_id, job.devices)
         job = self.get_job(job_id)
         for skipped in result.skipped:
             self.store.add_note(
@@ -439,7 +479,7 @@ class Daemon:
                 user=spec.user,
                 ranks=spec.ranks,
                 devices=job.devices,
-                device_kind=self.inventory.kind,
+                device_env=self.device_environment(job),
                 master_port=runtime.free_tcp_port(),
             ),
             "rank_logs": [str(paths.rank_log(r)) for r in range(spec.ranks)],
@@ -449,6 +489,14 @@ class Daemon:
             "pid_namespace": not self.config.user_mode,
             "kill_grace_seconds": self.config.kill_grace_seconds,
         }
+
+    def device_environment(self, job: JobRecord) -> dict[str, str]:
+        """How the job's processes reach their devices: through the proxies, or directly."""
+        if self.proxies is not None:
+            return self.proxies.environment(job.devices, job.spec.env.get("PYTHONPATH"))
+        if self.inventory.kind == "nvml":
+            return {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in job.devices)}
+        return {}
 
     def _watch(self, job_id: int, pid: int) -> None:
         self._watches[job_id] = runtime.ProcessWatch(pid, lambda: self._on_exit(job_id))
@@ -505,6 +553,16 @@ class Daemon:
             for seq in images.seqs(str(job_id))
         )
 
+    def _used_device_proxies(self, job_id: int) -> bool:
+        """Whether any complete checkpoint of the job holds device state saved by the proxies."""
+        assert self.checkpointer is not None
+        images = self.checkpointer.store
+        for seq in images.seqs(str(job_id)):
+            with contextlib.suppress(CheckpointError, OSError, ValueError):
+                if images.read_manifest(str(job_id), seq).extra.get("proxy_connections"):
+                    return True
+        return False
+
     def checkpoint_interval(self, job: JobRecord) -> float:
         """The job's own periodic checkpoint interval, else the daemon's default (0: none)."""
         if job.spec.checkpoint_interval is not None:
@@ -541,6 +599,15 @@ class Daemon:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"job {job_id} is still starting")
         paths = self.job_paths(job_id)
         logs = [str(paths.rank_log(r)) for r in range(job.spec.ranks)] + [str(paths.supervisor_log)]
+        connections = await asyncio.to_thread(job_connections, tree_pids(job.init_pid))
+        quiesced = False
+
+        async def save_device_state(images: Path) -> None:
+            nonlocal quiesced
+            if self.proxies is not None and connections:
+                quiesced = True
+                await self.proxies.quiesce_and_save(job_id, job.devices, images)
+
         self._checkpointing.add(job_id)
         try:
             result = await self.checkpointer.checkpoint(
@@ -550,15 +617,30 @@ class Daemon:
                 owner_gid=job.spec.gid,
                 leave_running=not stop,
                 rewind_paths=logs,
-                extra={"reason": reason, "devices": list(job.devices)},
+                external_unix_inodes=[c.inode for c in connections],
+                before_final_dump=save_device_state,
+                extra={
+                    "reason": reason,
+                    "devices": list(job.devices),
+                    "proxy_connections": [c.as_dict() for c in connections],
+                },
             )
-        except CheckpointError as error:
+        except (CheckpointError, ProxyError, ControlError, OSError) as error:
+            if quiesced and self.proxies is not None:
+                with contextlib.suppress(ProxyError, ControlError, OSError):
+                    await self.proxies.resume(job_id, job.devices)
             self._checkpointing.discard(job_id)
             self.apply(job_id, CheckpointFailed(str(error)))
             if job_id in self._exited_while_checkpointing:
                 self._exited_while_checkpointing.discard(job_id)
                 self._on_exit(job_id)
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"checkpoint failed: {error}") from None
+        if quiesced and self.proxies is not None:
+            finish = self.proxies.release if stop else self.proxies.resume
+            try:
+                await finish(job_id, job.devices)
+            except (ProxyError, ControlError, OSError) as error:
+                log.error("job %d: proxy %s after the checkpoint failed: %s", job_id, finish.__name__, error)
         self._checkpointing.discard(job_id)
         self._exited_while_checkpointing.discard(job_id)
         summary = f"{reason}: {checkpoint_summary(result)}"
@@ -664,9 +746,16 @@ class Daemon:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from None
         return self.get_job(job_id)
 
+    async def _started(self, job_id: int, timeout: float = 120.0) -> None:
+        """Wait while the job's processes are being launched or restored."""
+        deadline = time.monotonic() + timeout
+        while job_id in self._launching and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
     async def preempt(self, caller: Caller, job_id: int, hold: bool) -> JobRecord:
         """Checkpoint and stop a running job (hold: until resumed by hand); returns once stopped."""
         self.owned_job(caller, job_id)
+        await self._started(job_id)
         try:
             decision = self.apply(job_id, PreemptRequested(caller.user, hold=hold))
         except InvalidTransition as error:
@@ -688,6 +777,7 @@ class Daemon:
     async def checkpoint(self, caller: Caller, job_id: int) -> tuple[JobRecord, CheckpointResult]:
         """Checkpoint a running job in place; returns once the checkpoint is complete."""
         self.owned_job(caller, job_id)
+        await self._started(job_id)
         try:
             self.apply(job_id, CheckpointRequested(caller.user))
         except InvalidTransition as error:

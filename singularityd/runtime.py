@@ -15,7 +15,7 @@ import pwd
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,13 +117,14 @@ def rank_environments(
     user: str,
     ranks: int,
     devices: tuple[int, ...],
-    device_kind: str,
+    device_env: Mapping[str, str],
     master_port: int,
 ) -> list[dict[str, str]]:
     """The environment of each rank: the user's, plus what torchrun and singularityd provide.
 
     USER and LOGNAME always name the job's real user, whatever the request carried.
     USE_LIBUV defaults to 0: torch's libuv TCPStore creates an io_uring, which CRIU cannot dump.
+    `device_env` says how the job reaches its devices (the proxy client, or CUDA_VISIBLE_DEVICES).
     """
     identity = {"USER": user, "LOGNAME": user}
     defaults: dict[str, str] = {}
@@ -150,8 +151,7 @@ def rank_environments(
                 "SING_DEVICES": listed,
             }
         )
-        if device_kind == "nvml":
-            env["CUDA_VISIBLE_DEVICES"] = listed
+        env.update(device_env)
         environments.append(env)
     return environments
 

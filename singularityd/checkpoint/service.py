@@ -124,7 +124,7 @@ class Checkpointer:
         rewind_paths: Sequence[str] = (),
         extra: Mapping[str, Any] | None = None,
         prune: bool = True,
-        before_final_dump: Callable[[], Any] | None = None,
+        before_final_dump: Callable[[Path], Any] | None = None,
     ) -> CheckpointResult:
         """Checkpoint the tree rooted at host PID `pid` (the job's init) as the job's next one.
 
@@ -134,7 +134,8 @@ class Checkpointer:
         kernel tracks dirty memory; otherwise the result says why none were. `rewind_paths` (the
         job's O_APPEND logs) have their sizes recorded at the dump, so a later restore can cut
         them back. `extra` is small JSON state stored in the manifest. `before_final_dump` is
-        called (and awaited if it returns an awaitable) between the pre-dumps and the final dump.
+        called with the checkpoint's images folder (and awaited if it returns an awaitable) between
+        the pre-dumps and the final dump; what it writes there is checksummed with the images.
         Once started, a checkpoint runs to its end even if the awaiting task is cancelled.
         """
         return await run_to_completion(
@@ -166,7 +167,7 @@ class Checkpointer:
         rewind_paths: Sequence[str],
         extra: Mapping[str, Any] | None,
         prune: bool,
-        before_final_dump: Callable[[], Any] | None,
+        before_final_dump: Callable[[Path], Any] | None,
     ) -> CheckpointResult:
         start = time.monotonic()
         info = self.criu.info
@@ -246,7 +247,7 @@ class Checkpointer:
         leave_running: bool,
         external_unix_inodes: Sequence[int],
         rewind_paths: Sequence[str],
-        before_final_dump: Callable[[], Any] | None,
+        before_final_dump: Callable[[Path], Any] | None,
     ) -> tuple[list[DumpStats], DumpStats, dict[str, int]]:
         logs = self.store.logs_dir(pending.job_id)
         tag = f"{pending.seq:08d}"
@@ -266,7 +267,7 @@ class Checkpointer:
             )
             parent = f"../pre-{i}"
         if before_final_dump is not None:
-            r = before_final_dump()
+            r = before_final_dump(pending.images)
             if asyncio.iscoroutine(r) or isinstance(r, asyncio.Future):
                 await r
         script: Path | None = None

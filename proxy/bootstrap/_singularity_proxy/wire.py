@@ -7,7 +7,7 @@ import socket
 import struct
 from typing import Any
 
-_LEN = struct.Struct("<Q")
+LENGTH = struct.Struct("<Q")
 PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 # Client -> server message kinds (first element of every message tuple).
@@ -41,10 +41,11 @@ REQ_RESET_PEAK = 4  # (REQ_RESET_PEAK,) -> None
 def send_msg(sock: socket.socket, msg: Any) -> None:
     """Send one length-prefixed pickled message."""
     data = pickle.dumps(msg, PROTOCOL)
-    sock.sendall(_LEN.pack(len(data)) + data)
+    sock.sendall(LENGTH.pack(len(data)) + data)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Read exactly n bytes; ConnectionError when the peer closes first."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
@@ -58,5 +59,5 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 def recv_msg(sock: socket.socket) -> Any:
     """Receive one length-prefixed pickled message; ConnectionError at end of stream."""
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    return pickle.loads(_recv_exact(sock, n))
+    (n,) = LENGTH.unpack(recv_exact(sock, LENGTH.size))
+    return pickle.loads(recv_exact(sock, n))
