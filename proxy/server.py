@@ -120,10 +120,16 @@ class Server:
     """A proxy server for one device."""
 
     def __init__(
-        self, device_index: int, memory_bytes: int, cuda_device: int | None, name: str | None = None
+        self,
+        device_index: int,
+        memory_bytes: int,
+        cuda_device: int | None,
+        name: str | None = None,
+        registry: Path | None = None,
     ) -> None:
         self.index = device_index
         self.capacity = memory_bytes
+        self.registry = registry
         if cuda_device is None:
             self.device = torch.device("cpu")
             self.info: dict[str, Any] = {
@@ -334,6 +340,24 @@ class Server:
             if self.sessions.get((s.job_id, s.rank)) is s:
                 del self.sessions[(s.job_id, s.rank)]
 
+    def admission_problem(self, job_id: str, uid: int) -> str:
+        """Why a process of this uid may not open a session for this job ('' when it may).
+
+        With a registry (the daemon's), a job's sessions can be opened only by the uid the
+        daemon registered for it, so no user can claim, squat or disturb another user's job.
+        """
+        if self.registry is None or uid == 0:
+            return ""
+        if not job_id or not all(c.isalnum() or c in "._-" for c in job_id):
+            return f"proxy: invalid job id {job_id!r}"
+        try:
+            owner = int((self.registry / job_id).read_text())
+        except (OSError, ValueError):
+            return f"proxy: job {job_id} is not admitted on this device"
+        if owner != uid:
+            return f"proxy: job {job_id} does not belong to uid {uid}"
+        return ""
+
     def serve(self, sock: socket.socket) -> None:
         """Serve one job connection until it closes."""
         conn = Connection(sock)
@@ -356,6 +380,10 @@ class Server:
                         return
                     s = old
                 else:
+                    refusal = self.admission_problem(str(job_id), uid)
+                    if refusal:
+                        conn.send((wire.ERROR, "builtins", "PermissionError", refusal))
+                        return
                     if old is not None and old.uid != uid and uid != 0:
                         conn.send(
                             (
@@ -612,10 +640,16 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="an inherited, already listening socket for --socket (socket activation by the daemon)",
     )
+    ap.add_argument(
+        "--registry",
+        type=Path,
+        default=None,
+        help="folder of files named by job id holding the uid allowed to open its sessions (the daemon's)",
+    )
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    server = Server(a.device_index, a.memory_bytes, a.cuda_device, a.name)
+    server = Server(a.device_index, a.memory_bytes, a.cuda_device, a.name, a.registry)
     control_path = a.control or a.socket + ".ctl"
     ctl = _listen(control_path)
     os.chmod(control_path, 0o600)

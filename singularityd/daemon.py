@@ -391,6 +391,8 @@ class Daemon:
         job = self.store.get(job_id)
         assert job is not None
         paths = self.job_paths(job_id)
+        if self.proxies is not None:
+            self.proxies.admit(job_id, job.spec.uid)
         if self.has_checkpoint(job_id):
             await self._restore(job_id, paths)
             return
@@ -534,6 +536,8 @@ class Daemon:
             )
 
     def _forget_processes(self, job_id: int) -> None:
+        if self.proxies is not None:
+            self.proxies.forget(job_id)
         watch = self._watches.pop(job_id, None)
         if watch is not None:
             watch.close()

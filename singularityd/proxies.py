@@ -109,6 +109,21 @@ class ProxyPool:
         """The daemon-only control socket of this device's server."""
         return self.run_dir / f"dev-{device}.sock.ctl"
 
+    @property
+    def registry(self) -> Path:
+        """Files naming, for each admitted job, the uid allowed to open its proxy sessions."""
+        return self.state_dir / "jobs"
+
+    def admit(self, job_id: int, uid: int) -> None:
+        """Let processes of this uid (and only them) open sessions for the job."""
+        temporary = self.registry / f".{job_id}.tmp"
+        temporary.write_text(str(uid))
+        temporary.replace(self.registry / str(job_id))
+
+    def forget(self, job_id: int) -> None:
+        """The job holds no devices any more: no new sessions for it."""
+        (self.registry / str(job_id)).unlink(missing_ok=True)
+
     def install_bootstrap(self) -> Path:
         """Copy the in-job client where every user can read it (the checkout may be private)."""
         fresh = self.bootstrap.with_name("bootstrap.new")
@@ -128,6 +143,7 @@ class ProxyPool:
         os.chmod(self.run_dir, 0o755)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.state_dir, 0o700)
+        self.registry.mkdir(exist_ok=True)
         self.install_bootstrap()
         for index in self.devices:
             pid = self._recorded_pid(index)
@@ -179,7 +195,7 @@ class ProxyPool:
             sys.executable, "-m", "singularity.proxy.server",
             "--socket", str(self.socket_path(index)), "--listen-fd", str(listener.fileno()),
             "--device-index", str(index), "--memory-bytes", str(device.memory_total),
-            "--name", device.name, "--threads", str(self.threads),
+            "--name", device.name, "--threads", str(self.threads), "--registry", str(self.registry),
         ]  # fmt: skip
         if device.kind == "nvml":
             command += ["--cuda-device", str(index)]

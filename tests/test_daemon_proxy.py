@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import requires_root
-from tests.helpers import Daemon, running_daemon, wait_until
+from tests.helpers import Daemon, ensure_user, running_daemon, wait_until
 from tests.proxy.conftest import PROGRAMS, PYTHON, base_env
 from tests.proxy.test_corpus import CORPUS
 
@@ -133,3 +133,38 @@ def test_proxy_servers_survive_a_daemon_restart(daemon_root: Path) -> None:
         assert daemon.sing("wait", str(again), timeout=300).code == 0
         assert int((daemon.state_dir / "proxy" / "dev-0.pid").read_text()) == pid, "adopted, not restarted"
         assert "adopted the proxy server of device 0" in daemon.log.read_text()
+
+
+ATTACK = """
+import socket, sys
+from _singularity_proxy import wire
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+wire.send_msg(s, (wire.HELLO, sys.argv[2], 0, 0, False))
+print(wire.recv_msg(s))
+"""
+
+
+@requires_root
+def test_users_cannot_open_sessions_for_jobs_not_theirs(proxied: Daemon) -> None:
+    """A proxy session of a job can be opened only by the job's own user (or root)."""
+    ensure_user("sing-alice")
+    bob = ensure_user("sing-bob")
+    job = proxied.submit("sleep", "300", user="sing-alice")
+    proxied.wait_state(job, "RUNNING")
+    device = proxied.job(job)["devices"][0]
+    socket_path = proxied.root / "run" / "proxy" / f"dev-{device}.sock"
+    bootstrap = proxied.state_dir / "bootstrap"
+
+    def hello_as_bob(job_id: str) -> str:
+        done = subprocess.run(
+            ["/usr/bin/python3", "-c", ATTACK, str(socket_path), job_id],
+            env={"PYTHONPATH": str(bootstrap), "PATH": "/usr/bin:/bin"},
+            user=bob.pw_uid, group=bob.pw_gid, capture_output=True, text=True, timeout=120, cwd="/tmp",
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert f"job {job} does not belong to uid {bob.pw_uid}" in hello_as_bob(str(job))
+    assert "job 4242 is not admitted on this device" in hello_as_bob("4242")
+    proxied.sing("cancel", str(job))
