@@ -187,3 +187,28 @@ def test_shell_completion_is_offered() -> None:
     result = subprocess.run([SING, "--show-completion", "bash"], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0
     assert "complete" in result.stdout
+
+
+def test_spawning_many_jobs_while_rpcs_are_in_flight(daemon: Daemon) -> None:
+    """The daemon forks launchers while serving gRPC: stress both at once, nothing is lost."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    watcher = subprocess.Popen(
+        [SING, "ps", "-w", "-a", "--no-header"], stdout=subprocess.PIPE, text=True, env=daemon_env(daemon)
+    )
+    try:
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            codes = list(
+                pool.map(
+                    lambda n: daemon.sing("submit", "--wait", "--", "sh", "-c", f"exit {n % 7}").code,
+                    range(24),
+                )
+            )
+            listed = list(pool.map(lambda _: daemon.sing("ps", "-a", "-o", "json").code, range(8)))
+        assert codes == [n % 7 for n in range(24)]
+        assert listed == [0] * 8
+        jobs = daemon.sing("ps", "-a", "-o", "json").json()
+        assert len(jobs) == 24 and {j["state"] for j in jobs} <= {"COMPLETED", "FAILED"}
+    finally:
+        watcher.terminate()
+        watcher.wait(10)
