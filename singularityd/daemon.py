@@ -118,6 +118,7 @@ class Daemon:
         self.inventory: Inventory
         self.criu = CriuStatus("", "", "not probed yet")
         self.checkpointer: Checkpointer | None = None
+        self._checkpoint_usage: dict[int, tuple[int, int]] = {}
         self.proxies: ProxyPool | None = None
         self._checkpointing: set[int] = set()
         self._exited_while_checkpointing: set[int] = set()
@@ -403,11 +404,11 @@ class Daemon:
             self._launching.discard(job_id)
             self.apply(job_id, LaunchFailed(str(error)))
             return
-        self._launching.discard(job_id)
         self._running(job_id, pid, ticks)
 
     def _running(self, job_id: int, pid: int, ticks: int) -> None:
         """The job's supervisor (launched or restored) runs: record it, watch it, arm checkpoints."""
+        self._launching.discard(job_id)
         self.store.set_process(job_id, pid, ticks)
         log.info("job %d: supervisor pid %d", job_id, pid)
         self._watch(job_id, pid)
@@ -449,7 +450,6 @@ class Daemon:
             self.apply(job_id, RestoreFailed(str(error)))
             return
         finally:
-            self._launching.discard(job_id)
             for connection in opened:
                 connection.close()
         if opened and proxies is not None:
@@ -613,6 +613,7 @@ class Daemon:
                 await self.proxies.quiesce_and_save(job_id, job.devices, images)
 
         self._checkpointing.add(job_id)
+        self._checkpoint_usage.pop(job_id, None)
         try:
             result = await self.checkpointer.checkpoint(
                 str(job_id),
@@ -630,6 +631,7 @@ class Daemon:
                 },
             )
         except (CheckpointError, ProxyError, ControlError, OSError) as error:
+            self._checkpoint_usage.pop(job_id, None)
             if quiesced and self.proxies is not None:
                 with contextlib.suppress(ProxyError, ControlError, OSError):
                     await self.proxies.resume(job_id, job.devices)
@@ -639,6 +641,7 @@ class Daemon:
                 self._exited_while_checkpointing.discard(job_id)
                 self._on_exit(job_id)
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"checkpoint failed: {error}") from None
+        self._checkpoint_usage.pop(job_id, None)
         if quiesced and self.proxies is not None:
             finish = self.proxies.release if stop else self.proxies.resume
             try:
@@ -790,11 +793,17 @@ class Daemon:
         return self.get_job(job_id), result
 
     def checkpoint_usage(self, job_id: int) -> tuple[int, int]:
-        """How many checkpoints the job has and the bytes they take on disk."""
+        """How many checkpoints the job has and the bytes they take on disk.
+
+        Only the daemon writes checkpoints, so the figure is computed once and kept until the
+        job's next checkpoint; listing many jobs does not walk their image folders.
+        """
         if self.checkpointer is None:
             return 0, 0
-        usage = self.checkpointer.store.usage(str(job_id))
-        return usage.checkpoints, usage.bytes_on_disk
+        if job_id not in self._checkpoint_usage:
+            usage = self.checkpointer.store.usage(str(job_id))
+            self._checkpoint_usage[job_id] = (usage.checkpoints, usage.bytes_on_disk)
+        return self._checkpoint_usage[job_id]
 
     def checkpoint_list(self, job_id: int) -> list[tuple[int, float, int, bool]]:
         """(seq, created_at, bytes, complete) of each of the job's checkpoint folders."""
