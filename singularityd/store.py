@@ -7,6 +7,7 @@ acts on it, so a daemon killed at any moment restarts with a consistent queue.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -127,6 +128,10 @@ class Store:
         self.path = path
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            # Specs hold every user's environment: the database is the daemon's alone (its -wal
+            # and -shm files take the same mode).
+            os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
+            os.chmod(path, 0o600)
             self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
             self._db.row_factory = sqlite3.Row
             self._db.execute("PRAGMA journal_mode=WAL")

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import requires_root
-from tests.helpers import SINGULARITYD, Daemon, Result, ensure_user, python_for_user, run_sing
+from tests.helpers import SINGULARITYD, Daemon, Result, ensure_user, python_for_user, run_sing, running_daemon
 
 
 def assert_one_line_error(result: Result, code: int, text: str) -> None:
@@ -107,3 +108,29 @@ def test_unreadable_config_file(daemon_root: Path) -> None:
     result = run_daemon("--config", str(secret), user="sing-alice")
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip() == f"singularityd: cannot read config file {secret}: permission denied"
+
+
+@requires_root
+def test_full_disk_under_the_state_directory(daemon_root: Path) -> None:
+    """A full disk refuses new work with a clear error and loses nothing already stored."""
+    state = daemon_root / "state"
+    state.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(state)], check=True)
+    try:
+        with running_daemon(daemon_root, config={"device_proxy": False}) as daemon:
+            first = daemon.submit("true")
+            assert daemon.sing("wait", str(first)).code == 0
+            filler = state / "filler"
+            subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=64k", "count=200"], capture_output=True)
+            refused = daemon.sing("submit", "--", "sh", "-c", "echo " + "x" * 100_000)
+            assert refused.code == 6, refused.err
+            assert "cannot write its state database" in refused.err and "full" in refused.err
+            assert "Traceback" not in refused.err and len(refused.err.strip().splitlines()) == 1
+            filler.unlink()
+            again = daemon.submit("true")
+            assert daemon.sing("wait", str(again)).code == 0
+            jobs = daemon.sing("ps", "-a", "-o", "json").json()
+            assert [j["id"] for j in jobs] == [first, again] and {j["state"] for j in jobs} == {"COMPLETED"}
+            assert stat.S_IMODE((state / "singularity.db").stat().st_mode) == 0o600, "specs hold users' env"
+    finally:
+        subprocess.run(["umount", "-l", str(state)], check=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import wraps
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -66,6 +67,10 @@ def _translating_errors(
         except RequestError as error:
             await context.abort(error.kind, error.message)
             raise  # unreachable: abort raises
+        except sqlite3.Error as error:
+            message = f"the daemon cannot write its state database: {error}"
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+            raise
 
     return wrapper
 
