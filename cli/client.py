@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import tomllib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -53,9 +54,18 @@ def resolve_socket(flag: str | None) -> Path:
     configured = _config_socket()
     if configured is not None:
         return configured
-    if os.geteuid() != 0 and not SYSTEM_SOCKET.exists() and _user_socket().exists():
+    if os.geteuid() != 0 and not SYSTEM_SOCKET.exists() and _owned_privately(_user_socket().parent):
         return _user_socket()
     return SYSTEM_SOCKET
+
+
+def _owned_privately(folder: Path) -> bool:
+    """Whether a folder is the caller's own, mode 0700, and not a link (so no one else planted it)."""
+    try:
+        info = folder.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) == 0o700
 
 
 def unreachable_message(socket_path: Path) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import pwd
 import stat
@@ -92,15 +93,18 @@ def submit(
     socket: str = SocketOption,
 ) -> None:
     """Queue a program; prints its job id. The job runs as you, with your environment."""
-    if checkpoint_every is not None and checkpoint_every < 0:
-        raise CliError(f"--checkpoint-every must not be negative, not {checkpoint_every:g}", EXIT_USAGE)
+    if checkpoint_every is not None and not (math.isfinite(checkpoint_every) and checkpoint_every >= 0):
+        raise CliError(f"--checkpoint-every must be 0 or more seconds, not {checkpoint_every:g}", EXIT_USAGE)
     if not command:
         raise CliError(
             "empty command: give the program to run after --, e.g. sing submit -- python train.py", EXIT_USAGE
         )
     job_env = dict(os.environ)
     job_env.update(_parse_env(env))
-    directory = os.path.abspath(cwd) if cwd else os.getcwd()
+    try:
+        directory = os.path.abspath(cwd) if cwd else os.getcwd()
+    except FileNotFoundError:
+        raise CliError("the current directory no longer exists; give --cwd", EXIT_USAGE) from None
     request = pb.SubmitRequest(
         command=command, name=name, gpus=gpus, priority=priority, ranks=ranks, cwd=directory, env=job_env
     )
@@ -269,8 +273,12 @@ def doctor(socket: str = SocketOption) -> None:
     path = resolve_socket(socket)
     healthy = True
     try:
-        mode = path.stat().st_mode
-        owner = pwd.getpwuid(path.stat().st_uid).pw_name
+        info = path.stat()
+        mode = info.st_mode
+        try:
+            owner = pwd.getpwuid(info.st_uid).pw_name
+        except KeyError:
+            owner = str(info.st_uid)
         usable = stat.S_ISSOCK(mode) and os.access(path, os.R_OK | os.W_OK)
         healthy &= _check(
             usable,
@@ -279,6 +287,9 @@ def doctor(socket: str = SocketOption) -> None:
         )
     except FileNotFoundError:
         _check(False, "socket", unreachable_message(path))
+        raise SystemExit(EXIT_UNAVAILABLE) from None
+    except OSError as error:
+        _check(False, "socket", f"{path}: {error.strerror}")
         raise SystemExit(EXIT_UNAVAILABLE) from None
     try:
         with connect(socket) as stub:

@@ -125,7 +125,7 @@ def criu_dump_args(pid: int) -> list[str]:
 
 
 def open_restored_connection(
-    socket_path: str | os.PathLike[str], job_id: str, rank: int, device_index: int
+    socket_path: str | os.PathLike[str], job_id: str, rank: int, device_index: int, timeout: float = 120.0
 ) -> socket.socket:
     """Open the connection a restored process will use for device `device_index`.
 
@@ -134,12 +134,18 @@ def open_restored_connection(
     `criu restore --inherit-fd`.
     """
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.connect(os.fspath(socket_path))
-    wire.send_msg(s, (wire.HELLO, job_id, rank, device_index, True))
-    msg = wire.recv_msg(s)
+    s.settimeout(timeout)
+    try:
+        s.connect(os.fspath(socket_path))
+        wire.send_msg(s, (wire.HELLO, job_id, rank, device_index, True))
+        msg = wire.recv_msg(s)
+    except BaseException:
+        s.close()
+        raise
     if msg[0] != wire.WELCOME:
         s.close()
         raise ControlError(str(msg[3]) if len(msg) > 3 else str(msg))
+    s.settimeout(None)  # the restored process expects a blocking socket
     s.set_inheritable(True)
     return s
 

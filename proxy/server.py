@@ -13,6 +13,7 @@ import builtins
 import contextlib
 import fcntl
 import io
+import json
 import os
 import pickle
 import signal
@@ -351,11 +352,14 @@ class Server:
         if not job_id or not all(c.isalnum() or c in "._-" for c in job_id):
             return f"proxy: invalid job id {job_id!r}"
         try:
-            owner = int((self.registry / job_id).read_text())
-        except (OSError, ValueError):
+            admitted = json.loads((self.registry / job_id).read_text())
+            owner, devices = int(admitted["uid"]), [int(d) for d in admitted["devices"]]
+        except (OSError, ValueError, KeyError, TypeError):
             return f"proxy: job {job_id} is not admitted on this device"
         if owner != uid:
             return f"proxy: job {job_id} does not belong to uid {uid}"
+        if self.index not in devices:
+            return f"proxy: job {job_id} was not granted device {self.index}"
         return ""
 
     def serve(self, sock: socket.socket) -> None:

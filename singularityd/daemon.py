@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import fcntl
 import logging
+import math
 import signal
 import socket
 import sys
@@ -78,6 +79,7 @@ from singularityd.store import JobRecord, JobSpec, Store, StoreError
 log = logging.getLogger("singularityd")
 
 MAX_PRIORITY = 1_000_000
+PREEMPTION_RETRY_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,7 @@ class Daemon:
         self.criu = CriuStatus("", "", "not probed yet")
         self.checkpointer: Checkpointer | None = None
         self._checkpoint_usage: dict[int, tuple[int, int]] = {}
+        self._preemption_failed_at: dict[int, float] = {}
         self.proxies: ProxyPool | None = None
         self._checkpointing: set[int] = set()
         self._exited_while_checkpointing: set[int] = set()
@@ -250,16 +253,20 @@ class Daemon:
             paths = self.job_paths(job.id)
             pid, ticks = job.init_pid, job.init_start_ticks
             if pid is None:
-                with contextlib.suppress(FileNotFoundError, ValueError):
-                    pid = int(paths.pid.read_text().strip())
-                    ticks = runtime.process_start_ticks(pid)
-                    if ticks is not None:
-                        self.store.set_process(job.id, pid, ticks)
+                recorded = runtime.read_pid_file(paths)
+                if recorded is not None:
+                    pid, ticks = recorded
+                    self.store.set_process(job.id, pid, ticks)
             alive = pid is not None and ticks is not None and runtime.process_start_ticks(pid) == ticks
             if alive:
                 assert pid is not None
                 log.info("re-adopted job %d (supervisor pid %d)", job.id, pid)
                 self._watch(job.id, pid)
+                self._arm_periodic_checkpoint(job.id)
+                if self.proxies is not None:
+                    # A daemon killed in mid-checkpoint may have left the job parked in its proxies.
+                    with contextlib.suppress(ProxyError, ControlError, OSError):
+                        await self.proxies.resume(job.id, job.devices)
                 continue
             status = runtime.read_exit_status(paths)
             if status is not None:
@@ -365,7 +372,7 @@ class Daemon:
                 j.started_at or 0.0,
                 j.devices,
                 stopping=j.id in self._checkpointing or j.cancel_requested,
-                preemptible=j.init_pid is not None,
+                preemptible=self._preemptible(j),
             )
             for j in self.store.list_jobs(states=(JobState.RUNNING,))
         ]
@@ -393,7 +400,7 @@ class Daemon:
         assert job is not None
         paths = self.job_paths(job_id)
         if self.proxies is not None:
-            self.proxies.admit(job_id, job.spec.uid)
+            self.proxies.admit(job_id, job.spec.uid, job.devices)
         if self.has_checkpoint(job_id):
             await self._restore(job_id, paths)
             return
@@ -421,6 +428,7 @@ class Daemon:
     async def _restore(self, job_id: int, paths: runtime.JobPaths) -> None:
         assert self.checkpointer is not None
         paths.status.unlink(missing_ok=True)
+        paths.pid.unlink(missing_ok=True)
         job = self.get_job(job_id)
         images = self.checkpointer.store
         opened: list[socket.socket] = []
@@ -452,17 +460,24 @@ class Daemon:
         finally:
             for connection in opened:
                 connection.close()
+        resume_error = ""
         if opened and proxies is not None:
-            await proxies.resume(job_id, job.devices)
+            try:
+                await proxies.resume(job_id, job.devices)
+            except (ProxyError, ControlError, OSError) as error:
+                resume_error = f"the device proxies did not resume the job: {error}"
         job = self.get_job(job_id)
         for skipped in result.skipped:
             self.store.add_note(
                 job_id, job.state, f"checkpoint {skipped.seq} not used: {skipped.reason}", time.time()
             )
         self.store.add_note(job_id, job.state, f"restored from checkpoint {result.seq}", time.time())
-        paths.pid.write_text(str(result.pid))
-        ticks = runtime.process_start_ticks(result.pid)
-        self._running(job_id, result.pid, ticks if ticks is not None else 0)
+        ticks = runtime.process_start_ticks(result.pid) or 0
+        runtime.write_pid_file(paths, result.pid, ticks)
+        self._running(job_id, result.pid, ticks)
+        if resume_error:
+            self.store.add_note(job_id, job.state, resume_error, time.time())
+            self._terminate(job_id)
 
     def _launch_spec(self, job: JobRecord, paths: runtime.JobPaths) -> dict[str, Any]:
         spec = job.spec
@@ -596,7 +611,19 @@ class Daemon:
             self._arm_periodic_checkpoint(job_id)
 
     async def _checkpoint(self, job_id: int, *, stop: bool, hold: bool, reason: str) -> CheckpointResult:
-        """Checkpoint a running job (and stop it when asked); record the outcome as events."""
+        """Checkpoint a running job (and stop it when asked); record the outcome as events.
+
+        The work runs as a task of its own that a caller giving up (a cancelled RPC) cannot
+        interrupt, so its bookkeeping always completes.
+        """
+        task = asyncio.ensure_future(self._checkpoint_to_end(job_id, stop=stop, hold=hold, reason=reason))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return await asyncio.shield(task)
+
+    async def _checkpoint_to_end(
+        self, job_id: int, *, stop: bool, hold: bool, reason: str
+    ) -> CheckpointResult:
         assert self.checkpointer is not None
         job = self.get_job(job_id)
         if job.init_pid is None:
@@ -649,18 +676,31 @@ class Daemon:
             except (ProxyError, ControlError, OSError) as error:
                 log.error("job %d: proxy %s after the checkpoint failed: %s", job_id, finish.__name__, error)
         self._checkpointing.discard(job_id)
+        exited = job_id in self._exited_while_checkpointing
         self._exited_while_checkpointing.discard(job_id)
         summary = f"{reason}: {checkpoint_summary(result)}"
         self.apply(job_id, Checkpointed(summary, stopped=stop, hold=hold))
+        if exited and not stop:
+            self._on_exit(job_id)
         return result
 
     async def _scheduler_preempt(self, job_id: int) -> None:
-        with contextlib.suppress(RequestError, InvalidTransition):
+        try:
             self.apply(job_id, PreemptRequested("the scheduler (a higher-priority job needs its devices)"))
             await self._checkpoint(
                 job_id, stop=True, hold=False, reason="preempted for a higher-priority job"
             )
+        except (RequestError, InvalidTransition):
+            self._preemption_failed_at[job_id] = time.monotonic()
+            asyncio.get_running_loop().call_later(PREEMPTION_RETRY_SECONDS, self.request_schedule)
+            return
         self.request_schedule()
+
+    def _preemptible(self, job: JobRecord) -> bool:
+        """A running job may be preempted once started, unless preempting it failed just now."""
+        failed = self._preemption_failed_at.get(job.id)
+        recent = failed is not None and time.monotonic() - failed < PREEMPTION_RETRY_SECONDS
+        return job.init_pid is not None and not recent
 
     # Requests (called by the API servicer with the kernel-proven caller)
 
@@ -697,10 +737,12 @@ class Daemon:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"working directory {args.cwd} does not exist"
             )
-        if args.checkpoint_interval is not None and args.checkpoint_interval < 0:
+        if args.checkpoint_interval is not None and not (
+            math.isfinite(args.checkpoint_interval) and args.checkpoint_interval >= 0
+        ):
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"--checkpoint-every must not be negative, not {args.checkpoint_interval:g}",
+                f"--checkpoint-every must be 0 or more seconds, not {args.checkpoint_interval:g}",
             )
         bad = [key for key in args.env if not key or "=" in key or "\0" in key]
         if bad:

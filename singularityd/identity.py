@@ -27,16 +27,45 @@ RELAY_CHUNK = 256 * 1024
 
 @dataclass(frozen=True)
 class Caller:
-    """The user behind a connection, as the kernel reported it."""
+    """The user behind a connection, as the kernel reported it.
+
+    The group and admin rights are looked up at each use, so a change in the group database
+    takes effect without restarting the daemon.
+    """
 
     uid: int
-    gid: int
     user: str
-    is_admin: bool
+    connection_gid: int
+    admin_group: str
+
+    @property
+    def gid(self) -> int:
+        """The user's primary group (from the account database; else the connection's)."""
+        try:
+            return pwd.getpwuid(self.uid).pw_gid
+        except KeyError:
+            return self.connection_gid
+
+    @property
+    def is_admin(self) -> bool:
+        """Root, or a member of the admin group."""
+        if self.uid == 0:
+            return True
+        if not self.admin_group:
+            return False
+        try:
+            group = grp.getgrnam(self.admin_group)
+        except KeyError:
+            return False
+        try:
+            groups = set(os.getgrouplist(self.user, self.gid))
+        except OSError:
+            groups = {self.gid}
+        return self.user in group.gr_mem or group.gr_gid in groups
 
     def may_act_on(self, owner_uid: int) -> bool:
         """Users act on their own jobs; root and admins on any."""
-        return self.is_admin or self.uid == owner_uid
+        return self.uid == owner_uid or self.is_admin
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -47,25 +76,12 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 
 
 def resolve_caller(uid: int, gid: int, admin_group: str) -> Caller:
-    """Name the user and decide whether they are an admin (root, or in the admin group)."""
+    """Name the user of a uid the kernel reported."""
     try:
         user = pwd.getpwuid(uid).pw_name
     except KeyError:
         user = str(uid)
-    is_admin = uid == 0
-    if not is_admin and admin_group:
-        try:
-            group = grp.getgrnam(admin_group)
-        except KeyError:
-            group = None
-        if group is not None:
-            members = set(group.gr_mem)
-            try:
-                groups = set(os.getgrouplist(user, gid))
-            except OSError:
-                groups = {gid}
-            is_admin = user in members or group.gr_gid in groups
-    return Caller(uid=uid, gid=gid, user=user, is_admin=is_admin)
+    return Caller(uid=uid, user=user, connection_gid=gid, admin_group=admin_group)
 
 
 class IdentityRelay:

@@ -249,9 +249,17 @@ def launch(spec: dict[str, Any]) -> int:
                 code = EXIT_LAUNCH_ERROR
         finally:
             os._exit(code)
-    with open(spec["pid_path"], "w") as handle:
-        handle.write(str(pid))
+    with open(f"{spec['pid_path']}.tmp", "w") as handle:
+        handle.write(f"{pid} {_start_ticks(pid)}\n")
+    os.replace(f"{spec['pid_path']}.tmp", spec["pid_path"])
     return pid
+
+
+def _start_ticks(pid: int) -> int:
+    """The process's start time in clock ticks since boot (names it together with the PID)."""
+    with open(f"/proc/{pid}/stat", "rb") as handle:
+        data = handle.read()
+    return int(data[data.rindex(b")") + 2 :].split()[19])
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -114,10 +115,10 @@ class ProxyPool:
         """Files naming, for each admitted job, the uid allowed to open its proxy sessions."""
         return self.state_dir / "jobs"
 
-    def admit(self, job_id: int, uid: int) -> None:
-        """Let processes of this uid (and only them) open sessions for the job."""
+    def admit(self, job_id: int, uid: int, devices: Sequence[int]) -> None:
+        """Let processes of this uid (and only them) open sessions for the job, on its devices only."""
         temporary = self.registry / f".{job_id}.tmp"
-        temporary.write_text(str(uid))
+        temporary.write_text(json.dumps({"uid": uid, "devices": list(devices)}))
         temporary.replace(self.registry / str(job_id))
 
     def forget(self, job_id: int) -> None:

@@ -173,6 +173,22 @@ def process_start_ticks(pid: int) -> int | None:
     return int(fields[19])
 
 
+def write_pid_file(paths: JobPaths, pid: int, ticks: int) -> None:
+    """Record the supervisor's host PID and start time (together they name one process)."""
+    temporary = paths.pid.with_suffix(".tmp")
+    temporary.write_text(f"{pid} {ticks}\n")
+    temporary.replace(paths.pid)
+
+
+def read_pid_file(paths: JobPaths) -> tuple[int, int] | None:
+    """The supervisor's (PID, start ticks) as recorded, or None."""
+    try:
+        pid, ticks = (int(field) for field in paths.pid.read_text().split())
+    except (OSError, ValueError):
+        return None
+    return pid, ticks
+
+
 def read_exit_status(paths: JobPaths) -> ExitStatus | None:
     """The status the supervisor wrote, or None if it wrote none."""
     try:
@@ -190,10 +206,12 @@ def read_exit_status(paths: JobPaths) -> ExitStatus | None:
 
 async def launch(spec: dict[str, Any], paths: JobPaths) -> tuple[int, int]:
     """Start a job through the launcher; returns the supervisor's host PID and start ticks."""
-    with contextlib.suppress(FileNotFoundError):
-        paths.status.unlink()
-    paths.spec.write_text(json.dumps(spec))
-    os.chmod(paths.spec, 0o600)
+    for stale in (paths.status, paths.pid):
+        stale.unlink(missing_ok=True)
+    paths.spec.unlink(missing_ok=True)
+    fd = os.open(paths.spec, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        json.dump(spec, handle)
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-S",

@@ -21,7 +21,7 @@ def _kill_jobs_under(state_dir: Path) -> None:
     """Kill any job supervisor a test left running (they outlive daemons by design)."""
     for pid_file in state_dir.glob("jobs/*/init.pid"):
         try:
-            pid = int(pid_file.read_text())
+            pid = int(pid_file.read_text().split()[0])
             process = psutil.Process(pid)
             if process.status() != psutil.STATUS_ZOMBIE:
                 os.kill(pid, signal.SIGKILL)

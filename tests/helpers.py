@@ -153,6 +153,10 @@ class Daemon:
         result: dict[str, Any] = wait_until(reached, timeout)
         return result
 
+    def supervisor_pid(self, job_id: int) -> int:
+        """The host PID of the job's supervisor, from the file the launcher writes."""
+        return int((self.state_dir / "jobs" / str(job_id) / "init.pid").read_text().split()[0])
+
     def submit(self, *command: str, options: Sequence[str] = (), user: str | None = None) -> int:
         """Submit a job and return its id."""
         result = self.sing("submit", *options, "--", *command, user=user)

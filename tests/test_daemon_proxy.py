@@ -156,15 +156,17 @@ def test_users_cannot_open_sessions_for_jobs_not_theirs(proxied: Daemon) -> None
     socket_path = proxied.root / "run" / "proxy" / f"dev-{device}.sock"
     bootstrap = proxied.state_dir / "bootstrap"
 
-    def hello_as_bob(job_id: str) -> str:
+    def hello_as(user: str, job_id: str, path: Path = socket_path) -> str:
         done = subprocess.run(
-            ["/usr/bin/python3", "-c", ATTACK, str(socket_path), job_id],
+            ["/usr/bin/python3", "-c", ATTACK, str(path), job_id],
             env={"PYTHONPATH": str(bootstrap), "PATH": "/usr/bin:/bin"},
-            user=bob.pw_uid, group=bob.pw_gid, capture_output=True, text=True, timeout=120, cwd="/tmp",
+            user=user, capture_output=True, text=True, timeout=120, cwd="/tmp",
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
         return done.stdout
 
-    assert f"job {job} does not belong to uid {bob.pw_uid}" in hello_as_bob(str(job))
-    assert "job 4242 is not admitted on this device" in hello_as_bob("4242")
+    assert f"job {job} does not belong to uid {bob.pw_uid}" in hello_as("sing-bob", str(job))
+    assert "job 4242 is not admitted on this device" in hello_as("sing-bob", "4242")
+    other = socket_path.with_name(f"dev-{(device + 1) % 4}.sock")
+    assert f"job {job} was not granted device {(device + 1) % 4}" in hello_as("sing-alice", str(job), other)
     proxied.sing("cancel", str(job))

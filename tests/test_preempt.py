@@ -148,7 +148,7 @@ def test_daemon_and_job_killed_resume_from_periodic_checkpoint(daemon_root: Path
         )
         before = steps_done(daemon, job)
         assert 0 < before < 200
-        supervisor = int((daemon.state_dir / "jobs" / str(job) / "init.pid").read_text())
+        supervisor = daemon.supervisor_pid(job)
         daemon.stop(signal.SIGKILL)
         os.kill(supervisor, signal.SIGKILL)  # PID 1 of the job's namespace: every rank dies with it
         wait_until(lambda: process_gone(supervisor), timeout=60)
@@ -330,3 +330,21 @@ def test_two_rank_job_preempted_and_restored_exactly(cr_daemon: Daemon) -> None:
     assert cr_daemon.sing("wait", str(job), timeout=300).code == 0
     outputs = [cr_daemon.sing("logs", "--rank", str(rank), str(job)).out for rank in range(2)]
     assert outputs == expected
+
+
+def test_a_client_giving_up_does_not_strand_the_checkpoint(cr_daemon: Daemon) -> None:
+    """A `sing preempt` killed while the checkpoint runs: the daemon still finishes it properly."""
+    job = submit_training(cr_daemon, steps=150)
+    cr_daemon.wait_state(job, "RUNNING")
+    wait_progress(cr_daemon, job, 10)
+    env = {**os.environ, "SING_SOCKET": str(cr_daemon.socket)}
+    impatient = subprocess.Popen([sys.executable, "-m", "singularity.cli.main", "preempt", str(job)], env=env)
+    wait_until(lambda: any("preempt requested" in e["reason"] for e in events(cr_daemon, job)), timeout=60)
+    impatient.kill()
+    impatient.wait(10)
+    wait_until(lambda: any(e["to_state"] == "PREEMPTED" for e in events(cr_daemon, job)), timeout=60)
+    cr_daemon.wait_state(job, "RUNNING")
+    again = cr_daemon.sing("checkpoint", str(job))
+    assert again.code == 0, again.err
+    assert cr_daemon.sing("wait", str(job), timeout=300).code == 0
+    assert cr_daemon.sing("logs", str(job)).out == uninterrupted_output(150)

@@ -69,7 +69,7 @@ def test_job_killed_while_daemon_down_is_recorded(daemon_root: Path) -> None:
     with running_daemon(daemon_root) as daemon:
         job = daemon.submit("sleep", "300")
         daemon.wait_state(job, "RUNNING")
-        pid = int((daemon.state_dir / "jobs" / str(job) / "init.pid").read_text())
+        pid = daemon.supervisor_pid(job)
         daemon.stop(signal.SIGKILL)
         os.kill(pid, signal.SIGKILL)
         wait_until(

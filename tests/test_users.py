@@ -42,7 +42,7 @@ def test_job_runs_as_the_submitter(lab_daemon: Daemon, users: dict[str, pwd.stru
         options=["--env", "USER=root"], user="sing-alice",
     )  # fmt: skip
     lab_daemon.wait_state(job, "RUNNING")
-    supervisor = psutil.Process(int((lab_daemon.state_dir / "jobs" / str(job) / "init.pid").read_text()))
+    supervisor = psutil.Process(lab_daemon.supervisor_pid(job))
     rank = wait_until(lambda: supervisor.children())[0]
     uid_line = next(
         line for line in Path(f"/proc/{rank.pid}/status").read_text().splitlines() if line.startswith("Uid:")

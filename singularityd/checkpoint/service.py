@@ -361,7 +361,10 @@ class Checkpointer:
             if not verdict.ok:
                 return verdict
             manifest = await asyncio.to_thread(self.store.read_manifest, job_id, seq)
-            fds = inherit_fds(manifest) if callable(inherit_fds) else dict(inherit_fds or {})
+            if callable(inherit_fds):
+                fds = dict(await asyncio.to_thread(inherit_fds, manifest))
+            else:
+                fds = dict(inherit_fds or {})
             rewound = rewind_files(manifest.rewind_sizes) if rewind else {}
             logs = self.store.logs_dir(job_id)
             stamp = time.strftime("%Y%m%dT%H%M%S")
