@@ -461,6 +461,15 @@ async def _run_to_end(argv: Sequence[str], pass_fds: Sequence[int] = ()) -> tupl
     return rc, out.decode(errors="replace"), err.decode(errors="replace"), loop.time() - start
 
 
+async def _run_dump(argv: Sequence[str], log_file: Path, what: str) -> DumpStats:
+    """Run a CRIU dump or pre-dump; its statistics, or CriuError with the log's reason."""
+    rc, out, err, wall = await _run_to_end(argv)
+    if rc != 0:
+        why = summarize_log(_read_log(log_file) or err)
+        raise CriuError(f"{what} failed: {why}", log_file, rc)
+    return dump_stats_from(out + err, wall)
+
+
 def _read_log(path: Path) -> str:
     try:
         return path.read_text(errors="replace")
@@ -558,11 +567,7 @@ class Criu:
             external_unix_inodes=external_unix_inodes,
             action_script=action_script,
         )
-        rc, out, err, wall = await _run_to_end(argv)
-        if rc != 0:
-            why = summarize_log(_read_log(log_file) or err)
-            raise CriuError(f"dump of pid {pid} failed: {why}", log_file, rc)
-        return dump_stats_from(out + err, wall)
+        return await _run_dump(argv, log_file, f"dump of pid {pid}")
 
     async def pre_dump(
         self,
@@ -587,11 +592,7 @@ class Criu:
             argv += ["--prev-images-dir", parent_image_dir]
         for inode in external_unix_inodes:
             argv += ["--external", f"unix[{inode}]"]
-        rc, out, err, wall = await _run_to_end(argv)
-        if rc != 0:
-            why = summarize_log(_read_log(log_file) or err)
-            raise CriuError(f"pre-dump of pid {pid} failed: {why}", log_file, rc)
-        return dump_stats_from(out + err, wall)
+        return await _run_dump(argv, log_file, f"pre-dump of pid {pid}")
 
     def restore_argv(
         self, image_dir: Path, *, log_file: Path, pidfile: Path, inherit_fds: Mapping[str, int]
