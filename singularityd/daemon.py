@@ -786,13 +786,17 @@ class Daemon:
             )
         return job
 
+    def apply_request(self, job_id: int, stimulus: Stimulus) -> Decision:
+        """Apply a user's request; a state that does not allow it is the user's error, not ours."""
+        try:
+            return self.apply(job_id, stimulus)
+        except InvalidTransition as error:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from None
+
     def cancel(self, caller: Caller, job_id: int) -> JobRecord:
         """Cancel a job: a queued one at once, a running one by signalling its processes."""
         self.owned_job(caller, job_id)
-        try:
-            self.apply(job_id, CancelRequested(caller.user))
-        except InvalidTransition as error:
-            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from None
+        self.apply_request(job_id, CancelRequested(caller.user))
         return self.get_job(job_id)
 
     async def _started(self, job_id: int, timeout: float = 120.0) -> None:
@@ -805,10 +809,7 @@ class Daemon:
         """Checkpoint and stop a running job (hold: until resumed by hand); returns once stopped."""
         self.owned_job(caller, job_id)
         await self._started(job_id)
-        try:
-            decision = self.apply(job_id, PreemptRequested(caller.user, hold=hold))
-        except InvalidTransition as error:
-            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from None
+        decision = self.apply_request(job_id, PreemptRequested(caller.user, hold=hold))
         if any(isinstance(a, TakeCheckpoint) for a in decision.actions):
             verb = "suspended" if hold else "preempted"
             await self._checkpoint(job_id, stop=True, hold=hold, reason=f"{verb} by {caller.user}")
@@ -817,20 +818,14 @@ class Daemon:
     def resume(self, caller: Caller, job_id: int) -> JobRecord:
         """Put a suspended job back in the queue."""
         self.owned_job(caller, job_id)
-        try:
-            self.apply(job_id, ResumeRequested(caller.user))
-        except InvalidTransition as error:
-            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from None
+        self.apply_request(job_id, ResumeRequested(caller.user))
         return self.get_job(job_id)
 
     async def checkpoint(self, caller: Caller, job_id: int) -> tuple[JobRecord, CheckpointResult]:
         """Checkpoint a running job in place; returns once the checkpoint is complete."""
         self.owned_job(caller, job_id)
         await self._started(job_id)
-        try:
-            self.apply(job_id, CheckpointRequested(caller.user))
-        except InvalidTransition as error:
-            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from None
+        self.apply_request(job_id, CheckpointRequested(caller.user))
         result = await self._checkpoint(job_id, stop=False, hold=False, reason=f"checkpoint by {caller.user}")
         return self.get_job(job_id), result
 
