@@ -12,20 +12,32 @@ from pathlib import Path
 import psutil
 import pytest
 
+from singularityd.runtime import process_start_ticks
 from tests.helpers import Daemon, running_daemon
 
 requires_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (users, PID namespaces)")
 
 
 def _kill_jobs_under(state_dir: Path) -> None:
-    """Kill any job supervisor a test left running (they outlive daemons by design)."""
-    for pid_file in state_dir.glob("jobs/*/init.pid"):
+    """Kill the job supervisors and proxy servers a test left running (they outlive daemons).
+
+    A recorded PID is killed only if it still names the same process: a supervisor by its start
+    time, a proxy server by its command line naming this state directory.
+    """
+    for pid_file in [*state_dir.glob("jobs/*/init.pid"), *state_dir.glob("proxy/dev-*.pid")]:
         try:
-            pid = int(pid_file.read_text().split()[0])
+            fields = pid_file.read_text().split()
+            pid = int(fields[0])
             process = psutil.Process(pid)
-            if process.status() != psutil.STATUS_ZOMBIE:
+            if process.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if pid_file.name == "init.pid":
+                ours = len(fields) > 1 and process_start_ticks(pid) == int(fields[1])
+            else:
+                ours = str(state_dir) in " ".join(process.cmdline())
+            if ours:
                 os.kill(pid, signal.SIGKILL)
-        except (ValueError, psutil.Error, ProcessLookupError, FileNotFoundError):
+        except (ValueError, IndexError, psutil.Error, ProcessLookupError, FileNotFoundError):
             continue
 
 
