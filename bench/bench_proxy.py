@@ -5,18 +5,17 @@ Run: .venv/bin/python bench/bench_proxy.py   (one intra-op thread everywhere; vi
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-from singularity.proxy import bootstrap_path
-from singularity.proxy.control import ProxyControl
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from singularity.proxy.control import ProxyControl  # noqa: E402
+from tests.proxy.conftest import base_env, proxy_env, start_server, stop_server  # noqa: E402
 
 PER_OP = r"""
 import time, torch
@@ -73,14 +72,8 @@ sys.stdin.readline()
 
 
 def _env(sock: Path | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SING_")}
-    env["OMP_NUM_THREADS"] = "1"
-    env.pop("PYTHONPATH", None)
-    if sock is not None:
-        env.update(
-            PYTHONPATH=str(bootstrap_path()), SING_PROXY_SOCKETS=str(sock), SING_JOB_ID="bench", RANK="0"
-        )
-    return env
+    """A job process's environment: plain CPU, or proxied through the server at `sock`."""
+    return base_env() if sock is None else proxy_env([sock], "bench")
 
 
 def _run(code: str, args: list[str], sock: Path | None) -> str:
@@ -93,27 +86,8 @@ def _run(code: str, args: list[str], sock: Path | None) -> str:
 def main() -> None:
     """Print the benchmark table."""
     with tempfile.TemporaryDirectory() as d:
-        sock = Path(d) / "dev0.sock"
-        server = subprocess.Popen(
-            [
-                PY,
-                "-m",
-                "singularity.proxy.server",
-                "--socket",
-                str(sock),
-                "--device-index",
-                "0",
-                "--memory-bytes",
-                str(8 << 30),
-                "--threads",
-                "1",
-            ],
-            env=_env(None),
-            cwd=REPO,
-            stderr=subprocess.DEVNULL,
-        )
-        while not Path(str(sock) + ".ctl").exists():
-            time.sleep(0.05)
+        server = start_server(Path(d), "dev0", memory_bytes=8 << 30)
+        sock = server.socket
         try:
             rows: list[tuple[str, str]] = []
             med, p99 = _run(PER_OP, [], sock).split()
@@ -136,7 +110,7 @@ def main() -> None:
             )
             assert job.stdout is not None and job.stdin is not None
             job.stdout.readline()
-            with ProxyControl(Path(str(sock) + ".ctl")) as ctl:
+            with ProxyControl(server.control) as ctl:
                 ctl.quiesce("bench")
                 rep = ctl.save("bench", Path(d) / "ckpt")
                 ctl.resume("bench")
@@ -151,8 +125,7 @@ def main() -> None:
                 )
             )
         finally:
-            server.terminate()
-            server.wait()
+            stop_server(server)
     w = max(len(r[0]) for r in rows)
     print(f"{'measure':<{w}}  value")
     for name, value in rows:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.proxy.conftest import PROGRAMS, base_env, proxy_env, stop_server
+from tests.proxy.conftest import PROGRAMS, proxy_env, start_server, stop_server
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,36 +29,12 @@ PROGRAM_NAMES = [
 
 
 def test_corpus_on_real_gpu(tmp_path: Path) -> None:
-    from tests.proxy.conftest import ProxyServer
-
-    sock = tmp_path / "gpu0.sock"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "singularity.proxy.server",
-            "--socket",
-            str(sock),
-            "--device-index",
-            "0",
-            "--memory-bytes",
-            str(8 << 30),
-            "--cuda-device",
-            "0",
-        ],
-        env=base_env(),
-    )
-    server = ProxyServer(sock, Path(str(sock) + ".ctl"), proc)
+    server = start_server(tmp_path, "gpu0", memory_bytes=8 << 30, cuda_device=0)
     try:
-        import time
-
-        while not server.control.exists():
-            assert proc.poll() is None
-            time.sleep(0.1)
         for name in PROGRAM_NAMES:
             r = subprocess.run(
                 [sys.executable, name],
-                env=proxy_env([sock], f"gpu-{name}"),
+                env=proxy_env([server.socket], f"gpu-{name}"),
                 cwd=PROGRAMS,
                 capture_output=True,
                 text=True,

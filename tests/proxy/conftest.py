@@ -48,23 +48,19 @@ def proxy_env(sockets: Sequence[Path], job_id: str = "job", rank: int = 0) -> di
     return env
 
 
-def start_server(directory: Path, name: str, memory_bytes: int = 1 << 30, index: int = 0) -> ProxyServer:
-    """Start `python -m singularity.proxy.server` and wait until it listens."""
+def start_server(
+    directory: Path, name: str, memory_bytes: int = 1 << 30, index: int = 0, cuda_device: int | None = None
+) -> ProxyServer:
+    """Start `python -m singularity.proxy.server` (on GPU `cuda_device` if given); wait until it listens."""
     sock = directory / f"{name}.sock"
+    command = [
+        PYTHON, "-m", "singularity.proxy.server", "--socket", str(sock), "--device-index", str(index),
+        "--memory-bytes", str(memory_bytes), "--threads", "1",
+    ]  # fmt: skip
+    if cuda_device is not None:
+        command += ["--cuda-device", str(cuda_device)]
     proc = subprocess.Popen(
-        [
-            PYTHON,
-            "-m",
-            "singularity.proxy.server",
-            "--socket",
-            str(sock),
-            "--device-index",
-            str(index),
-            "--memory-bytes",
-            str(memory_bytes),
-            "--threads",
-            "1",
-        ],
+        command,
         env=base_env(),
         cwd=REPO,
         stdin=subprocess.DEVNULL,
