@@ -8,15 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from singularityd.api.v1 import singularity_pb2 as pb
-
-
-def human_bytes(count: float) -> str:
-    """1536 -> '1.5K'; binary units, like ps and nvtop."""
-    for unit in ("B", "K", "M", "G", "T"):
-        if abs(count) < 1024 or unit == "T":
-            return f"{count:.0f}{unit}" if unit == "B" else f"{count:.1f}{unit}"
-        count /= 1024
-    return f"{count:.1f}T"
+from singularityd.units import human_bytes
 
 
 def duration(seconds: float) -> str:

@@ -75,6 +75,7 @@ from singularityd.identity import Caller, IdentityRelay, resolve_caller
 from singularityd.proxies import ProxyError, ProxyPool, job_connections
 from singularityd.requests import RequestError, SubmitArgs, not_found
 from singularityd.store import JobRecord, JobSpec, Store, StoreError
+from singularityd.units import human_bytes
 
 log = logging.getLogger("singularityd")
 
@@ -89,15 +90,6 @@ class CriuStatus:
     path: str
     version: str
     unavailable_reason: str
-
-
-def human_bytes(count: float) -> str:
-    """1536 -> '1.5K' (binary units), for event texts."""
-    for unit in ("B", "K", "M", "G"):
-        if abs(count) < 1024:
-            return f"{count:.0f}{unit}" if unit == "B" else f"{count:.1f}{unit}"
-        count /= 1024
-    return f"{count:.1f}T"
 
 
 def checkpoint_summary(result: CheckpointResult) -> str:

@@ -1,0 +1,12 @@
+"""Formatting of quantities shared by the daemon's event texts and the CLI's tables."""
+
+from __future__ import annotations
+
+
+def human_bytes(count: float) -> str:
+    """1536 -> '1.5K'; binary units, like ps and nvtop."""
+    for unit in ("B", "K", "M", "G"):
+        if abs(count) < 1024:
+            return f"{count:.0f}{unit}" if unit == "B" else f"{count:.1f}{unit}"
+        count /= 1024
+    return f"{count:.1f}T"
