@@ -10,3 +10,8 @@ The parts, each usable on its own:
 - `handoff`: the pure two-phase hand-off of a job's ownership, with epochs and fencing.
 - `transfer`: resumable, checksummed streaming of a checkpoint directory to a peer.
 """
+
+import os
+
+# gRPC fork support is client-side only and hangs processes that fork; children here always exec.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
