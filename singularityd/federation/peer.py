@@ -35,6 +35,14 @@ R = TypeVar("R")
 class Refused(Exception):
     """A handler refuses a request; the message (one line) goes back to the peer."""
 
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class DataLoss(Refused):
+    """Data arrived damaged (a chunk failing its checksum): the sender may try again."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
 
 class HeartbeatHandler(Protocol):
     """Answers a peer's heartbeat (see `heartbeat.Heartbeats`)."""
@@ -118,7 +126,7 @@ async def _call(context: Context, work: Callable[[str], Awaitable[R]]) -> R:
         result = await work(node)
     except Refused as e:
         log.warning("refused a request from %s: %s", node, e)
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        await context.abort(e.code, str(e))
         raise AssertionError("unreachable") from e
     return result
 

@@ -117,14 +117,16 @@ class HandoffReply(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., discarded: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class FileEntry(_message.Message):
-    __slots__ = ("path", "size", "mode")
+    __slots__ = ("path", "size", "mode", "link")
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    LINK_FIELD_NUMBER: _ClassVar[int]
     path: str
     size: int
     mode: int
-    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., mode: _Optional[int] = ...) -> None: ...
+    link: str
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., mode: _Optional[int] = ..., link: _Optional[str] = ...) -> None: ...
 
 class BeginTransferRequest(_message.Message):
     __slots__ = ("transfer_id", "job_id", "epoch", "chunk_size", "files")
