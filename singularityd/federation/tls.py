@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 MAX_MESSAGE_BYTES = 8 * MiB
+RECONNECT_BACKOFF_MAX_MS = 10_000
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,12 @@ def channel_credentials(identity: NodeIdentity) -> grpc.ChannelCredentials:
 
 def client_options(expected_node: str, keepalive: Keepalive) -> list[tuple[str, Any]]:
     """Channel options that make gRPC check the server certificate names `expected_node`."""
-    return [("grpc.ssl_target_name_override", expected_node), *keepalive.client_options(), *MESSAGE_OPTIONS]
+    return [
+        ("grpc.ssl_target_name_override", expected_node),
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS),
+        *keepalive.client_options(),
+        *MESSAGE_OPTIONS,
+    ]
 
 
 def peer_node_name(context: grpc.aio.ServicerContext[Any, Any]) -> str | None:

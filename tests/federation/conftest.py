@@ -1,15 +1,18 @@
-"""Fixtures for the federation tests: a lab CA with certified nodes, made in temporary directories."""
+"""Fixtures for the federation tests: a lab CA with certified nodes, and test networks of namespaces."""
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from singularityd.federation.pki import NodeIdentity, Pki
+from tests.federation import netns
+from tests.federation.netns import Network
 
 CLUSTER = "test-lab"
 
@@ -57,3 +60,21 @@ def lab(tmp_path: Path) -> Iterator[Lab]:
 def foreign_lab(tmp_path: Path) -> Iterator[Lab]:
     """Another lab, with its own CA, whose node names collide with the first one's."""
     yield Lab(tmp_path / "foreign")
+
+
+@pytest.fixture
+def network() -> Iterator[Callable[..., Network]]:
+    """A factory of test networks (namespaces on a bridge); everything is removed afterwards."""
+    why = netns.available()
+    if why:
+        pytest.skip(why)
+    made: list[Network] = []
+
+    def make(*names: str) -> Network:
+        net = Network.create(names, prefix=f"fedt{os.getpid()}x{len(made)}")
+        made.append(net)
+        return net
+
+    yield make
+    for net in made:
+        net.close()
