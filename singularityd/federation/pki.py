@@ -270,7 +270,7 @@ class Pki:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     @property
     def ca_cert_path(self) -> Path:
@@ -369,16 +369,14 @@ class Pki:
             raise PkiError("the certificate request must carry an EC key")
         node_name = check_node_name(node_name_of(csr))
         ca_key, ca_cert = self._load_ca()
-        with self._lock:
-            issued = self._read_json("issued.json")
-            previous = issued.get(node_name)
-            key_id = public_key_fingerprint(public_key)
-            if previous is not None and previous["key_sha256"] != key_id:
+        with self._lock:  # held until issued, so two joins cannot both take one name
+            previous = self._read_json("issued.json").get(node_name)
+            if previous is not None and previous["key_sha256"] != public_key_fingerprint(public_key):
                 raise PkiError(
                     f"node name {node_name!r} is already certified with another key; "
                     f"choose another name or forget the node on the CA node first"
                 )
-        cert = self._issue(ca_key, ca_cert, public_key, node_name, now, node_days)
+            cert = self._issue(ca_key, ca_cert, public_key, node_name, now, node_days)
         return cert, cert_to_pem(ca_cert)
 
     def forget_node(self, node_name: str) -> bool:
