@@ -119,6 +119,13 @@ def _link_stays_inside(path: str, target: str) -> bool:
     return True
 
 
+def journal_header(entries: Sequence[Entry], chunk_size: int) -> str:
+    """The first line of a receiver's journal: what it receives, so a changed transfer starts afresh."""
+    return json.dumps(
+        {"chunk_size": chunk_size, "entries": [[e.path, e.size, e.mode, e.link] for e in entries]}
+    )
+
+
 def plan(entries: Sequence[Entry], chunk_size: int) -> Iterator[tuple[ChunkKey, int, int]]:
     """Every chunk as ((file, index), offset, length), in order; empty files and links have none."""
     for f, e in enumerate(entries):
@@ -182,12 +189,14 @@ class Destination:
         self.chunk_size = check_chunk_size(chunk_size)
         self.chunks = {key: (offset, length) for key, offset, length in plan(self.entries, chunk_size)}
         self.held: dict[ChunkKey, bytes] = {}
+        self.closed = False
         self._fds: dict[int, int] = {}
-        self._journal_header = json.dumps(
-            {"chunk_size": chunk_size, "entries": [[e.path, e.size, e.mode, e.link] for e in self.entries]},
-            sort_keys=True,
-        )
+        self._journal_header = journal_header(self.entries, chunk_size)
         self._open()
+
+    def matches(self, entries: Sequence[Entry], chunk_size: int) -> bool:
+        """Whether this destination receives exactly these entries in chunks of this size."""
+        return self._journal_header == journal_header(entries, chunk_size)
 
     def _open(self) -> None:
         """Reuse what an earlier attempt with the same entries left; otherwise start afresh."""
@@ -228,6 +237,8 @@ class Destination:
 
     def write(self, key: ChunkKey, chunk_digest: bytes, data: bytes) -> None:
         """Write a verified chunk in place and journal it (one writer at a time)."""
+        if self.closed:
+            raise TransferError("the transfer was closed (cancelled, or reopened by the sender)")
         os.pwrite(self._fd(key[0]), data, self.chunks[key][0])
         self._journal.write(f"{key[0]} {key[1]} {chunk_digest.hex()}\n")
         self._journal.flush()
@@ -291,6 +302,7 @@ class Destination:
 
     def close(self) -> None:
         """Close the files and the journal (the data stays, for a later attempt to resume)."""
+        self.closed = True
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

@@ -169,13 +169,16 @@ class Receivers:
             raise Refused(f"bad transfer id {request.transfer_id!r}")
         directory = self.authorize(node, request.job_id, request.epoch)
         entries = entries_from_pb(list(request.files))
+        previous = self.open.get(request.transfer_id)
+        if previous is not None and self._resumes(previous, node, request, entries):
+            return self._state(previous.destination)  # the sender resumes: keep what it sent
         try:
             destination = await asyncio.to_thread(Destination, directory, entries, request.chunk_size)
         except (TransferError, OSError) as e:
             raise Refused(f"cannot receive transfer {request.transfer_id}: {e}") from e
-        previous = self.open.pop(request.transfer_id, None)
         if previous is not None:
-            previous.destination.close()
+            with previous.lock:
+                previous.destination.close()
         self.open[request.transfer_id] = _Open(node, request.job_id, request.epoch, destination)
         return self._state(destination)
 
@@ -231,6 +234,12 @@ class Receivers:
                 with current.lock:
                     current.destination.close()
                 del self.open[transfer_id]
+
+    @staticmethod
+    def _resumes(previous: _Open, node: str, request: pb.BeginTransferRequest, entries: list[Entry]) -> bool:
+        """Whether a BeginTransfer reopens the same transfer from the same node."""
+        same = (previous.node, previous.job_id, previous.epoch) == (node, request.job_id, request.epoch)
+        return same and previous.destination.matches(entries, request.chunk_size)
 
     def _find(self, node: str, transfer_id: str) -> _Open:
         current = self.open.get(transfer_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,8 @@ from singularityd.federation.transfer import (
     digest,
     scan,
 )
-from singularityd.federation.transfer_grpc import Receivers, Sending
+from singularityd.federation.transfer_grpc import Receivers, Sending, entries_to_pb
+from singularityd.federation.v1 import peer_pb2 as pb
 from tests.federation.conftest import Lab
 
 
@@ -177,3 +179,33 @@ async def test_a_transfer_over_the_peer_service_resumes_after_the_receiver_resta
     finally:
         await channels.close()
         await server.stop(0)
+
+
+async def test_receivers_keep_a_reopened_transfer_and_refuse_chunks_once_cancelled(tmp_path: Path) -> None:
+    src = make_checkpoint(tmp_path / "src", {"images/pages-1.img": 4 * MiB})
+    source = Source(src, MiB)
+    receivers = Receivers(lambda node, job, epoch: tmp_path / "in" / f"{job}@{epoch}")
+    request = pb.BeginTransferRequest(
+        transfer_id="j@2", job_id="j", epoch=2, chunk_size=MiB, files=entries_to_pb(source.entries)
+    )
+    keys = list(source.chunks)
+
+    async def chunks(some: list[tuple[int, int]]) -> AsyncIterator[pb.Chunk]:
+        for key in some:
+            chunk_digest, data = source.read(key)
+            yield pb.Chunk(transfer_id="j@2", file=key[0], index=key[1], sha256=chunk_digest, data=data)
+
+    await receivers.begin("node-a", request)
+    opened = receivers.open["j@2"]
+    state = await receivers.receive("node-a", chunks(keys[:2]))
+    assert state.bytes_held == 2 * MiB
+    assert (await receivers.begin("node-a", request)).bytes_held == 2 * MiB and receivers.open[
+        "j@2"
+    ] is opened
+    with pytest.raises(Refused, match="no open transfer"):
+        await receivers.receive("node-c", chunks(keys[2:]))
+    receivers.cancel("j", 2)
+    with pytest.raises(Refused, match="no open transfer"):
+        await receivers.receive("node-a", chunks(keys[2:]))
+    with pytest.raises(TransferError, match="closed"):
+        opened.destination.write(keys[3], *source.read(keys[3]))
