@@ -7,7 +7,8 @@ The parts, each usable on its own:
 - `tls`: mutual-TLS credentials, keepalive settings and the node-name check on both sides.
 - `peer`: the peer gRPC server (mTLS, health checking) and client channels to named peers.
 - `membership`: who the peers are and how they are doing (pure), `heartbeat` drives it.
-- `handoff`: the pure two-phase hand-off of a job's ownership, with epochs and fencing.
+- `handoff` (vocabulary in `handoff_messages`): the pure two-phase hand-off of a job's ownership,
+  with epochs and fencing; `hosting` decides what a target can take; `driver` runs it all.
 - `transfer`: resumable, checksummed streaming of a checkpoint directory to a peer.
 """
 
