@@ -9,7 +9,8 @@ The parts, each usable on its own:
 - `membership`: who the peers are and how they are doing (pure), `heartbeat` drives it.
 - `handoff` (vocabulary in `handoff_messages`): the pure two-phase hand-off of a job's ownership,
   with epochs and fencing; `hosting` decides what a target can take; `driver` runs it all.
-- `transfer`: resumable, checksummed streaming of a checkpoint directory to a peer.
+- `transfer`: resumable, checksummed streaming of a checkpoint directory to a peer
+  (`transfer_grpc` carries it over the peer service).
 """
 
 import os

@@ -104,15 +104,16 @@ class Cluster:
             "--listen",
             self.address(name),
         ]
-        process = self.net.start(
-            name,
-            [*argv, *extra],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=open(stderr_path, "wb"),  # noqa: SIM115 - the child keeps it
-            cwd=REPO,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+        with open(stderr_path, "wb") as stderr:
+            process = self.net.start(
+                name,
+                [*argv, *extra],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                cwd=REPO,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
         peer = PeerProcess(process, stderr_path)
         peer.expect("ready")
         self.peers[name] = peer
