@@ -1,4 +1,4 @@
-"""Regenerate the committed gRPC stubs from the .proto: `python -m singularityd.api.generate`."""
+"""Regenerate the committed gRPC stubs from the .protos: `python -m singularityd.api.generate`."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ from grpc_tools import protoc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROTO = Path("singularityd/api/v1/singularity.proto")
+PEER_PROTO = Path("singularityd/federation/v1/peer.proto")
+PROTOS = (PROTO, PEER_PROTO)
 
 
-def generate(out_dir: Path) -> None:
-    """Write singularity_pb2.py, .pyi and _pb2_grpc.py for the proto under out_dir."""
+def generate(out_dir: Path, proto: Path = PROTO) -> None:
+    """Write <name>_pb2.py, .pyi and _pb2_grpc.py for one proto (a path under the repo) under out_dir."""
     include = Path(protoc.__file__).parent / "_proto"
     code = protoc.main(
         [
@@ -22,7 +24,7 @@ def generate(out_dir: Path) -> None:
             f"--python_out={out_dir}",
             f"--pyi_out={out_dir}",
             f"--grpc_python_out={out_dir}",
-            str(REPO_ROOT / PROTO),
+            str(REPO_ROOT / proto),
         ]
     )
     if code != 0:
@@ -30,4 +32,5 @@ def generate(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    generate(Path(sys.argv[1]) if len(sys.argv) > 1 else REPO_ROOT)
+    for each in PROTOS:
+        generate(Path(sys.argv[1]) if len(sys.argv) > 1 else REPO_ROOT, each)

@@ -1,0 +1,329 @@
+"""Moving a checkpoint directory to a peer in checksummed chunks, resumable after a broken link.
+
+A directory (CRIU images, the proxies' device-state files, logs) is described by its entries
+(path, size, mode, or a symbolic link's target) and cut into chunks of `chunk_size` bytes. The
+sender reads and hashes each chunk (sha256); the receiver checks each chunk against its digest
+on arrival, writes it in place and notes it in a journal, so that after a broken connection it
+can say exactly which chunks it holds and nothing it holds is sent again. At the end the sender
+gives the digest of every chunk (the manifest) and the receiver checks that it holds all of them,
+optionally re-reading the files from disk.
+
+This module is the transport-free core; `transfer_grpc` moves the chunks over the peer service.
+Blocking file I/O throughout: call it from a thread in the event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import stat
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from singularityd.checkpoint.manifest import path_is_safe
+
+MiB = 1 << 20
+MIN_CHUNK = 1 * MiB
+MAX_CHUNK = 4 * MiB
+DEFAULT_CHUNK = 1 * MiB
+JOURNAL = ".transfer-journal"
+
+ChunkKey = tuple[int, int]
+
+
+class TransferError(RuntimeError):
+    """A transfer that cannot go on; the message (one line) says why."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One file (or symbolic link) of the directory being moved."""
+
+    path: str
+    size: int
+    mode: int
+    link: str = ""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far a transfer is: `moved` bytes of `total` are at the receiver, `sent` went over the link."""
+
+    phase: str
+    moved: int
+    total: int
+    sent: int = 0
+
+
+ProgressCallback = Callable[[Progress], None]
+
+
+def digest(data: bytes | memoryview) -> bytes:
+    """The sha256 of a chunk (hashlib releases the GIL, so threads hash in parallel)."""
+    return hashlib.sha256(data).digest()
+
+
+def check_chunk_size(chunk_size: int) -> int:
+    """Return `chunk_size` if it is between 1 and 4 MiB (gRPC's default message limit is 4 MiB)."""
+    if not MIN_CHUNK <= chunk_size <= MAX_CHUNK:
+        raise TransferError(f"chunk size {chunk_size} is outside {MIN_CHUNK}..{MAX_CHUNK} bytes")
+    return chunk_size
+
+
+def scan(root: Path) -> list[Entry]:
+    """The entries of a directory, in path order: regular files, and links that stay inside it."""
+    entries = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames.sort()
+        base = Path(dirpath)
+        for name in sorted([*filenames, *(d for d in dirnames if (base / d).is_symlink())]):
+            path = base / name
+            rel = path.relative_to(root).as_posix()
+            if rel == JOURNAL:
+                continue
+            info = path.lstat()
+            if stat.S_ISLNK(info.st_mode):
+                entries.append(Entry(rel, 0, 0o777, os.readlink(path)))
+            elif stat.S_ISREG(info.st_mode):
+                entries.append(Entry(rel, info.st_size, stat.S_IMODE(info.st_mode)))
+            else:
+                raise TransferError(f"{path} is neither a regular file nor a link")
+    return sorted(entries, key=lambda e: e.path)
+
+
+def entry_problems(entries: Sequence[Entry]) -> list[str]:
+    """Paths or links that would escape the transfer's directory, or appear twice."""
+    problems, seen = [], set()
+    for e in entries:
+        if not path_is_safe(e.path) or e.path == JOURNAL:
+            problems.append(f"unsafe path {e.path!r}")
+        elif e.path in seen:
+            problems.append(f"{e.path} is listed twice")
+        elif e.link and not _link_stays_inside(e.path, e.link):
+            problems.append(f"link {e.path} -> {e.link} leaves the transfer")
+        seen.add(e.path)
+    return problems
+
+
+def _link_stays_inside(path: str, target: str) -> bool:
+    if target.startswith("/"):
+        return False
+    depth = len(path.split("/")) - 1
+    for part in target.split("/"):
+        depth += -1 if part == ".." else 0 if part in ("", ".") else 1
+        if depth < 0:
+            return False
+    return True
+
+
+def journal_header(entries: Sequence[Entry], chunk_size: int) -> str:
+    """The first line of a receiver's journal: what it receives, so a changed transfer starts afresh."""
+    return json.dumps(
+        {"chunk_size": chunk_size, "entries": [[e.path, e.size, e.mode, e.link] for e in entries]}
+    )
+
+
+def plan(entries: Sequence[Entry], chunk_size: int) -> Iterator[tuple[ChunkKey, int, int]]:
+    """Every chunk as ((file, index), offset, length), in order; empty files and links have none."""
+    for f, e in enumerate(entries):
+        for i in range((e.size + chunk_size - 1) // chunk_size if not e.link else 0):
+            offset = i * chunk_size
+            yield (f, i), offset, min(chunk_size, e.size - offset)
+
+
+def total_bytes(entries: Sequence[Entry]) -> int:
+    """Bytes of file content to move."""
+    return sum(e.size for e in entries if not e.link)
+
+
+class Source:
+    """The sending side of one directory: reads and hashes chunks, remembering their digests."""
+
+    def __init__(self, root: Path, chunk_size: int = DEFAULT_CHUNK, entries: Sequence[Entry] | None = None):
+        self.root = root
+        self.chunk_size = check_chunk_size(chunk_size)
+        self.entries = list(entries) if entries is not None else scan(root)
+        self.chunks = {key: (offset, length) for key, offset, length in plan(self.entries, self.chunk_size)}
+        self.digests: dict[ChunkKey, bytes] = {}
+
+    @property
+    def total(self) -> int:
+        """Bytes of file content to move."""
+        return total_bytes(self.entries)
+
+    def read(self, key: ChunkKey) -> tuple[bytes, bytes]:
+        """(digest, data) of one chunk, read from disk now."""
+        offset, length = self.chunks[key]
+        fd = os.open(self.root / self.entries[key[0]].path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            data = os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+        if len(data) != length:
+            raise TransferError(f"{self.entries[key[0]].path} changed size while being sent")
+        self.digests[key] = digest(data)
+        return self.digests[key], data
+
+    def digest_of(self, key: ChunkKey) -> bytes:
+        """The chunk's digest, reading it only if this source has not read it yet."""
+        known = self.digests.get(key)
+        return known if known is not None else self.read(key)[0]
+
+    def manifest(self) -> dict[ChunkKey, bytes]:
+        """The digest of every chunk."""
+        return {key: self.digest_of(key) for key in self.chunks}
+
+
+class Destination:
+    """The receiving side of one transfer into one directory, with a journal of verified chunks."""
+
+    def __init__(self, root: Path, entries: Sequence[Entry], chunk_size: int) -> None:
+        problems = entry_problems(entries)
+        if problems:
+            raise TransferError("; ".join(problems[:3]))
+        self.root = root
+        self.entries = list(entries)
+        self.chunk_size = check_chunk_size(chunk_size)
+        self.chunks = {key: (offset, length) for key, offset, length in plan(self.entries, chunk_size)}
+        self.held: dict[ChunkKey, bytes] = {}
+        self.closed = False
+        self._fds: dict[int, int] = {}
+        self._journal_header = journal_header(self.entries, chunk_size)
+        self._open()
+
+    def matches(self, entries: Sequence[Entry], chunk_size: int) -> bool:
+        """Whether this destination receives exactly these entries in chunks of this size."""
+        return self._journal_header == journal_header(entries, chunk_size)
+
+    def _open(self) -> None:
+        """Reuse what an earlier attempt with the same entries left; otherwise start afresh."""
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        journal = self.root / JOURNAL
+        lines = journal.read_text().splitlines() if journal.exists() else []
+        if lines and lines[0] == self._journal_header:
+            for line in lines[1:]:
+                with contextlib.suppress(ValueError):
+                    f, i, hexdigest = line.split()
+                    key = (int(f), int(i))
+                    if key in self.chunks:
+                        self.held[key] = bytes.fromhex(hexdigest)
+        else:
+            journal.write_text(self._journal_header + "\n")
+            os.chmod(journal, 0o600)
+        self._journal = open(journal, "a")  # noqa: SIM115 - kept open across chunks, closed by close()
+
+    @property
+    def bytes_held(self) -> int:
+        """Bytes of the chunks already here and verified."""
+        return sum(self.chunks[key][1] for key in self.held)
+
+    def put(self, key: ChunkKey, chunk_digest: bytes, data: bytes) -> None:
+        """Check one chunk against its digest and size, write it in place and journal it."""
+        self.verify(key, chunk_digest, data)
+        self.write(key, chunk_digest, data)
+
+    def verify(self, key: ChunkKey, chunk_digest: bytes, data: bytes) -> None:
+        """Raise TransferError unless the chunk belongs here, has its length and matches its digest."""
+        if key not in self.chunks:
+            raise TransferError(f"chunk {key} is not part of this transfer")
+        length = self.chunks[key][1]
+        if len(data) != length:
+            raise TransferError(f"chunk {key} has {len(data)} bytes, expected {length}")
+        if digest(data) != chunk_digest:
+            raise TransferError(f"chunk {key} of {self.entries[key[0]].path} fails its checksum")
+
+    def write(self, key: ChunkKey, chunk_digest: bytes, data: bytes) -> None:
+        """Write a verified chunk in place and journal it (one writer at a time)."""
+        if self.closed:
+            raise TransferError("the transfer was closed (cancelled, or reopened by the sender)")
+        os.pwrite(self._fd(key[0]), data, self.chunks[key][0])
+        self._journal.write(f"{key[0]} {key[1]} {chunk_digest.hex()}\n")
+        self._journal.flush()
+        self.held[key] = chunk_digest
+
+    def _fd(self, f: int) -> int:
+        fd = self._fds.get(f)
+        if fd is None:
+            path = self.root / self.entries[f].path
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            self._fds[f] = fd
+        return fd
+
+    def finish(self, manifest: Mapping[ChunkKey, bytes], *, reread: bool = False) -> list[str]:
+        """Problems left once every chunk is checked against the sender's manifest; [] when complete.
+
+        On success the files get their sizes and modes, links are made, everything is flushed to
+        disk and the journal is removed.
+        """
+        problems = [
+            f"manifest names chunk {k} which is not part of this transfer"
+            for k in manifest
+            if k not in self.chunks
+        ]
+        for key in self.chunks:
+            expected = manifest.get(key)
+            if expected is None:
+                problems.append(f"manifest lacks chunk {key}")
+            elif self.held.get(key) != expected:
+                how = "missing" if key not in self.held else "different"
+                problems.append(f"chunk {key[1]} of {self.entries[key[0]].path} is {how}")
+        if not problems and reread:
+            problems += self._reread(manifest)
+        if problems:
+            return problems
+        for f, e in enumerate(self.entries):
+            path = self.root / e.path
+            if e.link:
+                path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                os.symlink(e.link, path)
+                continue
+            fd = self._fd(f)
+            os.ftruncate(fd, e.size)
+            os.fchmod(fd, e.mode & 0o777)
+            os.fsync(fd)
+        self.close()
+        (self.root / JOURNAL).unlink()
+        return []
+
+    def _reread(self, manifest: Mapping[ChunkKey, bytes]) -> list[str]:
+        problems = []
+        for key, (offset, length) in self.chunks.items():
+            with open(self.root / self.entries[key[0]].path, "rb") as handle:
+                handle.seek(offset)
+                if digest(handle.read(length)) != manifest[key]:
+                    problems.append(f"chunk {key[1]} of {self.entries[key[0]].path} differs on disk")
+        return problems
+
+    def close(self) -> None:
+        """Close the files and the journal (the data stays, for a later attempt to resume)."""
+        self.closed = True
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        if not self._journal.closed:
+            self._journal.close()
+
+
+def missing(source: Source, held: Mapping[ChunkKey, bytes]) -> list[ChunkKey]:
+    """Chunks the receiver must still get: those it lacks or holds with another digest than ours."""
+    return [key for key in source.chunks if held.get(key) is None or held[key] != source.digest_of(key)]
+
+
+def copy_locally(
+    source: Source, destination: Destination, progress: ProgressCallback | None = None
+) -> list[str]:
+    """Move a directory without a network (tests and same-machine moves): the whole protocol in-process."""
+    moved, sent = destination.bytes_held, 0
+    for key in missing(source, destination.held):
+        chunk_digest, data = source.read(key)
+        destination.put(key, chunk_digest, data)
+        moved, sent = moved + len(data), sent + len(data)
+        if progress:
+            progress(Progress("sending", moved, source.total, sent))
+    return destination.finish(source.manifest())

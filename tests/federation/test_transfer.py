@@ -1,0 +1,211 @@
+"""Checkpoint transfer: chunked, checksummed, resumable; in-process and over the mTLS peer service."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from singularityd.federation.peer import PeerChannels, PeerServer, PeerService, Refused
+from singularityd.federation.transfer import (
+    JOURNAL,
+    Destination,
+    Entry,
+    MiB,
+    Progress,
+    Source,
+    TransferError,
+    copy_locally,
+    digest,
+    scan,
+)
+from singularityd.federation.transfer_grpc import Receivers, Sending, entries_to_pb
+from singularityd.federation.v1 import peer_pb2 as pb
+from tests.federation.conftest import Lab
+
+
+def make_checkpoint(root: Path, sizes: dict[str, int]) -> Path:
+    """A directory shaped like a checkpoint: images, device state, a link, an empty file."""
+    for rel, size in sizes.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(os.urandom(size))
+        path.chmod(0o600)
+    (root / "images" / "parent").symlink_to("../pre-1")
+    (root / "pre-1").mkdir(exist_ok=True)
+    (root / "pre-1" / "pages-1.img").write_bytes(b"p" * 1000)
+    (root / "empty.log").write_bytes(b"")
+    return root
+
+
+def same_tree(a: Path, b: Path) -> None:
+    """Assert two directories hold the same entries with the same bytes and modes."""
+    assert scan(a) == scan(b)
+    for entry in scan(a):
+        if not entry.link:
+            assert (a / entry.path).read_bytes() == (b / entry.path).read_bytes(), entry.path
+
+
+SIZES = {"images/pages-1.img": 5 * MiB + 17, "images/core-1.img": 3000, "proxy/dev-0.state": 2 * MiB}
+
+
+def test_a_directory_arrives_byte_identical(tmp_path: Path) -> None:
+    src = make_checkpoint(tmp_path / "src", SIZES)
+    source = Source(src, MiB)
+    assert [e.path for e in source.entries if e.link] == ["images/parent"]
+    assert source.total == sum(SIZES.values()) + 1000
+    reports: list[Progress] = []
+    dest = Destination(tmp_path / "dst", source.entries, MiB)
+    assert copy_locally(source, dest, reports.append) == []
+    same_tree(src, tmp_path / "dst")
+    assert not (tmp_path / "dst" / JOURNAL).exists()
+    assert reports[-1].moved == reports[-1].total == source.total
+
+
+def test_an_interrupted_transfer_resumes_without_resending_what_arrived(tmp_path: Path) -> None:
+    src = make_checkpoint(tmp_path / "src", SIZES)
+    source = Source(src, MiB)
+    first = Destination(tmp_path / "dst", source.entries, MiB)
+    keys = list(source.chunks)
+    for key in keys[:4]:
+        first.put(key, *source.read(key))
+    first.close()  # the link broke; the receiver restarts
+    again = Destination(tmp_path / "dst", source.entries, MiB)
+    assert set(again.held) == set(keys[:4])
+    reports: list[Progress] = []
+    assert copy_locally(Source(src, MiB), again, reports.append) == []
+    resent = reports[-1].sent
+    assert resent == source.total - sum(source.chunks[k][1] for k in keys[:4])
+    same_tree(src, tmp_path / "dst")
+
+
+def test_a_damaged_chunk_is_refused_and_a_wrong_manifest_fails_the_transfer(tmp_path: Path) -> None:
+    src = make_checkpoint(tmp_path / "src", SIZES)
+    source = Source(src, MiB)
+    dest = Destination(tmp_path / "dst", source.entries, MiB)
+    key = next(iter(source.chunks))
+    chunk_digest, data = source.read(key)
+    with pytest.raises(TransferError, match="fails its checksum"):
+        dest.put(key, chunk_digest, b"x" + data[1:])
+    with pytest.raises(TransferError, match="bytes, expected"):
+        dest.put(key, chunk_digest, data[:-1])
+    assert key not in dest.held
+    for k in source.chunks:
+        dest.put(k, *source.read(k))
+    manifest = source.manifest()
+    manifest[key] = digest(b"something else")
+    assert dest.finish(manifest) == [f"chunk 0 of {source.entries[key[0]].path} is different"]
+
+
+def test_reread_catches_a_file_damaged_on_disk_after_arrival(tmp_path: Path) -> None:
+    src = make_checkpoint(tmp_path / "src", {"images/pages-1.img": 3 * MiB})
+    source = Source(src, MiB)
+    dest = Destination(tmp_path / "dst", source.entries, MiB)
+    for k in source.chunks:
+        dest.put(k, *source.read(k))
+    with open(tmp_path / "dst" / "images" / "pages-1.img", "r+b") as handle:
+        handle.seek(MiB + 5)
+        handle.write(b"!")
+    assert dest.finish(source.manifest(), reread=True) == ["chunk 1 of images/pages-1.img differs on disk"]
+
+
+def test_entries_that_would_escape_the_directory_are_refused(tmp_path: Path) -> None:
+    for bad, why in [
+        (Entry("../x", 1, 0o600), "unsafe path"),
+        (Entry("/etc/x", 1, 0o600), "unsafe path"),
+        (Entry("a/link", 0, 0o777, "../../etc"), "leaves the transfer"),
+        (Entry("link", 0, 0o777, "/etc/passwd"), "leaves the transfer"),
+        (Entry(JOURNAL, 1, 0o600), "unsafe path"),
+    ]:
+        with pytest.raises(TransferError, match=why):
+            Destination(tmp_path / "dst", [bad], MiB)
+    with pytest.raises(TransferError, match="outside"):
+        Source(tmp_path, 8 * MiB)
+
+
+# Over the peer service (mutual TLS on loopback).
+
+
+async def test_a_transfer_over_the_peer_service_resumes_after_the_receiver_restarts(
+    lab: Lab, tmp_path: Path
+) -> None:
+    src = make_checkpoint(tmp_path / "src", {"images/pages-1.img": 24 * MiB, "proxy/dev-0.state": 3 * MiB})
+    incoming = tmp_path / "incoming"
+
+    def authorize(node: str, job_id: str, epoch: int) -> Path:
+        if (node, job_id, epoch) != ("node-a", "job-7", 3):
+            raise Refused(f"not expecting job {job_id} epoch {epoch} from {node}")
+        return incoming / f"{job_id}@{epoch}"
+
+    b = lab.identity("node-b")
+    server = PeerServer(b, "127.0.0.1:0", PeerService(transfers=Receivers(authorize)))
+    port = await server.start()
+    cut = asyncio.Event()
+    reports: list[Progress] = []
+
+    def progress(p: Progress) -> None:
+        reports.append(p)
+        if p.phase == "sending" and p.moved > 10 * MiB:
+            cut.set()
+
+    async def restart_receiver() -> None:
+        """Kill the receiver's server mid-stream; a new one (fresh handler state) takes its port."""
+        nonlocal server
+        await cut.wait()
+        await server.stop(0)
+        server = PeerServer(b, f"127.0.0.1:{port}", PeerService(transfers=Receivers(authorize)))
+        await server.start()
+
+    channels = PeerChannels(lab.identity("node-a"))
+    source = Source(src, MiB)
+    sending = Sending(channels.stub("node-b", f"127.0.0.1:{port}"), source, "job-7@3", "job-7", 3, progress)
+    try:
+        await asyncio.wait_for(asyncio.gather(sending.run(pause_s=0.2), restart_receiver()), timeout=120)
+        same_tree(src, incoming / "job-7@3")
+        comparing = [i for i, p in enumerate(reports) if p.phase == "comparing"]
+        assert len(comparing) == 2  # one interruption, one resume
+        sent_before_cut = reports[comparing[1]].sent
+        held_at_resume = reports[comparing[1] + 1].moved
+        assert 0 < held_at_resume < source.total
+        # The second attempt sent exactly what the receiver did not hold.
+        assert sending.sent - sent_before_cut == source.total - held_at_resume
+        assert reports[-1] == Progress("done", source.total, source.total, sending.sent)
+        wrong = Sending(channels.stub("node-b", f"127.0.0.1:{port}"), Source(src, MiB), "job-7@4", "job-7", 4)
+        with pytest.raises(TransferError, match="not expecting job job-7 epoch 4"):
+            await wrong.run()
+    finally:
+        await channels.close()
+        await server.stop(0)
+
+
+async def test_receivers_keep_a_reopened_transfer_and_refuse_chunks_once_cancelled(tmp_path: Path) -> None:
+    src = make_checkpoint(tmp_path / "src", {"images/pages-1.img": 4 * MiB})
+    source = Source(src, MiB)
+    receivers = Receivers(lambda node, job, epoch: tmp_path / "in" / f"{job}@{epoch}")
+    request = pb.BeginTransferRequest(
+        transfer_id="j@2", job_id="j", epoch=2, chunk_size=MiB, files=entries_to_pb(source.entries)
+    )
+    keys = list(source.chunks)
+
+    async def chunks(some: list[tuple[int, int]]) -> AsyncIterator[pb.Chunk]:
+        for key in some:
+            chunk_digest, data = source.read(key)
+            yield pb.Chunk(transfer_id="j@2", file=key[0], index=key[1], sha256=chunk_digest, data=data)
+
+    await receivers.begin("node-a", request)
+    opened = receivers.open["j@2"]
+    state = await receivers.receive("node-a", chunks(keys[:2]))
+    assert state.bytes_held == 2 * MiB
+    assert (await receivers.begin("node-a", request)).bytes_held == 2 * MiB and receivers.open[
+        "j@2"
+    ] is opened
+    with pytest.raises(Refused, match="no open transfer"):
+        await receivers.receive("node-c", chunks(keys[2:]))
+    receivers.cancel("j", 2)
+    with pytest.raises(Refused, match="no open transfer"):
+        await receivers.receive("node-a", chunks(keys[2:]))
+    with pytest.raises(TransferError, match="closed"):
+        opened.destination.write(keys[3], *source.read(keys[3]))
