@@ -1,0 +1,108 @@
+# mypy: disable-error-code="no-untyped-call,unused-ignore"
+"""Copies between the host and the proxied devices, with and without autograd."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import protocol
+from .devices import DEVICES
+from .tensor import ProxyTensor, SpecialHandler, download, forward, new_stand_in
+
+
+def upload(tensor: torch.Tensor, index: int) -> ProxyTensor:
+    """A stand-in on cuda:index with a host tensor's values (no autograd)."""
+    if isinstance(tensor, ProxyTensor):
+        if tensor._channel.index == index:
+            return tensor
+        tensor = download(tensor)
+    channel = DEVICES.channel(index)
+    with torch.no_grad():
+        host, raw = protocol.tensor_to_raw(tensor.detach())
+    handle = channel.new_handle()
+    meta = (tuple(host.shape), tuple(host.stride()), 0, host.dtype)
+    op = (protocol.OP_UPLOAD, handle, host.dtype, meta[0], meta[1], raw)
+    if len(raw) >= channel.sync_bytes:
+        channel.pending.append(op)
+        channel.request((protocol.REQ_SYNC,))
+    else:
+        channel.push(op)
+    return new_stand_in(channel, handle, meta)
+
+
+def fill(stand_in: ProxyTensor, values: torch.Tensor) -> None:
+    """Overwrite a stand-in's values with those of a host tensor of the same shape."""
+    with torch.no_grad():
+        host = torch.empty_strided(stand_in.shape, stand_in.stride(), dtype=stand_in.dtype)
+        host.copy_(values)
+    stand_in._channel.push(
+        (
+            protocol.OP_FILL,
+            stand_in._handle.id,
+            host.dtype,
+            tuple(host.shape),
+            tuple(host.stride()),
+            protocol.storage_bytes(host),
+        )
+    )
+
+
+class _Upload(torch.autograd.Function):
+    """Differentiable host-to-device copy."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, index: int) -> Any:
+        return upload(tensor, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        return (download(grad) if isinstance(grad, ProxyTensor) else grad), None
+
+
+class _Download(torch.autograd.Function):
+    """Differentiable device-to-host copy."""
+
+    @staticmethod
+    def forward(ctx: Any, stand_in: ProxyTensor) -> Any:
+        ctx.index = stand_in._channel.index
+        return download(stand_in)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        return upload(grad, ctx.index)
+
+
+def to_device(tensor: torch.Tensor, index: int) -> Any:
+    """Host-to-device copy that autograd records when the tensor requires grad."""
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _Upload.apply(tensor, index)
+    return upload(tensor, index)
+
+
+def to_host(stand_in: ProxyTensor) -> Any:
+    """Device-to-host copy that autograd records when the stand-in requires grad."""
+    if stand_in.requires_grad and torch.is_grad_enabled():
+        return _Download.apply(stand_in)
+    return download(stand_in)
+
+
+def _copy_(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`dst.copy_(src)` where either side may be on the host or on another device."""
+    dst, src = args[0], args[1]
+    if isinstance(dst, ProxyTensor) and not isinstance(src, ProxyTensor):
+        fill(dst, src.expand(dst.shape))
+        return dst
+    if not isinstance(dst, ProxyTensor):
+        dst.copy_(download(src))
+        return dst
+    if dst._channel is not src._channel:
+        fill(dst, download(src).expand(dst.shape))
+        return dst
+    return forward(func, args, kwargs)
+
+
+TRANSFER_OPS: dict[Any, SpecialHandler] = {torch.ops.aten.copy_.default: _copy_}
+"""Operators that move data between the host and devices, carried out by the client."""
