@@ -60,11 +60,12 @@ class ProxyControl:
 
     def _call(self, *request: Any) -> Any:
         """Send one request; its result, or ControlError with the server's failure."""
-        protocol.send_msg(self._sock, request)
-        reply = protocol.recv_msg(self._sock)
-        if reply[0] != protocol.CONTROL_OK:
-            raise ControlError(f"{reply[1]}: {reply[2]}")
-        return reply[1]
+        protocol.send_message(self._sock, protocol.CONTROL_REQUEST, list(request))
+        reply = protocol.recv_frame(self._sock)
+        if reply.kind != protocol.CONTROL_OK:
+            kind, message = reply.value()
+            raise ControlError(f"{kind}: {message}")
+        return reply.value()
 
     def quiesce(self, job_id: str, timeout: float = 60.0) -> list[int]:
         """Stop every process of the job at an operation boundary; the ranks stopped.
@@ -136,14 +137,14 @@ def open_restored_connection(
     connection.settimeout(timeout)
     try:
         connection.connect(os.fspath(socket_path))
-        protocol.send_msg(connection, (protocol.HELLO, job_id, rank, device_index, True))
-        msg = protocol.recv_msg(connection)
+        protocol.send_message(connection, protocol.HELLO, [job_id, rank, device_index, True])
+        welcome = protocol.recv_frame(connection)
     except BaseException:
         connection.close()
         raise
-    if msg[0] != protocol.WELCOME:
+    if welcome.kind != protocol.WELCOME:
         connection.close()
-        raise ControlError(str(msg[3]) if len(msg) > 3 else str(msg))
+        raise ControlError(str(welcome.value()[-1]))
     connection.settimeout(None)  # the restored process expects a blocking socket
     connection.set_inheritable(True)
     return connection

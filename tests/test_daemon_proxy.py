@@ -140,8 +140,8 @@ import socket, sys
 from _singularity_proxy import protocol
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect(sys.argv[1])
-protocol.send_msg(s, (protocol.HELLO, sys.argv[2], 0, 0, False))
-print(protocol.recv_msg(s))
+protocol.send_message(s, protocol.HELLO, [sys.argv[2], 0, 0, False])
+print(protocol.recv_frame(s).value())
 """
 
 

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from singularity.proxy.bootstrap._singularity_proxy import protocol
+from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
 
-from .executor import resolve_operator
-from .service import Server, recv_untrusted
+from .service import Server
 from .session import Session
 
 
@@ -35,7 +35,7 @@ class ControlHandler:
         for session in sessions:
             if session.connection is not None and not session.parked:
                 session.parked_event.clear()
-                session.connection.send((protocol.PARK,))
+                session.connection.send(protocol.PARK)
         parked = []
         for session in sessions:
             connection = session.connection
@@ -74,7 +74,7 @@ class ControlHandler:
                     "tensors": session.tensors,
                     "ops": session.operator_names,
                     "peak": session.peak_bytes,
-                    "sticky": session.pending_error,
+                    "pending_error": session.pending_error,
                 }
                 path = folder / f"rank{session.rank}.pt"
                 torch.save(state, path)
@@ -112,15 +112,14 @@ class ControlHandler:
                     session = Session(job_id, key[1], int(state["uid"]), server.memory)
                     session.parked = True
                     session.parked_event.set()
-                    for op_id, name in state["ops"].items():
-                        session.operator_names[op_id] = tuple(name)
-                        session.operators[op_id] = resolve_operator(*name)
+                    for op_id, (namespace, name, overload) in state["ops"].items():
+                        session.define(op_id, namespace, name, overload)
                     handles: list[int] = []
                     for handle, tensor in state["tensors"].items():
                         session.add(int(handle), tensor)
                         handles.append(int(handle))
                     session.peak_bytes = max(session.held_bytes, int(state["peak"]))
-                    session.pending_error = state["sticky"]
+                    session.pending_error = state["pending_error"]
                     server.sessions[key] = session
                     try:
                         session.check_capacity(handles, session.held_bytes)
@@ -137,7 +136,7 @@ class ControlHandler:
             if session.parked and session.connection is not None:
                 session.parked = False
                 session.parked_event.clear()
-                session.connection.send((protocol.RESUME,))
+                session.connection.send(protocol.RESUME)
                 ranks.append(session.rank)
         return ranks
 
@@ -180,12 +179,15 @@ class ControlHandler:
         """Serve one control connection (the daemon) until it closes."""
         try:
             while True:
-                request = recv_untrusted(sock)
+                frame = protocol.recv_frame(sock, protocol.JOB_FRAME_LIMITS)
                 try:
+                    request = frame.value()
+                    if frame.kind != protocol.CONTROL_REQUEST or type(request) is not list or not request:
+                        raise ProtocolError("a control request is [name, *arguments]")
                     result = self.handle(request[0], tuple(request[1:]))
-                    protocol.send_msg(sock, (protocol.CONTROL_OK, result))
+                    protocol.send_message(sock, protocol.CONTROL_OK, result)
                 except Exception as e:
-                    protocol.send_msg(sock, (protocol.CONTROL_FAILED, type(e).__name__, str(e)))
+                    protocol.send_message(sock, protocol.CONTROL_FAILED, [type(e).__name__, str(e)])
         except (ConnectionError, OSError, EOFError):
             pass
         finally:

@@ -2,43 +2,42 @@
 
 Operations in a batch are not answered: the first failure is kept in the session and
 reported at its next request, the way CUDA reports asynchronous errors at the next sync.
+Everything in a batch comes from the job and is checked before use: a malformed operation,
+a handle the session does not hold, a layout reaching outside its bytes or an allocation
+past the device's capacity fails that operation only.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from singularity.proxy.bootstrap._singularity_proxy import protocol
+from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
 
 from .session import DeviceMemory, Session
 
 _FACTORIES = frozenset(protocol.SERVER_FACTORIES)
-
-
-def exception_info(error: BaseException) -> tuple[str, str, str]:
-    """(module, qualified name, message) of an exception, as sent in an ERROR message."""
-    kind = type(error)
-    message = str(error)
-    if isinstance(error, KeyError):  # str() of a KeyError quotes its key
-        message = str(error.args[0]) if error.args else ""
-    return (kind.__module__, kind.__qualname__, message)
-
-
-def resolve_operator(namespace: str, name: str, overload: str) -> Any:
-    """The torch operator (OpOverload) called namespace::name.overload."""
-    return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+_NAMES = protocol.torch_names()
 
 
 def template_new_bytes(template: Any) -> list[int]:
     """Bytes of new storage of each new tensor in an output template."""
     if template[0] == protocol.TEMPLATE_TENSOR:
-        return [template[2]]
+        return [template[5]]
     if template[0] in (protocol.TEMPLATE_LIST, protocol.TEMPLATE_TUPLE):
         return [nbytes for item in template[1] for nbytes in template_new_bytes(item)]
     return []
+
+
+def _operation(op: Any, length: int) -> list[Any]:
+    """An operation or request of the expected length; ProtocolError otherwise."""
+    if type(op) is not list or len(op) != length:
+        raise ProtocolError(f"malformed operation {str(op)[:100]}")
+    return op
 
 
 class Executor:
@@ -50,21 +49,37 @@ class Executor:
         self.lock = threading.Lock()
         """Held while anything runs on the device (operations, saves, loads)."""
 
-    # -- arguments and outputs ------------------------------------------------------------------
-    def _decode(self, session: Session, arg: Any, inputs: list[torch.Tensor]) -> Any:
-        """An argument as the operator takes it: handles become tensors, the marker the device."""
+    # -- arguments and outputs --------------------------------------------------------------------
+    def _decode(self, session: Session, arg: Any, inputs: list[torch.Tensor], buffers: Sequence[Any]) -> Any:
+        """An argument as the operator takes it: handles become the session's tensors."""
         kind = type(arg)
-        if kind is slice:
-            tensor = session.tensors[arg.stop]
-            inputs.append(tensor)
-            return tensor
+        if kind is dict:
+            handle = arg.get(protocol.TAG_HANDLE)
+            if handle is not None and len(arg) == 1:
+                tensor = session.tensor(handle)
+                inputs.append(tensor)
+                return tensor
+            host = arg.get(protocol.TAG_HOST_TENSOR)
+            if host is not None and len(arg) == 1:
+                dtype, shape, stride, index = _operation(host, 4)
+                values = protocol.tensor_from_raw(dtype, shape, stride, protocol.buffer_at(buffers, index))
+                return values.to(self.device, copy=True)
+            if arg == protocol.DEVICE_MARKER:
+                return self.device
+            return protocol.decode_tag(arg, buffers)
         if kind is list:
-            return [self._decode(session, item, inputs) for item in arg]
-        if kind is tuple:
-            return protocol.tensor_from_raw(arg[1], arg[2], arg[3], arg[4]).to(self.device)
-        if kind is str and arg == protocol.DEVICE_MARKER:
-            return self.device
+            return [self._decode(session, item, inputs, buffers) for item in arg]
         return arg
+
+    def _decode_all(
+        self, session: Session, args: Any, kwargs: Any, inputs: list[torch.Tensor], buffers: Sequence[Any]
+    ) -> tuple[list[Any], dict[str, Any]]:
+        """Positional and keyword arguments of an operation, decoded."""
+        if type(args) is not list or (kwargs is not None and type(kwargs) is not dict):
+            raise ProtocolError("arguments must be a list and keyword arguments an object")
+        decoded = [self._decode(session, arg, inputs, buffers) for arg in args]
+        named = {k: self._decode(session, v, inputs, buffers) for k, v in kwargs.items()} if kwargs else {}
+        return decoded, named
 
     def _template(
         self,
@@ -78,70 +93,113 @@ class Executor:
         if isinstance(output, torch.Tensor):
             for position, tensor in enumerate(inputs):
                 if output is tensor:
-                    return (protocol.TEMPLATE_ALIAS, position)
+                    return [protocol.TEMPLATE_ALIAS, position]
             handle = next_handle[0]
             next_handle[0] = handle + 1
+            session.claim_handle(handle)
             nbytes = session.add(handle, output)
             new_handles.append(handle)
-            meta = (tuple(output.shape), tuple(output.stride()), output.storage_offset(), output.dtype)
-            return (protocol.TEMPLATE_TENSOR, meta, nbytes)
+            return [
+                protocol.TEMPLATE_TENSOR,
+                list(output.shape),
+                list(output.stride()),
+                output.storage_offset(),
+                _NAMES.dtype_names[output.dtype],
+                nbytes,
+            ]
         if isinstance(output, list):
             items = [self._template(session, o, inputs, next_handle, new_handles) for o in output]
-            return (protocol.TEMPLATE_LIST, items)
+            return [protocol.TEMPLATE_LIST, items]
         if isinstance(output, tuple):
             items = [self._template(session, o, inputs, next_handle, new_handles) for o in output]
-            return (protocol.TEMPLATE_TUPLE, items)
+            return [protocol.TEMPLATE_TUPLE, items]
         if output is None:
-            return (protocol.TEMPLATE_NONE,)
+            return [protocol.TEMPLATE_NONE]
         if isinstance(output, (bool, int, float, complex, str)):
-            return (protocol.TEMPLATE_VALUE, output)
-        return (protocol.TEMPLATE_VALUE, repr(output))
+            return [protocol.TEMPLATE_VALUE, output]
+        return [protocol.TEMPLATE_VALUE, repr(output)]
 
     # -- operations -------------------------------------------------------------------------------
-    def _call(self, session: Session, op_id: int, first_handle: int, args: Any, kwargs: Any) -> Any:
-        """Run a defined operator; its output template."""
-        operator = session.operators[op_id]
+    def _call(self, session: Session, op: list[Any], buffers: Sequence[Any]) -> Any:
+        """Run a defined operator ([kind, op_id, first handle, args, kwargs]); its output template."""
+        _, op_id, first_handle, args, kwargs = _operation(op, 5)
+        operator = session.operator(op_id)
         inputs: list[torch.Tensor] = []
-        decoded_args = [self._decode(session, arg, inputs) for arg in args]
-        decoded_kwargs = {k: self._decode(session, v, inputs) for k, v in kwargs.items()} if kwargs else {}
+        decoded_args, decoded_kwargs = self._decode_all(session, args, kwargs, inputs, buffers)
         output = operator(*decoded_args, **decoded_kwargs)
         new_handles: list[int] = []
-        template = self._template(session, output, inputs, [first_handle], new_handles)
+        try:
+            template = self._template(session, output, inputs, [protocol.integer(first_handle)], new_handles)
+        except BaseException:
+            for handle in new_handles:
+                session.free(handle)
+            raise
         if new_handles:
             session.check_capacity(new_handles, sum(template_new_bytes(template)))
         return template
 
-    def _hold_new(self, session: Session, handle: int, tensor: torch.Tensor) -> None:
-        """Hold a tensor made for the session, within the device's capacity."""
-        nbytes = session.add(handle, tensor)
-        session.check_capacity([handle], nbytes)
+    def _allocate(self, session: Session, handle: Any, dtype: Any, shape: Any, stride: Any) -> torch.Tensor:
+        """A new uninitialised tensor under a fresh handle, refused before allocating if it does not fit."""
+        session.claim_handle(handle)
+        found = _NAMES.dtype(dtype)
+        sizes, steps = protocol.integers(shape), protocol.integers(stride)
+        if len(sizes) != len(steps):
+            raise ProtocolError(f"shape {sizes} and stride {steps} differ in length")
+        nbytes = protocol.storage_extent(sizes, steps) * found.itemsize
+        session.check_room(nbytes)
+        tensor = torch.empty_strided(sizes, steps, dtype=found, device=self.device)
+        session.add(handle, tensor)
+        return tensor
 
-    def _run(self, session: Session, op: tuple[Any, ...]) -> None:
+    def _run(self, session: Session, op: Any, buffers: Sequence[Any]) -> None:
         """Carry out one operation of a batch."""
+        if type(op) is not list or not op:
+            raise ProtocolError(f"malformed operation {str(op)[:100]}")
         kind = op[0]
         if kind == protocol.OP_CALL:
-            self._call(session, op[1], op[2], op[3], op[4])
+            self._call(session, op, buffers)
         elif kind == protocol.OP_FREE:
-            for handle in op[1]:
+            for handle in protocol.integers(_operation(op, 2)[1], most=1 << 20):
                 session.free(handle)
         elif kind == protocol.OP_DEFINE:
-            session.operator_names[op[1]] = op[2]
-            session.operators[op[1]] = resolve_operator(*op[2])
-        elif kind == protocol.OP_UPLOAD:
-            tensor = protocol.tensor_from_raw(op[2], op[3], op[4], op[5])
-            if self.device.type != "cpu":
-                tensor = tensor.to(self.device)
-            self._hold_new(session, op[1], tensor)
+            _, op_id, namespace, name, overload = _operation(op, 5)
+            session.define(protocol.integer(op_id), namespace, name, overload)
+        elif kind == protocol.OP_UPLOAD or kind == protocol.OP_ALLOCATE:
+            _, handle, dtype, shape, stride, *data = _operation(op, 6 if kind == protocol.OP_UPLOAD else 5)
+            tensor = self._allocate(session, handle, dtype, shape, stride)
+            if data:
+                self._write(tensor, 0, protocol.buffer_at(buffers, data[0]))
+        elif kind == protocol.OP_WRITE:
+            _, handle, offset, index = _operation(op, 4)
+            self._write(session.tensor(handle), protocol.integer(offset), protocol.buffer_at(buffers, index))
         elif kind == protocol.OP_FILL:
-            session.tensors[op[1]].copy_(protocol.tensor_from_raw(op[2], op[3], op[4], op[5]))
+            _, handle, dtype, shape, stride, index = _operation(op, 6)
+            values = protocol.tensor_from_raw(dtype, shape, stride, protocol.buffer_at(buffers, index))
+            session.tensor(handle).copy_(values)
         elif kind == protocol.OP_FACTORY:
-            name = op[2]
+            _, handle, name, args, kwargs = _operation(op, 5)
             if name not in _FACTORIES:
                 raise RuntimeError(f"proxy: factory {name!r} not allowed")
-            options = {k: (self.device if v == protocol.DEVICE_MARKER else v) for k, v in op[4].items()}
-            self._hold_new(session, op[1], getattr(torch, name)(*op[3], **options))
+            session.claim_handle(handle)
+            decoded_args, decoded_kwargs = self._decode_all(session, args, kwargs, [], buffers)
+            meta_kwargs = {**decoded_kwargs, "device": "meta"}
+            planned = getattr(torch, name)(*decoded_args, **meta_kwargs)
+            session.check_room(planned.numel() * planned.element_size())
+            tensor = getattr(torch, name)(*decoded_args, **decoded_kwargs)
+            session.add(handle, tensor)
         else:
-            raise RuntimeError(f"proxy: unknown operation {kind!r}")
+            raise ProtocolError(f"unknown operation {kind!r}")
+
+    def _write(self, tensor: torch.Tensor, offset: int, data: Any) -> None:
+        """Copy bytes into a tensor's storage at a byte offset, within the storage."""
+        source = memoryview(data).cast("B")
+        storage = tensor.untyped_storage()
+        if offset + source.nbytes > storage.nbytes():
+            raise ProtocolError(f"{source.nbytes} bytes at offset {offset} do not fit in {storage.nbytes()}")
+        if source.nbytes == 0:
+            return
+        target = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+        target[offset : offset + source.nbytes].copy_(torch.frombuffer(source, dtype=torch.uint8))
 
     def _memory(self, session: Session, what: str) -> Any:
         """Answer a memory query."""
@@ -154,46 +212,49 @@ class Executor:
             return None
         if what == protocol.MEMORY_INFO:
             return (self.memory.free_bytes(), self.memory.capacity)
-        return {
-            "allocated_bytes.all.current": session.held_bytes,
-            "allocated_bytes.all.peak": session.peak_bytes,
-            "reserved_bytes.all.current": session.held_bytes,
-            "reserved_bytes.all.peak": session.peak_bytes,
-            "active_bytes.all.current": session.held_bytes,
-            "num_ooms": 0,
-        }
+        if what == protocol.MEMORY_STATS:
+            return {
+                "allocated_bytes.all.current": session.held_bytes,
+                "allocated_bytes.all.peak": session.peak_bytes,
+                "reserved_bytes.all.current": session.held_bytes,
+                "reserved_bytes.all.peak": session.peak_bytes,
+                "active_bytes.all.current": session.held_bytes,
+                "num_ooms": 0,
+            }
+        raise ProtocolError(f"unknown memory query {what!r}")
 
-    def _answer(self, session: Session, request: tuple[Any, ...]) -> Any:
+    def _answer(self, session: Session, request: Any, buffers: Sequence[Any]) -> Any:
         """The value a request asks for."""
+        if type(request) is not list or not request:
+            raise ProtocolError(f"malformed request {str(request)[:100]}")
         kind = request[0]
         if kind == protocol.REQ_CALL:
-            return self._call(session, request[1], request[2], request[3], request[4])
+            return self._call(session, request, buffers)
         if kind == protocol.REQ_FETCH:
-            host, raw = protocol.tensor_to_raw(session.tensors[request[1]])
-            return (host.dtype, tuple(host.shape), tuple(host.stride()), raw)
+            host, raw = protocol.tensor_to_raw(session.tensor(_operation(request, 2)[1]))
+            return [_NAMES.dtype_names[host.dtype], list(host.shape), list(host.stride()), raw]
         if kind == protocol.REQ_SYNC:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             return None
         if kind == protocol.REQ_MEMORY:
-            return self._memory(session, request[1])
-        raise RuntimeError(f"proxy: unknown request {kind!r}")
+            return self._memory(session, _operation(request, 2)[1])
+        raise ProtocolError(f"unknown request {kind!r}")
 
-    def run_batch(self, session: Session, ops: list[Any], request: Any) -> Any:
-        """Run a batch in order; the REPLY or ERROR message for its request (None without one)."""
+    def run_batch(self, session: Session, ops: Any, request: Any, buffers: Sequence[Any]) -> Any:
+        """Run a batch in order; the answer to its request, or raise what failed first.
+
+        Without a request (None) it returns None and keeps the first failure in the session.
+        """
         with self.lock:
+            if type(ops) is not list:
+                raise ProtocolError("the operations of a batch must be a list")
             for op in ops:
                 try:
-                    self._run(session, op)
+                    self._run(session, op, buffers)
                 except Exception as e:
-                    if session.pending_error is None:
-                        session.pending_error = exception_info(e)
+                    session.fail(e)
             if request is None:
                 return None
-            if session.pending_error is not None:
-                error, session.pending_error = session.pending_error, None
-                return (protocol.ERROR, *error)
-            try:
-                return (protocol.REPLY, self._answer(session, request))
-            except Exception as e:
-                return (protocol.ERROR, *exception_info(e))
+            session.raise_pending()
+            return self._answer(session, request, buffers)

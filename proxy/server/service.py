@@ -8,12 +8,9 @@ thread through the executor. The daemon's requests arrive on a separate control 
 
 from __future__ import annotations
 
-import builtins
 import contextlib
-import io
 import json
 import os
-import pickle
 import socket
 import struct
 import threading
@@ -23,38 +20,15 @@ from typing import Any
 import torch
 
 from singularity.proxy.bootstrap._singularity_proxy import protocol
+from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
 
 from .executor import Executor
-from .session import Connection, DeviceMemory, Session
-
-_SAFE_TORCH = (torch.dtype, torch.layout, torch.memory_format)
+from .session import Connection, DeviceMemory, Session, exception_info
 
 
-class _SafeUnpickler(pickle.Unpickler):
-    """Unpickles only plain data, slices and torch dtypes/layouts/devices: jobs are untrusted."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "builtins" and name in ("slice", "set", "frozenset", "complex"):
-            return getattr(builtins, name)
-        if module == "torch.serialization" and name == "_get_layout":
-            return torch.serialization._get_layout
-        if module == "torch" or module.startswith("torch."):
-            found: Any = torch
-            for part in name.removeprefix("torch.").split("."):
-                found = getattr(found, part, None)
-            if found is torch.device or isinstance(found, _SAFE_TORCH):
-                return found
-        raise pickle.UnpicklingError(f"proxy: refused to unpickle {module}.{name}")
-
-
-def recv_untrusted(sock: socket.socket) -> Any:
-    """Receive one message from an untrusted peer."""
-    return _SafeUnpickler(io.BytesIO(protocol.recv_frame(sock))).load()
-
-
-def _error(kind: type[BaseException], message: str) -> tuple[Any, ...]:
-    """An ERROR message raising `kind(message)` in the job."""
-    return (protocol.ERROR, kind.__module__, kind.__qualname__, message)
+def _refusal(kind: type[BaseException], message: str) -> list[str]:
+    """The body of an ERROR message raising `kind(message)` in the job."""
+    return [kind.__module__, kind.__qualname__, message]
 
 
 class Server:
@@ -128,58 +102,65 @@ class Server:
             return f"proxy: job {job_id} was not granted device {self.index}"
         return ""
 
-    def _open_session(self, connection: Connection, uid: int, hello: Any) -> Session | None:
+    def _open_session(self, connection: Connection, uid: int, hello: protocol.Frame) -> Session | None:
         """The session a hello asks for, attached to the connection; None after refusing it."""
-        _, job_id, rank, _index, resume = hello
-        key = (str(job_id), int(rank))
+        body = hello.decode() if hello.kind == protocol.HELLO else None
+        if (
+            type(body) is not list
+            or len(body) != 4
+            or type(body[0]) is not str
+            or type(body[1]) is not int
+            or type(body[3]) is not bool
+        ):
+            connection.send(
+                protocol.ERROR, _refusal(PermissionError, "proxy: the first message must be a hello")
+            )
+            return None
+        job_id, rank, _index, resume = body
+        key = (job_id, rank)
         with self.state_lock:
             existing = self.sessions.get(key)
             if resume:
                 if existing is None or (uid != 0 and uid != os.getuid()):
-                    connection.send(_error(RuntimeError, f"proxy: no session to resume for {key}"))
+                    connection.send(
+                        protocol.ERROR, _refusal(RuntimeError, f"proxy: no session to resume for {key}")
+                    )
                     return None
                 session = existing
             else:
-                refusal = self.admission_problem(key[0], uid)
+                refusal = self.admission_problem(job_id, uid)
                 if not refusal and existing is not None and existing.uid != uid and uid != 0:
                     refusal = f"proxy: session {key} belongs to another user"
                 if refusal:
-                    connection.send(_error(PermissionError, refusal))
+                    connection.send(protocol.ERROR, _refusal(PermissionError, refusal))
                     return None
                 if existing is not None:
                     self.drop(existing)
-                session = Session(key[0], key[1], uid, self.memory)
+                session = Session(job_id, rank, uid, self.memory)
                 self.sessions[key] = session
             session.connection = connection
         return session
 
-    # -- job connections -----------------------------------------------------------------------------
+    # -- job connections --------------------------------------------------------------------------
     def serve_job(self, sock: socket.socket) -> None:
-        """Serve one job process's connection until it closes."""
+        """Serve one job process's connection until it closes (or breaks the framing)."""
         connection = Connection(sock)
         credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         _pid, uid, _gid = struct.unpack("3i", credentials)
         session: Session | None = None
         try:
-            hello = recv_untrusted(sock)
-            if not isinstance(hello, tuple) or hello[0] != protocol.HELLO:
-                return
-            session = self._open_session(connection, uid, hello)
+            session = self._open_session(
+                connection, uid, protocol.recv_frame(sock, protocol.JOB_FRAME_LIMITS)
+            )
             if session is None:
                 return
-            connection.send((protocol.WELCOME, self.info))
+            connection.send(protocol.WELCOME, self.info)
             torch.set_grad_enabled(True)  # some kernels (mkldnn RNN) keep state only then
             while True:
-                msg = recv_untrusted(sock)
-                kind = msg[0]
-                if kind == protocol.BATCH:
-                    reply = self.executor.run_batch(session, msg[1], msg[2])
-                    if reply is not None:
-                        connection.send(reply)
-                elif kind == protocol.PARKED:
-                    session.waiting = bool(msg[1]) if len(msg) > 1 else False
-                    session.parked = True
-                    session.parked_event.set()
+                self._take(session, connection, protocol.recv_frame(sock, protocol.JOB_FRAME_LIMITS))
+        except ProtocolError as e:  # the framing is broken: nothing after it can be trusted
+            with contextlib.suppress(OSError):
+                connection.send(protocol.GOODBYE, exception_info(e))
         except (ConnectionError, OSError, EOFError):
             pass
         finally:
@@ -192,3 +173,31 @@ class Server:
                         session.connection = None
                         if not session.parked:
                             self.drop(session)
+
+    def _take(self, session: Session, connection: Connection, frame: protocol.Frame) -> None:
+        """Act on one message from the job; what it cannot take becomes an error in the program."""
+        if frame.kind == protocol.REQUEST:
+            try:
+                body = frame.decode()
+                if type(body) is not list or len(body) != 2:
+                    raise ProtocolError("a request message is [operations, request]")
+                value = self.executor.run_batch(session, body[0], body[1], frame.buffers)
+                connection.send(protocol.REPLY, value)  # encodes fully before writing anything
+            except Exception as e:
+                connection.send(protocol.ERROR, exception_info(e))
+            return
+        try:
+            if frame.kind == protocol.BATCH:
+                body = frame.decode()
+                if type(body) is not list or len(body) != 1:
+                    raise ProtocolError("a batch message is [operations]")
+                self.executor.run_batch(session, body[0], None, frame.buffers)
+            elif frame.kind == protocol.PARKED:
+                body = frame.decode()
+                session.waiting = type(body) is list and body == [True]
+                session.parked = True
+                session.parked_event.set()
+            else:
+                raise ProtocolError(f"unknown message kind {frame.kind}")
+        except Exception as e:
+            session.fail(e)

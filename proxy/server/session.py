@@ -17,8 +17,34 @@ from typing import Any
 import torch
 
 from singularity.proxy.bootstrap._singularity_proxy import protocol
+from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
 
 _SIOCOUTQ = 0x5411
+
+
+class ReportedFailure(Exception):
+    """A failure already described as [module, qualified name, message] for an ERROR message."""
+
+    def __init__(self, info: list[str]) -> None:
+        super().__init__(info[2])
+        self.info = info
+
+
+def exception_info(error: BaseException) -> list[str]:
+    """[module, qualified name, message] of an exception, as sent in an ERROR message.
+
+    Protocol errors are named by the job's own module path, so the job raises the same class.
+    """
+    if isinstance(error, ReportedFailure):
+        return error.info
+    message = str(error)
+    if isinstance(error, KeyError):  # str() of a KeyError quotes its key
+        message = str(error.args[0]) if error.args else ""
+    if isinstance(error, ProtocolError):
+        return ["_singularity_proxy.protocol", "ProtocolError", f"proxy: {message}"]
+    # the server's own exception classes travel as their nearest standard base class
+    kind = next(k for k in type(error).__mro__ if not k.__module__.startswith("singularity."))
+    return [kind.__module__, kind.__qualname__, message]
 
 
 def allocator_bytes(count: float) -> str:
@@ -36,10 +62,10 @@ class Connection:
         self.sock = sock
         self.lock = threading.Lock()
 
-    def send(self, msg: Any) -> None:
-        """Send one message."""
+    def send(self, kind: int, value: Any = None) -> None:
+        """Send one message (see protocol.py)."""
         with self.lock:
-            protocol.send_msg(self.sock, msg)
+            protocol.send_message(self.sock, kind, value)
 
     def unread_bytes(self) -> int:
         """Bytes sent to the process that it has not read yet."""
@@ -92,13 +118,58 @@ class Session:
         """Operator id -> (namespace, name, overload), as saved in checkpoints."""
         self.held_bytes = 0
         self.peak_bytes = 0
-        self.pending_error: tuple[str, str, str] | None = None
+        self.pending_error: list[str] | None = None
         """The first failure of an operation since the last answer, reported at the next request."""
         self.connection: Connection | None = None
         self.parked = False
         self.waiting = False
         """Whether the process was waiting for an answer when it parked."""
         self.parked_event = threading.Event()
+
+    # -- what the job refers to -------------------------------------------------------------------
+    def tensor(self, handle: Any) -> torch.Tensor:
+        """The tensor the session holds under `handle`; ProtocolError if it holds none."""
+        found = self.tensors.get(handle) if type(handle) is int else None
+        if found is None:
+            raise ProtocolError(f"no tensor {handle!r} in this session")
+        return found
+
+    def claim_handle(self, handle: Any) -> None:
+        """Check that `handle` is free for a new tensor; ProtocolError if not."""
+        if type(handle) is not int or handle < 0 or handle in self.tensors:
+            raise ProtocolError(f"handle {handle!r} cannot take a new tensor")
+
+    def define(self, op_id: int, namespace: Any, name: Any, overload: Any) -> None:
+        """Let `op_id` stand for the operator namespace::name.overload."""
+        if not all(type(part) is str for part in (namespace, name, overload)):
+            raise ProtocolError("an operator name is three strings")
+        self.operators[op_id] = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+        self.operator_names[op_id] = (namespace, name, overload)
+
+    def operator(self, op_id: Any) -> Any:
+        """The operator `op_id` stands for; ProtocolError if it was never defined."""
+        found = self.operators.get(op_id) if type(op_id) is int else None
+        if found is None:
+            raise ProtocolError(f"operator {op_id!r} was not defined")
+        return found
+
+    # -- errors reported at the next request ------------------------------------------------------
+    def fail(self, error: BaseException) -> None:
+        """Remember the first failure of an operation since the last answer."""
+        if self.pending_error is None:
+            self.pending_error = exception_info(error)
+
+    def raise_pending(self) -> None:
+        """Raise the remembered failure (once), if any."""
+        if self.pending_error is not None:
+            info, self.pending_error = self.pending_error, None
+            raise ReportedFailure(info)
+
+    # -- memory -----------------------------------------------------------------------------------
+    def check_room(self, nbytes: int) -> None:
+        """Raise CUDA's out-of-memory error, before allocating, if `nbytes` more do not fit."""
+        if self.memory.used + nbytes > self.memory.capacity:
+            raise self.memory.out_of_memory(self, nbytes)
 
     def add(self, handle: int, tensor: torch.Tensor) -> int:
         """Hold `tensor` under `handle`; the bytes of new storage this takes."""

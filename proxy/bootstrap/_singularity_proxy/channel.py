@@ -42,8 +42,11 @@ class Channel:
         """Held while a message is being written, and for the whole of a park."""
         self.request_lock = threading.Lock()
         """Held by the one thread waiting for an answer."""
-        self.pending: list[tuple[Any, ...]] = []
-        """Operations queued and not yet sent."""
+        self.pending: list[list[Any]] = []
+        """Operations queued and not yet sent (JSON-ready, see protocol.OP_*)."""
+        self.pending_buffers: list[Any] = []
+        """Buffers the queued operations refer to, by position."""
+        self.pending_buffer_bytes = 0
         self.freed: list[int] = []
         """Handles of stand-ins that died since the last send (appended from __del__)."""
         self.next_handle = 1
@@ -51,33 +54,37 @@ class Channel:
         """The id each operator was defined under on the server."""
         self.templates: dict[Any, tuple[Any, int, int]] = {}
         """Output template, new tensor count and new bytes, per operation signature."""
-        self._answer: Any = None
+        self._answer: protocol.Frame | None = None
         self._answered = threading.Event()
         self._failure: BaseException | None = None
-        protocol.send_msg(self.sock, (protocol.HELLO, job_id, rank, index, False))
-        msg = protocol.recv_msg(self.sock)
-        if msg[0] == protocol.ERROR:
-            raise ProxyConnectionError(msg[3])
-        self.info: dict[str, Any] = msg[1]
+        protocol.send_message(self.sock, protocol.HELLO, [job_id, rank, index, False])
+        welcome = protocol.recv_frame(self.sock)
+        if welcome.kind != protocol.WELCOME:
+            raise ProxyConnectionError(str(welcome.value()[-1]))
+        self.info: dict[str, Any] = welcome.value()
         self.sync_bytes = max(1 << 20, int(self.info["total_memory"]) // 64)
         """Transfers and allocations this large wait for the server (out of memory shows at the call)."""
         reader = threading.Thread(target=self._read, name=f"sing-proxy-{index}", daemon=True)
         reader.start()
 
-    # -- reader thread ---------------------------------------------------------------------
-    def _deliver(self, msg: Any) -> None:
-        self._answer = msg
+    # -- reader thread ----------------------------------------------------------------------------
+    def _deliver(self, frame: protocol.Frame) -> None:
+        """Hand the answer to the waiting request, or end the connection on GOODBYE."""
+        if frame.kind == protocol.GOODBYE:
+            _module, qualname, message = frame.value()
+            raise ProxyConnectionError(f"{qualname}: {message}")
+        self._answer = frame
         self._answered.set()
 
     def _read(self) -> None:
         """Take every message the server sends until the connection ends."""
         try:
             while True:
-                msg = protocol.recv_msg(self.sock)
-                if msg[0] == protocol.PARK:
+                frame = protocol.recv_frame(self.sock)
+                if frame.kind == protocol.PARK:
                     self._park()
                 else:
-                    self._deliver(msg)
+                    self._deliver(frame)
         except BaseException as e:  # the server went away: wake any waiter with an error
             self._failure = e
             self._answered.set()
@@ -85,62 +92,80 @@ class Channel:
     def _park(self) -> None:
         """Stop at an operation boundary: no message is half sent while parked."""
         with self.send_lock:
-            protocol.send_msg(self.sock, (protocol.PARKED, self.request_lock.locked()))
+            protocol.send_frame(self.sock, protocol.PARKED, [self.request_lock.locked()])
             while True:
-                msg = protocol.recv_msg(self.sock)
-                if msg[0] == protocol.RESUME:
+                frame = protocol.recv_frame(self.sock)
+                if frame.kind == protocol.RESUME:
                     return
-                if msg[0] == protocol.PARK:
-                    continue
-                self._deliver(msg)
+                if frame.kind != protocol.PARK:
+                    self._deliver(frame)
 
-    # -- sending ----------------------------------------------------------------------------
+    # -- sending ----------------------------------------------------------------------------------
     def _gone(self) -> ProxyConnectionError:
         return ProxyConnectionError(f"proxy server for cuda:{self.index} is gone: {self._failure}")
 
-    def push(self, op: tuple[Any, ...]) -> None:
+    def push(self, op: list[Any]) -> None:
         """Queue one operation; send the queue when it is long enough."""
         pending = self.pending
         pending.append(op)
         if len(pending) >= BATCH_OPS:
             self.flush()
 
-    def _take(self) -> list[tuple[Any, ...]]:
-        """Everything queued, with the frees last, emptying the queue."""
-        ops = self.pending
-        self.pending = []
+    def attach(self, buffers: list[Any]) -> int:
+        """Queue the buffers of the next operation pushed; the frame index of the first.
+
+        The queue is sent first when they would take the frame past CHUNK_BYTES of buffers
+        or MAX_BUFFERS, so that no frame exceeds what a server accepts.
+        """
+        size = sum(memoryview(buffer).nbytes for buffer in buffers)
+        if size > protocol.CHUNK_BYTES or len(buffers) > protocol.MAX_BUFFERS:
+            raise ValueError(f"proxy: {size} bytes in {len(buffers)} buffers are too many for one frame")
+        if (
+            self.pending_buffer_bytes + size > protocol.CHUNK_BYTES
+            or len(self.pending_buffers) + len(buffers) > protocol.MAX_BUFFERS
+        ):
+            self.flush()
+        first = len(self.pending_buffers)
+        self.pending_buffers += buffers
+        self.pending_buffer_bytes += size
+        return first
+
+    def _take(self) -> tuple[list[list[Any]], list[Any]]:
+        """Everything queued (with the frees last) and its buffers, emptying the queue."""
+        ops, buffers = self.pending, self.pending_buffers
+        self.pending, self.pending_buffers, self.pending_buffer_bytes = [], [], 0
         if self.freed:
             freed = self.freed
             self.freed = []
-            ops.append((protocol.OP_FREE, freed))
-        return ops
+            ops.append([protocol.OP_FREE, freed])
+        return ops, buffers
 
     def flush(self) -> None:
         """Send every queued operation without waiting for it to run."""
         if self._failure is not None:
             raise self._gone()
         with self.send_lock:
-            ops = self._take()
+            ops, buffers = self._take()
             if ops:
-                protocol.send_msg(self.sock, (protocol.BATCH, ops, None))
+                protocol.send_frame(self.sock, protocol.BATCH, [ops], buffers)
 
-    def request(self, request: tuple[Any, ...]) -> Any:
+    def request(self, request: list[Any]) -> Any:
         """Send the queue and one request, wait for its answer, raise what the server raised."""
         with self.request_lock:
             if self._failure is not None:
                 raise self._gone()
             self._answered.clear()
             with self.send_lock:
-                ops = self._take()
-                protocol.send_msg(self.sock, (protocol.BATCH, ops, request))
+                ops, buffers = self._take()
+                protocol.send_frame(self.sock, protocol.REQUEST, [ops, request], buffers)
             self._answered.wait()
-            msg = self._answer
+            answer = self._answer
             self._answer = None
-            if msg is None:
+            if answer is None:
                 raise self._gone()
-        if msg[0] == protocol.ERROR:
-            raise rebuild_error(msg[1], msg[2], msg[3])
-        return msg[1]
+        if answer.kind == protocol.ERROR:
+            raise rebuild_error(*answer.value())
+        return answer.value()
 
     def op_id(self, func: Any) -> int:
         """The id of an operator on the server, defining it there on first use."""
@@ -148,8 +173,7 @@ class Channel:
         if op_id is None:
             op_id = len(self.op_ids) + 1
             self.op_ids[func] = op_id
-            name = (func.namespace, func._opname, func._overloadname)
-            self.pending.append((protocol.OP_DEFINE, op_id, name))
+            self.pending.append([protocol.OP_DEFINE, op_id, func.namespace, func._opname, func._overloadname])
         return op_id
 
     def new_handle(self, count: int = 1) -> int:

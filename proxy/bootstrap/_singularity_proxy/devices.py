@@ -83,9 +83,9 @@ def synchronize(index: int | None = None) -> None:
     channels = DEVICES.channels if index is None else [DEVICES.channels[index]]
     for channel in channels:
         if channel is not None:
-            channel.request((protocol.REQ_SYNC,))
+            channel.request([protocol.REQ_SYNC])
 
 
 def memory_query(what: str, device: Any = None) -> Any:
     """A memory figure of this process on a device (one of protocol.MEMORY_QUERIES)."""
-    return DEVICES.channel(device_index(device)).request((protocol.REQ_MEMORY, what))
+    return DEVICES.channel(device_index(device)).request([protocol.REQ_MEMORY, what])

@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import protocol
 from .devices import DEVICES, device_index, same_device_error
-from .tensor import ProxyTensor, download, new_stand_in
+from .tensor import ProxyTensor, download, encode_arguments, new_stand_in
 from .transfers import to_device, to_host, upload
 
 _Tensor = torch.Tensor
@@ -165,14 +165,13 @@ def _factory(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         meta = func(*args, **options)
         channel = DEVICES.channel(index)
         handle = channel.new_handle()
-        server_options = dict(options)
-        server_options["device"] = protocol.DEVICE_MARKER
-        op = (protocol.OP_FACTORY, handle, func.__name__, list(args), server_options)
+        encoded = encode_arguments(args, {**options, "device": channel.device})  # the server's device
+        op = [protocol.OP_FACTORY, handle, func.__name__, encoded.args, encoded.kwargs]
         nbytes = meta.numel() * meta.element_size()
         if nbytes >= channel.sync_bytes:
             channel.pending.append(op)
             try:
-                channel.request((protocol.REQ_SYNC,))
+                channel.request([protocol.REQ_SYNC])
             except BaseException:
                 channel.freed.append(handle)
                 raise

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from .tensor import HOST, ProxyTensor, SpecialHandler, download
-from .transfers import fill, upload
+from .tensor import HOST, ProxyTensor, SpecialHandler, download, fill
+from .transfers import upload
 
 aten = torch.ops.aten
 _FILL_IN_PLACE = {

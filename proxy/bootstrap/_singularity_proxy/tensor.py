@@ -49,7 +49,7 @@ class ProxyTensor(torch.Tensor):
     """A tensor on a proxied cuda device: metadata here, data in the proxy server."""
 
     _handle: TensorHandle
-    _wire_ref: slice  # how the handle travels in arguments
+    _wire_ref: dict[str, int]  # how the handle travels in arguments
     _meta: tuple[Any, ...]  # (shape, stride, storage offset, dtype): part of operation signatures
     _channel: Channel
 
@@ -98,78 +98,169 @@ def new_stand_in(channel: Channel, handle: int, meta: tuple[Any, ...]) -> ProxyT
     """The stand-in for server tensor `handle`, with meta (shape, stride, storage offset, dtype)."""
     tensor = _make_wrapper(ProxyTensor, meta[0], meta[1], meta[2], None, meta[3], torch.strided, HOST)
     tensor._handle = TensorHandle(channel, handle)
-    tensor._wire_ref = slice(handle)
+    tensor._wire_ref = {protocol.TAG_HANDLE: handle}
     tensor._meta = meta
     tensor._channel = channel
     return tensor  # type: ignore[no-any-return]
 
 
+# -- values between the host and the server ------------------------------------------------------
 def download(stand_in: torch.Tensor) -> Any:
     """A new host tensor with a stand-in's values (waits for the device)."""
     assert isinstance(stand_in, ProxyTensor)
-    dtype, shape, stride, raw = stand_in._channel.request((protocol.REQ_FETCH, stand_in._handle.id))
+    dtype, shape, stride, raw = stand_in._channel.request([protocol.REQ_FETCH, stand_in._handle.id])
     return protocol.tensor_from_raw(dtype, shape, stride, raw)
 
 
-# -- encoding of arguments ---------------------------------------------------------------------
-# Each encoder returns the arguments as they travel and appends to `signature` what the output
-# template depends on (stand-ins' metadata, plain values, float-ness of Python scalars).
+def upload_to(channel: Channel, tensor: torch.Tensor) -> ProxyTensor:
+    """A stand-in on the channel's device with a host tensor's values (no autograd).
+
+    Up to CHUNK_BYTES travel with one OP_UPLOAD; larger tensors are allocated (OP_ALLOCATE)
+    and written chunk by chunk (OP_WRITE), one frame each. Uploads of `sync_bytes` or more
+    wait for the server, so that running out of device memory shows at the call.
+    """
+    with torch.no_grad():
+        host, raw = protocol.tensor_to_raw(tensor.detach())
+    handle = channel.new_handle()
+    meta = (tuple(host.shape), tuple(host.stride()), 0, host.dtype)
+    layout = [_NAMES.dtype_names[host.dtype], list(meta[0]), list(meta[1])]
+    if raw.nbytes <= protocol.CHUNK_BYTES:
+        index = channel.attach([raw])
+        op: list[Any] = [protocol.OP_UPLOAD, handle, *layout, index]
+        if raw.nbytes >= channel.sync_bytes:
+            channel.pending.append(op)
+            channel.request([protocol.REQ_SYNC])
+        else:
+            channel.push(op)
+    else:
+        channel.push([protocol.OP_ALLOCATE, handle, *layout])
+        try:
+            channel.request([protocol.REQ_SYNC])
+        except BaseException:
+            channel.freed.append(handle)
+            raise
+        for offset in range(0, raw.nbytes, protocol.CHUNK_BYTES):
+            index = channel.attach([raw[offset : offset + protocol.CHUNK_BYTES]])
+            channel.push([protocol.OP_WRITE, handle, offset, index])
+        channel.request([protocol.REQ_SYNC])
+    return new_stand_in(channel, handle, meta)
+
+
+def fill(stand_in: ProxyTensor, values: torch.Tensor) -> None:
+    """Overwrite a stand-in's values with those of a host tensor of the same shape."""
+    with torch.no_grad():
+        host = torch.empty_strided(stand_in.shape, stand_in.stride(), dtype=stand_in.dtype)
+        host.copy_(values)
+    raw = protocol.storage_view(host)
+    channel = stand_in._channel
+    if raw.nbytes > HOST_ARGUMENT_BYTES:
+        forward(torch.ops.aten.copy_.default, (stand_in, upload_to(channel, host)), None)
+        return
+    index = channel.attach([raw])
+    layout = [_NAMES.dtype_names[host.dtype], list(host.shape), list(host.stride())]
+    channel.push([protocol.OP_FILL, stand_in._handle.id, *layout, index])
+
+
+# -- encoding of arguments -----------------------------------------------------------------------
+# The encoders turn arguments into their JSON-ready wire form (protocol.py) and append to
+# `signature` what the output template depends on (stand-ins' metadata, plain values, the
+# float-ness of Python scalars). Host tensors travel as buffers, listed in `host_tensors` as
+# (tag payload, bytes): the payload's last element becomes the buffer's index in the frame.
 _FLOAT = float
+_NAMES = protocol.torch_names()
+_TORCH_VALUE_TAGS = _NAMES.encoders
+HOST_ARGUMENT_BYTES = protocol.CHUNK_BYTES // 4
+"""Host tensors larger than this reach the server as uploaded tensors, not inside the operation."""
 
 
-def _encode_sequence(seq: Sequence[Any], signature: list[Any], inputs: list[ProxyTensor]) -> list[Any]:
+class _LargeHostTensor(Exception):
+    """A host tensor argument too large to travel inside an operation."""
+
+
+class Encoded:
+    """An operation's arguments as they travel, its signature, stand-ins and host tensors."""
+
+    __slots__ = ("args", "host_tensors", "inputs", "kwargs", "signature")
+
+    def __init__(self) -> None:
+        self.args: list[Any] = []
+        self.kwargs: dict[str, Any] | None = None
+        self.signature: list[Any] = []
+        self.inputs: list[ProxyTensor] = []
+        self.host_tensors: list[tuple[list[Any], memoryview]] = []
+
+
+def _encode_sequence(seq: Sequence[Any], signature: list[Any], encoded: Encoded) -> list[Any]:
     out: list[Any] = []
     for arg in seq:
         kind = type(arg)
         if kind is ProxyTensor:
-            inputs.append(arg)
+            encoded.inputs.append(arg)
             signature.append(arg._meta)
             out.append(arg._wire_ref)
         elif kind is int or kind is float or kind is str or arg is None:
             signature.append(arg)
             out.append(arg)
         else:
-            out.append(_encode_other(arg, kind, signature, inputs))
+            out.append(_encode_other(arg, kind, signature, encoded))
     return out
 
 
-def _encode_other(arg: Any, kind: type, signature: list[Any], inputs: list[ProxyTensor]) -> Any:
-    if kind is list or kind is tuple:
+def _encode_other(arg: Any, kind: type, signature: list[Any], encoded: Encoded) -> Any:
+    if kind is list or kind is tuple or isinstance(arg, (list, tuple)):  # torch.Size is a tuple
         nested: list[Any] = []
-        encoded = _encode_sequence(arg, nested, inputs)
+        out = _encode_sequence(arg, nested, encoded)
         signature.append(tuple(nested))
-        return encoded
+        return out
     if kind is bool:
         signature.append((bool, arg))
         return arg
+    tag = _TORCH_VALUE_TAGS.get(kind)
+    if tag is not None:
+        signature.append(arg)
+        return tag(arg)
     if isinstance(arg, ProxyTensor):
-        inputs.append(arg)
+        encoded.inputs.append(arg)
         signature.append(arg._meta)
         return arg._wire_ref
     if isinstance(arg, torch.Tensor):
-        # A host tensor reaching an operation on stand-ins: a scalar, or one that torch's
-        # C++ made with the stand-in's (host) options. Mixing by the program is caught in
-        # the torch-function mode, as the device would catch it.
-        host = arg.detach()
-        if host.device.type != "cpu":
-            raise same_device_error("cuda:0", str(host.device))
-        signature.append(("cpu", tuple(host.shape), tuple(host.stride()), host.dtype))
-        host, raw = protocol.tensor_to_raw(host)
-        return ("t", host.dtype, tuple(host.shape), tuple(host.stride()), raw)
+        return _encode_host_tensor(arg, signature, encoded)
     if kind is torch.device:
-        signature.append(protocol.DEVICE_MARKER)
+        signature.append(kind)
         return protocol.DEVICE_MARKER
-    signature.append(arg)
-    return arg
+    if kind is complex:
+        signature.append(arg)
+        return {protocol.TAG_COMPLEX: [arg.real, arg.imag]}
+    for plain in (bool, int, float, str):  # subclasses of the plain types travel as those
+        if isinstance(arg, plain):
+            return _encode_sequence([plain(arg)], signature, encoded)[0]
+    raise TypeError(f"proxy: an argument of type {kind.__qualname__} cannot be sent to the device")
 
 
-def encode_arguments(
-    args: Sequence[Any], kwargs: dict[str, Any] | None
-) -> tuple[list[Any], dict[str, Any] | None, list[Any], list[ProxyTensor]]:
-    """Arguments and keyword arguments as they travel, the operation's signature, the stand-ins."""
-    signature: list[Any] = []
-    inputs: list[ProxyTensor] = []
-    wire_args: list[Any] = []
+def _encode_host_tensor(arg: torch.Tensor, signature: list[Any], encoded: Encoded) -> Any:
+    """A host tensor reaching an operation on stand-ins.
+
+    It is a scalar, or one that torch's C++ made with the stand-in's (host) options: mixing
+    by the program is caught in the torch-function mode, as the device would catch it.
+    """
+    host = arg.detach()
+    if host.device.type != "cpu":
+        raise same_device_error("cuda:0", str(host.device))
+    if host.numel() * host.element_size() > HOST_ARGUMENT_BYTES:
+        raise _LargeHostTensor
+    signature.append(("cpu", tuple(host.shape), tuple(host.stride()), host.dtype))
+    host, raw = protocol.tensor_to_raw(host)
+    payload = [_NAMES.dtype_names[host.dtype], list(host.shape), list(host.stride()), -1]
+    encoded.host_tensors.append((payload, raw))
+    return {protocol.TAG_HOST_TENSOR: payload}
+
+
+def encode_arguments(args: Sequence[Any], kwargs: dict[str, Any] | None) -> Encoded:
+    """Arguments and keyword arguments as they travel, with the operation's signature."""
+    encoded = Encoded()
+    signature = encoded.signature
+    inputs = encoded.inputs
+    wire_args = encoded.args
     for arg in args:
         kind = type(arg)
         if kind is ProxyTensor:
@@ -183,10 +274,9 @@ def encode_arguments(
             signature.append(_FLOAT)
             wire_args.append(arg)
         else:
-            wire_args.append(_encode_other(arg, kind, signature, inputs))
-    wire_kwargs = None
+            wire_args.append(_encode_other(arg, kind, signature, encoded))
     if kwargs:
-        wire_kwargs = {}
+        wire_kwargs: dict[str, Any] = {}
         for name, value in kwargs.items():
             signature.append(name)
             kind = type(value)
@@ -197,11 +287,46 @@ def encode_arguments(
                 signature.append(value)
                 wire_kwargs[name] = value
             else:
-                wire_kwargs[name] = _encode_other(value, kind, signature, inputs)
-    return wire_args, wire_kwargs, signature, inputs
+                wire_kwargs[name] = _encode_other(value, kind, signature, encoded)
+        encoded.kwargs = wire_kwargs
+    return encoded
+
+
+def _upload_large_host_tensors(value: Any, channel: Channel) -> Any:
+    """`value` with every large host tensor in it replaced by a stand-in on the channel's device."""
+    if isinstance(value, torch.Tensor) and not isinstance(value, ProxyTensor):
+        if value.numel() * value.element_size() > HOST_ARGUMENT_BYTES:
+            return upload_to(channel, value)
+        return value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_upload_large_host_tensors(item, channel) for item in value)
+    return value
+
+
+def _first_stand_in(value: Any) -> ProxyTensor | None:
+    """The first stand-in in (nested) arguments."""
+    if isinstance(value, ProxyTensor):
+        return value
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            found = _first_stand_in(item)
+            if found is not None:
+                return found
+    return None
 
 
 # -- building outputs from a template ------------------------------------------------------------
+def _parse_template(tree: Any) -> Any:
+    """The client's form of a template from the wire: tensor metadata as a hashable tuple."""
+    tag = tree[0]
+    if tag == protocol.TEMPLATE_TENSOR:
+        _, shape, stride, offset, dtype, nbytes = tree
+        return (tag, (tuple(shape), tuple(stride), offset, _NAMES.dtype(dtype)), nbytes)
+    if tag in (protocol.TEMPLATE_LIST, protocol.TEMPLATE_TUPLE):
+        return (tag, [_parse_template(item) for item in tree[1]])
+    return tuple(tree)
+
+
 def _count_new(template: Any) -> tuple[int, int, bool]:
     """Number of new tensors, bytes of new storage, and whether a plain value is returned."""
     tag = template[0]
@@ -259,24 +384,37 @@ def dispatch(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> A
 
 def forward(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> Any:
     """Send one aten operation to the server; its outputs as stand-ins."""
-    wire_args, wire_kwargs, signature, inputs = encode_arguments(args, kwargs)
+    try:
+        encoded = encode_arguments(args, kwargs)
+    except _LargeHostTensor:
+        target = _first_stand_in([*args, *(kwargs or {}).values()])
+        assert target is not None
+        args = _upload_large_host_tensors(list(args), target._channel)
+        kwargs = {k: _upload_large_host_tensors(v, target._channel) for k, v in (kwargs or {}).items()}
+        encoded = encode_arguments(args, kwargs)
+    inputs = encoded.inputs
     channel = inputs[0]._channel
     for stand_in in inputs:
         if stand_in._channel is not channel:
             raise same_device_error(str(channel.device), str(stand_in._channel.device))
-    key = (func, tuple(signature))
+    if encoded.host_tensors:
+        first = channel.attach([raw for _, raw in encoded.host_tensors])
+        for position, (payload, _raw) in enumerate(encoded.host_tensors):
+            payload[3] = first + position
+    key = (func, tuple(encoded.signature))
     cached = channel.templates.get(key)
     if cached is not None:
         template, count, nbytes = cached
         if nbytes < channel.sync_bytes:
             first = channel.new_handle(count)
-            channel.push((protocol.OP_CALL, channel.op_id(func), first, wire_args, wire_kwargs))
+            channel.push([protocol.OP_CALL, channel.op_id(func), first, encoded.args, encoded.kwargs])
             if template[0] == protocol.TEMPLATE_TENSOR:
                 return new_stand_in(channel, first, template[1])
             return _build(template, channel, inputs, [first])
     op_id = channel.op_id(func)
     first = channel.next_handle
-    template = channel.request((protocol.REQ_CALL, op_id, first, wire_args, wire_kwargs))
+    reply = channel.request([protocol.REQ_CALL, op_id, first, encoded.args, encoded.kwargs])
+    template = _parse_template(reply)
     count, nbytes, has_value = _count_new(template)
     channel.next_handle = first + count
     if not has_value and not _value_dependent(func, args):

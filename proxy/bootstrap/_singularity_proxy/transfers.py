@@ -8,46 +8,17 @@ from typing import Any
 
 import torch
 
-from . import protocol
 from .devices import DEVICES
-from .tensor import ProxyTensor, SpecialHandler, download, forward, new_stand_in
+from .tensor import ProxyTensor, SpecialHandler, download, fill, forward, upload_to
 
 
 def upload(tensor: torch.Tensor, index: int) -> ProxyTensor:
-    """A stand-in on cuda:index with a host tensor's values (no autograd)."""
+    """A stand-in on cuda:index with a tensor's values (no autograd)."""
     if isinstance(tensor, ProxyTensor):
         if tensor._channel.index == index:
             return tensor
         tensor = download(tensor)
-    channel = DEVICES.channel(index)
-    with torch.no_grad():
-        host, raw = protocol.tensor_to_raw(tensor.detach())
-    handle = channel.new_handle()
-    meta = (tuple(host.shape), tuple(host.stride()), 0, host.dtype)
-    op = (protocol.OP_UPLOAD, handle, host.dtype, meta[0], meta[1], raw)
-    if len(raw) >= channel.sync_bytes:
-        channel.pending.append(op)
-        channel.request((protocol.REQ_SYNC,))
-    else:
-        channel.push(op)
-    return new_stand_in(channel, handle, meta)
-
-
-def fill(stand_in: ProxyTensor, values: torch.Tensor) -> None:
-    """Overwrite a stand-in's values with those of a host tensor of the same shape."""
-    with torch.no_grad():
-        host = torch.empty_strided(stand_in.shape, stand_in.stride(), dtype=stand_in.dtype)
-        host.copy_(values)
-    stand_in._channel.push(
-        (
-            protocol.OP_FILL,
-            stand_in._handle.id,
-            host.dtype,
-            tuple(host.shape),
-            tuple(host.stride()),
-            protocol.storage_bytes(host),
-        )
-    )
+    return upload_to(DEVICES.channel(index), tensor)
 
 
 class _Upload(torch.autograd.Function):
