@@ -61,6 +61,8 @@ class Server:
                 strict=True,
             )
         )
+        # torch leaves the index checks of sparse tensors off by default
+        torch.sparse.check_sparse_tensor_invariants.enable()  # type: ignore[no-untyped-call]
         self.memory = DeviceMemory(device_index, memory_bytes)
         self.executor = Executor(self.device, self.memory)
         self.sessions: dict[tuple[str, int], Session] = {}

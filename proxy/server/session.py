@@ -19,6 +19,8 @@ import torch
 from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
 
+from . import operators
+
 _SIOCOUTQ = 0x5411
 
 
@@ -116,6 +118,8 @@ class Session:
         """Operator id -> the torch operator (OpOverload) it stands for."""
         self.operator_names: dict[int, tuple[str, str, str]] = {}
         """Operator id -> (namespace, name, overload), as saved in checkpoints."""
+        self.refused: dict[int, operators.RefusedOperator] = {}
+        """Operator id -> why the server refused to define it."""
         self.held_bytes = 0
         self.peak_bytes = 0
         self.pending_error: list[str] | None = None
@@ -140,16 +144,28 @@ class Session:
             raise ProtocolError(f"handle {handle!r} cannot take a new tensor")
 
     def define(self, op_id: int, namespace: Any, name: Any, overload: Any) -> None:
-        """Let `op_id` stand for the operator namespace::name.overload."""
+        """Let `op_id` stand for the operator namespace::name.overload, if the server serves it.
+
+        A refused operator stays refused under its id: every call names the reason.
+        """
         if not all(type(part) is str for part in (namespace, name, overload)):
             raise ProtocolError("an operator name is three strings")
-        self.operators[op_id] = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+        self.operators.pop(op_id, None)
+        try:
+            self.operators[op_id] = operators.resolve(namespace, name, overload)
+        except operators.RefusedOperator as refused:
+            self.refused[op_id] = refused
+            raise
+        self.refused.pop(op_id, None)
         self.operator_names[op_id] = (namespace, name, overload)
 
     def operator(self, op_id: Any) -> Any:
-        """The operator `op_id` stands for; ProtocolError if it was never defined."""
+        """The operator `op_id` stands for; why not if it was refused or never defined."""
         found = self.operators.get(op_id) if type(op_id) is int else None
         if found is None:
+            refused = self.refused.get(op_id) if type(op_id) is int else None
+            if refused is not None:
+                raise operators.RefusedOperator(*refused.args)
             raise ProtocolError(f"operator {op_id!r} was not defined")
         return found
 
