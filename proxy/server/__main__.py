@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import resource
 import signal
 import socket
 import sys
@@ -36,6 +37,21 @@ def _accept_forever(listener: socket.socket, serve: Callable[[socket.socket], No
         except OSError:
             return
         threading.Thread(target=serve, args=(connection,), daemon=True).start()
+
+
+def bound_host_memory(capacity: int) -> None:
+    """Cap the process's data memory near what a virtual device holds (its memory is the device's).
+
+    A job whose operation asks for far more than the device has then gets an allocation
+    error in its program instead of waking the machine's out-of-memory killer.
+    """
+    status = Path("/proc/self/status").read_text()
+    in_use = next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmData:"))
+    limit = in_use + capacity + max(capacity // 2, 2 << 30)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -70,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     server = Server(
         options.device_index, options.memory_bytes, options.cuda_device, options.name, options.registry
     )
+    if options.cuda_device is None:
+        bound_host_memory(options.memory_bytes)
     control_path = options.control or options.socket + ".ctl"
     control = _listen(control_path)
     os.chmod(control_path, 0o600)

@@ -35,6 +35,7 @@ class ControlHandler:
         for session in sessions:
             if session.connection is not None and not session.parked:
                 session.parked_event.clear()
+                session.park_asked = True
                 session.connection.send(protocol.PARK)
         parked = []
         for session in sessions:
@@ -135,6 +136,7 @@ class ControlHandler:
         for session in self.server.job_sessions(job_id):
             if session.parked and session.connection is not None:
                 session.parked = False
+                session.park_asked = False
                 session.parked_event.clear()
                 session.connection.send(protocol.RESUME)
                 ranks.append(session.rank)

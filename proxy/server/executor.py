@@ -9,6 +9,8 @@ past the device's capacity fails that operation only.
 
 from __future__ import annotations
 
+import math
+import re
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +23,9 @@ from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolErro
 from .session import DeviceMemory, Session
 
 _FACTORIES = frozenset(protocol.SERVER_FACTORIES)
+_HOST_ALLOCATION_FAILED = re.compile(
+    r"DefaultCPUAllocator: can't allocate memory: you tried to allocate (\d+) bytes"
+)
 _NAMES = protocol.torch_names()
 
 
@@ -31,6 +36,31 @@ def template_new_bytes(template: Any) -> list[int]:
     if template[0] in (protocol.TEMPLATE_LIST, protocol.TEMPLATE_TUPLE):
         return [nbytes for item in template[1] for nbytes in template_new_bytes(item)]
     return []
+
+
+def _meta_growth(operator: Any, args: list[Any], kwargs: dict[str, Any]) -> int:
+    """Bytes an operator would allocate, found by running it on meta tensors shaped like the inputs."""
+    real_bytes: dict[int, int] = {}
+
+    def to_meta(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+            real_bytes[meta.untyped_storage()._cdata] = value.untyped_storage().nbytes()
+            return meta
+        if isinstance(value, torch.device):
+            return torch.device("meta")
+        if type(value) is list:
+            return [to_meta(item) for item in value]
+        return value
+
+    output = operator(*[to_meta(a) for a in args], **{k: to_meta(v) for k, v in kwargs.items()})
+    outputs = output if isinstance(output, (list, tuple)) else [output]
+    growth = 0
+    for tensor in outputs:
+        if isinstance(tensor, torch.Tensor):
+            storage = tensor.untyped_storage()
+            growth += max(0, storage.nbytes() - real_bytes.get(storage._cdata, 0))
+    return growth
 
 
 def _operation(op: Any, length: int) -> list[Any]:
@@ -50,14 +80,14 @@ class Executor:
         """Held while anything runs on the device (operations, saves, loads)."""
 
     # -- arguments and outputs --------------------------------------------------------------------
-    def _decode(self, session: Session, arg: Any, inputs: list[torch.Tensor], buffers: Sequence[Any]) -> Any:
+    def _decode(self, session: Session, arg: Any, inputs: list[int], buffers: Sequence[Any]) -> Any:
         """An argument as the operator takes it: handles become the session's tensors."""
         kind = type(arg)
         if kind is dict:
             handle = arg.get(protocol.TAG_HANDLE)
             if handle is not None and len(arg) == 1:
                 tensor = session.tensor(handle)
-                inputs.append(tensor)
+                inputs.append(handle)
                 return tensor
             host = arg.get(protocol.TAG_HOST_TENSOR)
             if host is not None and len(arg) == 1:
@@ -72,7 +102,7 @@ class Executor:
         return arg
 
     def _decode_all(
-        self, session: Session, args: Any, kwargs: Any, inputs: list[torch.Tensor], buffers: Sequence[Any]
+        self, session: Session, args: Any, kwargs: Any, inputs: list[int], buffers: Sequence[Any]
     ) -> tuple[list[Any], dict[str, Any]]:
         """Positional and keyword arguments of an operation, decoded."""
         if type(args) is not list or (kwargs is not None and type(kwargs) is not dict):
@@ -85,14 +115,15 @@ class Executor:
         self,
         session: Session,
         output: Any,
-        inputs: list[torch.Tensor],
+        inputs: list[int],
         next_handle: list[int],
         new_handles: list[int],
     ) -> Any:
         """The output template of `output`, holding its new tensors under the next handles."""
         if isinstance(output, torch.Tensor):
-            for position, tensor in enumerate(inputs):
-                if output is tensor:
+            tensors = session.tensors
+            for position, handle in enumerate(inputs):
+                if output is tensors[handle]:
                     return [protocol.TEMPLATE_ALIAS, position]
             handle = next_handle[0]
             next_handle[0] = handle + 1
@@ -123,10 +154,15 @@ class Executor:
     def _call(self, session: Session, op: list[Any], buffers: Sequence[Any]) -> Any:
         """Run a defined operator ([kind, op_id, first handle, args, kwargs]); its output template."""
         _, op_id, first_handle, args, kwargs = _operation(op, 5)
-        operator = session.operator(op_id)
-        inputs: list[torch.Tensor] = []
+        served = session.operator(op_id)
+        inputs: list[int] = []
         decoded_args, decoded_kwargs = self._decode_all(session, args, kwargs, inputs, buffers)
-        output = operator(*decoded_args, **decoded_kwargs)
+        if served.size_argument is not None:
+            self._check_planned(session, served, decoded_args, decoded_kwargs)
+        try:
+            output = served.operator(*decoded_args, **decoded_kwargs)
+        except RuntimeError as e:
+            raise self._as_out_of_memory(session, e) from None
         new_handles: list[int] = []
         try:
             template = self._template(session, output, inputs, [protocol.integer(first_handle)], new_handles)
@@ -136,7 +172,30 @@ class Executor:
             raise
         if new_handles:
             session.check_capacity(new_handles, sum(template_new_bytes(template)))
+        if served.grows_inputs:
+            growth = sum(session.recount(handle) for handle in set(inputs))
+            if growth > 0:
+                session.check_capacity([], growth)
         return template
+
+    def _as_out_of_memory(self, session: Session, error: RuntimeError) -> RuntimeError:
+        """CUDA's out-of-memory error for a failure of the host allocator (virtual device), else `error`."""
+        found = _HOST_ALLOCATION_FAILED.search(str(error))
+        return self.memory.out_of_memory(session, int(found.group(1))) if found else error
+
+    def _check_planned(self, session: Session, served: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
+        """Refuse, before it allocates, an operator whose `size` argument asks for more than is free."""
+        position = served.size_argument
+        size = args[position] if position < len(args) else kwargs.get("size")
+        if type(size) is not list or not all(type(n) is int for n in size):
+            return
+        if math.prod(size) * 16 <= self.memory.free_bytes():  # 16: the widest element
+            return
+        try:
+            planned = _meta_growth(served.operator, args, kwargs)
+        except Exception:  # no meta kernel: the check after running it will do
+            return
+        session.check_room(planned)
 
     def _allocate(self, session: Session, handle: Any, dtype: Any, shape: Any, stride: Any) -> torch.Tensor:
         """A new uninitialised tensor under a fresh handle, refused before allocating if it does not fit."""
@@ -164,11 +223,16 @@ class Executor:
         elif kind == protocol.OP_DEFINE:
             _, op_id, namespace, name, overload = _operation(op, 5)
             session.define(protocol.integer(op_id), namespace, name, overload)
-        elif kind == protocol.OP_UPLOAD or kind == protocol.OP_ALLOCATE:
-            _, handle, dtype, shape, stride, *data = _operation(op, 6 if kind == protocol.OP_UPLOAD else 5)
-            tensor = self._allocate(session, handle, dtype, shape, stride)
-            if data:
-                self._write(tensor, 0, protocol.buffer_at(buffers, data[0]))
+        elif kind == protocol.OP_UPLOAD:
+            _, handle, dtype, shape, stride, index = _operation(op, 6)
+            data = protocol.buffer_at(buffers, index)
+            found, sizes, steps = protocol.check_layout(dtype, shape, stride, data.nbytes)
+            if protocol.storage_extent(sizes, steps) * found.itemsize != data.nbytes:
+                raise ProtocolError(f"{data.nbytes} bytes are not the storage of a {sizes} {dtype} tensor")
+            self._write(self._allocate(session, handle, dtype, shape, stride), 0, data)
+        elif kind == protocol.OP_ALLOCATE:
+            _, handle, dtype, shape, stride = _operation(op, 5)
+            self._allocate(session, handle, dtype, shape, stride)
         elif kind == protocol.OP_WRITE:
             _, handle, offset, index = _operation(op, 4)
             self._write(session.tensor(handle), protocol.integer(offset), protocol.buffer_at(buffers, index))

@@ -19,6 +19,7 @@ The last three rules refuse by default what torch adds in a new release; the tes
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -216,3 +217,28 @@ def resolve(namespace: str, name: str, overload: str) -> Any:
     if not isinstance(operator, torch._ops.OpOverload) or operator._name != full:
         raise RefusedOperator(f"proxy: {full} does not name one operator")
     return operator
+
+
+@dataclass(frozen=True)
+class Served:
+    """A served operator and what the executor must check around it."""
+
+    operator: Any
+    size_argument: int | None
+    """Position of a `size` argument that sets how much the operator allocates (None: none)."""
+    grows_inputs: bool
+    """Whether it may enlarge a tensor it was given (out= arguments, resize_, set_)."""
+
+
+def serve(namespace: str, name: str, overload: str) -> Served:
+    """The operator with its checks, if it is served; RefusedOperator if not."""
+    operator = resolve(namespace, name, overload)
+    arguments = operator._schema.arguments
+    size_argument = next(
+        (i for i, a in enumerate(arguments) if a.name == "size" and str(a.type) == "List[int]"), None
+    )
+    written = [a for a in arguments if a.alias_info is not None and a.alias_info.is_write]
+    grows = bool(written) and (
+        name in ("resize_", "resize_as_", "set_") or any(a.name == "out" for a in written)
+    )
+    return Served(operator, size_argument, grows)

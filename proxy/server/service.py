@@ -195,6 +195,8 @@ class Server:
                     raise ProtocolError("a batch message is [operations]")
                 self.executor.run_batch(session, body[0], None, frame.buffers)
             elif frame.kind == protocol.PARKED:
+                if not session.park_asked:
+                    raise ProtocolError("PARKED without a PARK")
                 body = frame.decode()
                 session.waiting = type(body) is list and body == [True]
                 session.parked = True

@@ -111,11 +111,11 @@ class Session:
         self.memory = memory
         self.tensors: dict[int, torch.Tensor] = {}
         self.storage_of: dict[int, int] = {}
-        """Handle -> address of its storage."""
+        """Handle -> identity of its storage (views share their base's)."""
         self.storages: dict[int, list[int]] = {}
-        """Storage address -> [bytes, number of handles using it]."""
-        self.operators: dict[int, Any] = {}
-        """Operator id -> the torch operator (OpOverload) it stands for."""
+        """Storage identity -> [bytes, number of handles using it]."""
+        self.operators: dict[int, operators.Served] = {}
+        """Operator id -> the served operator it stands for."""
         self.operator_names: dict[int, tuple[str, str, str]] = {}
         """Operator id -> (namespace, name, overload), as saved in checkpoints."""
         self.refused: dict[int, operators.RefusedOperator] = {}
@@ -125,6 +125,8 @@ class Session:
         self.pending_error: list[str] | None = None
         """The first failure of an operation since the last answer, reported at the next request."""
         self.connection: Connection | None = None
+        self.park_asked = False
+        """Whether the daemon asked the process to park (only then is PARKED taken)."""
         self.parked = False
         self.waiting = False
         """Whether the process was waiting for an answer when it parked."""
@@ -152,14 +154,14 @@ class Session:
             raise ProtocolError("an operator name is three strings")
         self.operators.pop(op_id, None)
         try:
-            self.operators[op_id] = operators.resolve(namespace, name, overload)
+            self.operators[op_id] = operators.serve(namespace, name, overload)
         except operators.RefusedOperator as refused:
             self.refused[op_id] = refused
             raise
         self.refused.pop(op_id, None)
         self.operator_names[op_id] = (namespace, name, overload)
 
-    def operator(self, op_id: Any) -> Any:
+    def operator(self, op_id: Any) -> operators.Served:
         """The operator `op_id` stands for; why not if it was refused or never defined."""
         found = self.operators.get(op_id) if type(op_id) is int else None
         if found is None:
@@ -190,30 +192,42 @@ class Session:
     def add(self, handle: int, tensor: torch.Tensor) -> int:
         """Hold `tensor` under `handle`; the bytes of new storage this takes."""
         storage = tensor.untyped_storage()
-        address = storage.data_ptr()
+        key = storage._cdata  # the storage itself: stays the same when it is resized
         self.tensors[handle] = tensor
-        self.storage_of[handle] = address
-        entry = self.storages.get(address)
+        self.storage_of[handle] = key
+        entry = self.storages.get(key)
         if entry is not None:
             entry[1] += 1
             return 0
         nbytes = storage.nbytes()
-        self.storages[address] = [nbytes, 1]
+        self.storages[key] = [nbytes, 1]
         self.held_bytes += nbytes
         self.memory.used += nbytes
         if self.held_bytes > self.peak_bytes:
             self.peak_bytes = self.held_bytes
         return nbytes
 
+    def recount(self, handle: int) -> int:
+        """Count a tensor's storage again after an operation that may have resized it; the growth."""
+        entry = self.storages[self.storage_of[handle]]
+        nbytes = self.tensors[handle].untyped_storage().nbytes()
+        growth = nbytes - entry[0]
+        if growth:
+            entry[0] = nbytes
+            self.held_bytes += growth
+            self.memory.used += growth
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        return growth
+
     def free(self, handle: int) -> None:
         """Drop the tensor under `handle` (its storage when no other handle uses it)."""
         if self.tensors.pop(handle, None) is None:
             return
-        address = self.storage_of.pop(handle)
-        entry = self.storages[address]
+        key = self.storage_of.pop(handle)
+        entry = self.storages[key]
         entry[1] -= 1
         if entry[1] == 0:
-            del self.storages[address]
+            del self.storages[key]
             self.held_bytes -= entry[0]
             self.memory.used -= entry[0]
 
