@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -175,7 +176,7 @@ def test_hostile_stream_leaves_another_job_byte_identical(shared_server: ProxySe
     session = RawSession(shared_server.socket, "after-fuzz")
     try:
         assert session.hello().kind == protocol.WELCOME
-        session.upload(1, __import__("torch").arange(3.0))
+        session.upload(1, torch.arange(3.0))
         assert values(session.fetch(1)).tolist() == [0.0, 1.0, 2.0]
     finally:
         session.close()
