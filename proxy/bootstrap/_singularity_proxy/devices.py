@@ -38,16 +38,16 @@ class DeviceTable:
 
     def channel(self, index: int | None = None) -> Channel:
         """The connection to device `index` (default: the current one), opened on first use."""
-        i = self.current if index is None else index
-        if i < 0 or i >= len(self.paths):
+        chosen = self.current if index is None else index
+        if chosen < 0 or chosen >= len(self.paths):
             raise RuntimeError(INVALID_ORDINAL)
-        channel = self.channels[i]
+        channel = self.channels[chosen]
         if channel is None:
             with self.lock:
-                channel = self.channels[i]
+                channel = self.channels[chosen]
                 if channel is None:
-                    channel = Channel(self.paths[i], i, self.job_id, self.rank)
-                    self.channels[i] = channel
+                    channel = Channel(self.paths[chosen], chosen, self.job_id, self.rank)
+                    self.channels[chosen] = channel
         self.initialized = True
         return channel
 
