@@ -1,10 +1,14 @@
 """Device proxy benchmark: per-op client cost, whole-run ratio proxied/direct, checkpoint size.
 
-Run: .venv/bin/python bench/bench_proxy.py   (one intra-op thread everywhere; virtual device)
+Run: .venv/bin/python bench/bench_proxy.py [--baseline REV]   (one intra-op thread everywhere;
+virtual device). With --baseline, the proxy (server and in-job client) of git revision REV is
+measured side by side with this tree's, each measure taken for both one after the other in the
+same run, so that the columns compare under the same machine load.
 """
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import tempfile
@@ -70,66 +74,103 @@ print("ready", flush=True)
 sys.stdin.readline()
 """
 
+RUNS = (
+    ("ms-scale ops (MLP 1024 wide, batch 1024)", ["1024", "1024", "30"]),
+    ("small ops (MLP 64 wide, batch 32)", ["64", "32", "300"]),
+)
 
-def _env(sock: Path | None) -> dict[str, str]:
-    """A job process's environment: plain CPU, or proxied through the server at `sock`."""
-    return base_env() if sock is None else proxy_env([sock], "bench")
+
+class Proxied:
+    """One proxy under test: a source tree and the server started from it."""
+
+    def __init__(self, label: str, tree: Path, directory: Path) -> None:
+        self.label = label
+        self.tree = tree
+        self.server = start_server(directory, f"dev-{label}", memory_bytes=8 << 30, tree=tree)
+
+    def env(self) -> dict[str, str]:
+        """A job process's environment on this proxy."""
+        return proxy_env([self.server.socket], "bench", tree=self.tree)
 
 
-def _run(code: str, args: list[str], sock: Path | None) -> str:
+def _run(code: str, args: list[str], env: dict[str, str]) -> str:
     r = subprocess.run(
-        [PY, "-c", code, *args], env=_env(sock), capture_output=True, text=True, timeout=600, check=True
+        [PY, "-c", code, *args], env=env, capture_output=True, text=True, timeout=600, check=True
     )
     return r.stdout.strip()
 
 
-def main() -> None:
+def _checkpoint_ratio(proxy: Proxied, directory: Path) -> str:
+    """Bytes a checkpoint of a small Adam-trained model writes per live tensor byte."""
+    job = subprocess.Popen(
+        [PY, "-c", CKPT], env=proxy.env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert job.stdout is not None and job.stdin is not None
+    job.stdout.readline()
+    with ProxyControl(proxy.server.control) as ctl:
+        ctl.quiesce("bench")
+        rep = ctl.save("bench", directory / "ckpt")
+        ctl.resume("bench")
+    job.stdin.write("\n")
+    job.stdin.close()
+    job.wait()
+    return f"{rep['file_bytes'] / rep['live_bytes']:.4f} ({rep['file_bytes']} / {rep['live_bytes']})"
+
+
+def _export(revision: str, directory: Path) -> Path:
+    """A copy of the source tree at a git revision."""
+    tree = directory / "baseline"
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", revision], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    return tree
+
+
+def measure(proxies: list[Proxied], directory: Path) -> list[tuple[str, list[str]]]:
+    """The benchmark rows: one value per proxy, measured one after the other."""
+    rows: list[tuple[str, list[str]]] = []
+    per_op = [_run(PER_OP, [], p.env()).split() for p in proxies]
+    rows.append(("client cost per op, add/relu 64x64 (median)", [f"{float(m):.1f} us" for m, _ in per_op]))
+    rows.append(("client cost per op, add/relu 64x64 (p99)", [f"{float(p):.1f} us" for _, p in per_op]))
+    for label, args in RUNS:
+        direct = min(float(_run(TRAIN, args, base_env())) for _ in range(2))
+        values = []
+        for p in proxies:
+            proxied = min(float(_run(TRAIN, args, p.env())) for _ in range(2))
+            values.append(f"{proxied / direct:.3f} ({proxied:.2f} s / {direct:.2f} s)")
+        rows.append((f"run time proxied/direct, {label}", values))
+    # the control protocol is this tree's, so the checkpoint is measured on this tree only
+    rows.append(
+        (
+            "checkpoint file bytes / live tensor bytes",
+            ["-"] * (len(proxies) - 1) + [_checkpoint_ratio(proxies[-1], directory)],
+        )
+    )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
     """Print the benchmark table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--baseline", help="git revision whose proxy is measured side by side with this tree's"
+    )
+    options = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as d:
-        server = start_server(Path(d), "dev0", memory_bytes=8 << 30)
-        sock = server.socket
+        directory = Path(d)
+        proxies: list[Proxied] = []
         try:
-            rows: list[tuple[str, str]] = []
-            med, p99 = _run(PER_OP, [], sock).split()
-            rows.append(("client cost per op, add/relu 64x64 (median)", f"{float(med):.1f} us"))
-            rows.append(("client cost per op, add/relu 64x64 (p99)", f"{float(p99):.1f} us"))
-            for label, args in (
-                ("ms-scale ops (MLP 1024 wide, batch 1024)", ["1024", "1024", "30"]),
-                ("small ops (MLP 64 wide, batch 32)", ["64", "32", "300"]),
-            ):
-                direct = min(float(_run(TRAIN, args, None)) for _ in range(2))
-                proxied = min(float(_run(TRAIN, args, sock)) for _ in range(2))
-                rows.append(
-                    (
-                        f"run time proxied/direct, {label}",
-                        f"{proxied / direct:.3f} ({proxied:.2f} s / {direct:.2f} s)",
-                    )
-                )
-            job = subprocess.Popen(
-                [PY, "-c", CKPT], env=_env(sock), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-            )
-            assert job.stdout is not None and job.stdin is not None
-            job.stdout.readline()
-            with ProxyControl(server.control) as ctl:
-                ctl.quiesce("bench")
-                rep = ctl.save("bench", Path(d) / "ckpt")
-                ctl.resume("bench")
-            job.stdin.write("\n")
-            job.stdin.close()
-            job.wait()
-            rows.append(
-                (
-                    "checkpoint file bytes / live tensor bytes",
-                    f"{rep['file_bytes'] / rep['live_bytes']:.4f} "
-                    f"({rep['file_bytes']} / {rep['live_bytes']})",
-                )
-            )
+            if options.baseline:
+                proxies.append(Proxied(options.baseline, _export(options.baseline, directory), directory))
+            proxies.append(Proxied("this tree", REPO, directory))
+            rows = measure(proxies, directory)
         finally:
-            stop_server(server)
-    w = max(len(r[0]) for r in rows)
-    print(f"{'measure':<{w}}  value")
-    for name, value in rows:
-        print(f"{name:<{w}}  {value}")
+            for p in proxies:
+                stop_server(p.server)
+    header = ["measure", *(p.label for p in proxies)]
+    widths = [max(len(header[i]), *(len(([r[0], *r[1]])[i]) for r in rows)) for i in range(len(header))]
+    for line in [header, *([r[0], *r[1]] for r in rows)]:
+        print("  ".join(f"{cell:<{w}}" for cell, w in zip(line, widths, strict=True)).rstrip())
 
 
 if __name__ == "__main__":

@@ -27,10 +27,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from singularity.proxy.bootstrap._singularity_proxy import wire
-
-FD_BASE = 1000
-"""A job process keeps its connection to device i at file descriptor FD_BASE + i."""
+from singularity.proxy.bootstrap._singularity_proxy import protocol
+from singularity.proxy.bootstrap._singularity_proxy.protocol import FD_BASE, FD_SPAN
 
 
 class ControlError(RuntimeError):
@@ -60,12 +58,14 @@ class ProxyControl:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, *req: Any) -> Any:
-        wire.send_msg(self._sock, req)
-        reply = wire.recv_msg(self._sock)
-        if reply[0] != "ok":
-            raise ControlError(f"{reply[1]}: {reply[2]}")
-        return reply[1]
+    def _call(self, *request: Any) -> Any:
+        """Send one request; its result, or ControlError with the server's failure."""
+        protocol.send_message(self._sock, protocol.CONTROL_REQUEST, list(request))
+        reply = protocol.recv_frame(self._sock)
+        if reply.kind != protocol.CONTROL_OK:
+            kind, message = reply.value()
+            raise ControlError(f"{kind}: {message}")
+        return reply.value()
 
     def quiesce(self, job_id: str, timeout: float = 60.0) -> list[int]:
         """Stop every process of the job at an operation boundary; the ranks stopped.
@@ -105,7 +105,7 @@ def client_sockets(pid: int) -> dict[int, tuple[int, int]]:
     fd_dir = Path(f"/proc/{pid}/fd")
     for entry in fd_dir.iterdir():
         fd = int(entry.name)
-        if fd < FD_BASE or fd >= FD_BASE + 256:
+        if fd < FD_BASE or fd >= FD_BASE + FD_SPAN:
             continue
         try:
             target = os.readlink(entry)
@@ -133,21 +133,21 @@ def open_restored_connection(
     to the job's loaded state; the returned socket is inheritable, ready to be passed to
     `criu restore --inherit-fd`.
     """
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(timeout)
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    connection.settimeout(timeout)
     try:
-        s.connect(os.fspath(socket_path))
-        wire.send_msg(s, (wire.HELLO, job_id, rank, device_index, True))
-        msg = wire.recv_msg(s)
+        connection.connect(os.fspath(socket_path))
+        protocol.send_message(connection, protocol.HELLO, [job_id, rank, device_index, True])
+        welcome = protocol.recv_frame(connection)
     except BaseException:
-        s.close()
+        connection.close()
         raise
-    if msg[0] != wire.WELCOME:
-        s.close()
-        raise ControlError(str(msg[3]) if len(msg) > 3 else str(msg))
-    s.settimeout(None)  # the restored process expects a blocking socket
-    s.set_inheritable(True)
-    return s
+    if welcome.kind != protocol.WELCOME:
+        connection.close()
+        raise ControlError(str(welcome.value()[-1]))
+    connection.settimeout(None)  # the restored process expects a blocking socket
+    connection.set_inheritable(True)
+    return connection
 
 
 def criu_restore_args(

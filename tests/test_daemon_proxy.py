@@ -137,11 +137,11 @@ def test_proxy_servers_survive_a_daemon_restart(daemon_root: Path) -> None:
 
 ATTACK = """
 import socket, sys
-from _singularity_proxy import wire
+from _singularity_proxy import protocol
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect(sys.argv[1])
-wire.send_msg(s, (wire.HELLO, sys.argv[2], 0, 0, False))
-print(wire.recv_msg(s))
+protocol.send_message(s, protocol.HELLO, [sys.argv[2], 0, 0, False])
+print(protocol.recv_frame(s).value())
 """
 
 

@@ -36,10 +36,12 @@ def base_env() -> dict[str, str]:
     return env
 
 
-def proxy_env(sockets: Sequence[Path], job_id: str = "job", rank: int = 0) -> dict[str, str]:
-    """Environment the daemon gives a job process on proxied devices."""
+def proxy_env(
+    sockets: Sequence[Path], job_id: str = "job", rank: int = 0, tree: Path = REPO
+) -> dict[str, str]:
+    """Environment the daemon gives a job process on proxied devices (client from source `tree`)."""
     env = base_env()
-    env["PYTHONPATH"] = str(bootstrap_path())
+    env["PYTHONPATH"] = str(bootstrap_path() if tree == REPO else tree / "proxy" / "bootstrap")
     env["SING_PROXY_SOCKETS"] = ",".join(str(s) for s in sockets)
     env["SING_JOB_ID"] = job_id
     env["RANK"] = str(rank)
@@ -49,9 +51,17 @@ def proxy_env(sockets: Sequence[Path], job_id: str = "job", rank: int = 0) -> di
 
 
 def start_server(
-    directory: Path, name: str, memory_bytes: int = 1 << 30, index: int = 0, cuda_device: int | None = None
+    directory: Path,
+    name: str,
+    memory_bytes: int = 1 << 30,
+    index: int = 0,
+    cuda_device: int | None = None,
+    tree: Path = REPO,
 ) -> ProxyServer:
-    """Start `python -m singularity.proxy.server` (on GPU `cuda_device` if given); wait until it listens."""
+    """Start `python -m singularity.proxy.server` (on GPU `cuda_device` if given); wait until it listens.
+
+    `tree` is the source tree whose server runs (another checkout for side-by-side benchmarks).
+    """
     sock = directory / f"{name}.sock"
     command = [
         PYTHON, "-m", "singularity.proxy.server", "--socket", str(sock), "--device-index", str(index),
@@ -62,7 +72,7 @@ def start_server(
     proc = subprocess.Popen(
         command,
         env=base_env(),
-        cwd=REPO,
+        cwd=tree,
         stdin=subprocess.DEVNULL,
     )
     ctl = Path(str(sock) + ".ctl")

@@ -110,3 +110,12 @@ def test_api_surface_and_portable_save(server: ProxyServer, tmp_path: Path) -> N
         "[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]] Parameter ['bias', 'weight']",
         "True",
     ]
+
+
+def test_transfers_larger_than_a_frame_match_direct_run(server: ProxyServer) -> None:
+    direct = run_program(["probe_large.py", "cpu"], base_env())
+    proxied = run_program(["probe_large.py", "cuda"], proxy_env([server.socket], "large"))
+    assert direct.returncode == 0, direct.stderr
+    assert proxied.returncode == 0, proxied.stderr
+    assert "download" in direct.stdout and "True" in direct.stdout
+    assert proxied.stdout == direct.stdout

@@ -1,10 +1,23 @@
-"""The in-job client of the singularity device proxy (standard library and torch only)."""
+"""The in-job client of the singularity device proxy (standard library and torch only).
+
+It makes torch in a job process see the devices the daemon gave it (SING_PROXY_SOCKETS) as
+cuda:0..n-1; every operation on them runs in the device's proxy server. Modules, bottom up:
+protocol (what both sides agree on), channel (connection, batching, parking), devices (the
+process's devices), tensor (stand-ins and dispatch), transfers, randomness, mode (the
+torch-function mode: placement, factories, device-mix checks), cuda_surface (torch.cuda and
+torch.accelerator) and serialization (torch.save / torch.load). See docs/proxy.md.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from typing import Any
 
 ENV_SOCKETS = "SING_PROXY_SOCKETS"
+
+_installed: list[Any] = []
+"""The global torch-function mode, once the client is installed."""
 
 
 def activate() -> bool:
@@ -12,13 +25,33 @@ def activate() -> bool:
     sockets = os.environ.get(ENV_SOCKETS, "")
     if not sockets:
         return False
-    from . import patches
-
-    if patches._installed:
+    if _installed:
         return True
     paths = [p for p in sockets.split(",") if p]
     rank = int(os.environ.get("RANK", "0") or 0)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
     job_id = os.environ.get("SING_JOB_ID", "") or f"pid-{os.getpid()}"
-    patches.install(paths, job_id, rank, local_rank)
+    install(paths, job_id, rank)
     return True
+
+
+def install(paths: Sequence[str], job_id: str, rank: int) -> None:
+    """Install the client: the devices, the torch patches and the global mode."""
+    import torch
+
+    from . import cuda_surface, serialization, tensor
+    from .devices import DEVICES
+    from .mode import DeviceMode
+    from .randomness import RANDOM_OPS
+    from .transfers import TRANSFER_OPS
+
+    DEVICES.configure(list(paths), job_id, rank)
+    tensor.special_ops.update(RANDOM_OPS)
+    tensor.special_ops.update(TRANSFER_OPS)
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    cuda_surface.patch_cuda()
+    cuda_surface.patch_accelerator()
+    cuda_surface.patch_autocast()
+    serialization.install()
+    mode = DeviceMode()
+    mode.__enter__()  # type: ignore[no-untyped-call,unused-ignore]
+    _installed.append(mode)

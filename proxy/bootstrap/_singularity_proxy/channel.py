@@ -1,0 +1,201 @@
+"""The connection of a job process to the proxy server of one device.
+
+Operations are queued and sent in batches without waiting; only a request (a value the
+program reads, an output template the client has not seen yet, a sync) waits for the
+server's answer. A reader thread takes every message the server sends: answers go to the
+one waiting request, PARK stops the process at an operation boundary until RESUME.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+from typing import Any
+
+import torch
+
+from . import protocol
+
+BATCH_OPS = 64
+"""Queued operations are sent once this many are waiting (or at the next request)."""
+
+
+class ProxyConnectionError(RuntimeError):
+    """The connection of this process to a proxy server failed or was refused."""
+
+
+class Channel:
+    """The connection of this process to the proxy server of one device."""
+
+    def __init__(self, path: str, index: int, job_id: str, rank: int) -> None:
+        self.index = index
+        self.device = torch.device("cuda", index)
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        connection.connect(path)
+        fd = protocol.FD_BASE + index
+        os.dup2(connection.fileno(), fd, inheritable=False)
+        connection.close()
+        self.sock = socket.socket(fileno=fd)
+        self.send_lock = threading.Lock()
+        """Held while a message is being written, and for the whole of a park."""
+        self.request_lock = threading.Lock()
+        """Held by the one thread waiting for an answer."""
+        self.pending: list[list[Any]] = []
+        """Operations queued and not yet sent (JSON-ready, see protocol.OP_*)."""
+        self.pending_buffers: list[Any] = []
+        """Buffers the queued operations refer to, by position."""
+        self.pending_buffer_bytes = 0
+        self.freed: list[int] = []
+        """Handles of stand-ins that died since the last send (appended from __del__)."""
+        self.next_handle = 1
+        self.op_ids: dict[Any, int] = {}
+        """The id each operator was defined under on the server."""
+        self.templates: dict[Any, tuple[Any, int, int]] = {}
+        """Output template, new tensor count and new bytes, per operation signature."""
+        self._answer: protocol.Frame | None = None
+        self._answered = threading.Event()
+        self._failure: BaseException | None = None
+        protocol.send_message(self.sock, protocol.HELLO, [job_id, rank, index, False])
+        welcome = protocol.recv_frame(self.sock)
+        if welcome.kind != protocol.WELCOME:
+            raise ProxyConnectionError(str(welcome.value()[-1]))
+        self.info: dict[str, Any] = welcome.value()
+        self.sync_bytes = max(1 << 20, int(self.info["total_memory"]) // 64)
+        """Transfers and allocations this large wait for the server (out of memory shows at the call)."""
+        reader = threading.Thread(target=self._read, name=f"sing-proxy-{index}", daemon=True)
+        reader.start()
+
+    # -- reader thread ----------------------------------------------------------------------------
+    def _deliver(self, frame: protocol.Frame) -> None:
+        """Hand the answer to the waiting request, or end the connection on GOODBYE."""
+        if frame.kind == protocol.GOODBYE:
+            _module, qualname, message = frame.value()
+            raise ProxyConnectionError(f"{qualname}: {message}")
+        self._answer = frame
+        self._answered.set()
+
+    def _read(self) -> None:
+        """Take every message the server sends until the connection ends."""
+        try:
+            while True:
+                frame = protocol.recv_frame(self.sock)
+                if frame.kind == protocol.PARK:
+                    self._park()
+                else:
+                    self._deliver(frame)
+        except BaseException as e:  # the server went away: wake any waiter with an error
+            self._failure = e
+            self._answered.set()
+
+    def _park(self) -> None:
+        """Stop at an operation boundary: no message is half sent while parked."""
+        with self.send_lock:
+            protocol.send_frame(self.sock, protocol.PARKED, [self.request_lock.locked()])
+            while True:
+                frame = protocol.recv_frame(self.sock)
+                if frame.kind == protocol.RESUME:
+                    return
+                if frame.kind != protocol.PARK:
+                    self._deliver(frame)
+
+    # -- sending ----------------------------------------------------------------------------------
+    def _gone(self) -> ProxyConnectionError:
+        return ProxyConnectionError(f"proxy server for cuda:{self.index} is gone: {self._failure}")
+
+    def push(self, op: list[Any]) -> None:
+        """Queue one operation; send the queue when it is long enough."""
+        pending = self.pending
+        pending.append(op)
+        if len(pending) >= BATCH_OPS:
+            self.flush()
+
+    def attach(self, buffers: list[Any]) -> int:
+        """Queue the buffers of the next operation pushed; the frame index of the first.
+
+        The queue is sent first when they would take the frame past CHUNK_BYTES of buffers
+        or MAX_BUFFERS, so that no frame exceeds what a server accepts.
+        """
+        size = sum(memoryview(buffer).nbytes for buffer in buffers)
+        if size > protocol.CHUNK_BYTES or len(buffers) > protocol.MAX_BUFFERS:
+            raise ValueError(f"proxy: {size} bytes in {len(buffers)} buffers are too many for one frame")
+        if (
+            self.pending_buffer_bytes + size > protocol.CHUNK_BYTES
+            or len(self.pending_buffers) + len(buffers) > protocol.MAX_BUFFERS
+        ):
+            self.flush()
+        first = len(self.pending_buffers)
+        self.pending_buffers += buffers
+        self.pending_buffer_bytes += size
+        return first
+
+    def _take(self) -> tuple[list[list[Any]], list[Any]]:
+        """Everything queued (with the frees last) and its buffers, emptying the queue."""
+        ops, buffers = self.pending, self.pending_buffers
+        self.pending, self.pending_buffers, self.pending_buffer_bytes = [], [], 0
+        if self.freed:
+            freed = self.freed
+            self.freed = []
+            ops.append([protocol.OP_FREE, freed])
+        return ops, buffers
+
+    def flush(self) -> None:
+        """Send every queued operation without waiting for it to run."""
+        if self._failure is not None:
+            raise self._gone()
+        with self.send_lock:
+            ops, buffers = self._take()
+            if ops:
+                protocol.send_frame(self.sock, protocol.BATCH, [ops], buffers)
+
+    def request(self, request: list[Any]) -> Any:
+        """Send the queue and one request, wait for its answer, raise what the server raised."""
+        with self.request_lock:
+            if self._failure is not None:
+                raise self._gone()
+            self._answered.clear()
+            with self.send_lock:
+                ops, buffers = self._take()
+                protocol.send_frame(self.sock, protocol.REQUEST, [ops, request], buffers)
+            self._answered.wait()
+            answer = self._answer
+            self._answer = None
+            if answer is None:
+                raise self._gone()
+        if answer.kind == protocol.ERROR:
+            raise rebuild_error(*answer.value())
+        return answer.value()
+
+    def op_id(self, func: Any) -> int:
+        """The id of an operator on the server, defining it there on first use."""
+        op_id = self.op_ids.get(func)
+        if op_id is None:
+            op_id = len(self.op_ids) + 1
+            self.op_ids[func] = op_id
+            self.pending.append([protocol.OP_DEFINE, op_id, func.namespace, func._opname, func._overloadname])
+        return op_id
+
+    def new_handle(self, count: int = 1) -> int:
+        """The first of `count` fresh tensor handles."""
+        first = self.next_handle
+        self.next_handle = first + count
+        return first
+
+
+def rebuild_error(module: str, qualname: str, message: str) -> BaseException:
+    """The exception the server raised, with the same type (when importable) and message."""
+    found: Any = sys.modules.get(module)
+    if found is None:
+        try:
+            found = __import__(module, fromlist=["_"])
+        except Exception:
+            found = None
+    for part in qualname.split("."):
+        found = getattr(found, part, None) if found is not None else None
+    if isinstance(found, type) and issubclass(found, BaseException):
+        try:
+            return found(message)
+        except Exception:
+            pass
+    return RuntimeError(message)

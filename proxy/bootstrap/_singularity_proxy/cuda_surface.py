@@ -1,0 +1,315 @@
+# mypy: disable-error-code="no-untyped-call,unused-ignore"
+"""What `torch.cuda` and `torch.accelerator` answer in a job on proxied devices.
+
+Device count, properties, memory figures, streams, events and synchronisation are answered
+from the proxy servers; seeding and RNG state are no-ops (random numbers are drawn on the
+host, see randomness.py); `autocast("cuda")` also casts stand-ins, whose C++ device is the host.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import types
+from typing import Any
+
+import torch
+
+from . import protocol
+from .devices import DEVICES, device_index, memory_query, synchronize
+
+
+class _DeviceProperties:
+    """What torch.cuda.get_device_properties reports for a proxied device."""
+
+    def __init__(self, info: dict[str, Any]) -> None:
+        self.name: str = info["name"]
+        self.total_memory: int = int(info["total_memory"])
+        self.major: int = int(info.get("major", 8))
+        self.minor: int = int(info.get("minor", 0))
+        self.multi_processor_count: int = int(info.get("multi_processor_count", 1))
+        self.is_integrated = 0
+        self.is_multi_gpu_board = 0
+        self.L2_cache_size = int(info.get("L2_cache_size", 0))
+        self.uuid = info.get("uuid", "")
+        self.gcnArchName = "NVIDIA CUDA"
+        self.warp_size = 32
+        self.max_threads_per_multi_processor = 2048
+
+    def __repr__(self) -> str:
+        return (
+            f"_CudaDeviceProperties(name='{self.name}', major={self.major}, "
+            f"minor={self.minor}, total_memory={self.total_memory // (1 << 20)}MB, "
+            f"multi_processor_count={self.multi_processor_count}, uuid={self.uuid}, "
+            f"L2_cache_size={self.L2_cache_size // (1 << 20)}MB)"
+        )
+
+
+class Stream:
+    """A cuda stream as far as a program can observe it: work on it runs in order."""
+
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+        self.device = torch.device("cuda", device_index(device))
+        self.device_index = self.device.index
+        self.device_type = 1
+        self.priority = priority
+        self.cuda_stream = 0
+        self.stream_id = 0
+
+    def synchronize(self) -> None:
+        synchronize(self.device.index)
+
+    def query(self) -> bool:
+        synchronize(self.device.index)
+        return True
+
+    def is_capturing(self) -> bool:
+        return False
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> Event:
+        recorded = event if event is not None else Event()
+        recorded.record(self)
+        return recorded
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class Event:
+    """A cuda event: recording it waits for the device, so timings are real."""
+
+    def __init__(
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
+    ) -> None:
+        self._recorded_at: float | None = None
+        self._device: int | None = None
+
+    def record(self, stream: Any = None) -> None:
+        self._device = stream.device.index if stream is not None else DEVICES.current
+        synchronize(self._device)
+        self._recorded_at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        if self._device is not None:
+            synchronize(self._device)
+
+    def query(self) -> bool:
+        self.synchronize()
+        return True
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def elapsed_time(self, end_event: Event) -> float:
+        if self._recorded_at is None or end_event._recorded_at is None:
+            raise RuntimeError(
+                "CUDA error: device not ready\nBoth events must be recorded before calculating elapsed time."
+            )
+        return (end_event._recorded_at - self._recorded_at) * 1000.0
+
+
+_STREAMS: dict[int, Stream] = {}
+
+
+def _stream(device: Any = None) -> Stream:
+    """The one stream of a device (current and default alike)."""
+    index = device_index(device)
+    stream = _STREAMS.get(index)
+    if stream is None:
+        stream = _STREAMS[index] = Stream(index)
+    return stream
+
+
+class _StreamContext:
+    """`with torch.cuda.stream(s)`: work runs in order whatever the stream."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def __enter__(self) -> Any:
+        return self.stream
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class _DeviceContext:
+    """torch.cuda.device(i) / torch.accelerator.device_index(i)."""
+
+    def __init__(self, device: Any) -> None:
+        self.index = -1 if device is None else device_index(device)
+        self.previous = -1
+
+    def __enter__(self) -> None:
+        self.previous = DEVICES.current
+        if self.index >= 0:
+            DEVICES.current = self.index
+
+    def __exit__(self, *exc: object) -> None:
+        DEVICES.current = self.previous
+
+
+def _set_device(device: Any) -> None:
+    """Select a device (connecting to it)."""
+    index = device_index(device)
+    if index >= 0:
+        DEVICES.channel(index)
+        DEVICES.current = index
+
+
+def _init() -> None:
+    DEVICES.initialized = True
+
+
+def _no_op(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _fresh(func: Any) -> Any:
+    """A distinct function object per patched name (torch._dynamo maps objects to names)."""
+    if isinstance(func, type):
+        return type(func.__name__, (func,), {})
+    if isinstance(func, types.FunctionType):
+        code, defaults, closure = func.__code__, func.__defaults__, func.__closure__
+        copy = types.FunctionType(code, func.__globals__, func.__name__, defaults, closure)
+        copy.__kwdefaults__ = func.__kwdefaults__
+        return copy
+    return func
+
+
+def patch_cuda() -> None:
+    """Make torch.cuda describe the proxied devices."""
+    cuda = torch.cuda
+    count = len(DEVICES.paths)
+    info = lambda device=None: DEVICES.channel(device_index(device)).info  # noqa: E731
+    funcs: dict[str, Any] = {
+        "is_available": lambda: True,
+        "device_count": lambda: count,
+        "current_device": lambda: DEVICES.current,
+        "set_device": _set_device,
+        "synchronize": lambda device=None: synchronize(None if device is None else device_index(device)),
+        "init": _init,
+        "_lazy_init": _init,
+        "is_initialized": lambda: DEVICES.initialized,
+        "_is_in_bad_fork": lambda: False,
+        "get_device_name": lambda device=None: info(device)["name"],
+        "get_device_properties": lambda device=None: _DeviceProperties(info(device)),
+        "get_device_capability": lambda device=None: (
+            int(info(device).get("major", 8)),
+            int(info(device).get("minor", 0)),
+        ),
+        "get_arch_list": lambda: ["sm_80", "sm_90"],
+        "is_bf16_supported": lambda including_emulation=True: True,
+        "memory_allocated": lambda device=None: memory_query(protocol.MEMORY_ALLOCATED, device),
+        "max_memory_allocated": lambda device=None: memory_query(protocol.MEMORY_PEAK, device),
+        "memory_reserved": lambda device=None: memory_query(protocol.MEMORY_ALLOCATED, device),
+        "max_memory_reserved": lambda device=None: memory_query(protocol.MEMORY_PEAK, device),
+        "memory_stats": lambda device=None: memory_query(protocol.MEMORY_STATS, device),
+        "mem_get_info": lambda device=None: memory_query(protocol.MEMORY_INFO, device),
+        "reset_peak_memory_stats": lambda device=None: memory_query(protocol.MEMORY_RESET_PEAK, device),
+        "reset_max_memory_allocated": lambda device=None: memory_query(protocol.MEMORY_RESET_PEAK, device),
+        "reset_accumulated_memory_stats": _no_op,
+        "empty_cache": _no_op,
+        "ipc_collect": _no_op,
+        "manual_seed": _no_op,
+        "manual_seed_all": _no_op,
+        "seed": _no_op,
+        "seed_all": _no_op,
+        "initial_seed": lambda: torch.initial_seed(),
+        "get_rng_state": lambda device="cuda": torch.get_rng_state(),
+        "get_rng_state_all": lambda: [torch.get_rng_state() for _ in range(count)],
+        "set_rng_state": _no_op,
+        "set_rng_state_all": _no_op,
+        "Stream": Stream,
+        "Event": Event,
+        "current_stream": _stream,
+        "default_stream": _stream,
+        "stream": _StreamContext,
+        "set_stream": _no_op,
+        "device": _DeviceContext,
+        "device_of": lambda obj: _DeviceContext(obj.device if obj.is_cuda else -1),
+        "is_current_stream_capturing": lambda: False,
+    }
+    funcs = {name: _fresh(func) for name, func in funcs.items()}
+    for name, func in funcs.items():
+        setattr(cuda, name, func)
+    for module_name in ("torch.cuda.memory", "torch.cuda.random", "torch.cuda.streams"):
+        module = sys.modules.get(module_name)
+        if module is not None:
+            for name, func in funcs.items():
+                if hasattr(module, name):
+                    setattr(module, name, func)
+    # On a CUDA build these would reach the driver; on a CPU build they must stay absent.
+    if hasattr(torch._C, "_cuda_init"):
+        torch._C._cuda_init = _init
+    if hasattr(torch._C, "_cuda_getDeviceCount"):
+        torch._C._cuda_getDeviceCount = lambda: count
+    torch.backends.cudnn.is_acceptable = lambda tensor: False
+
+
+def patch_accelerator() -> None:
+    """Make torch.accelerator describe the proxied devices as cuda."""
+    accelerator = torch.accelerator
+    funcs: dict[str, Any] = {
+        "is_available": lambda: True,
+        "current_accelerator": lambda check_available=False: torch.device("cuda"),
+        "device_count": lambda: len(DEVICES.paths),
+        "current_device_index": lambda: DEVICES.current,
+        "current_device_idx": lambda: DEVICES.current,
+        "set_device_index": _set_device,
+        "set_device_idx": _set_device,
+        "device_index": _DeviceContext,
+        "synchronize": lambda device=None: synchronize(None if device is None else device_index(device)),
+        "current_stream": _stream,
+        "set_stream": _no_op,
+        "get_device_capability": lambda device=None: {"major": 8, "minor": 0},
+        "empty_cache": _no_op,
+        "memory_allocated": lambda device_index=None: memory_query(protocol.MEMORY_ALLOCATED, device_index),
+        "max_memory_allocated": lambda device_index=None: memory_query(protocol.MEMORY_PEAK, device_index),
+        "memory_reserved": lambda device_index=None: memory_query(protocol.MEMORY_ALLOCATED, device_index),
+        "max_memory_reserved": lambda device_index=None: memory_query(protocol.MEMORY_PEAK, device_index),
+        "memory_stats": lambda device_index=None: memory_query(protocol.MEMORY_STATS, device_index),
+        "reset_peak_memory_stats": lambda device_index=None: memory_query(
+            protocol.MEMORY_RESET_PEAK, device_index
+        ),
+        "reset_accumulated_memory_stats": _no_op,
+        "get_memory_info": lambda device_index=None: memory_query(protocol.MEMORY_INFO, device_index),
+    }
+    funcs = {name: _fresh(func) for name, func in funcs.items()}
+    memory = sys.modules.get("torch.accelerator.memory")
+    for name, func in funcs.items():
+        setattr(accelerator, name, func)
+        if memory is not None and hasattr(memory, name):
+            setattr(memory, name, func)
+
+
+def patch_autocast() -> None:
+    """autocast('cuda') also casts stand-ins, whose C++ device is the host."""
+    autocast = torch.amp.autocast_mode.autocast
+    enter, exit_ = autocast.__enter__, autocast.__exit__
+
+    def __enter__(self: Any) -> Any:
+        entered = enter(self)
+        if self.device == "cuda":
+            self._sing_host_autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+            torch.set_autocast_enabled("cpu", self._enabled)
+            torch.set_autocast_dtype("cpu", self.fast_dtype)
+        return entered
+
+    def __exit__(self: Any, *exc: Any) -> Any:
+        if self.device == "cuda" and hasattr(self, "_sing_host_autocast"):
+            torch.set_autocast_enabled("cpu", self._sing_host_autocast[0])
+            torch.set_autocast_dtype("cpu", self._sing_host_autocast[1])
+        return exit_(self, *exc)
+
+    autocast.__enter__ = __enter__  # type: ignore[method-assign]
+    autocast.__exit__ = __exit__  # type: ignore[method-assign]

@@ -1,0 +1,91 @@
+"""The proxied devices of this process: their connections, opened on first use, and the current one."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from . import protocol
+from .channel import Channel
+
+INVALID_ORDINAL = (
+    "CUDA error: invalid device ordinal\nCUDA kernel errors might be asynchronously reported at "
+    "some other API call, so the stacktrace below might be incorrect."
+)
+
+
+class DeviceTable:
+    """Devices given to this process (one socket path each) and the one currently selected."""
+
+    def __init__(self) -> None:
+        self.channels: list[Channel | None] = []
+        self.paths: list[str] = []
+        self.job_id = ""
+        self.rank = 0
+        self.current = 0
+        self.initialized = False
+        self.lock = threading.Lock()
+
+    def configure(self, paths: list[str], job_id: str, rank: int) -> None:
+        """Take the devices the daemon gave this process."""
+        self.paths = list(paths)
+        self.channels = [None] * len(paths)
+        self.job_id = job_id
+        self.rank = rank
+        self.current = 0
+
+    def channel(self, index: int | None = None) -> Channel:
+        """The connection to device `index` (default: the current one), opened on first use."""
+        chosen = self.current if index is None else index
+        if chosen < 0 or chosen >= len(self.paths):
+            raise RuntimeError(INVALID_ORDINAL)
+        channel = self.channels[chosen]
+        if channel is None:
+            with self.lock:
+                channel = self.channels[chosen]
+                if channel is None:
+                    channel = Channel(self.paths[chosen], chosen, self.job_id, self.rank)
+                    self.channels[chosen] = channel
+        self.initialized = True
+        return channel
+
+
+DEVICES = DeviceTable()
+
+
+def device_index(device: Any) -> int:
+    """Index of a cuda device given as int, str or torch.device (None: the current device)."""
+    if device is None:
+        return DEVICES.current
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        device = torch.device(device)
+    if isinstance(device, torch.device):
+        if device.type != "cuda":
+            raise ValueError(f"Expected a cuda device, but got: {device}")
+        return DEVICES.current if device.index is None else device.index
+    return int(device)
+
+
+def same_device_error(first: str, second: str) -> RuntimeError:
+    """What CUDA raises when one operation mixes tensors of two devices."""
+    return RuntimeError(
+        "Expected all tensors to be on the same device, but found at least two devices, "
+        f"{first} and {second}!"
+    )
+
+
+def synchronize(index: int | None = None) -> None:
+    """Wait until every operation queued for a device (or for all devices) has run."""
+    channels = DEVICES.channels if index is None else [DEVICES.channels[index]]
+    for channel in channels:
+        if channel is not None:
+            channel.request([protocol.REQ_SYNC])
+
+
+def memory_query(what: str, device: Any = None) -> Any:
+    """A memory figure of this process on a device (one of protocol.MEMORY_QUERIES)."""
+    return DEVICES.channel(device_index(device)).request([protocol.REQ_MEMORY, what])

@@ -1,0 +1,91 @@
+# mypy: disable-error-code="no-untyped-call,unused-ignore"
+"""Random numbers for proxied devices, drawn in the job with its CPU generator and uploaded.
+
+A program on a virtual device thus draws exactly the numbers a direct CPU run draws, and
+the generator's state stays in the job's memory, where a checkpoint of the process keeps it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .tensor import HOST, ProxyTensor, SpecialHandler, download, fill
+from .transfers import upload
+
+aten = torch.ops.aten
+_FILL_IN_PLACE = {
+    aten.bernoulli_.float,
+    aten.normal_.default,
+    aten.uniform_.default,
+    aten.random_.default,
+    getattr(aten.random_, "from"),
+    aten.random_.to,
+    aten.exponential_.default,
+    aten.geometric_.default,
+    aten.log_normal_.default,
+    aten.cauchy_.default,
+}
+_SHAPED_LIKE = {
+    aten.rand_like.default,
+    aten.randn_like.default,
+    aten.randint_like.default,
+    aten.randint_like.low_dtype,
+}
+_FROM_VALUES = {
+    aten.bernoulli.default,
+    aten.bernoulli.p,
+    aten.bernoulli_.Tensor,
+    aten.multinomial.default,
+    aten.normal.Tensor_float,
+    aten.normal.float_Tensor,
+    aten.normal.Tensor_Tensor,
+    aten.poisson.default,
+    aten.randperm.default,
+}
+
+
+def _host_arguments(args: Sequence[Any], kwargs: dict[str, Any], shapes_only: bool) -> tuple[Any, Any]:
+    """The arguments with stand-ins brought to the host (as empty tensors when only shapes matter)."""
+
+    def to_host(arg: Any) -> Any:
+        if isinstance(arg, ProxyTensor):
+            if shapes_only:
+                return torch.empty_strided(arg.shape, arg.stride(), dtype=arg.dtype)
+            return download(arg)
+        if isinstance(arg, (list, tuple)):
+            return type(arg)(to_host(item) for item in arg)
+        if isinstance(arg, torch.device):
+            return HOST
+        return arg
+
+    return [to_host(a) for a in args], {k: to_host(v) for k, v in kwargs.items()}
+
+
+def _fill_in_place(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`x.normal_()` and the like: draw on the host into a tensor shaped like x, then fill x."""
+    target = args[0]
+    drawn = torch.empty_strided(target.shape, target.stride(), dtype=target.dtype)
+    host_args, host_kwargs = _host_arguments(args[1:], kwargs, shapes_only=False)
+    func(drawn, *host_args, **host_kwargs)
+    fill(target, drawn)
+    return target
+
+
+def _draw_and_upload(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`torch.rand_like(x)`, `torch.bernoulli(p)` and the like: draw on the host, upload."""
+    index = next(a for a in args if isinstance(a, ProxyTensor))._channel.index
+    host_args, host_kwargs = _host_arguments(args, kwargs, shapes_only=func in _SHAPED_LIKE)
+    if func is aten.bernoulli_.Tensor:
+        drawn = torch.empty_strided(args[0].shape, args[0].stride(), dtype=args[0].dtype)
+        func(drawn, *host_args[1:], **host_kwargs)
+        fill(args[0], drawn)
+        return args[0]
+    return upload(func(*host_args, **host_kwargs), index)
+
+
+RANDOM_OPS: dict[Any, SpecialHandler] = {func: _fill_in_place for func in _FILL_IN_PLACE}
+RANDOM_OPS.update({func: _draw_and_upload for func in _SHAPED_LIKE | _FROM_VALUES})
+"""Random operators, carried out by the client."""

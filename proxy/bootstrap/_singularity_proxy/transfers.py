@@ -1,0 +1,79 @@
+# mypy: disable-error-code="no-untyped-call,unused-ignore"
+"""Copies between the host and the proxied devices, with and without autograd."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .devices import DEVICES
+from .tensor import ProxyTensor, SpecialHandler, download, fill, forward, upload_to
+
+
+def upload(tensor: torch.Tensor, index: int) -> ProxyTensor:
+    """A stand-in on cuda:index with a tensor's values (no autograd)."""
+    if isinstance(tensor, ProxyTensor):
+        if tensor._channel.index == index:
+            return tensor
+        tensor = download(tensor)
+    return upload_to(DEVICES.channel(index), tensor)
+
+
+class _Upload(torch.autograd.Function):
+    """Differentiable host-to-device copy."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, index: int) -> Any:
+        return upload(tensor, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        return (download(grad) if isinstance(grad, ProxyTensor) else grad), None
+
+
+class _Download(torch.autograd.Function):
+    """Differentiable device-to-host copy."""
+
+    @staticmethod
+    def forward(ctx: Any, stand_in: ProxyTensor) -> Any:
+        ctx.index = stand_in._channel.index
+        return download(stand_in)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        return upload(grad, ctx.index)
+
+
+def to_device(tensor: torch.Tensor, index: int) -> Any:
+    """Host-to-device copy that autograd records when the tensor requires grad."""
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _Upload.apply(tensor, index)
+    return upload(tensor, index)
+
+
+def to_host(stand_in: ProxyTensor) -> Any:
+    """Device-to-host copy that autograd records when the stand-in requires grad."""
+    if stand_in.requires_grad and torch.is_grad_enabled():
+        return _Download.apply(stand_in)
+    return download(stand_in)
+
+
+def _copy_(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`dst.copy_(src)` where either side may be on the host or on another device."""
+    dst, src = args[0], args[1]
+    if isinstance(dst, ProxyTensor) and not isinstance(src, ProxyTensor):
+        fill(dst, src.expand(dst.shape))
+        return dst
+    if not isinstance(dst, ProxyTensor):
+        dst.copy_(download(src))
+        return dst
+    if dst._channel is not src._channel:
+        fill(dst, download(src).expand(dst.shape))
+        return dst
+    return forward(func, args, kwargs)
+
+
+TRANSFER_OPS: dict[Any, SpecialHandler] = {torch.ops.aten.copy_.default: _copy_}
+"""Operators that move data between the host and devices, carried out by the client."""

@@ -1,0 +1,324 @@
+"""Runs a session's operations and answers its requests, one batch at a time, in order.
+
+Operations in a batch are not answered: the first failure is kept in the session and
+reported at its next request, the way CUDA reports asynchronous errors at the next sync.
+Everything in a batch comes from the job and is checked before use: a malformed operation,
+a handle the session does not hold, a layout reaching outside its bytes or an allocation
+past the device's capacity fails that operation only.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from singularity.proxy.bootstrap._singularity_proxy import protocol
+from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
+
+from .session import DeviceMemory, Session
+
+_FACTORIES = frozenset(protocol.SERVER_FACTORIES)
+_HOST_ALLOCATION_FAILED = re.compile(
+    r"DefaultCPUAllocator: can't allocate memory: you tried to allocate (\d+) bytes"
+)
+_NAMES = protocol.torch_names()
+
+
+def template_new_bytes(template: Any) -> list[int]:
+    """Bytes of new storage of each new tensor in an output template."""
+    if template[0] == protocol.TEMPLATE_TENSOR:
+        return [template[5]]
+    if template[0] in (protocol.TEMPLATE_LIST, protocol.TEMPLATE_TUPLE):
+        return [nbytes for item in template[1] for nbytes in template_new_bytes(item)]
+    return []
+
+
+def _meta_growth(operator: Any, args: list[Any], kwargs: dict[str, Any]) -> int:
+    """Bytes an operator would allocate, found by running it on meta tensors shaped like the inputs."""
+    real_bytes: dict[int, int] = {}
+
+    def to_meta(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+            real_bytes[meta.untyped_storage()._cdata] = value.untyped_storage().nbytes()
+            return meta
+        if isinstance(value, torch.device):
+            return torch.device("meta")
+        if type(value) is list:
+            return [to_meta(item) for item in value]
+        return value
+
+    output = operator(*[to_meta(a) for a in args], **{k: to_meta(v) for k, v in kwargs.items()})
+    outputs = output if isinstance(output, (list, tuple)) else [output]
+    growth = 0
+    for tensor in outputs:
+        if isinstance(tensor, torch.Tensor):
+            storage = tensor.untyped_storage()
+            growth += max(0, storage.nbytes() - real_bytes.get(storage._cdata, 0))
+    return growth
+
+
+def _operation(op: Any, length: int) -> list[Any]:
+    """An operation or request of the expected length; ProtocolError otherwise."""
+    if type(op) is not list or len(op) != length:
+        raise ProtocolError(f"malformed operation {str(op)[:100]}")
+    return op
+
+
+class Executor:
+    """Runs operations for the sessions of one device, one at a time."""
+
+    def __init__(self, device: torch.device, memory: DeviceMemory) -> None:
+        self.device = device
+        self.memory = memory
+        self.lock = threading.Lock()
+        """Held while anything runs on the device (operations, saves, loads)."""
+
+    # -- arguments and outputs --------------------------------------------------------------------
+    def _decode(self, session: Session, arg: Any, inputs: list[int], buffers: Sequence[Any]) -> Any:
+        """An argument as the operator takes it: handles become the session's tensors."""
+        kind = type(arg)
+        if kind is dict:
+            handle = arg.get(protocol.TAG_HANDLE)
+            if handle is not None and len(arg) == 1:
+                tensor = session.tensor(handle)
+                inputs.append(handle)
+                return tensor
+            host = arg.get(protocol.TAG_HOST_TENSOR)
+            if host is not None and len(arg) == 1:
+                dtype, shape, stride, index = _operation(host, 4)
+                values = protocol.tensor_from_raw(dtype, shape, stride, protocol.buffer_at(buffers, index))
+                return values.to(self.device, copy=True)
+            if arg == protocol.DEVICE_MARKER:
+                return self.device
+            return protocol.decode_tag(arg, buffers)
+        if kind is list:
+            return [self._decode(session, item, inputs, buffers) for item in arg]
+        return arg
+
+    def _decode_all(
+        self, session: Session, args: Any, kwargs: Any, inputs: list[int], buffers: Sequence[Any]
+    ) -> tuple[list[Any], dict[str, Any]]:
+        """Positional and keyword arguments of an operation, decoded."""
+        if type(args) is not list or (kwargs is not None and type(kwargs) is not dict):
+            raise ProtocolError("arguments must be a list and keyword arguments an object")
+        decoded = [self._decode(session, arg, inputs, buffers) for arg in args]
+        named = {k: self._decode(session, v, inputs, buffers) for k, v in kwargs.items()} if kwargs else {}
+        return decoded, named
+
+    def _template(
+        self,
+        session: Session,
+        output: Any,
+        inputs: list[int],
+        next_handle: list[int],
+        new_handles: list[int],
+    ) -> Any:
+        """The output template of `output`, holding its new tensors under the next handles."""
+        if isinstance(output, torch.Tensor):
+            tensors = session.tensors
+            for position, handle in enumerate(inputs):
+                if output is tensors[handle]:
+                    return [protocol.TEMPLATE_ALIAS, position]
+            handle = next_handle[0]
+            next_handle[0] = handle + 1
+            session.claim_handle(handle)
+            nbytes = session.add(handle, output)
+            new_handles.append(handle)
+            return [
+                protocol.TEMPLATE_TENSOR,
+                list(output.shape),
+                list(output.stride()),
+                output.storage_offset(),
+                _NAMES.dtype_names[output.dtype],
+                nbytes,
+            ]
+        if isinstance(output, list):
+            items = [self._template(session, o, inputs, next_handle, new_handles) for o in output]
+            return [protocol.TEMPLATE_LIST, items]
+        if isinstance(output, tuple):
+            items = [self._template(session, o, inputs, next_handle, new_handles) for o in output]
+            return [protocol.TEMPLATE_TUPLE, items]
+        if output is None:
+            return [protocol.TEMPLATE_NONE]
+        if isinstance(output, (bool, int, float, complex, str)):
+            return [protocol.TEMPLATE_VALUE, output]
+        return [protocol.TEMPLATE_VALUE, repr(output)]
+
+    # -- operations -------------------------------------------------------------------------------
+    def _call(self, session: Session, op: list[Any], buffers: Sequence[Any]) -> Any:
+        """Run a defined operator ([kind, op_id, first handle, args, kwargs]); its output template."""
+        _, op_id, first_handle, args, kwargs = _operation(op, 5)
+        served = session.operator(op_id)
+        inputs: list[int] = []
+        decoded_args, decoded_kwargs = self._decode_all(session, args, kwargs, inputs, buffers)
+        if served.size_argument is not None:
+            self._check_planned(session, served, decoded_args, decoded_kwargs)
+        try:
+            output = served.operator(*decoded_args, **decoded_kwargs)
+        except RuntimeError as e:
+            raise self._as_out_of_memory(session, e) from None
+        new_handles: list[int] = []
+        try:
+            template = self._template(session, output, inputs, [protocol.integer(first_handle)], new_handles)
+        except BaseException:
+            for handle in new_handles:
+                session.free(handle)
+            raise
+        if new_handles:
+            session.check_capacity(new_handles, sum(template_new_bytes(template)))
+        if served.grows_inputs:
+            growth = sum(session.recount(handle) for handle in set(inputs))
+            if growth > 0:
+                session.check_capacity([], growth)
+        return template
+
+    def _as_out_of_memory(self, session: Session, error: RuntimeError) -> RuntimeError:
+        """CUDA's out-of-memory error for a failure of the host allocator (virtual device), else `error`."""
+        found = _HOST_ALLOCATION_FAILED.search(str(error))
+        return self.memory.out_of_memory(session, int(found.group(1))) if found else error
+
+    def _check_planned(self, session: Session, served: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
+        """Refuse, before it allocates, an operator whose `size` argument asks for more than is free."""
+        position = served.size_argument
+        size = args[position] if position < len(args) else kwargs.get("size")
+        if type(size) is not list or not all(type(n) is int for n in size):
+            return
+        if math.prod(size) * 16 <= self.memory.free_bytes():  # 16: the widest element
+            return
+        try:
+            planned = _meta_growth(served.operator, args, kwargs)
+        except Exception:  # no meta kernel: the check after running it will do
+            return
+        session.check_room(planned)
+
+    def _allocate(self, session: Session, handle: Any, dtype: Any, shape: Any, stride: Any) -> torch.Tensor:
+        """A new uninitialised tensor under a fresh handle, refused before allocating if it does not fit."""
+        session.claim_handle(handle)
+        found = _NAMES.dtype(dtype)
+        sizes, steps = protocol.integers(shape), protocol.integers(stride)
+        if len(sizes) != len(steps):
+            raise ProtocolError(f"shape {sizes} and stride {steps} differ in length")
+        nbytes = protocol.storage_extent(sizes, steps) * found.itemsize
+        session.check_room(nbytes)
+        tensor = torch.empty_strided(sizes, steps, dtype=found, device=self.device)
+        session.add(handle, tensor)
+        return tensor
+
+    def _run(self, session: Session, op: Any, buffers: Sequence[Any]) -> None:
+        """Carry out one operation of a batch."""
+        if type(op) is not list or not op:
+            raise ProtocolError(f"malformed operation {str(op)[:100]}")
+        kind = op[0]
+        if kind == protocol.OP_CALL:
+            self._call(session, op, buffers)
+        elif kind == protocol.OP_FREE:
+            for handle in protocol.integers(_operation(op, 2)[1], most=1 << 20):
+                session.free(handle)
+        elif kind == protocol.OP_DEFINE:
+            _, op_id, namespace, name, overload = _operation(op, 5)
+            session.define(protocol.integer(op_id), namespace, name, overload)
+        elif kind == protocol.OP_UPLOAD:
+            _, handle, dtype, shape, stride, index = _operation(op, 6)
+            data = protocol.buffer_at(buffers, index)
+            found, sizes, steps = protocol.check_layout(dtype, shape, stride, data.nbytes)
+            if protocol.storage_extent(sizes, steps) * found.itemsize != data.nbytes:
+                raise ProtocolError(f"{data.nbytes} bytes are not the storage of a {sizes} {dtype} tensor")
+            self._write(self._allocate(session, handle, dtype, shape, stride), 0, data)
+        elif kind == protocol.OP_ALLOCATE:
+            _, handle, dtype, shape, stride = _operation(op, 5)
+            self._allocate(session, handle, dtype, shape, stride)
+        elif kind == protocol.OP_WRITE:
+            _, handle, offset, index = _operation(op, 4)
+            self._write(session.tensor(handle), protocol.integer(offset), protocol.buffer_at(buffers, index))
+        elif kind == protocol.OP_FILL:
+            _, handle, dtype, shape, stride, index = _operation(op, 6)
+            values = protocol.tensor_from_raw(dtype, shape, stride, protocol.buffer_at(buffers, index))
+            session.tensor(handle).copy_(values)
+        elif kind == protocol.OP_FACTORY:
+            _, handle, name, args, kwargs = _operation(op, 5)
+            if name not in _FACTORIES:
+                raise RuntimeError(f"proxy: factory {name!r} not allowed")
+            session.claim_handle(handle)
+            decoded_args, decoded_kwargs = self._decode_all(session, args, kwargs, [], buffers)
+            meta_kwargs = {**decoded_kwargs, "device": "meta"}
+            planned = getattr(torch, name)(*decoded_args, **meta_kwargs)
+            session.check_room(planned.numel() * planned.element_size())
+            tensor = getattr(torch, name)(*decoded_args, **decoded_kwargs)
+            session.add(handle, tensor)
+        else:
+            raise ProtocolError(f"unknown operation {kind!r}")
+
+    def _write(self, tensor: torch.Tensor, offset: int, data: Any) -> None:
+        """Copy bytes into a tensor's storage at a byte offset, within the storage."""
+        source = memoryview(data).cast("B")
+        storage = tensor.untyped_storage()
+        if offset + source.nbytes > storage.nbytes():
+            raise ProtocolError(f"{source.nbytes} bytes at offset {offset} do not fit in {storage.nbytes()}")
+        if source.nbytes == 0:
+            return
+        target = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+        target[offset : offset + source.nbytes].copy_(torch.frombuffer(source, dtype=torch.uint8))
+
+    def _memory(self, session: Session, what: str) -> Any:
+        """Answer a memory query."""
+        if what == protocol.MEMORY_ALLOCATED:
+            return session.held_bytes
+        if what == protocol.MEMORY_PEAK:
+            return session.peak_bytes
+        if what == protocol.MEMORY_RESET_PEAK:
+            session.peak_bytes = session.held_bytes
+            return None
+        if what == protocol.MEMORY_INFO:
+            return (self.memory.free_bytes(), self.memory.capacity)
+        if what == protocol.MEMORY_STATS:
+            return {
+                "allocated_bytes.all.current": session.held_bytes,
+                "allocated_bytes.all.peak": session.peak_bytes,
+                "reserved_bytes.all.current": session.held_bytes,
+                "reserved_bytes.all.peak": session.peak_bytes,
+                "active_bytes.all.current": session.held_bytes,
+                "num_ooms": 0,
+            }
+        raise ProtocolError(f"unknown memory query {what!r}")
+
+    def _answer(self, session: Session, request: Any, buffers: Sequence[Any]) -> Any:
+        """The value a request asks for."""
+        if type(request) is not list or not request:
+            raise ProtocolError(f"malformed request {str(request)[:100]}")
+        kind = request[0]
+        if kind == protocol.REQ_CALL:
+            return self._call(session, request, buffers)
+        if kind == protocol.REQ_FETCH:
+            host, raw = protocol.tensor_to_raw(session.tensor(_operation(request, 2)[1]))
+            return [_NAMES.dtype_names[host.dtype], list(host.shape), list(host.stride()), raw]
+        if kind == protocol.REQ_SYNC:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return None
+        if kind == protocol.REQ_MEMORY:
+            return self._memory(session, _operation(request, 2)[1])
+        raise ProtocolError(f"unknown request {kind!r}")
+
+    def run_batch(self, session: Session, ops: Any, request: Any, buffers: Sequence[Any]) -> Any:
+        """Run a batch in order; the answer to its request, or raise what failed first.
+
+        Without a request (None) it returns None and keeps the first failure in the session.
+        """
+        with self.lock:
+            if type(ops) is not list:
+                raise ProtocolError("the operations of a batch must be a list")
+            for op in ops:
+                try:
+                    self._run(session, op, buffers)
+                except Exception as e:
+                    session.fail(e)
+            if request is None:
+                return None
+            session.raise_pending()
+            return self._answer(session, request, buffers)

@@ -1,0 +1,244 @@
+"""Which operators the server runs for a job: aten and prims tensor operators, by allowlist.
+
+A job names the operators it wants (OP_DEFINE); the server resolves a name only through
+`resolve`, which serves an operator when all of these hold:
+- its namespace is in SERVED_NAMESPACES (the collectives' namespaces join when collectives
+  are served, see COLLECTIVE_NAMESPACES);
+- it is registered with torch's dispatcher (TorchScript-only builtins such as
+  `aten::save(t item, str filename)` or `aten::warn` are not);
+- it is not in REFUSED;
+- if it takes a string argument, it is in STRING_ARGUMENTS (the string is a mode, a name or
+  an equation, never a path);
+- if it takes no tensor and returns none, it is in NO_TENSOR_OPERATORS (a pure query);
+- if its name says "unsafe", it is in UNSAFE_NAMES_CHECKED (its checks were verified).
+Everything else is refused by name with the reason, raised in the job as PermissionError.
+The last three rules refuse by default what torch adds in a new release; the test
+`tests/proxy/test_operators.py` fails until each new such operator is classified here.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SERVED_NAMESPACES = frozenset({"aten", "prims"})
+"""Namespaces of the tensor operators the server runs."""
+
+COLLECTIVE_NAMESPACES: frozenset[str] = frozenset()
+"""Namespaces of collective operators (`c10d`, `_c10d_functional`), served once the proxy runs
+collectives itself; until then they are refused like any other namespace."""
+
+_FILES = "it reads or writes files on the server"
+_PROCESS = "it changes state the whole server process shares"
+_UNCHECKED = "it builds tensors whose indices or sizes are not checked against their memory"
+_TESTING = "it exists only to test torch itself"
+
+REFUSED: dict[str, str] = {
+    "aten::from_file": _FILES,
+    "aten::_print": "it writes to the server's output",
+    "aten::_cufft_set_plan_cache_max_size": _PROCESS,
+    "aten::_cufft_clear_plan_cache": _PROCESS,
+    "aten::_reshape_alias": _UNCHECKED,
+    "aten::_reshape_alias_copy": _UNCHECKED,
+    "aten::_sparse_coo_tensor_unsafe": _UNCHECKED,
+    "aten::_sparse_coo_tensor_with_dims": _UNCHECKED,
+    "aten::_sparse_coo_tensor_with_dims_and_tensors": _UNCHECKED,
+    "aten::_sparse_compressed_tensor_unsafe": _UNCHECKED,
+    "aten::_sparse_compressed_tensor_with_dims": _UNCHECKED,
+    "aten::_sparse_csr_tensor_unsafe": _UNCHECKED,
+    "aten::_sparse_csc_tensor_unsafe": _UNCHECKED,
+    "aten::_sparse_bsr_tensor_unsafe": _UNCHECKED,
+    "aten::_sparse_bsc_tensor_unsafe": _UNCHECKED,
+    "aten::_nested_view_from_buffer": _UNCHECKED,
+    "aten::_nested_view_from_buffer_copy": _UNCHECKED,
+    "aten::_nested_view_from_jagged": _UNCHECKED,
+    "aten::_nested_view_from_jagged_copy": _UNCHECKED,
+    "aten::_test_ambiguous_defaults": _TESTING,
+    "aten::_test_string_default": _TESTING,
+}
+"""Operators never served, with the reason the job is told."""
+
+STRING_ARGUMENTS = frozenset(
+    {
+        "aten::_assert_async",  # message
+        "aten::_assert_scalar",
+        "aten::_functional_assert_async",
+        "aten::_functional_assert_scalar",
+        "aten::_convolution_mode",  # padding mode
+        "aten::conv1d",
+        "aten::conv2d",
+        "aten::conv3d",
+        "aten::_linalg_check_errors",  # the name of the calling API
+        "aten::_linalg_eigh",  # UPLO
+        "aten::_linalg_svd",  # driver
+        "aten::linalg_eigh",
+        "aten::linalg_eigvalsh",
+        "aten::linalg_svd",
+        "aten::linalg_svdvals",
+        "aten::linalg_qr",  # mode
+        "aten::linalg_lstsq",  # driver
+        "aten::linalg_cond",  # ord
+        "aten::linalg_matrix_norm",
+        "aten::linalg_norm",
+        "aten::_mixed_dtypes_linear",  # activation
+        "aten::_sparse_semi_structured_linear",
+        "aten::_sparse_semi_structured_tile",  # algorithm
+        "aten::_segment_reduce_backward",  # reduce
+        "aten::segment_reduce",
+        "aten::_sparse_mm",
+        "aten::_sparse_mm_reduce_impl",
+        "aten::_sparse_mm_reduce_impl_backward",
+        "aten::index_reduce",
+        "aten::index_reduce_",
+        "aten::scatter",
+        "aten::scatter_",
+        "aten::scatter_reduce",
+        "aten::scatter_reduce_",
+        "aten::div",  # rounding_mode
+        "aten::div_",
+        "aten::divide",
+        "aten::divide_",
+        "aten::einsum",  # equation
+        "aten::fft_fft",  # norm
+        "aten::fft_fft2",
+        "aten::fft_fftn",
+        "aten::fft_hfft",
+        "aten::fft_hfft2",
+        "aten::fft_hfftn",
+        "aten::fft_ifft",
+        "aten::fft_ifft2",
+        "aten::fft_ifftn",
+        "aten::fft_ihfft",
+        "aten::fft_ihfft2",
+        "aten::fft_ihfftn",
+        "aten::fft_irfft",
+        "aten::fft_irfft2",
+        "aten::fft_irfftn",
+        "aten::fft_rfft",
+        "aten::fft_rfft2",
+        "aten::fft_rfftn",
+        "aten::stft",  # pad_mode
+        "aten::gelu",  # approximate
+        "aten::gelu_",
+        "aten::gelu_backward",
+        "aten::meshgrid",  # indexing
+        "aten::quantile",  # interpolation
+        "aten::nanquantile",
+        "aten::pad",  # mode
+        "aten::pad_sequence",  # padding_side
+        "aten::searchsorted",  # side
+    }
+)
+"""Operators whose string arguments are modes, names or equations: served."""
+
+NO_TENSOR_OPERATORS = frozenset(
+    {
+        "aten::_assert_scalar",
+        "aten::_cufft_get_plan_cache_max_size",
+        "aten::_cufft_get_plan_cache_size",
+        "aten::_nnpack_available",
+        "aten::_use_cudnn_rnn_flatten_weight",
+        "aten::can_cast",
+        "aten::is_vulkan_available",
+        "aten::promote_types",
+        "aten::result_type",
+        "aten::sym_constrain_range",
+        "aten::sym_constrain_range_for_size",
+        "prims::maximum_value",
+        "prims::minimum_value",
+    }
+)
+"""Operators that take and return no tensor but only answer a question: served."""
+
+UNSAFE_NAMES_CHECKED = frozenset(
+    {
+        "aten::_unsafe_view",  # checks the size like view
+        "aten::unsafe_chunk",  # "unsafe" for autograd only
+        "aten::unsafe_split",
+        "aten::unsafe_split_with_sizes",
+        "aten::_unsafe_index",  # checks its indices in eager mode
+        "aten::_unsafe_index_put",
+        "aten::_unsafe_masked_index",  # clamps its indices
+        "aten::_unsafe_masked_index_put_accumulate",
+    }
+)
+"""Operators named "unsafe" whose eager kernels check their memory accesses: served."""
+
+
+class RefusedOperator(PermissionError):
+    """The server does not run this operator for jobs."""
+
+
+@functools.cache
+def _dispatcher_operators() -> frozenset[str]:
+    """Every operator registered with torch's dispatcher, as 'namespace::name.overload'."""
+    return frozenset(torch._C._dispatch_get_all_op_names())
+
+
+def refusal(namespace: str, name: str, overload: str) -> str:
+    """Why the operator namespace::name.overload is not served ('' when it is)."""
+    base = f"{namespace}::{name}"
+    if namespace not in SERVED_NAMESPACES | COLLECTIVE_NAMESPACES:
+        return f"operators of the {namespace!r} namespace are not served"
+    full = f"{base}.{overload}" if overload != "default" else base
+    if full not in _dispatcher_operators():
+        return "it is not a dispatcher operator"
+    if base in REFUSED:
+        return REFUSED[base]
+    schema = torch._C._get_schema(base, "" if overload == "default" else overload)
+    return schema_refusal(base, schema)
+
+
+def schema_refusal(base: str, schema: Any) -> str:
+    """Why an operator with this schema is refused by default ('' when it is served)."""
+    arguments = [str(argument.type) for argument in schema.arguments]
+    if any("str" in kind for kind in arguments) and base not in STRING_ARGUMENTS:
+        return "it takes a string the server has not been told is safe (a path, perhaps)"
+    returns = [str(result.type) for result in schema.returns]
+    if not any("Tensor" in kind for kind in arguments + returns) and base not in NO_TENSOR_OPERATORS:
+        return "it does not operate on tensors"
+    if "unsafe" in base and base not in UNSAFE_NAMES_CHECKED:
+        return "its name says it does not check its inputs"
+    return ""
+
+
+def resolve(namespace: str, name: str, overload: str) -> Any:
+    """The operator (OpOverload) namespace::name.overload if it is served; RefusedOperator if not."""
+    reason = refusal(namespace, name, overload)
+    if reason:
+        raise RefusedOperator(
+            f"proxy: {namespace}::{name}.{overload} is not run on proxied devices: {reason}"
+        )
+    operator = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+    full = f"{namespace}::{name}" + (f".{overload}" if overload != "default" else "")
+    if not isinstance(operator, torch._ops.OpOverload) or operator._name != full:
+        raise RefusedOperator(f"proxy: {full} does not name one operator")
+    return operator
+
+
+@dataclass(frozen=True)
+class Served:
+    """A served operator and what the executor must check around it."""
+
+    operator: Any
+    size_argument: int | None
+    """Position of a `size` argument that sets how much the operator allocates (None: none)."""
+    grows_inputs: bool
+    """Whether it may enlarge a tensor it was given (out= arguments, resize_, set_)."""
+
+
+def serve(namespace: str, name: str, overload: str) -> Served:
+    """The operator with its checks, if it is served; RefusedOperator if not."""
+    operator = resolve(namespace, name, overload)
+    arguments = operator._schema.arguments
+    size_argument = next(
+        (i for i, a in enumerate(arguments) if a.name == "size" and str(a.type) == "List[int]"), None
+    )
+    written = [a for a in arguments if a.alias_info is not None and a.alias_info.is_write]
+    grows = bool(written) and (
+        name in ("resize_", "resize_as_", "set_") or any(a.name == "out" for a in written)
+    )
+    return Served(operator, size_argument, grows)

@@ -1,0 +1,245 @@
+"""What one job process holds on a device, and the device's memory accounting.
+
+A session is keyed by (job id, rank). It owns the process's tensors by handle, the operators
+the process defined, its memory figures, the first error of an operation not yet reported,
+and its park state. Memory is counted per storage (views share their base's bytes), per
+session and for the whole device, whose capacity is what the program sees as total memory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import socket
+import struct
+import threading
+from typing import Any
+
+import torch
+
+from singularity.proxy.bootstrap._singularity_proxy import protocol
+from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
+
+from . import operators
+
+_SIOCOUTQ = 0x5411
+
+
+class ReportedFailure(Exception):
+    """A failure already described as [module, qualified name, message] for an ERROR message."""
+
+    def __init__(self, info: list[str]) -> None:
+        super().__init__(info[2])
+        self.info = info
+
+
+def exception_info(error: BaseException) -> list[str]:
+    """[module, qualified name, message] of an exception, as sent in an ERROR message.
+
+    Protocol errors are named by the job's own module path, so the job raises the same class.
+    """
+    if isinstance(error, ReportedFailure):
+        return error.info
+    message = str(error)
+    if isinstance(error, KeyError):  # str() of a KeyError quotes its key
+        message = str(error.args[0]) if error.args else ""
+    if isinstance(error, ProtocolError):
+        return ["_singularity_proxy.protocol", "ProtocolError", f"proxy: {message}"]
+    # the server's own exception classes travel as their nearest standard base class
+    kind = next(k for k in type(error).__mro__ if not k.__module__.startswith("singularity."))
+    return [kind.__module__, kind.__qualname__, message]
+
+
+def allocator_bytes(count: float) -> str:
+    """A byte count the way the CUDA allocator prints it in out-of-memory messages."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size:
+            return f"{count / size:.2f} {unit}"
+    return f"{int(count)} bytes"
+
+
+class Connection:
+    """One job process's socket; answers and control messages share its send lock."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.lock = threading.Lock()
+
+    def send(self, kind: int, value: Any = None) -> None:
+        """Send one message (see protocol.py)."""
+        with self.lock:
+            protocol.send_message(self.sock, kind, value)
+
+    def unread_bytes(self) -> int:
+        """Bytes sent to the process that it has not read yet."""
+        buf = fcntl.ioctl(self.sock.fileno(), _SIOCOUTQ, b"\0\0\0\0")
+        return int(struct.unpack("i", buf)[0])
+
+
+class DeviceMemory:
+    """The device's capacity and the bytes all sessions on it hold."""
+
+    def __init__(self, index: int, capacity: int) -> None:
+        self.index = index
+        self.capacity = capacity
+        self.used = 0
+
+    def free_bytes(self) -> int:
+        """Bytes not held by any session."""
+        return max(0, self.capacity - self.used)
+
+    def out_of_memory(self, session: Session, asked: int) -> torch.OutOfMemoryError:
+        """The error CUDA's allocator raises, with this device's figures."""
+        return torch.OutOfMemoryError(
+            f"CUDA out of memory. Tried to allocate {allocator_bytes(asked)}. GPU {self.index} has a "
+            f"total capacity of {allocator_bytes(self.capacity)} of which "
+            f"{allocator_bytes(self.free_bytes())} is free. Of the allocated memory "
+            f"{allocator_bytes(session.held_bytes)} is allocated by PyTorch, "
+            "and 0 bytes is reserved by PyTorch but unallocated. If reserved but unallocated memory is "
+            "large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
+            "fragmentation.  See documentation for Memory Management  "
+            "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+        )
+
+
+class Session:
+    """Everything one job process (job id, rank) holds on this device."""
+
+    def __init__(self, job_id: str, rank: int, uid: int, memory: DeviceMemory) -> None:
+        self.job_id = job_id
+        self.rank = rank
+        self.uid = uid
+        self.memory = memory
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.storage_of: dict[int, int] = {}
+        """Handle -> identity of its storage (views share their base's)."""
+        self.storages: dict[int, list[int]] = {}
+        """Storage identity -> [bytes, number of handles using it]."""
+        self.operators: dict[int, operators.Served] = {}
+        """Operator id -> the served operator it stands for."""
+        self.operator_names: dict[int, tuple[str, str, str]] = {}
+        """Operator id -> (namespace, name, overload), as saved in checkpoints."""
+        self.refused: dict[int, operators.RefusedOperator] = {}
+        """Operator id -> why the server refused to define it."""
+        self.held_bytes = 0
+        self.peak_bytes = 0
+        self.pending_error: list[str] | None = None
+        """The first failure of an operation since the last answer, reported at the next request."""
+        self.connection: Connection | None = None
+        self.park_asked = False
+        """Whether the daemon asked the process to park (only then is PARKED taken)."""
+        self.parked = False
+        self.waiting = False
+        """Whether the process was waiting for an answer when it parked."""
+        self.parked_event = threading.Event()
+
+    # -- what the job refers to -------------------------------------------------------------------
+    def tensor(self, handle: Any) -> torch.Tensor:
+        """The tensor the session holds under `handle`; ProtocolError if it holds none."""
+        found = self.tensors.get(handle) if type(handle) is int else None
+        if found is None:
+            raise ProtocolError(f"no tensor {handle!r} in this session")
+        return found
+
+    def claim_handle(self, handle: Any) -> None:
+        """Check that `handle` is free for a new tensor; ProtocolError if not."""
+        if type(handle) is not int or handle < 0 or handle in self.tensors:
+            raise ProtocolError(f"handle {handle!r} cannot take a new tensor")
+
+    def define(self, op_id: int, namespace: Any, name: Any, overload: Any) -> None:
+        """Let `op_id` stand for the operator namespace::name.overload, if the server serves it.
+
+        A refused operator stays refused under its id: every call names the reason.
+        """
+        if not all(type(part) is str for part in (namespace, name, overload)):
+            raise ProtocolError("an operator name is three strings")
+        self.operators.pop(op_id, None)
+        try:
+            self.operators[op_id] = operators.serve(namespace, name, overload)
+        except operators.RefusedOperator as refused:
+            self.refused[op_id] = refused
+            raise
+        self.refused.pop(op_id, None)
+        self.operator_names[op_id] = (namespace, name, overload)
+
+    def operator(self, op_id: Any) -> operators.Served:
+        """The operator `op_id` stands for; why not if it was refused or never defined."""
+        found = self.operators.get(op_id) if type(op_id) is int else None
+        if found is None:
+            refused = self.refused.get(op_id) if type(op_id) is int else None
+            if refused is not None:
+                raise operators.RefusedOperator(*refused.args)
+            raise ProtocolError(f"operator {op_id!r} was not defined")
+        return found
+
+    # -- errors reported at the next request ------------------------------------------------------
+    def fail(self, error: BaseException) -> None:
+        """Remember the first failure of an operation since the last answer."""
+        if self.pending_error is None:
+            self.pending_error = exception_info(error)
+
+    def raise_pending(self) -> None:
+        """Raise the remembered failure (once), if any."""
+        if self.pending_error is not None:
+            info, self.pending_error = self.pending_error, None
+            raise ReportedFailure(info)
+
+    # -- memory -----------------------------------------------------------------------------------
+    def check_room(self, nbytes: int) -> None:
+        """Raise CUDA's out-of-memory error, before allocating, if `nbytes` more do not fit."""
+        if self.memory.used + nbytes > self.memory.capacity:
+            raise self.memory.out_of_memory(self, nbytes)
+
+    def add(self, handle: int, tensor: torch.Tensor) -> int:
+        """Hold `tensor` under `handle`; the bytes of new storage this takes."""
+        storage = tensor.untyped_storage()
+        key = storage._cdata  # the storage itself: stays the same when it is resized
+        self.tensors[handle] = tensor
+        self.storage_of[handle] = key
+        entry = self.storages.get(key)
+        if entry is not None:
+            entry[1] += 1
+            return 0
+        nbytes = storage.nbytes()
+        self.storages[key] = [nbytes, 1]
+        self.held_bytes += nbytes
+        self.memory.used += nbytes
+        if self.held_bytes > self.peak_bytes:
+            self.peak_bytes = self.held_bytes
+        return nbytes
+
+    def recount(self, handle: int) -> int:
+        """Count a tensor's storage again after an operation that may have resized it; the growth."""
+        entry = self.storages[self.storage_of[handle]]
+        nbytes = self.tensors[handle].untyped_storage().nbytes()
+        growth = nbytes - entry[0]
+        if growth:
+            entry[0] = nbytes
+            self.held_bytes += growth
+            self.memory.used += growth
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        return growth
+
+    def free(self, handle: int) -> None:
+        """Drop the tensor under `handle` (its storage when no other handle uses it)."""
+        if self.tensors.pop(handle, None) is None:
+            return
+        key = self.storage_of.pop(handle)
+        entry = self.storages[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.storages[key]
+            self.held_bytes -= entry[0]
+            self.memory.used -= entry[0]
+
+    def free_all(self) -> None:
+        """Drop every tensor of the session."""
+        for handle in list(self.tensors):
+            self.free(handle)
+
+    def check_capacity(self, new_handles: list[int], asked: int) -> None:
+        """Undo the new tensors and raise CUDA's out-of-memory error if the device is over capacity."""
+        if self.memory.used <= self.memory.capacity:
+            return
+        for handle in new_handles:
+            self.free(handle)
+        raise self.memory.out_of_memory(self, asked)
