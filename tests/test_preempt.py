@@ -298,7 +298,7 @@ DDP_SCRIPT = REPO / "tests" / "workloads" / "train_ddp.py"
 
 def direct_ddp_outputs(steps: int) -> list[str]:
     """Both ranks' stdout when the script runs directly, torchrun-style, without singularityd."""
-    from singularityd.runtime import free_tcp_port
+    from singularityd.jobs.launch import free_tcp_port
 
     port = str(free_tcp_port())
     ranks = []
