@@ -23,6 +23,7 @@ from typing import Any
 from singularityd.checkpoint.coordinator import Checkpoints, CheckpointTaken
 from singularityd.config import Config
 from singularityd.core.jobs import (
+    Action,
     Activity,
     ArmPeriodicCheckpoint,
     Decision,
@@ -50,7 +51,7 @@ from singularityd.core.jobs import (
 )
 from singularityd.core.states import JobState, Transition
 from singularityd.devices.access import DeviceAccess, DeviceError
-from singularityd.devices.inventory import Inventory
+from singularityd.devices.inventory import Device, Inventory, refresh
 from singularityd.errors import StateConflict, not_found
 from singularityd.jobs import work
 from singularityd.jobs.processes import Processes, ProcessId
@@ -110,9 +111,9 @@ class Daemon:
             task.cancel()
         self.store.close()
 
-    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+    def spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
         """Run long work as a task the daemon keeps (and cancels when it stops)."""
-        task = asyncio.ensure_future(work)
+        task = asyncio.ensure_future(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
 
@@ -121,17 +122,22 @@ class Daemon:
         if not task.cancelled() and task.exception() is not None:
             log.error("background work failed", exc_info=task.exception())
 
-    def _later(self, seconds: float, callback: Callable[[], None]) -> asyncio.TimerHandle:
-        timer = asyncio.get_running_loop().call_later(seconds, callback)
+    def _later(self, seconds: float, callback: Callable[[], None]) -> None:
+        """Call back after `seconds`, unless the daemon stops first."""
+
+        def fire() -> None:
+            self._timers.discard(timer)
+            callback()
+
+        timer = asyncio.get_running_loop().call_later(seconds, fire)
         self._timers.add(timer)
-        return timer
 
     # Recovery
 
     async def recover(self) -> None:
         """Re-adopt jobs whose processes still run; settle those that ended while we were down."""
         for job in self.store.list_jobs(states=(JobState.RUNNING, JobState.MIGRATING)):
-            process = None
+            process: ProcessId | None = None
             if job.init_pid is not None and job.init_start_ticks is not None:
                 process = ProcessId(job.init_pid, job.init_start_ticks)
             else:
@@ -168,6 +174,11 @@ class Daemon:
         if job.spec.checkpoint_interval is not None:
             return job.spec.checkpoint_interval
         return self.config.checkpoint_interval_seconds
+
+    def current_devices(self) -> tuple[Device, ...]:
+        """The devices, with live memory use and utilisation where the hardware reports them."""
+        self.inventory = refresh(self.inventory)
+        return self.inventory.devices
 
     def activity(self, job_id: int) -> Activity:
         """What is under way with the job's processes (nothing for a job holding no devices)."""
@@ -213,15 +224,10 @@ class Daemon:
             cpu_seconds=ended.cpu_seconds if ended else None,
             max_rss_bytes=ended.max_rss_bytes if ended else None,
         )
-        log.info(
-            "job %d: %s -> %s (%s)",
-            transition.job_id,
-            transition.from_state,
-            transition.to_state,
-            transition.reason,
-        )
+        job_id, before, after = transition.job_id, transition.from_state, transition.to_state
+        log.info("job %d: %s -> %s (%s)", job_id, before, after, transition.reason)
 
-    def _carry_out(self, job: JobRecord, state: JobState, action: Any) -> None:
+    def _carry_out(self, job: JobRecord, state: JobState, action: Action) -> None:
         """Carry out one decided action for the job (now in `state`)."""
         record = self.records.get(job.id)
         match action:
@@ -255,7 +261,8 @@ class Daemon:
                 record.watch = self.processes.watch(pid, lambda: self._processes_ended(job.id))
             case ArmPeriodicCheckpoint(after=after):
                 assert record is not None
-                record.rearm_periodic(self._later(after, lambda: self._periodic_due(job.id)))
+                loop = asyncio.get_running_loop()
+                record.rearm_periodic(loop.call_later(after, self._periodic_due, job.id))
             case TakeCheckpoint():
                 assert record is not None
                 outcome: Future[CheckpointTaken] = asyncio.get_running_loop().create_future()
@@ -281,6 +288,7 @@ class Daemon:
             self.apply(job_id, status.as_stimulus())
 
     def _periodic_due(self, job_id: int) -> None:
+        """The job's periodic checkpoint interval has passed."""
         record = self.records.get(job_id)
         if record is not None:
             record.periodic = None
@@ -288,11 +296,11 @@ class Daemon:
 
     # Long work: each task's outcome comes back as a stimulus
 
-    def _report(self, job_id: int, work: Coroutine[Any, Any, Stimulus]) -> None:
+    def _report(self, job_id: int, outcome: Coroutine[Any, Any, Stimulus]) -> None:
         """Run long work as a task and feed the stimulus it returns to the state machine."""
 
         async def report() -> None:
-            self.apply(job_id, await work)
+            self.apply(job_id, await outcome)
 
         self.spawn(report())
 
@@ -334,20 +342,7 @@ class Daemon:
 
     def cluster_view(self) -> ClusterView:
         """The devices, the live jobs with their activities, and the time, as a round sees them."""
-        jobs = tuple(
-            JobView(
-                job.id,
-                job.state,
-                job.spec.priority,
-                job.spec.gpus,
-                job.devices,
-                job.started_at or 0.0,
-                job.cancel_requested,
-                self.activity(job.id),
-            )
-            for job in self.store.list_jobs()
-            if job.state.is_queued or job.state.holds_devices
-        )
+        jobs = tuple(JobView.of(job, self.activity(job.id)) for job in self.store.list_jobs())
         devices = tuple(device.index for device in self.inventory.devices)
         return ClusterView(devices, jobs, self.clock(), self.checkpoints.available)
 

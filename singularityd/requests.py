@@ -28,7 +28,7 @@ from singularityd.core.jobs import (
 )
 from singularityd.core.states import InvalidTransition
 from singularityd.daemon import Daemon
-from singularityd.devices.inventory import Device, refresh
+from singularityd.devices.inventory import Device
 from singularityd.errors import InvalidRequest, PermissionDenied, StateConflict
 from singularityd.identity import Caller
 from singularityd.jobs.logs import read_log
@@ -104,10 +104,8 @@ class Requests:
 
     def devices(self) -> list[tuple[Device, list[int]]]:
         """Each device with live memory use and utilisation (where reported), and its jobs."""
-        daemon = self.daemon
-        daemon.inventory = refresh(daemon.inventory)
-        busy = daemon.store.busy_devices()
-        return [(d, [busy[d.index]] if d.index in busy else []) for d in daemon.inventory.devices]
+        busy = self.daemon.store.busy_devices()
+        return [(d, [busy[d.index]] if d.index in busy else []) for d in self.daemon.current_devices()]
 
     def subscribe(self) -> contextlib.AbstractContextManager[asyncio.Queue[int]]:
         """A queue of the ids of jobs that change while the context is open."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from singularityd.core.jobs import Activity
 from singularityd.core.states import JobState
 from singularityd.scheduling.policy import Plan, QueuedJob, RunningJob, plan_starts
+from singularityd.store import JobRecord
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,20 @@ class JobView:
     started_at: float = 0.0
     cancel_requested: bool = False
     activity: Activity = field(default_factory=Activity)
+
+    @classmethod
+    def of(cls, job: JobRecord, activity: Activity) -> JobView:
+        """A stored job, with what is under way with its processes."""
+        return cls(
+            job.id,
+            job.state,
+            job.spec.priority,
+            job.spec.gpus,
+            job.devices,
+            job.started_at or 0.0,
+            job.cancel_requested,
+            activity,
+        )
 
 
 @dataclass(frozen=True)
