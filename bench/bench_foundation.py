@@ -111,7 +111,7 @@ def main() -> None:
             channel.close()
             stub = None
             for job_dir in (daemon.state_dir / "jobs").glob("*/init.pid"):
-                subprocess.run(["kill", "-9", job_dir.read_text().strip()], capture_output=True)
+                subprocess.run(["kill", "-9", job_dir.read_text().split()[0]], capture_output=True)
             daemon.stop()
     rows = [
         ("submit-to-running (singularityd)", latency, None),

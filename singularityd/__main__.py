@@ -1,6 +1,171 @@
-"""Entry point: `python -m singularityd` / `singularityd`."""
+"""Entry point of `singularityd`: the command line, config, logging, systemd notify, and the wiring.
 
-from singularityd.daemon import main
+Here the parts are chosen and connected: the store, the device inventory, how jobs reach their
+devices (the proxies, or directly), checkpoints (CRIU, or the reason there are none), the job
+processes, the daemon that drives them, and the API that serves the daemon to users.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Set before gRPC is imported: the daemon forks launchers, whose children always exec.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from singularityd import __version__
+from singularityd.api.server import ApiServer
+from singularityd.checkpoint import Checkpointer, CheckpointUnavailable, Criu, ImageStore, locate_criu
+from singularityd.checkpoint.coordinator import Checkpoints, CriuStatus, JobCheckpoints, NoCheckpoints
+from singularityd.config import OPTIONS, Config, ConfigError, load_config
+from singularityd.daemon import Daemon
+from singularityd.devices.access import DeviceAccess, DirectDevices, ProxiedDevices
+from singularityd.devices.inventory import Inventory, discover
+from singularityd.devices.proxies import ProxyPool
+from singularityd.jobs.processes import HostProcesses
+from singularityd.requests import Requests
+from singularityd.statedir import prepare_state
+from singularityd.store import Store, StoreError
+
+log = logging.getLogger("singularityd")
+
+
+def notify_systemd(message: str) -> None:
+    """Send a state line to systemd when it started us with Type=notify (no-op otherwise)."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(address)
+            sock.sendall(message.encode())
+        except OSError as error:
+            log.warning("cannot notify systemd at %s: %s", address, error)
+
+
+def device_access(config: Config, inventory: Inventory) -> DeviceAccess:
+    """The daemon's proxy servers when `device_proxy` is on, else the devices themselves."""
+    if not config.device_proxy:
+        return DirectDevices(nvml=inventory.kind == "nvml")
+    pool = ProxyPool(config.socket.parent, config.state_dir, inventory.devices, config.proxy_threads)
+    return ProxiedDevices(pool)
+
+
+async def checkpoints_for(config: Config, devices: DeviceAccess) -> Checkpoints:
+    """CRIU checkpoints when a usable CRIU is found, else the reason there are none."""
+    try:
+        info = await asyncio.to_thread(locate_criu, config.criu)
+    except CheckpointUnavailable as error:
+        log.warning("checkpoints unavailable: %s", error)
+        return NoCheckpoints(CriuStatus("", "", str(error)))
+    images = ImageStore(config.checkpoints)
+    checkpointer = Checkpointer(
+        Criu(info), images, keep=config.checkpoint_keep, pre_copy=config.checkpoint_pre_copy
+    )
+    log.info("CRIU %s (%s); checkpoints in %s", info.version_text, info.source, config.checkpoints)
+    return JobCheckpoints(checkpointer, devices, CriuStatus(" ".join(info.argv), info.version_text, ""))
+
+
+async def build_daemon(config: Config) -> Daemon:
+    """Take the state directory and connect the daemon's parts (nothing runs yet)."""
+    store = Store(config.database)
+    inventory = discover(config.devices, config.virtual_devices, config.virtual_device_memory_gib)
+    log.info("%d %s device(s); NVML %s", len(inventory.devices), inventory.kind, inventory.nvml_status)
+    devices = device_access(config, inventory)
+    processes = HostProcesses(
+        config.jobs_dir, pid_namespace=not config.user_mode, kill_grace_seconds=config.kill_grace_seconds
+    )
+    checkpoints = await checkpoints_for(config, devices)
+    return Daemon(config, store, inventory, processes, checkpoints, devices)
+
+
+async def serve(config: Config) -> None:
+    """Run the daemon until SIGTERM or SIGINT."""
+    lock = prepare_state(config)
+    try:
+        daemon = await build_daemon(config)
+        await daemon.start()
+        api = ApiServer(Requests(daemon), config)
+        await api.start()
+        log.info("singularityd %s listening on %s", __version__, config.socket)
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        notify_systemd(f"READY=1\nSTATUS=serving on {config.socket}\nMAINPID={os.getpid()}")
+        await stop.wait()
+        log.info("stopping (running jobs keep running and are re-adopted on restart)")
+        notify_systemd("STOPPING=1")
+        await api.stop()
+        await daemon.stop()
+    finally:
+        lock.close()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The daemon's command line; every flag overrides the config file and environment."""
+    parser = argparse.ArgumentParser(
+        prog="singularityd",
+        description="The singularityd daemon. Options come from defaults, the config file, "
+        "SING_* environment variables and these flags, later ones winning.",
+    )
+    parser.add_argument("--config", type=Path, help="TOML config file (env SING_CONFIG)")
+    parser.add_argument("--socket", help="API socket path (env SING_SOCKET)")
+    parser.add_argument("--state-dir", help="state directory (env SING_STATE_DIR)")
+    parser.add_argument("--devices", choices=["auto", "nvml", "virtual"], help="device source")
+    parser.add_argument("--virtual-devices", type=int, help="number of virtual devices")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--show-config", action="store_true", help="print the effective configuration and exit"
+    )
+    parser.add_argument("--version", action="version", version=f"singularityd {__version__}")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `singularityd`."""
+    args = parse_args(argv)
+    try:
+        config = load_config(
+            args.config,
+            overrides={
+                "socket": args.socket,
+                "state_dir": args.state_dir,
+                "devices": args.devices,
+                "virtual_devices": args.virtual_devices,
+                "log_level": args.log_level,
+            },
+        )
+    except ConfigError as error:
+        print(f"singularityd: {error}", file=sys.stderr)
+        sys.exit(2)
+    if args.show_config:
+        for name, doc in OPTIONS.items():
+            print(f"# {doc}\n{name} = {getattr(config, name)!r}\n")
+        return
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        asyncio.run(serve(config))
+    except (ConfigError, StoreError, RuntimeError) as error:
+        print(f"singularityd: {error}", file=sys.stderr)
+        sys.exit(2)
+    except PermissionError as error:
+        print(f"singularityd: permission denied: {error.filename or error}", file=sys.stderr)
+        sys.exit(2)
+
 
 if __name__ == "__main__":
     main()

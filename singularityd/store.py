@@ -14,7 +14,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from singularityd.core.jobs import JobState, Transition
+from singularityd.core.states import JobState, Transition
+from singularityd.errors import StoreUnwritable
 
 SCHEMA_VERSION = 1
 
@@ -162,13 +163,17 @@ class Store:
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
-        self._db.execute("BEGIN IMMEDIATE")
+        """One write transaction; a database that cannot be written raises StoreUnwritable."""
         try:
-            yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+        except sqlite3.Error as error:
+            raise StoreUnwritable(f"the daemon cannot write its state database: {error}") from error
 
     # Jobs
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from singularityd.runtime import process_start_ticks
+from singularityd.jobs.processes import process_start_ticks
 from tests.helpers import Daemon, running_daemon
 
 requires_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (users, PID namespaces)")

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +49,25 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 20.0, interval: fl
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {predicate}")
         time.sleep(interval)
+
+
+class PrintedLines:
+    """The lines a running process prints, collected by a thread as they come."""
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        assert process.stdout is not None
+        self.lines: list[str] = []
+        self._stream = process.stdout
+        self._thread = threading.Thread(target=self._collect, daemon=True)
+        self._thread.start()
+
+    def _collect(self) -> None:
+        for line in self._stream:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, predicate: Callable[[list[str]], Any], timeout: float = 60.0) -> Any:
+        """Wait until the predicate holds for the lines printed so far; returns its value."""
+        return wait_until(lambda: predicate(list(self.lines)), timeout)
 
 
 @dataclass

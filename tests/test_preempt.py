@@ -2,7 +2,8 @@
 
 The proof is bitwise: the job's output (every step's loss and the final weight checksum) under
 preemption, suspension, in-place checkpoints, crashes and corrupt images equals the output of the
-same unmodified script run once without interruption.
+same unmodified script run once without interruption. A job that must still be running when an
+operation hits it holds before its checksum until the test creates its release file.
 """
 
 from __future__ import annotations
@@ -44,9 +45,18 @@ def uninterrupted_output(steps: int = STEPS) -> str:
     return done.stdout
 
 
-def submit_training(daemon: Daemon, *options: str, steps: int = STEPS, user: str | None = None) -> int:
+def release_file(daemon: Daemon) -> Path:
+    """The file whose creation lets held jobs finish (in a folder every job's user can read)."""
+    return daemon.root / "release"
+
+
+def submit_training(
+    daemon: Daemon, *options: str, steps: int = STEPS, user: str | None = None, hold: Path | None = None
+) -> int:
+    """Submit the training script; with `hold` it cannot end before that file exists."""
     env_options = [f"--env={key}={value}" for key, value in JOB_ENV.items()]
-    return daemon.submit(*train_command(steps), options=[*env_options, *options], user=user)
+    command = train_command(steps) + (["--hold", str(hold)] if hold else [])
+    return daemon.submit(*command, options=[*env_options, *options], user=user)
 
 
 def steps_done(daemon: Daemon, job_id: int) -> int:
@@ -58,9 +68,11 @@ def steps_done(daemon: Daemon, job_id: int) -> int:
         return 0
 
 
-def wait_progress(daemon: Daemon, job_id: int, beyond: int) -> int:
-    """Wait until the job has printed more than `beyond` steps; return how many it has."""
-    return int(wait_until(lambda: (n := steps_done(daemon, job_id)) > beyond and n, timeout=60))
+def wait_progress(daemon: Daemon, job_id: int, beyond: int, steps: int = STEPS) -> int:
+    """Wait until the job has printed more than `beyond` steps (or all of them, when it holds at
+    the end); return how many it has."""
+    target = min(beyond, steps - 1)
+    return int(wait_until(lambda: (n := steps_done(daemon, job_id)) > target and n, timeout=60))
 
 
 def events(daemon: Daemon, job_id: int) -> list[dict[str, Any]]:
@@ -83,7 +95,8 @@ def test_preempt_resume_and_checkpoint_are_bitwise_exact(cr_daemon: Daemon) -> N
     rng = random.Random(20261129)
     operations = ["preempt"] * 5 + ["checkpoint"] * 3
     rng.shuffle(operations)
-    job = submit_training(cr_daemon)
+    release = release_file(cr_daemon)
+    job = submit_training(cr_daemon, hold=release)
     cr_daemon.wait_state(job, "RUNNING")
     progress = 0
     for operation in operations:
@@ -95,8 +108,8 @@ def test_preempt_resume_and_checkpoint_are_bitwise_exact(cr_daemon: Daemon) -> N
             assert result.out.startswith(f"job {job}: checkpoint ")
         else:
             cr_daemon.wait_state(job, "RUNNING")
-    assert steps_done(cr_daemon, job) < STEPS, "every operation must hit the job while it trains"
     preempts = operations.count("preempt")
+    release.touch()
     assert cr_daemon.sing("wait", str(job), timeout=300).code == 0
     assert cr_daemon.sing("logs", str(job)).out == expected
     reasons = [e["reason"] for e in events(cr_daemon, job)]
@@ -107,9 +120,10 @@ def test_preempt_resume_and_checkpoint_are_bitwise_exact(cr_daemon: Daemon) -> N
 
 
 def test_suspend_hold_and_resume(cr_daemon: Daemon) -> None:
-    job = submit_training(cr_daemon, steps=120)
+    release = release_file(cr_daemon)
+    job = submit_training(cr_daemon, steps=120, hold=release)
     cr_daemon.wait_state(job, "RUNNING")
-    wait_progress(cr_daemon, job, 10)
+    wait_progress(cr_daemon, job, 10, steps=120)
     assert cr_daemon.sing("suspend", str(job)).code == 0
     held = cr_daemon.job(job)
     assert held["state"] == "SUSPENDED" and held["devices"] == []
@@ -119,19 +133,22 @@ def test_suspend_hold_and_resume(cr_daemon: Daemon) -> None:
     assert steps_done(cr_daemon, job) == frozen and cr_daemon.job(job)["state"] == "SUSPENDED"
     again = cr_daemon.sing("resume", str(job))
     assert again.code == 0, again.err
+    release.touch()
     assert cr_daemon.sing("wait", str(job), timeout=300).code == 0
     assert cr_daemon.sing("logs", str(job)).out == uninterrupted_output(120)
 
 
 def test_scheduler_preempts_lower_priority_job(daemon_root: Path) -> None:
     with running_daemon(daemon_root, virtual_devices=1) as daemon:
-        low = submit_training(daemon, "--priority", "0", steps=150)
+        release = release_file(daemon)
+        low = submit_training(daemon, "--priority", "0", steps=150, hold=release)
         daemon.wait_state(low, "RUNNING")
-        wait_progress(daemon, low, 10)
+        wait_progress(daemon, low, 10, steps=150)
         high = daemon.submit("sh", "-c", "echo urgent", options=["--priority", "10"])
         assert daemon.sing("wait", str(high), timeout=120).code == 0
         reasons = [e["reason"] for e in events(daemon, low)]
         assert any(r.startswith("preempted for a higher-priority job: checkpoint") for r in reasons), reasons
+        release.touch()
         assert daemon.sing("wait", str(low), timeout=300).code == 0
         assert daemon.sing("logs", str(low)).out == uninterrupted_output(150)
         high_events = events(daemon, high)
@@ -141,20 +158,21 @@ def test_scheduler_preempts_lower_priority_job(daemon_root: Path) -> None:
 def test_daemon_and_job_killed_resume_from_periodic_checkpoint(daemon_root: Path) -> None:
     expected = uninterrupted_output(200)
     with running_daemon(daemon_root, virtual_devices=1) as daemon:
-        job = submit_training(daemon, "--checkpoint-every", "1.5", steps=200)
+        release = release_file(daemon)
+        job = submit_training(daemon, "--checkpoint-every", "1.5", steps=200, hold=release)
         daemon.wait_state(job, "RUNNING")
         wait_until(
             lambda: sum("periodic checkpoint" in e["reason"] for e in events(daemon, job)) >= 2, timeout=120
         )
-        before = steps_done(daemon, job)
-        assert 0 < before < 200
+        assert steps_done(daemon, job) > 0
         supervisor = daemon.supervisor_pid(job)
         daemon.stop(signal.SIGKILL)
         os.kill(supervisor, signal.SIGKILL)  # PID 1 of the job's namespace: every rank dies with it
         wait_until(lambda: process_gone(supervisor), timeout=60)
         daemon.start()
-        lost = daemon.wait_state(job, "RUNNING", "PREEMPTED", "COMPLETED", timeout=60)
+        lost = daemon.wait_state(job, "RUNNING", "PREEMPTED", timeout=60)
         assert lost["state"] != "FAILED"
+        release.touch()
         assert daemon.sing("wait", str(job), timeout=300).code == 0
         reasons = [e["reason"] for e in events(daemon, job)]
         assert any("queued to resume from its last checkpoint" in r for r in reasons), reasons
@@ -175,11 +193,12 @@ def newest_checkpoint(daemon: Daemon, job_id: int) -> Path:
 
 
 def test_corrupt_newest_image_falls_back_to_previous(cr_daemon: Daemon) -> None:
-    job = submit_training(cr_daemon, steps=150)
+    release = release_file(cr_daemon)
+    job = submit_training(cr_daemon, steps=150, hold=release)
     cr_daemon.wait_state(job, "RUNNING")
-    wait_progress(cr_daemon, job, 20)
+    wait_progress(cr_daemon, job, 20, steps=150)
     assert cr_daemon.sing("checkpoint", str(job)).code == 0
-    wait_progress(cr_daemon, job, steps_done(cr_daemon, job) + 10)
+    wait_progress(cr_daemon, job, steps_done(cr_daemon, job) + 10, steps=150)
     assert cr_daemon.sing("suspend", str(job)).code == 0
     newest = newest_checkpoint(cr_daemon, job)
     pages = max((p for p in newest.rglob("pages-*.img")), key=lambda p: p.stat().st_size)
@@ -187,6 +206,7 @@ def test_corrupt_newest_image_falls_back_to_previous(cr_daemon: Daemon) -> None:
         handle.seek(pages.stat().st_size // 2)
         handle.write(b"\xff\x00\xff\x00 corrupt")
     assert cr_daemon.sing("resume", str(job)).code == 0
+    release.touch()
     assert cr_daemon.sing("wait", str(job), timeout=300).code == 0
     reasons = [e["reason"] for e in events(cr_daemon, job)]
     skipped = [r for r in reasons if r.startswith("checkpoint ") and " not used: " in r]
@@ -298,7 +318,7 @@ DDP_SCRIPT = REPO / "tests" / "workloads" / "train_ddp.py"
 
 def direct_ddp_outputs(steps: int) -> list[str]:
     """Both ranks' stdout when the script runs directly, torchrun-style, without singularityd."""
-    from singularityd.runtime import free_tcp_port
+    from singularityd.jobs.launch import free_tcp_port
 
     port = str(free_tcp_port())
     ranks = []
@@ -317,16 +337,26 @@ def test_two_rank_job_preempted_and_restored_exactly(cr_daemon: Daemon) -> None:
     steps = 120
     expected = direct_ddp_outputs(steps)
     env_options = [f"--env={key}={value}" for key, value in JOB_ENV.items()]
-    command = [sys.executable, str(DDP_SCRIPT), "--steps", str(steps), "--sleep", "0.02"]
+    release = release_file(cr_daemon)
+    command = [
+        sys.executable,
+        str(DDP_SCRIPT),
+        "--steps",
+        str(steps),
+        "--sleep",
+        "0.02",
+        "--hold",
+        str(release),
+    ]
     job = cr_daemon.submit(*command, options=[*env_options, "--ranks", "2"])
     cr_daemon.wait_state(job, "RUNNING")
     progress = 0
     for _ in range(2):
-        progress = wait_progress(cr_daemon, job, progress + 10)
+        progress = wait_progress(cr_daemon, job, progress + 10, steps=steps)
         result = cr_daemon.sing("preempt", str(job))
         assert result.code == 0, result.err
         cr_daemon.wait_state(job, "RUNNING")
-    assert steps_done(cr_daemon, job) < steps
+    release.touch()
     assert cr_daemon.sing("wait", str(job), timeout=300).code == 0
     outputs = [cr_daemon.sing("logs", "--rank", str(rank), str(job)).out for rank in range(2)]
     assert outputs == expected
@@ -334,9 +364,10 @@ def test_two_rank_job_preempted_and_restored_exactly(cr_daemon: Daemon) -> None:
 
 def test_a_client_giving_up_does_not_strand_the_checkpoint(cr_daemon: Daemon) -> None:
     """A `sing preempt` killed while the checkpoint runs: the daemon still finishes it properly."""
-    job = submit_training(cr_daemon, steps=150)
+    release = release_file(cr_daemon)
+    job = submit_training(cr_daemon, steps=150, hold=release)
     cr_daemon.wait_state(job, "RUNNING")
-    wait_progress(cr_daemon, job, 10)
+    wait_progress(cr_daemon, job, 10, steps=150)
     env = {**os.environ, "SING_SOCKET": str(cr_daemon.socket)}
     impatient = subprocess.Popen([sys.executable, "-m", "singularity.cli.main", "preempt", str(job)], env=env)
     wait_until(lambda: any("preempt requested" in e["reason"] for e in events(cr_daemon, job)), timeout=60)
@@ -346,5 +377,6 @@ def test_a_client_giving_up_does_not_strand_the_checkpoint(cr_daemon: Daemon) ->
     cr_daemon.wait_state(job, "RUNNING")
     again = cr_daemon.sing("checkpoint", str(job))
     assert again.code == 0, again.err
+    release.touch()
     assert cr_daemon.sing("wait", str(job), timeout=300).code == 0
     assert cr_daemon.sing("logs", str(job)).out == uninterrupted_output(150)

@@ -1,6 +1,7 @@
-"""Checkpoints of job process trees with CRIU: driver, image store, and the daemon's entry point.
+"""Checkpoints of job process trees with CRIU: driver, image store, and the checkpointer.
 
-Typical use by the daemon:
+The daemon itself goes through singularityd.checkpoint.coordinator, which adds the job's device
+state (saved and restored by the device proxies) to what is exported here. Typical use:
 
     info = locate_criu(config.criu)            # once at start-up; CheckpointUnavailable says why not
     cp = Checkpointer(Criu(info), ImageStore(state_dir / "checkpoints"), keep=3, pre_copy=1)

@@ -24,8 +24,8 @@ from typing import Any
 
 from singularity.proxy import bootstrap_path
 from singularity.proxy.control import ControlError, ProxyControl, client_sockets, open_restored_connection
-from singularityd.devices import Device
-from singularityd.runtime import ProcessWatch
+from singularityd.devices.inventory import Device
+from singularityd.jobs.processes import ProcessWatch
 
 log = logging.getLogger(__name__)
 

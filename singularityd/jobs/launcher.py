@@ -1,10 +1,11 @@
 """Start one job: a supervisor (the job's init) that runs the ranks as the submitting user.
 
-Run by the daemon as `python -S launcher.py SPEC.json`; it imports only the standard library so
-it starts fast and never depends on the daemon's packages. As root it puts the job in a new PID
-namespace (so a CRIU restore never needs the original PIDs), forks the supervisor, prints the
-supervisor's host PID and exits: the supervisor outlives the daemon, and records the job's exit
-status in a file, so a restarted daemon can re-adopt the job or learn how it ended.
+Run by the daemon (singularityd.jobs.launch) as `python -S launcher.py SPEC.json`; it imports
+only the standard library so it starts fast and never depends on the daemon's packages. As root
+it puts the job in a new PID namespace (so a CRIU restore never needs the original PIDs), forks
+the supervisor, prints the supervisor's host PID and exits: the supervisor outlives the daemon,
+and records the job's exit status in a file, so a restarted daemon can re-adopt the job or learn
+how it ended.
 
 The supervisor itself stays root (CRIU can only restore a PID namespace whose init is root, and
 the status file lives where the user cannot tamper with it); every rank drops to the user
