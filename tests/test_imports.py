@@ -18,7 +18,21 @@ from tests.helpers import REPO
 PACKAGES = {"singularityd": "singularityd", "cli": "singularity.cli", "proxy": "singularity.proxy"}
 # The in-job client's folder is put on the job's PYTHONPATH, so it imports itself top-level.
 IN_JOB_CLIENT = ("_singularity_proxy", "singularity.proxy.bootstrap._singularity_proxy")
-GRPC_ALLOWED = ("singularityd.api", "singularity.cli", "singularity.proxy.control")
+# The user API, the CLI, the proxy's control client, and the peer transport of the federation
+# (its second network API: the mTLS peer service, its channels, the join and transfer streams).
+# The federation's decisions (membership, hand-off, hosting checks, PKI) stay free of gRPC.
+GRPC_ALLOWED = (
+    "singularityd.api",
+    "singularity.cli",
+    "singularity.proxy.control",
+    "singularityd.federation.v1",
+    "singularityd.federation.tls",
+    "singularityd.federation.peer",
+    "singularityd.federation.join",
+    "singularityd.federation.transfer_grpc",
+    "singularityd.federation.heartbeat",
+    "singularityd.federation.driver",
+)
 
 
 def source_modules() -> dict[str, Path]:
