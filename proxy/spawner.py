@@ -31,7 +31,7 @@ from typing import Any
 
 MAX_REQUEST_BYTES = 64 << 10
 MAX_FDS = 16
-PRELOAD = ("torch", "singularity.proxy.server")
+PRELOAD = ("torch", "singularity.proxy.server.__main__")
 
 PR_SET_DUMPABLE = 4
 PR_CAPBSET_DROP = 24
@@ -155,8 +155,17 @@ def _clear_capabilities() -> None:
 
 
 def drop_privileges(uid: int, gid: int, groups: Sequence[int]) -> None:
-    """Become uid/gid with only `groups`, holding no capability and unable to gain any."""
+    """Become uid/gid with only `groups`, holding no capability and unable to gain any.
+
+    A spawner that is not root (a user-mode daemon) can only start processes as its own user;
+    they still lose the ability to gain privileges and to be traced or dumped.
+    """
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "PR_SET_NO_NEW_PRIVS")
+    if os.geteuid() != 0:
+        if uid != os.geteuid():
+            raise PermissionError(f"a spawner running as uid {os.geteuid()} cannot start uid {uid}")
+        _check(_libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "PR_SET_DUMPABLE")
+        return
     for capability in range(_last_capability() + 1):
         if _libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0) != 0 and ctypes.get_errno() != 22:
             _check(-1, f"PR_CAPBSET_DROP {capability}")
@@ -166,6 +175,14 @@ def drop_privileges(uid: int, gid: int, groups: Sequence[int]) -> None:
     _libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
     _clear_capabilities()
     _check(_libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "PR_SET_DUMPABLE")
+
+
+def entry_point(module_name: str) -> Any:
+    """The `main` of a module, or of its `__main__` when it is a package run with `python -m`."""
+    module = importlib.import_module(module_name)
+    if not hasattr(module, "main"):
+        module = importlib.import_module(f"{module_name}.__main__")
+    return module.main
 
 
 def _child(request: dict[str, Any], received: list[int], channel: socket.socket, report: int) -> None:
@@ -209,7 +226,7 @@ def _child(request: dict[str, Any], received: list[int], channel: socket.socket,
         os.environ.clear()
         os.environ.update({str(k): str(v) for k, v in request["env"].items()})
         sys.argv = [request["module"], *request["argv"]]
-        main = importlib.import_module(request["module"]).main
+        main = entry_point(request["module"])
         code = int(main(list(request["argv"])) or 0)
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else 1
