@@ -25,6 +25,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,6 +88,7 @@ class SpawnerClient:
     def __init__(self, python: str = sys.executable, preload: Sequence[str] = PRELOAD) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._channel = ours
+        self._lock = threading.Lock()
         command = [python, "-m", "singularity.proxy.spawner", "--channel-fd", str(theirs.fileno())]
         for module in preload:
             command += ["--preload", module]
@@ -107,8 +109,9 @@ class SpawnerClient:
         """Start a process as the request says; returns its PID (it is not this process's child)."""
         if len(request.fds) > MAX_FDS:
             raise SpawnError(f"at most {MAX_FDS} descriptors can be passed, not {len(request.fds)}")
-        socket.send_fds(self._channel, [request.message()], list(request.fds.values()))
-        reply = json.loads(self._channel.recv(MAX_REQUEST_BYTES) or b'{"error": "the spawner ended"}')
+        with self._lock:
+            socket.send_fds(self._channel, [request.message()], list(request.fds.values()))
+            reply = json.loads(self._channel.recv(MAX_REQUEST_BYTES) or b'{"error": "the spawner ended"}')
         if "error" in reply:
             raise SpawnError(str(reply["error"]))
         return int(reply["pid"])

@@ -15,6 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
+
 from tests.conftest import requires_root
 from tests.helpers import Daemon, ensure_user, running_daemon, wait_until
 from tests.proxy.conftest import PROGRAMS, PYTHON, base_env
@@ -153,7 +155,15 @@ def test_proxy_servers_survive_a_daemon_restart(daemon_root: Path) -> None:
         release.touch()
         assert daemon.sing("wait", str(job), timeout=300).code == 0
         assert daemon.sing("logs", str(job)).out == expected
-        wait_until(lambda: not os.path.exists(f"/proc/{pid}"))
+        wait_until(functools.partial(ended, pid))
+
+
+def ended(pid: int) -> bool:
+    """Whether the process is gone (or a zombie: reaping orphans is init's business)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 ATTACK = """
@@ -202,5 +212,5 @@ def test_job_device_work_runs_with_the_users_privileges_only(daemon: Daemon) -> 
     assert f"serves job {job}, not '4242'" in hello_as("sing-alice", "4242")
     assert daemon.sing("cancel", str(job)).code == 0
     daemon.wait_state(job, "CANCELLED")
-    wait_until(lambda: not os.path.exists(f"/proc/{pid}"))
+    wait_until(functools.partial(ended, pid))
     assert not socket_path.parent.exists(), "the job's sockets and temporary files are gone with it"

@@ -163,6 +163,8 @@ class JobProxies:
         self._make_spawner = spawner
         self._spawner: concurrent.futures.Future[SpawnerClient] | None = None
         self._watches: dict[tuple[int, int], ProcessWatch] = {}
+        self._starting: dict[int, asyncio.Future[None]] = {}
+        """Jobs whose servers are being spawned (forgetting a job makes late ones stop)."""
         self._owner_mode = os.geteuid() == 0
 
     # -- places -------------------------------------------------------------------------------------
@@ -242,47 +244,77 @@ class JobProxies:
 
     # -- a job's servers ---------------------------------------------------------------------------
     async def admit(self, job_id: int, identity: JobIdentity, devices: Sequence[int]) -> None:
-        """Start the job's servers, one per device, as the job's user (replacing any left over)."""
+        """Start the job's servers, one per device, as the job's user (replacing any left over).
+
+        The sockets are bound at once, so the job may start and connect right away: its
+        connections wait in the sockets' backlog until the servers, spawned in the background,
+        accept them. If a server cannot start, its sockets are closed and the job's
+        connections fail instead of waiting.
+        """
         if self._spawner is None:
             raise ProxyError("the proxy servers are not started")
-        try:
-            spawner = await asyncio.wrap_future(self._spawner)
-        except (SpawnError, OSError) as error:
-            raise ProxyError(f"the proxy spawner did not start: {error}") from error
         self.forget(job_id)
         owner = (identity.uid, identity.gid) if self._owner_mode else None
-        started: list[tuple[int, int]] = []
-
-        def spawn_all() -> None:
-            _private_folder(self.job_dir(job_id), None, 0o711)
-            temporary = self.job_dir(job_id) / "tmp"
-            _private_folder(temporary, owner, 0o700)
-            for index, device in enumerate(devices):
-                pid = self._start_server(spawner, job_id, identity, index, device, owner, temporary)
-                started.append((device, pid))
-
+        _private_folder(self.job_dir(job_id), None, 0o711)
+        temporary = self.job_dir(job_id) / "tmp"
+        _private_folder(temporary, owner, 0o700)
+        bound: list[tuple[int, int, socket.socket, socket.socket]] = []
         try:
-            await asyncio.to_thread(spawn_all)
-        finally:
-            for device, pid in started:
-                self._watch(job_id, device, pid)
-        if len(started) < len(devices):
+            for index, device in enumerate(devices):
+                data = _listening_socket(self.socket_path(job_id, device), owner, 0o600)
+                control = _listening_socket(self.control(job_id, device), None, 0o600)
+                bound.append((index, device, data, control))
+        except BaseException:
+            for _, _, data, control in bound:
+                data.close()
+                control.close()
             self.forget(job_id)
+            raise
+        task = asyncio.ensure_future(self._spawn_servers(job_id, identity, temporary, bound))
+        self._starting[job_id] = task
 
-    def _start_server(
+        def done(finished: asyncio.Future[None]) -> None:
+            if self._starting.get(job_id) is finished:
+                del self._starting[job_id]
+
+        task.add_done_callback(done)
+
+    async def _spawn_servers(
         self,
-        spawner: SpawnerClient,
+        job_id: int,
+        identity: JobIdentity,
+        temporary: Path,
+        bound: list[tuple[int, int, socket.socket, socket.socket]],
+    ) -> None:
+        """Spawn the server of each bound device; close each device's sockets once handed over."""
+        try:
+            assert self._spawner is not None
+            spawner = await asyncio.wrap_future(self._spawner)
+            for index, device, data, control in bound:
+                request = self._request(job_id, identity, index, device, temporary, data, control)
+                pid = await asyncio.to_thread(spawner.spawn, request)
+                data.close()
+                control.close()
+                self._note_started(job_id, device, pid, identity.uid)
+        except (SpawnError, OSError) as error:
+            log.error("job %d: cannot start its proxy servers: %s", job_id, error)
+        finally:
+            for _, _, data, control in bound:
+                data.close()
+                control.close()
+
+    def _request(
+        self,
         job_id: int,
         identity: JobIdentity,
         index: int,
         device: int,
-        owner: tuple[int, int] | None,
         temporary: Path,
-    ) -> int:
-        """Spawn the server of one device of the job on freshly bound sockets; its PID."""
+        data: socket.socket,
+        control: socket.socket,
+    ) -> SpawnRequest:
+        """What the spawner is asked for to start the server of one device of the job."""
         spec = self.devices[device]
-        data = _listening_socket(self.socket_path(job_id, device), owner, 0o600)
-        control = _listening_socket(self.control(job_id, device), None, 0o600)
         argv = [
             "--socket", str(self.socket_path(job_id, device)), "--listen-fd", str(LISTEN_FD),
             "--control-fd", str(CONTROL_FD), "--device-index", str(index),
@@ -291,7 +323,7 @@ class JobProxies:
         ]  # fmt: skip
         if spec.kind == "nvml":
             argv += ["--cuda-device", str(device)]
-        request = SpawnRequest(
+        return SpawnRequest(
             module="singularity.proxy.server",
             argv=argv,
             uid=identity.uid,
@@ -301,22 +333,20 @@ class JobProxies:
             fds={LISTEN_FD: data.fileno(), CONTROL_FD: control.fileno()},
             log_path=str(self._log(job_id, device)),
         )
-        try:
-            pid = spawner.spawn(request)
-        except (SpawnError, OSError) as error:
-            raise ProxyError(f"cannot start the proxy server of device {device}: {error}") from error
-        finally:
-            data.close()
-            control.close()
-        ticks = process_start_ticks(pid) or 0
+
+    def _note_started(self, job_id: int, device: int, pid: int, uid: int) -> None:
+        """Record and watch a server that started (or stop it, if its job was forgotten meanwhile)."""
+        if job_id not in self._starting:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            return
         record = self._record(job_id, device)
         temporary_record = record.with_suffix(".tmp")
+        ticks = process_start_ticks(pid) or 0
         temporary_record.write_text(json.dumps({"job": job_id, "device": device, "pid": pid, "ticks": ticks}))
         temporary_record.replace(record)
-        log.info(
-            "job %d: proxy server of device %d started as uid %d (pid %d)", job_id, device, identity.uid, pid
-        )
-        return pid
+        log.info("job %d: proxy server of device %d started as uid %d (pid %d)", job_id, device, uid, pid)
+        self._watch(job_id, device, pid)
 
     def _watch(self, job_id: int, device: int, pid: int) -> None:
         self._watches[(job_id, device)] = ProcessWatch(pid, lambda: self._ended(job_id, device, pid))
@@ -331,6 +361,7 @@ class JobProxies:
 
     def forget(self, job_id: int) -> None:
         """Stop the job's servers and remove everything they had: sockets, temporary files, records."""
+        self._starting.pop(job_id, None)
         for job, device in [key for key in self._watches if key[0] == job_id]:
             watch = self._watches.pop((job, device))
             watch.signal(signal.SIGKILL)
@@ -365,6 +396,9 @@ class JobProxies:
         self, job_id: int, devices: Sequence[int], call: Callable[[ProxyControl, int], Any]
     ) -> None:
         """Run a control call on each of the job's servers (index i is the job's cuda:i)."""
+        starting = self._starting.get(job_id)
+        if starting is not None:
+            await asyncio.shield(starting)
         live = [(index, device) for index, device in enumerate(devices) if self.running(job_id, device)]
 
         def run() -> None:
