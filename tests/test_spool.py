@@ -20,6 +20,7 @@ import pytest
 from singularityd.observe.spool import (
     DONE_DIR,
     SPOOL_MODE,
+    Spool,
     SpoolRefusal,
     folder_problem,
     job_arguments,
@@ -146,6 +147,28 @@ def test_unsafe_files_are_refused(tmp_path: Path) -> None:
             read_job_file(fd, "good.toml", uid)
     finally:
         os.close(fd)
+
+
+def test_a_done_folder_the_daemon_does_not_own_keeps_the_spool_off(tmp_path: Path) -> None:
+    folder = tmp_path / "spool"
+    folder.mkdir()
+    os.chmod(folder, SPOOL_MODE)
+    (tmp_path / "elsewhere").mkdir()
+    (folder / DONE_DIR).symlink_to(tmp_path / "elsewhere")
+
+    def never(caller: object, args: object) -> object:
+        raise AssertionError("nothing may be submitted")
+
+    spool = Spool(folder, never, lambda handled: None)  # type: ignore[arg-type]
+    with pytest.raises(OSError):
+        spool.start()
+    spool.stop()
+    (folder / DONE_DIR).unlink()
+    (folder / DONE_DIR).mkdir(mode=0o777)
+    os.chmod(folder / DONE_DIR, 0o777)
+    with pytest.raises(SpoolRefusal, match="must belong to the daemon, writable by it alone"):
+        spool.start()
+    spool.stop()
 
 
 async def test_a_folder_watch_reports_written_and_moved_in_files(tmp_path: Path) -> None:

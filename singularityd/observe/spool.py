@@ -243,6 +243,7 @@ class Spool:
         self.daemon_uid = os.geteuid()
         self._watch = FolderWatch(folder, self.handle, self._created)
         self._folder_fd: int | None = None
+        self._done_fd: int | None = None
 
     def start(self) -> None:
         """Create the folder if needed, submit the files already there, then watch for new ones.
@@ -253,14 +254,19 @@ class Spool:
         with contextlib.suppress(FileExistsError):
             self.folder.mkdir(parents=True)
             os.chmod(self.folder, mode)
-        fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = self._folder_fd = os.open(self.folder, flags)
         problem = folder_problem(os.fstat(fd), self.daemon_uid)
         if problem:
-            os.close(fd)
             raise SpoolRefusal(problem)
-        self._folder_fd = fd
         with contextlib.suppress(FileExistsError):
             os.mkdir(DONE_DIR, 0o711, dir_fd=fd)
+        # Submitted files are moved into done/ by root: it must be the daemon's own folder, never
+        # a link or a folder a user made (the sticky spool lets anyone create entries).
+        done = self._done_fd = os.open(DONE_DIR, flags, dir_fd=fd)
+        info = os.fstat(done)
+        if info.st_uid != self.daemon_uid or info.st_mode & 0o022:
+            raise SpoolRefusal(f"{self.folder / DONE_DIR} must belong to the daemon, writable by it alone")
         self._watch.start()
         for name in sorted(os.listdir(fd)):
             self.handle(name)
@@ -268,9 +274,10 @@ class Spool:
     def stop(self) -> None:
         """Stop watching the folder."""
         self._watch.stop()
-        if self._folder_fd is not None:
-            os.close(self._folder_fd)
-            self._folder_fd = None
+        for fd in (self._folder_fd, self._done_fd):
+            if fd is not None:
+                os.close(fd)
+        self._folder_fd = self._done_fd = None
 
     def _created(self, name: str) -> None:
         """A new entry: a link (symbolic or hard) or anything but a plain file is refused at once;
@@ -308,16 +315,15 @@ class Spool:
 
     def _move_done(self, name: str, before: os.stat_result, job_id: int) -> None:
         """Move a submitted file to done/NAME.<id>.toml (unless its owner replaced it meanwhile)."""
-        fd = self._folder_fd
-        assert fd is not None
+        fd, done = self._folder_fd, self._done_fd
+        assert fd is not None and done is not None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name + ERROR_SUFFIX, dir_fd=fd)
         try:
             now = os.stat(name, dir_fd=fd, follow_symlinks=False)
             if (now.st_dev, now.st_ino) != (before.st_dev, before.st_ino):
                 return  # a new file under the same name: it gets its own turn
-            done = f"{DONE_DIR}/{name[: -len(SUFFIX)]}.{job_id}{SUFFIX}"
-            os.rename(name, done, src_dir_fd=fd, dst_dir_fd=fd)
+            os.rename(name, f"{name[: -len(SUFFIX)]}.{job_id}{SUFFIX}", src_dir_fd=fd, dst_dir_fd=done)
         except OSError as error:
             log.error("spool: job %d submitted, but %s could not be moved aside: %s", job_id, name, error)
 
