@@ -168,6 +168,17 @@ class ProxyPool:
         """Whether the device's server has been started (it holds state only then)."""
         return index in self._watches
 
+    def status(self, index: int, timeout: float = 2.0) -> dict[str, Any] | None:
+        """What the device's server reports (memory, work done, sessions); None when it is not
+        running or does not answer. Blocking: call it from a thread, never the event loop."""
+        if not self.running(index):
+            return None
+        try:
+            with ProxyControl(self.control(index), timeout=timeout) as proxy:
+                return proxy.status()
+        except (OSError, EOFError, ControlError, ValueError):
+            return None
+
     def _recorded_pid(self, index: int) -> int | None:
         try:
             return int((self.state_dir / f"dev-{index}.pid").read_text())
