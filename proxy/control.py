@@ -108,7 +108,8 @@ class ProxyControl:
         return list(self._call("resume", job_id))
 
     def status(self) -> dict[str, Any]:
-        """Capacity, bytes in use and the jobs present on this device."""
+        """Capacity, bytes in use, work done so far (operations, batches, busy_seconds) and the
+        jobs present on this device."""
         return dict(self._call("status"))
 
     def stop(self) -> None:

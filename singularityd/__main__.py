@@ -2,7 +2,9 @@
 
 Here the parts are chosen and connected: the store, the device inventory, how jobs reach their
 devices (the proxies, or directly), checkpoints (CRIU, or the reason there are none), the job
-processes, the daemon that drives them, and the API that serves the daemon to users.
+processes, the daemon that drives them, the API that serves the daemon to users, and the
+observers (metrics, the spool directory). A changed config file (or SIGHUP) is read again and
+each live option handed to the part that uses it (`Running`).
 """
 
 from __future__ import annotations
@@ -24,12 +26,23 @@ from singularityd import __version__
 from singularityd.api.server import ApiServer
 from singularityd.checkpoint import Checkpointer, CheckpointUnavailable, Criu, ImageStore, locate_criu
 from singularityd.checkpoint.coordinator import Checkpoints, CriuStatus, JobCheckpoints, NoCheckpoints
-from singularityd.config import OPTIONS, Config, ConfigError, load_config
+from singularityd.config import (
+    LIVE_OPTIONS,
+    OPTIONS,
+    Config,
+    ConfigError,
+    ConfigSource,
+    reload_config,
+)
 from singularityd.daemon import Daemon
 from singularityd.devices.access import DeviceAccess, DirectDevices, ProxiedDevices
 from singularityd.devices.inventory import Inventory, discover
 from singularityd.devices.proxies import JobProxies
 from singularityd.jobs.processes import HostProcesses
+from singularityd.observe.feed import ConfigReloaded
+from singularityd.observe.metrics import DeviceSampler, Metrics
+from singularityd.observe.spool import Spool, SpoolRefusal
+from singularityd.observe.watch import FolderWatch
 from singularityd.requests import Requests
 from singularityd.statedir import prepare_state
 from singularityd.store import Store, StoreError
@@ -88,23 +101,142 @@ async def build_daemon(config: Config) -> Daemon:
     return Daemon(config, store, inventory, processes, checkpoints, devices)
 
 
-async def serve(config: Config) -> None:
-    """Run the daemon until SIGTERM or SIGINT."""
+class Running:
+    """The daemon's parts while it serves, and how a reloaded config reaches each of them."""
+
+    def __init__(self, source: ConfigSource, daemon: Daemon, api: ApiServer, requests: Requests) -> None:
+        self.source = source
+        self.config = daemon.config
+        self.daemon = daemon
+        self.api = api
+        self.requests = requests
+        pool = daemon.devices.pool if isinstance(daemon.devices, ProxiedDevices) else None
+        mode = "user" if self.config.user_mode else "system"
+        self.metrics = Metrics(DeviceSampler(daemon.inventory, pool), mode)
+        self.metrics.load(daemon.store)
+        daemon.feed.observe(self.metrics.observe)
+        self.spool: Spool | None = None
+        self._config_watch = FolderWatch(source.path.parent, self._config_file_changed)
+
+    def start(self) -> None:
+        """Open the metrics endpoint and the spool as configured; watch the config file."""
+        self._serve_metrics()
+        self._start_spool()
+        try:
+            self._config_watch.start()
+        except OSError as error:
+            log.info("not watching %s for changes (%s); SIGHUP reloads it", self.source.path, error)
+
+    def stop(self) -> None:
+        """Close the endpoint, stop the spool and the config watch."""
+        self._config_watch.stop()
+        self.metrics.stop_serving()
+        self._stop_spool()
+
+    def _config_file_changed(self, name: str) -> None:
+        if name == self.source.path.name:
+            self.reload()
+
+    def reload(self) -> None:
+        """Read the config file again; apply what may change live, report what needs a restart."""
+        try:
+            change = reload_config(self.config, self.source)
+        except ConfigError as error:
+            log.error("config reload failed, keeping the running configuration: %s", error)
+            self.daemon.feed.report(ConfigReloaded((), (), str(error)))
+            return
+        if not change.applied and not change.need_restart:
+            log.debug("config file %s read again: nothing changed", self.source.path)
+            return
+        self.reconfigure(change.config, tuple(change.applied))
+        if change.applied:
+            log.info("config reloaded from %s: %s", self.source.path, change.describe(change.applied))
+        if change.need_restart:
+            log.warning(
+                "config %s: %s: needs a restart to take effect (the running value stays)",
+                self.source.path,
+                change.describe(change.need_restart),
+            )
+        self.daemon.feed.report(ConfigReloaded(tuple(change.applied), tuple(change.need_restart)))
+
+    def reconfigure(self, config: Config, changed: tuple[str, ...]) -> None:
+        """Hand each changed live option to the part that uses it."""
+        assert set(changed) <= LIVE_OPTIONS
+        self.config = config
+        self.daemon.config = config  # default checkpoint interval, kill grace backstop
+        self.api.reconfigure(config)  # admin group, shutdown grace
+        logging.getLogger().setLevel(config.log_level.upper())
+        if isinstance(self.daemon.processes, HostProcesses):
+            self.daemon.processes.kill_grace_seconds = config.kill_grace_seconds
+        if isinstance(self.daemon.checkpoints, JobCheckpoints):
+            self.daemon.checkpoints.checkpointer.keep = config.checkpoint_keep
+            self.daemon.checkpoints.checkpointer.pre_copy = config.checkpoint_pre_copy
+        if {"metrics", "metrics_address", "metrics_port"} & set(changed):
+            self._serve_metrics()
+        if {"spool", "spool_dir"} & set(changed):
+            self._stop_spool()
+            self._start_spool()
+
+    def _serve_metrics(self) -> None:
+        """Open (or move, or close) the metrics endpoint as the config says."""
+        config = self.config
+        if not config.metrics:
+            if self.metrics.address is not None:
+                log.info("metrics endpoint closed")
+            self.metrics.stop_serving()
+            return
+        try:
+            host, port = self.metrics.serve(config.metrics_address, config.metrics_port)
+        except OSError as error:
+            log.warning(
+                "metrics endpoint off: cannot listen on %s:%d: %s",
+                config.metrics_address, config.metrics_port, error.strerror or error,
+            )  # fmt: skip
+            return
+        log.info("metrics on http://%s:%d/metrics", host, port)
+
+    def _start_spool(self) -> None:
+        config = self.config
+        if not config.spool:
+            return
+        spool = Spool(config.spool_folder, self.requests.submit, self.daemon.feed.report)
+        try:
+            spool.start()
+        except (OSError, SpoolRefusal) as error:
+            spool.stop()
+            log.error("spool directory %s off: %s", config.spool_folder, error)
+            return
+        self.spool = spool
+        log.info("spool directory %s: job files dropped there run as their owner", config.spool_folder)
+
+    def _stop_spool(self) -> None:
+        if self.spool is not None:
+            self.spool.stop()
+            self.spool = None
+
+
+async def serve(source: ConfigSource, config: Config) -> None:
+    """Run the daemon until SIGTERM or SIGINT; SIGHUP reads the config file again."""
     lock = prepare_state(config)
     try:
         daemon = await build_daemon(config)
+        requests = Requests(daemon)
+        api = ApiServer(requests, config)
+        running = Running(source, daemon, api, requests)
         await daemon.start()
-        api = ApiServer(Requests(daemon), config)
         await api.start()
+        running.start()
         log.info("singularityd %s listening on %s", __version__, config.socket)
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, running.reload)
         notify_systemd(f"READY=1\nSTATUS=serving on {config.socket}\nMAINPID={os.getpid()}")
         await stop.wait()
         log.info("stopping (running jobs keep running and are re-adopted on restart)")
         notify_systemd("STOPPING=1")
+        running.stop()
         await api.stop()
         await daemon.stop()
     finally:
@@ -134,23 +266,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `singularityd`."""
     args = parse_args(argv)
+    overrides = {
+        "socket": args.socket,
+        "state_dir": args.state_dir,
+        "devices": args.devices,
+        "virtual_devices": args.virtual_devices,
+        "log_level": args.log_level,
+    }
+    source = ConfigSource(args.config, dict(os.environ), overrides)
     try:
-        config = load_config(
-            args.config,
-            overrides={
-                "socket": args.socket,
-                "state_dir": args.state_dir,
-                "devices": args.devices,
-                "virtual_devices": args.virtual_devices,
-                "log_level": args.log_level,
-            },
-        )
+        config = source.load()
     except ConfigError as error:
         print(f"singularityd: {error}", file=sys.stderr)
         sys.exit(2)
     if args.show_config:
         for name, doc in OPTIONS.items():
-            print(f"# {doc}\n{name} = {getattr(config, name)!r}\n")
+            when = "changes live on reload" if name in LIVE_OPTIONS else "changes need a restart"
+            print(f"# {doc} ({when})\n{name} = {getattr(config, name)!r}\n")
         return
     logging.basicConfig(
         level=config.log_level.upper(),
@@ -158,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
         stream=sys.stderr,
     )
     try:
-        asyncio.run(serve(config))
+        asyncio.run(serve(source, config))
     except (ConfigError, StoreError, RuntimeError) as error:
         print(f"singularityd: {error}", file=sys.stderr)
         sys.exit(2)

@@ -58,7 +58,7 @@ from singularityd.errors import StateConflict, not_found
 from singularityd.jobs import work
 from singularityd.jobs.processes import Processes, ProcessId
 from singularityd.jobs.record import JobRuntime
-from singularityd.observe.feed import ChangeFeed
+from singularityd.observe.feed import ChangeFeed, JobDecided, RoundPlanned
 from singularityd.scheduling.round import ClusterView, JobView, plan_round
 from singularityd.store import JobRecord, Store
 
@@ -212,6 +212,7 @@ class Daemon:
             state = decision.transition.to_state
         if decision.activity is not None:
             self.records.setdefault(job_id, JobRuntime(job_id)).update(decision.activity)
+        self.feed.report(JobDecided(job_id, job.spec.user, job.state, facts.activity, stimulus, decision))
         for action in decision.actions:
             self._carry_out(job, state, action)
         self.feed.publish(job_id)
@@ -367,6 +368,7 @@ class Daemon:
 
     def _schedule(self) -> None:
         self._schedule_requested = False
+        began = time.perf_counter()
         view = self.cluster_view()
         if not view.queued:
             return
@@ -378,3 +380,5 @@ class Daemon:
         self.store.set_pending_reasons(plan.pending_reasons)
         for job_id in plan.pending_reasons:
             self.feed.publish(job_id)
+        seconds = time.perf_counter() - began
+        self.feed.report(RoundPlanned(seconds, len(view.queued), len(plan.starts), len(plan.preemptions)))

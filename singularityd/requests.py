@@ -34,6 +34,7 @@ from singularityd.identity import Caller
 from singularityd.jobs.logs import read_log
 from singularityd.jobs.processes import Usage
 from singularityd.jobs.submission import SubmitArgs, validated_spec
+from singularityd.observe.feed import JobSubmitted
 from singularityd.store import EventRecord, JobRecord
 
 log = logging.getLogger("singularityd")
@@ -149,6 +150,7 @@ class Requests:
         job = daemon.store.create_job(spec, daemon.clock(), f"submitted by {caller.user}")
         command = " ".join(args.command)
         log.info("job %d submitted by %s: %s", job.id, caller.user, command)
+        daemon.feed.report(JobSubmitted(job.id, spec.user))
         daemon.feed.publish(job.id)
         daemon.request_schedule()
         return job

@@ -236,6 +236,11 @@ class Store:
         devices = self._devices_of([int(r["id"]) for r in fetched]) if fetched else {}
         return [self._record(row, devices.get(int(row["id"]), ())) for row in fetched]
 
+    def count_by_state(self) -> dict[JobState, int]:
+        """How many jobs are in each state (states without jobs are left out)."""
+        rows = self._db.execute("SELECT state, COUNT(*) AS n FROM jobs GROUP BY state")
+        return {JobState(row["state"]): int(row["n"]) for row in rows}
+
     def _devices_of(self, job_ids: list[int]) -> dict[int, tuple[int, ...]]:
         found: dict[int, list[int]] = {}
         if len(job_ids) == 1:

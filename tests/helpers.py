@@ -78,6 +78,8 @@ class Daemon:
     virtual_devices: int = 4
     config: dict[str, Any] = field(default_factory=dict)
     process: subprocess.Popen[bytes] | None = None
+    log_level: str | None = "debug"
+    """Given as --log-level (None: the config file's log_level rules)."""
 
     @property
     def socket(self) -> Path:
@@ -125,8 +127,7 @@ class Daemon:
                 "virtual",
                 "--virtual-devices",
                 str(self.virtual_devices),
-                "--log-level",
-                "debug",
+                *(["--log-level", self.log_level] if self.log_level else []),
             ],
             stdout=log,
             stderr=log,

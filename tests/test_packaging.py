@@ -41,6 +41,7 @@ def test_systemd_unit_keeps_jobs_through_restarts() -> None:
     assert settings["KillMode"] == "process"
     assert settings["RuntimeDirectory"] == "singularity" and settings["StateDirectory"] == "singularity"
     assert settings["Restart"] == "on-failure"
+    assert settings["ExecReload"] == "/bin/kill -HUP $MAINPID", "systemctl reload reads the config again"
     default_grace = Config.__dataclass_fields__["shutdown_grace_seconds"].default
     assert isinstance(default_grace, float)
     assert float(settings["TimeoutStopSec"]) > default_grace

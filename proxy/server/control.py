@@ -158,13 +158,17 @@ class ControlHandler:
         return ranks
 
     def status(self) -> dict[str, Any]:
-        """Capacity, bytes in use and the sessions present on this device."""
+        """Capacity, bytes in use, work done so far and the sessions present on this device."""
         server = self.server
+        executor = server.executor
         with server.state_lock:
             return {
                 "index": server.index,
                 "capacity": server.memory.capacity,
                 "allocated": server.memory.used,
+                "operations": executor.operations,
+                "batches": executor.batches,
+                "busy_seconds": executor.busy_seconds,
                 "jobs": {
                     f"{job}/{rank}": {
                         "bytes": session.held_bytes,

@@ -9,13 +9,14 @@ kernel's word, never by a field in the request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from pathlib import Path
 
 import grpc
 
 from singularityd.api.protocol import JobService
-from singularityd.api.service import add_service
+from singularityd.api.service import SingularityService, add_service
 from singularityd.config import Config
 from singularityd.identity import IdentityRelay, resolve_caller
 
@@ -27,6 +28,7 @@ class ApiServer:
         self.jobs = jobs
         self.config = config
         self._servers: dict[int, grpc.aio.Server] = {}
+        self._services: dict[int, SingularityService] = {}
         self._lock = asyncio.Lock()
         self._relay = IdentityRelay(
             config.socket,
@@ -34,6 +36,12 @@ class ApiServer:
             frozenset({os.geteuid()}) if config.user_mode else None,
             0o600 if config.user_mode else 0o666,
         )
+
+    def reconfigure(self, config: Config) -> None:
+        """Take a reloaded config: its admin group and shutdown grace (the socket stays)."""
+        self.config = config
+        for service in self._services.values():
+            service.caller = dataclasses.replace(service.caller, admin_group=config.admin_group)
 
     async def start(self) -> None:
         """Bind the public socket; servers start as users connect."""
@@ -54,7 +62,7 @@ class ApiServer:
             if uid not in self._servers:
                 caller = resolve_caller(uid, gid, self.config.admin_group)
                 server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-                add_service(server, self.jobs, caller)
+                self._services[uid] = add_service(server, self.jobs, caller)
                 path.unlink(missing_ok=True)
                 server.add_insecure_port(f"unix:{path}")
                 await server.start()

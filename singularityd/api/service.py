@@ -255,6 +255,8 @@ class SingularityService(pb_grpc.SingularityServicer):  # type: ignore[misc]
         )
 
 
-def add_service(server: grpc.aio.Server, jobs: JobService, caller: Caller) -> None:
-    """Register the servicer for one caller on a gRPC server."""
-    pb_grpc.add_SingularityServicer_to_server(SingularityService(jobs, caller), server)
+def add_service(server: grpc.aio.Server, jobs: JobService, caller: Caller) -> SingularityService:
+    """Register the servicer for one caller on a gRPC server; returns it."""
+    service = SingularityService(jobs, caller)
+    pb_grpc.add_SingularityServicer_to_server(service, server)
+    return service

@@ -128,9 +128,12 @@ class PeriodicCheckpointDue:
 
 @dataclass(frozen=True)
 class Checkpointed:
-    """The checkpoint under way completed; `summary` says what it wrote."""
+    """The checkpoint under way completed; `summary` says what it wrote, `image_bytes` how much,
+    `pause_s` how long the job's processes were stopped for it."""
 
     summary: str
+    image_bytes: int = 0
+    pause_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -454,7 +454,14 @@ class JobProxies:
             raise
         return inherit, opened
 
-    def status(self, job_id: int, device: int) -> dict[str, Any]:
-        """What the job's server of this device reports (capacity, bytes in use, sessions)."""
-        with ProxyControl(self.control(job_id, device), timeout=2.0) as proxy:
-            return proxy.status()
+    def status(self, index: int, timeout: float = 2.0) -> dict[str, Any] | None:
+        """What the server on this device reports (memory, work done, sessions); None when no job's
+        server runs there or it does not answer. Blocking: call it from a thread, never the loop."""
+        holders = [job_id for job_id, device in self._watches if device == index]
+        if not holders:
+            return None
+        try:
+            with ProxyControl(self.control(holders[0], index), timeout=timeout) as proxy:
+                return proxy.status()
+        except (OSError, EOFError, ControlError, ValueError):
+            return None

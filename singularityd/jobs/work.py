@@ -70,4 +70,4 @@ async def checkpoint(
         taken = await checkpoints.take(target, stop=take.stop, reason=take.reason)
     except CheckpointError as error:
         return CheckpointFailed(str(error)), StateConflict(f"checkpoint failed: {error}")
-    return Checkpointed(taken.summary), taken
+    return Checkpointed(taken.summary, taken.image_bytes, taken.pause_s), taken

@@ -1,1 +1,1 @@
-"""Observation of the daemon from outside: the change feed (metrics and a spool directory later)."""
+"""Observation of the daemon from outside: the change feed, Prometheus metrics, the spool directory."""
