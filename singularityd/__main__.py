@@ -37,7 +37,7 @@ from singularityd.config import (
 from singularityd.daemon import Daemon
 from singularityd.devices.access import DeviceAccess, DirectDevices, ProxiedDevices
 from singularityd.devices.inventory import Inventory, discover
-from singularityd.devices.proxies import ProxyPool
+from singularityd.devices.proxies import JobProxies
 from singularityd.jobs.processes import HostProcesses
 from singularityd.observe.feed import ConfigReloaded
 from singularityd.observe.metrics import DeviceSampler, Metrics
@@ -69,7 +69,7 @@ def device_access(config: Config, inventory: Inventory) -> DeviceAccess:
     """The daemon's proxy servers when `device_proxy` is on, else the devices themselves."""
     if not config.device_proxy:
         return DirectDevices(nvml=inventory.kind == "nvml")
-    pool = ProxyPool(config.socket.parent, config.state_dir, inventory.devices, config.proxy_threads)
+    pool = JobProxies(config.socket.parent, config.state_dir, inventory.devices, config.proxy_threads)
     return ProxiedDevices(pool)
 
 

@@ -29,6 +29,7 @@ from singularityd.core.jobs import (
     Decision,
     Exited,
     JobFacts,
+    LaunchFailed,
     LaunchProcesses,
     MarkCancelRequested,
     Note,
@@ -41,6 +42,7 @@ from singularityd.core.jobs import (
     Requeued,
     Reschedule,
     RescheduleAfter,
+    RestoreFailed,
     RestoreProcesses,
     Started,
     Stimulus,
@@ -159,6 +161,8 @@ class Daemon:
             else:
                 detail = "the job's processes ended while the daemon was down, without an exit status"
                 self.apply(job.id, ProcessesLost(detail))
+        holding = self.store.list_jobs(states=(JobState.RUNNING, JobState.MIGRATING))
+        self.devices.retain({job.id for job in holding})
 
     # Decisions
 
@@ -251,10 +255,14 @@ class Daemon:
                 log.info("job %d: %s", job.id, reason)
             case LaunchProcesses():
                 current = self.get_job(job.id)  # with the devices just granted
-                self._report(job.id, work.launch(current, self.processes, self.devices))
+                self._report(job.id, work.launch(current, self.processes, self.devices), LaunchFailed)
             case RestoreProcesses():
                 current = self.get_job(job.id)
-                self._report(job.id, work.restore(current, self.processes, self.checkpoints, self.devices))
+                self._report(
+                    job.id,
+                    work.restore(current, self.processes, self.checkpoints, self.devices),
+                    RestoreFailed,
+                )
             case WatchProcesses(pid=pid, start_ticks=ticks):
                 assert record is not None
                 self.store.set_process(job.id, pid, ticks)
@@ -297,11 +305,22 @@ class Daemon:
 
     # Long work: each task's outcome comes back as a stimulus
 
-    def _report(self, job_id: int, outcome: Coroutine[Any, Any, Stimulus]) -> None:
-        """Run long work as a task and feed the stimulus it returns to the state machine."""
+    def _report(
+        self, job_id: int, outcome: Coroutine[Any, Any, Stimulus], failed: Callable[[str], Stimulus]
+    ) -> None:
+        """Run long work as a task and feed the stimulus it returns to the state machine.
+
+        Work that breaks unexpectedly still reports, as `failed` with the error, so no job is left
+        waiting for an outcome that never comes.
+        """
 
         async def report() -> None:
-            self.apply(job_id, await outcome)
+            try:
+                stimulus = await outcome
+            except Exception as error:
+                log.exception("job %d: internal error", job_id)
+                stimulus = failed(f"internal error: {type(error).__name__}: {error}")
+            self.apply(job_id, stimulus)
 
         self.spawn(report())
 

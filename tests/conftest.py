@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import signal
@@ -21,23 +23,22 @@ requires_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (users,
 def _kill_jobs_under(state_dir: Path) -> None:
     """Kill the job supervisors and proxy servers a test left running (they outlive daemons).
 
-    A recorded PID is killed only if it still names the same process: a supervisor by its start
-    time, a proxy server by its command line naming this state directory.
+    A recorded PID is killed only if it still names the same process (by its start time).
     """
-    for pid_file in [*state_dir.glob("jobs/*/init.pid"), *state_dir.glob("proxy/dev-*.pid")]:
+    recorded: list[tuple[int, int]] = []
+    for pid_file in state_dir.glob("jobs/*/init.pid"):
+        with contextlib.suppress(ValueError, OSError):
+            pid, ticks = (int(field) for field in pid_file.read_text().split()[:2])
+            recorded.append((pid, ticks))
+    for record in state_dir.glob("proxy/servers/job-*-dev-*.json"):
+        with contextlib.suppress(ValueError, OSError, KeyError, TypeError):
+            facts = json.loads(record.read_text())
+            recorded.append((int(facts["pid"]), int(facts["ticks"])))
+    for pid, ticks in recorded:
         try:
-            fields = pid_file.read_text().split()
-            pid = int(fields[0])
-            process = psutil.Process(pid)
-            if process.status() == psutil.STATUS_ZOMBIE:
-                continue
-            if pid_file.name == "init.pid":
-                ours = len(fields) > 1 and process_start_ticks(pid) == int(fields[1])
-            else:
-                ours = str(state_dir) in " ".join(process.cmdline())
-            if ours:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and process_start_ticks(pid) == ticks:
                 os.kill(pid, signal.SIGKILL)
-        except (ValueError, IndexError, psutil.Error, ProcessLookupError, FileNotFoundError):
+        except (psutil.Error, ProcessLookupError):
             continue
 
 

@@ -175,8 +175,9 @@ class Daemon:
         return result
 
     def supervisor_pid(self, job_id: int) -> int:
-        """The host PID of the job's supervisor, from the file the launcher writes."""
-        return int((self.state_dir / "jobs" / str(job_id) / "init.pid").read_text().split()[0])
+        """The host PID of the job's supervisor, from the file the launcher writes (once written)."""
+        path = self.state_dir / "jobs" / str(job_id) / "init.pid"
+        return int(wait_until(lambda: path.exists() and path.read_text().split()[:1])[0])
 
     def submit(self, *command: str, options: Sequence[str] = (), user: str | None = None) -> int:
         """Submit a job and return its id."""

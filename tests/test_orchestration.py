@@ -29,7 +29,7 @@ from singularityd.core.jobs import PREEMPTION_BACKOFF_SECONDS, Activity
 from singularityd.core.states import JobState
 from singularityd.daemon import Daemon
 from singularityd.devices.inventory import Inventory, virtual_devices
-from singularityd.devices.proxies import ProxyConnection
+from singularityd.devices.proxies import JobIdentity, ProxyConnection
 from singularityd.errors import StateConflict
 from singularityd.identity import Caller
 from singularityd.jobs.paths import JobPaths
@@ -165,18 +165,24 @@ class FakeDevices:
     """Device access that only records what the daemon asked of it."""
 
     calls: list[tuple[str, int]] = field(default_factory=list)
+    retained: set[int] = field(default_factory=set)
 
     def start(self) -> None: ...
 
     def stop(self) -> None: ...
 
-    def admit(self, job_id: int, uid: int, devices: Sequence[int]) -> None:
+    async def admit(self, job_id: int, identity: JobIdentity, devices: Sequence[int]) -> None:
         self.calls.append(("admit", job_id))
 
     def forget(self, job_id: int) -> None:
         self.calls.append(("forget", job_id))
 
-    def environment(self, devices: Sequence[int], inherited_pythonpath: str | None) -> dict[str, str]:
+    def retain(self, job_ids: set[int]) -> None:
+        self.retained = set(job_ids)
+
+    def environment(
+        self, job_id: int, devices: Sequence[int], inherited_pythonpath: str | None
+    ) -> dict[str, str]:
         return {}
 
     def connections(self, pids: Sequence[int]) -> list[ProxyConnection]:
@@ -188,8 +194,6 @@ class FakeDevices:
         self.calls.append(("resume", job_id))
 
     async def release(self, job_id: int, devices: Sequence[int]) -> None: ...
-
-    async def prepare_restore(self, devices: Sequence[int]) -> None: ...
 
     def reconnect(
         self, job_id: int, devices: Sequence[int], images: Path, connections: Sequence[Mapping[str, int]]

@@ -201,14 +201,6 @@ class JobCheckpoints:
             found.append(StoredCheckpoint(seq, manifest.created_at, manifest.total_bytes, True))
         return found
 
-    def _used_device_proxies(self, job_id: int) -> bool:
-        """Whether any complete checkpoint of the job holds device state saved by the proxies."""
-        for seq in self.images.seqs(str(job_id)):
-            with contextlib.suppress(CheckpointError, OSError, ValueError):
-                if self.images.read_manifest(str(job_id), seq).extra.get("proxy_connections"):
-                    return True
-        return False
-
     async def take(self, target: CheckpointTarget, *, stop: bool, reason: str) -> CheckpointTaken:
         """Quiesce the job's devices and save their state, dump the tree, then release or resume."""
         job_id, devices = target.job_id, target.devices
@@ -273,8 +265,6 @@ class JobCheckpoints:
             return inherit
 
         try:
-            if self._used_device_proxies(job_id):
-                await self.devices.prepare_restore(devices)
             result = await self.checkpointer.restore_latest(str(job_id), inherit_fds=reconnect)
         except (CheckpointError, DeviceError, OSError) as error:
             with contextlib.suppress(DeviceError):

@@ -1,6 +1,6 @@
 """How jobs reach their devices: the small interface the daemon and checkpoints depend on.
 
-`ProxiedDevices` puts the daemon's per-device proxy servers (singularityd.devices.proxies) behind
+`ProxiedDevices` puts the daemon's per-job proxy servers (singularityd.devices.proxies) behind
 it; `DirectDevices` hands jobs the devices themselves (proxies turned off). Whichever is wired in,
 the rest of the daemon calls the same methods, and every failure arrives as one DeviceError.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 from singularity.proxy.control import ControlError
-from singularityd.devices.proxies import ProxyConnection, ProxyError, ProxyPool, job_connections
+from singularityd.devices.proxies import JobIdentity, JobProxies, ProxyConnection, ProxyError, job_connections
 
 T = TypeVar("T")
 
@@ -26,18 +26,23 @@ class DeviceAccess(Protocol):
     """What the daemon needs from whatever connects jobs to their devices."""
 
     def start(self) -> None:
-        """Get ready to serve jobs (adopt or arm the proxy servers)."""
+        """Get ready to serve jobs (adopt the proxy servers of a previous run)."""
 
     def stop(self) -> None:
         """Stop taking new work; what jobs use keeps running."""
 
-    def admit(self, job_id: int, uid: int, devices: Sequence[int]) -> None:
-        """Let the job (processes of this uid only) use these devices."""
+    async def admit(self, job_id: int, identity: JobIdentity, devices: Sequence[int]) -> None:
+        """Let the job (its user's processes only) use these devices."""
 
     def forget(self, job_id: int) -> None:
-        """The job holds no devices any more."""
+        """The job holds no devices any more: nothing of it may stay on them."""
 
-    def environment(self, devices: Sequence[int], inherited_pythonpath: str | None) -> dict[str, str]:
+    def retain(self, job_ids: set[int]) -> None:
+        """Only these jobs hold devices: forget every other (after a restart)."""
+
+    def environment(
+        self, job_id: int, devices: Sequence[int], inherited_pythonpath: str | None
+    ) -> dict[str, str]:
         """What a job's processes need in their environment to reach their devices."""
 
     def connections(self, pids: Sequence[int]) -> list[ProxyConnection]:
@@ -51,9 +56,6 @@ class DeviceAccess(Protocol):
 
     async def release(self, job_id: int, devices: Sequence[int]) -> None:
         """Free everything the job holds on these devices."""
-
-    async def prepare_restore(self, devices: Sequence[int]) -> None:
-        """Make sure these devices can take a restored job's state."""
 
     def reconnect(
         self, job_id: int, devices: Sequence[int], images: Path, connections: Sequence[Mapping[str, int]]
@@ -78,30 +80,36 @@ async def _translated_async(call: Awaitable[T]) -> T:
 
 
 class ProxiedDevices:
-    """Jobs reach their devices through the daemon's per-device proxy servers."""
+    """Jobs reach their devices through proxy servers of their own, running as their user."""
 
-    def __init__(self, pool: ProxyPool) -> None:
+    def __init__(self, pool: JobProxies) -> None:
         self.pool = pool
 
     def start(self) -> None:
-        """Adopt the proxy servers still running; arm socket activation for the others."""
-        self.pool.start()
+        """Start the spawner and adopt the proxy servers still running."""
+        _translated(self.pool.start)
 
     def stop(self) -> None:
-        """Stop listening for activations (running servers stay, for the jobs that use them)."""
+        """Stop the spawner (running servers stay, for the jobs that use them)."""
         self.pool.stop()
 
-    def admit(self, job_id: int, uid: int, devices: Sequence[int]) -> None:
-        """Let processes of this uid open sessions for the job, on its devices only."""
-        _translated(lambda: self.pool.admit(job_id, uid, devices))
+    async def admit(self, job_id: int, identity: JobIdentity, devices: Sequence[int]) -> None:
+        """Start the job's servers as its user, one per device."""
+        await _translated_async(self.pool.admit(job_id, identity, devices))
 
     def forget(self, job_id: int) -> None:
-        """No new proxy sessions for the job."""
+        """Stop the job's servers and remove what they held."""
         self.pool.forget(job_id)
 
-    def environment(self, devices: Sequence[int], inherited_pythonpath: str | None) -> dict[str, str]:
+    def retain(self, job_ids: set[int]) -> None:
+        """Stop the servers of jobs that no longer hold devices."""
+        self.pool.retain(job_ids)
+
+    def environment(
+        self, job_id: int, devices: Sequence[int], inherited_pythonpath: str | None
+    ) -> dict[str, str]:
         """The in-job client on PYTHONPATH and the sockets of the job's devices."""
-        return self.pool.environment(devices, inherited_pythonpath)
+        return self.pool.environment(job_id, devices, inherited_pythonpath)
 
     def connections(self, pids: Sequence[int]) -> list[ProxyConnection]:
         """Every proxy connection held by these processes of a job."""
@@ -118,11 +126,6 @@ class ProxiedDevices:
     async def release(self, job_id: int, devices: Sequence[int]) -> None:
         """Free everything the job holds on these devices."""
         await _translated_async(self.pool.release(job_id, devices))
-
-    async def prepare_restore(self, devices: Sequence[int]) -> None:
-        """Start the servers of these devices and wait until they answer."""
-        for device in devices:
-            await _translated_async(self.pool.ensure_running(device))
 
     def reconnect(
         self, job_id: int, devices: Sequence[int], images: Path, connections: Sequence[Mapping[str, int]]
@@ -143,13 +146,18 @@ class DirectDevices:
     def stop(self) -> None:
         """Nothing to stop."""
 
-    def admit(self, job_id: int, uid: int, devices: Sequence[int]) -> None:
+    async def admit(self, job_id: int, identity: JobIdentity, devices: Sequence[int]) -> None:
         """Nothing to admit: the job sees its devices through CUDA_VISIBLE_DEVICES."""
 
     def forget(self, job_id: int) -> None:
         """Nothing to forget."""
 
-    def environment(self, devices: Sequence[int], inherited_pythonpath: str | None) -> dict[str, str]:
+    def retain(self, job_ids: set[int]) -> None:
+        """Nothing is held."""
+
+    def environment(
+        self, job_id: int, devices: Sequence[int], inherited_pythonpath: str | None
+    ) -> dict[str, str]:
         """CUDA_VISIBLE_DEVICES for real GPUs; nothing for virtual devices."""
         if self.nvml:
             return {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in devices)}
@@ -167,9 +175,6 @@ class DirectDevices:
 
     async def release(self, job_id: int, devices: Sequence[int]) -> None:
         """Nothing is held."""
-
-    async def prepare_restore(self, devices: Sequence[int]) -> None:
-        """Nothing to prepare."""
 
     def reconnect(
         self, job_id: int, devices: Sequence[int], images: Path, connections: Sequence[Mapping[str, int]]

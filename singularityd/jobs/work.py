@@ -19,10 +19,16 @@ from singularityd.core.jobs import (
     TakeCheckpoint,
 )
 from singularityd.devices.access import DeviceAccess, DeviceError
+from singularityd.devices.proxies import JobIdentity
 from singularityd.errors import StateConflict
-from singularityd.jobs.launch import LaunchError
+from singularityd.jobs.launch import LaunchError, user_groups
 from singularityd.jobs.processes import Processes
 from singularityd.store import JobRecord
+
+
+def identity(job: JobRecord) -> JobIdentity:
+    """Whom the job's device work runs as: its user, with the user's groups."""
+    return JobIdentity(job.spec.uid, job.spec.gid, tuple(user_groups(job.spec.user, job.spec.gid)))
 
 
 async def launch(
@@ -30,8 +36,8 @@ async def launch(
 ) -> ProcessesRunning | LaunchFailed:
     """Start the job's processes on its devices."""
     try:
-        devices.admit(job.id, job.spec.uid, job.devices)
-        device_env = devices.environment(job.devices, job.spec.env.get("PYTHONPATH"))
+        await devices.admit(job.id, identity(job), job.devices)
+        device_env = devices.environment(job.id, job.devices, job.spec.env.get("PYTHONPATH"))
         process = await processes.launch(job, device_env)
     except (LaunchError, DeviceError) as error:
         return LaunchFailed(str(error))
@@ -43,7 +49,7 @@ async def restore(
 ) -> Restored | RestoreFailed:
     """Restore the job's processes from its newest good checkpoint onto its devices."""
     try:
-        devices.admit(job.id, job.spec.uid, job.devices)
+        await devices.admit(job.id, identity(job), job.devices)
         processes.forget_outcome(job.id)
         restored = await checkpoints.restore(job.id, job.devices)
     except (CheckpointError, DeviceError, OSError) as error:

@@ -37,7 +37,7 @@ from singularityd.core.jobs import (
 )
 from singularityd.core.states import JobState
 from singularityd.devices.inventory import Inventory, refresh
-from singularityd.devices.proxies import ProxyPool
+from singularityd.devices.proxies import JobProxies
 from singularityd.observe.feed import (
     ConfigReloaded,
     JobDecided,
@@ -72,7 +72,7 @@ class DeviceSample:
 class DeviceSampler:
     """Reads the devices' live facts: NVML for GPUs, the proxy servers for what jobs hold on them."""
 
-    def __init__(self, inventory: Inventory, proxies: ProxyPool | None) -> None:
+    def __init__(self, inventory: Inventory, proxies: JobProxies | None) -> None:
         self.inventory = inventory
         self.proxies = proxies
 
