@@ -10,6 +10,12 @@ Preempting a job whose processes use proxied devices goes like this (the daemon 
    declared external, so CRIU dumps the process without the server's half).
 4. `release(job)` on every device frees its memory.
 
+With a short pause (the daemon's way, singularityd/devices/saving.py), step 2 is split around
+the quiesce: `prepare(job, file, rounds, ...)` pre-copies while the job runs; after the quiesce,
+`capture(job, copy)` takes what changed; CRIU dumps; `resume(job)` (checkpoint in place) lets the
+job go on at once, and `finish(job)` waits for the file. `pause_times(job)` says when the
+processes parked and went on, by the clock every process here shares.
+
 Resuming, on the same devices or others:
 
 1. `load(job, file)` on the new device's server, for each device index of the job.
@@ -44,7 +50,7 @@ def control_socket_path(socket_path: str | os.PathLike[str]) -> Path:
 class ProxyControl:
     """A connection to one proxy server's control socket."""
 
-    def __init__(self, control_socket: str | os.PathLike[str], timeout: float = 120.0) -> None:
+    def __init__(self, control_socket: str | os.PathLike[str], timeout: float | None = 120.0) -> None:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         self._sock.connect(os.fspath(control_socket))
@@ -89,6 +95,43 @@ class ProxyControl:
             return dict(self._call("save", job_id, fds=[fd]))
         finally:
             os.close(fd)
+
+    def prepare(
+        self, job_id: str, path: str | os.PathLike[str], rounds: int, budget_s: float, stage: bool = True
+    ) -> dict[str, Any]:
+        """Begin saving the running job's device state into a new file at `path` (created here, as
+        for `save`): up to `rounds` pre-copy rounds for at most `budget_s`, then, with `stage`,
+        host memory made ready for what the pause will copy. The job keeps running.
+
+        Returns the figures so far (see proxy/server/snapshot.py SaveReport).
+        """
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            return dict(self._call("prepare", job_id, rounds, budget_s, stage, fds=[fd]))
+        finally:
+            os.close(fd)
+
+    def capture(self, job_id: str, copy: bool) -> dict[str, Any]:
+        """Take the quiesced job's device state for the save `prepare` began: what changed since its
+        pre-copy is copied to host memory (`copy`, when the job will run again) or left to be read
+        from the device (a preemption), and written in the background.
+
+        Returns {"parked_at": [when each process parked, CLOCK_MONOTONIC], "copied_bytes",
+        "reused_bytes", "copy_seconds"}."""
+        return dict(self._call("capture", job_id, copy))
+
+    def finish(self, job_id: str, timeout: float = 3600.0) -> dict[str, Any]:
+        """Wait until the captured state is written; the save's figures (SaveReport)."""
+        return dict(self._call("finish", job_id, timeout))
+
+    def abort(self, job_id: str) -> None:
+        """Abandon the job's save under way, if any."""
+        self._call("abort", job_id)
+
+    def pause_times(self, job_id: str) -> dict[str, list[float]]:
+        """When the job's processes last parked and were let go: {"parked_at", "resumed_at"}, by
+        CLOCK_MONOTONIC (the same clock as time.monotonic() in every process of the machine)."""
+        return {k: [float(t) for t in v] for k, v in self._call("pause_times", job_id).items()}
 
     def release(self, job_id: str) -> int:
         """Free everything the job holds on this device; the bytes freed."""

@@ -1,5 +1,8 @@
 """The server's side of the daemon's control channel: quiesce, save, release, load, resume, status, stop.
 
+Saves with a short pause (prepare, capture, finish) are snapshot.py's; the file they write is
+statefile.py's.
+
 Requests come from the daemon (proxy/control.py is its client) on a socket no job can open: the
 daemon binds it in a folder only root can enter and hands the server the listening descriptor.
 Each request names a job; the handler parks, saves, frees, recreates or resumes that job's
@@ -27,9 +30,9 @@ from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolErro
 
 from .service import Server
 from .session import Session
+from .snapshot import SNAPSHOT_REQUESTS, Snapshots
+from .statefile import read_state
 
-SAVE_FORMAT = 1
-"""Version of the device-state file a save writes (one file per device, every rank of the job)."""
 MAX_CONTROL_FDS = 4
 
 
@@ -40,6 +43,8 @@ class ControlHandler:
         self.server = server
         self.stop_requested = stop or threading.Event()
         """Set by a stop request: the server process then exits."""
+        self.snapshots = Snapshots(server)
+        """Saves of device state under way (pre-copy, capture in the pause, the write after)."""
 
     def quiesce(self, job_id: str, timeout: float) -> list[int]:
         """Park every connected process of the job at an operation boundary; the ranks parked."""
@@ -69,37 +74,13 @@ class ControlHandler:
             parked.append(session.rank)
         return parked
 
-    def save(self, job_id: str, fd: int) -> dict[str, int]:
+    def save(self, job_id: str, fd: int) -> dict[str, Any]:
         """Write the live tensors of a quiesced job, every rank, into the file open at `fd`."""
-        live = 0
-        sessions = self.server.job_sessions(job_id)
-        if not sessions:
-            raise KeyError(f"proxy: no job {job_id!r} on device {self.server.index}")
-        with self.server.executor.lock:
-            states = []
-            for session in sessions:
-                if not session.parked:
-                    raise RuntimeError(f"proxy: job {job_id} rank {session.rank} is not quiesced")
-                states.append(
-                    {
-                        "job_id": session.job_id,
-                        "rank": session.rank,
-                        "uid": session.uid,
-                        "tensors": session.tensors,
-                        "ops": session.operator_names,
-                        "peak": session.peak_bytes,
-                        "pending_error": session.pending_error,
-                    }
-                )
-                live += session.held_bytes
-            with os.fdopen(os.dup(fd), "wb") as file:
-                torch.save({"format": SAVE_FORMAT, "device": self.server.index, "sessions": states}, file)
-                file.flush()
-                written = file.tell()
-        return {"live_bytes": live, "file_bytes": written, "ranks": len(sessions)}
+        return self.snapshots.save_now(job_id, fd)
 
     def release(self, job_id: str) -> int:
         """Free everything the job holds here, closing its connections; the bytes freed."""
+        self.snapshots.abort(job_id)
         freed = 0
         for session in self.server.job_sessions(job_id):
             freed += session.held_bytes
@@ -114,28 +95,25 @@ class ControlHandler:
     def load(self, job_id: str, fd: int) -> dict[str, int]:
         """Recreate a saved job's tensors here from the file open at `fd`, parked until resume."""
         server = self.server
-        with os.fdopen(os.dup(fd), "rb") as file:
-            saved = torch.load(file, map_location=server.device, weights_only=True)
-        if not isinstance(saved, dict) or saved.get("format") != SAVE_FORMAT:
-            raise ValueError("proxy: not a device-state file of this version")
+        _device, saved = read_state(fd, server.device)
         loaded = 0
         with server.executor.lock:
-            for state in saved["sessions"]:
-                key = (job_id, int(state["rank"]))
+            for state in saved:
+                key = (job_id, state.rank)
                 with server.state_lock:
                     if key in server.sessions:
                         raise RuntimeError(f"proxy: job {job_id} rank {key[1]} already here")
-                    session = Session(job_id, key[1], int(state["uid"]), server.memory)
+                    session = Session(job_id, key[1], state.uid, server.memory)
                     session.parked = True
                     session.parked_event.set()
-                    for op_id, (namespace, name, overload) in state["ops"].items():
+                    for op_id, (namespace, name, overload) in state.ops.items():
                         session.define(op_id, namespace, name, overload)
                     handles: list[int] = []
-                    for handle, tensor in state["tensors"].items():
-                        session.add(int(handle), tensor)
-                        handles.append(int(handle))
-                    session.peak_bytes = max(session.held_bytes, int(state["peak"]))
-                    session.pending_error = state["pending_error"]
+                    for handle, tensor in state.tensors.items():
+                        session.add(handle, tensor)
+                        handles.append(handle)
+                    session.peak_bytes = max(session.held_bytes, state.peak)
+                    session.pending_error = state.pending_error
                     server.sessions[key] = session
                     try:
                         session.check_capacity(handles, session.held_bytes)
@@ -143,7 +121,7 @@ class ControlHandler:
                         server.drop(session)
                         raise
                     loaded += session.held_bytes
-        return {"live_bytes": loaded, "ranks": len(saved["sessions"])}
+        return {"live_bytes": loaded, "ranks": len(saved)}
 
     def resume(self, job_id: str) -> list[int]:
         """Let the job's parked processes go on; the ranks resumed."""
@@ -154,6 +132,7 @@ class ControlHandler:
                 session.park_asked = False
                 session.parked_event.clear()
                 session.connection.send(protocol.RESUME)
+                session.resumed_at = time.monotonic()
                 ranks.append(session.rank)
         return ranks
 
@@ -182,6 +161,8 @@ class ControlHandler:
 
     def handle(self, name: str, args: tuple[Any, ...], fds: list[int]) -> Any:
         """Carry out one control request (with the descriptors that came with it); its result."""
+        if name in SNAPSHOT_REQUESTS:
+            return self.snapshots.handle(name, args, fds)
         if name == "quiesce":
             return self.quiesce(str(args[0]), float(args[1]))
         if name in ("save", "load"):

@@ -22,6 +22,7 @@ from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
 
 from .session import DeviceMemory, Session
+from .snapshot import note_writes
 
 _FACTORIES = frozenset(protocol.SERVER_FACTORIES)
 _HOST_ALLOCATION_FAILED = re.compile(
@@ -170,6 +171,8 @@ class Executor:
             output = served.operator(*decoded_args, **decoded_kwargs)
         except RuntimeError as e:
             raise self._as_out_of_memory(session, e) from None
+        finally:
+            note_writes(served.operator, decoded_args, decoded_kwargs)  # for pre-copies (snapshot.py)
         new_handles: list[int] = []
         try:
             template = self._template(session, output, inputs, [protocol.integer(first_handle)], new_handles)
@@ -271,6 +274,8 @@ class Executor:
             return
         target = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
         target[offset : offset + source.nbytes].copy_(torch.frombuffer(source, dtype=torch.uint8))
+        if not tensor.is_inference():  # a pre-copy must see this write (snapshot.py)
+            torch.autograd.graph.increment_version(tensor)
 
     def _memory(self, session: Session, what: str) -> Any:
         """Answer a memory query."""

@@ -13,6 +13,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 import torch
@@ -201,6 +202,7 @@ class Server:
                     raise ProtocolError("PARKED without a PARK")
                 body = frame.decode()
                 session.waiting = type(body) is list and body == [True]
+                session.parked_at = time.monotonic()
                 session.parked = True
                 session.parked_event.set()
             else:

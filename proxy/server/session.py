@@ -9,6 +9,7 @@ session and for the whole device, whose capacity is what the program sees as tot
 from __future__ import annotations
 
 import fcntl
+import itertools
 import socket
 import struct
 import threading
@@ -22,6 +23,8 @@ from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolErro
 from . import operators
 
 _SIOCOUTQ = 0x5411
+_STORAGE_MARKS = itertools.count(1)
+"""Numbers that tell apart every (storage, tensors sharing its version counter) ever held."""
 
 
 class ReportedFailure(Exception):
@@ -131,6 +134,14 @@ class Session:
         self.waiting = False
         """Whether the process was waiting for an answer when it parked."""
         self.parked_event = threading.Event()
+        self.parked_at = 0.0
+        """When the process last parked, by CLOCK_MONOTONIC (one clock for every process here)."""
+        self.resumed_at = 0.0
+        """When the server last let the process go on after parking (same clock)."""
+        self.storage_marks: dict[int, int] = {}
+        """Storage identity -> a number renewed whenever a tensor that may not share the storage's
+        version counter starts using it (a new storage, an alias that is not a view): with the
+        tensors' version counters it tells a pre-copy whether the bytes may have changed."""
 
     # -- what the job refers to -------------------------------------------------------------------
     def tensor(self, handle: Any) -> torch.Tensor:
@@ -198,9 +209,12 @@ class Session:
         entry = self.storages.get(key)
         if entry is not None:
             entry[1] += 1
+            if not tensor._is_view():
+                self.storage_marks[key] = next(_STORAGE_MARKS)
             return 0
         nbytes = storage.nbytes()
         self.storages[key] = [nbytes, 1]
+        self.storage_marks[key] = next(_STORAGE_MARKS)
         self.held_bytes += nbytes
         self.memory.used += nbytes
         if self.held_bytes > self.peak_bytes:
@@ -228,6 +242,7 @@ class Session:
         entry[1] -= 1
         if entry[1] == 0:
             del self.storages[key]
+            self.storage_marks.pop(key, None)
             self.held_bytes -= entry[0]
             self.memory.used -= entry[0]
 

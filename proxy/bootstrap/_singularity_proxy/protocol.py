@@ -45,7 +45,7 @@ Server -> job process:
     GOODBYE: [module, qualname, message]  the server closes this connection, and why
 Daemon <-> server, on the control socket (proxy/control.py and the server's control.py):
     each request is one marker byte sent with sendmsg, carrying the request's file descriptors
-    (save and load carry the device-state file; the others none), then the frame
+    (save, load and prepare carry the device-state file; the others none), then the frame
     CONTROL_REQUEST: [name, *arguments]  name one of CONTROL_REQUESTS
     CONTROL_OK: result    CONTROL_FAILED: [exception type name, message]
 """
@@ -169,7 +169,10 @@ TEMPLATE_VALUE = "V"
 """[TEMPLATE_VALUE, value]: a plain value (number, bool, string; anything else as its repr)."""
 
 # -- control channel ------------------------------------------------------------------------------
-CONTROL_REQUESTS = ("quiesce", "save", "release", "load", "resume", "status", "stop")
+CONTROL_REQUESTS = (
+    "quiesce", "save", "release", "load", "resume", "status", "stop",
+    "prepare", "capture", "finish", "abort", "pause_times",
+)  # fmt: skip
 
 DEVICE_INFO_KEYS = ("name", "total_memory", "major", "minor", "multi_processor_count", "kind", "index")
 """What WELCOME tells a job process about its device."""

@@ -1,0 +1,192 @@
+"""Saves with pre-copy hold exactly the state of the pause, however the job wrote its tensors meanwhile.
+
+A job (tests/programs/mutator.py) writes its tensors in every way the proxy must notice while
+the server pre-copies them; in the pause the state is captured, and a full save of the same
+parked state (read straight from the device) is taken beside it. Both files must hold the same
+tensors, byte for byte, with the same sharing of storages.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from singularity.proxy.control import ProxyControl
+from singularity.proxy.server.statefile import SavedSession, read_state, storage_bytes
+from tests.proxy.conftest import PROGRAMS, PYTHON, ProxyServer, proxy_env, start_server, stop_server
+
+
+def state_of(path: Path) -> list[SavedSession]:
+    """The sessions a device-state file holds, on the CPU."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return read_state(fd, torch.device("cpu"))[1]
+    finally:
+        os.close(fd)
+
+
+def layout(tensor: torch.Tensor) -> tuple[object, ...]:
+    """What must match besides the bytes."""
+    return (tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), tensor.is_conj())
+
+
+def assert_same_state(got: list[SavedSession], expected: list[SavedSession]) -> None:
+    """Same sessions, handles, layouts, bytes of every storage, and the same storage sharing."""
+    assert [(s.job_id, s.rank, s.ops) for s in got] == [(s.job_id, s.rank, s.ops) for s in expected]
+    for mine, theirs in zip(got, expected, strict=True):
+        assert mine.tensors.keys() == theirs.tensors.keys()
+        shared_mine: dict[int, list[int]] = {}
+        shared_theirs: dict[int, list[int]] = {}
+        for handle in sorted(theirs.tensors):
+            a, b = mine.tensors[handle], theirs.tensors[handle]
+            assert layout(a) == layout(b), handle
+            assert torch.equal(storage_bytes(a.untyped_storage()), storage_bytes(b.untyped_storage())), (
+                f"handle {handle}: the pre-copied save holds other bytes than the device had in the pause"
+            )
+            shared_mine.setdefault(a.untyped_storage()._cdata, []).append(handle)
+            shared_theirs.setdefault(b.untyped_storage()._cdata, []).append(handle)
+        assert sorted(shared_mine.values()) == sorted(shared_theirs.values())
+
+
+@pytest.fixture
+def device(tmp_path: Path) -> Iterator[ProxyServer]:
+    """A server of its own (2 GiB), so that the job's writes are the only ones."""
+    server = start_server(tmp_path, "snap", memory_bytes=2 << 30)
+    yield server
+    stop_server(server)
+
+
+def test_precopied_saves_equal_full_saves_of_the_same_pause(device: ProxyServer, tmp_path: Path) -> None:
+    hold = tmp_path / "hold"
+    job = subprocess.Popen(
+        [PYTHON, "mutator.py", str(hold), "3"],
+        cwd=PROGRAMS,
+        env=proxy_env([device.socket], "snap-job"),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert job.stdout is not None and job.stdout.readline() == "ready\n"
+        rng = random.Random(5)
+        reused = copied = dirtied = 0
+        with ProxyControl(device.control, timeout=None) as control:
+            for i in range(6):
+                copy = i % 3 != 2  # a checkpoint in place copies; a preemption reads the device later
+                precopied, full = tmp_path / f"precopied-{i}", tmp_path / f"full-{i}"
+                prepared = control.prepare("snap-job", precopied, rounds=rng.randint(1, 3), budget_s=60)
+                assert control.quiesce("snap-job") == [0]
+                captured = control.capture("snap-job", copy=copy)
+                control.save("snap-job", full)
+                if copy:
+                    control.resume("snap-job")
+                report = control.finish("snap-job")
+                if not copy:
+                    control.resume("snap-job")
+                assert_same_state(state_of(precopied), state_of(full))
+                assert captured["parked_at"] and report["file_bytes"] == precopied.stat().st_size
+                reused += report["reused_bytes"]
+                copied += report["paused_copied_bytes"] + (0 if copy else report["written_after_bytes"])
+                dirtied += prepared["precopy_dirtied_bytes"]
+                precopied.unlink()
+                full.unlink()
+        hold.touch()
+        out, err = job.communicate(timeout=120)
+        assert job.returncode == 0, err
+        assert out.startswith("steps True")
+    finally:
+        job.kill()
+        job.wait()
+    assert reused >= 64 << 20, "the tensor that is only read was taken from its pre-copy"
+    assert copied > 0, "what the job wrote was copied in the pause"
+    assert dirtied > 0 or copied > 0
+
+
+FUSED_STEP = """
+import os, sys, time, torch
+go, hold = sys.argv[1], sys.argv[2]
+params = [torch.randn(64, 64, device="cuda", requires_grad=True) for _ in range(2)]
+optimizer = torch.optim.Adam(params, lr=0.1, fused=True)
+def step():
+    sum((p * p).sum() for p in params).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    params[0].sum().item()
+step()
+print("ready", flush=True)
+while not os.path.exists(go):
+    time.sleep(0.01)
+step()
+print("stepped", flush=True)
+while not os.path.exists(hold):
+    time.sleep(0.01)
+"""
+
+
+def test_writes_of_kernels_that_keep_version_counters_are_seen(device: ProxyServer, tmp_path: Path) -> None:
+    """A fused optimizer step between the pre-copy and the pause (its kernel bumps no version)."""
+    go, hold = tmp_path / "go", tmp_path / "hold"
+    job = subprocess.Popen(
+        [PYTHON, "-c", FUSED_STEP, str(go), str(hold)],
+        env=proxy_env([device.socket], "fused-job"),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert job.stdout is not None and job.stdout.readline() == "ready\n"
+        with ProxyControl(device.control, timeout=None) as control:
+            prepared = control.prepare("fused-job", tmp_path / "a", rounds=1, budget_s=60)
+            assert prepared["precopy_written_bytes"] >= 2 * 64 * 64 * 4 * 3  # parameters, Adam's state
+            go.touch()
+            assert job.stdout.readline() == "stepped\n"
+            control.quiesce("fused-job")
+            control.capture("fused-job", copy=True)
+            control.save("fused-job", tmp_path / "b")
+            control.resume("fused-job")
+            control.finish("fused-job")
+        assert_same_state(state_of(tmp_path / "a"), state_of(tmp_path / "b"))
+        hold.touch()
+        assert job.wait(120) == 0
+    finally:
+        job.kill()
+        job.wait()
+
+
+def test_a_save_without_precopy_copies_everything_in_the_pause(device: ProxyServer, tmp_path: Path) -> None:
+    hold = tmp_path / "hold"
+    job = subprocess.Popen(
+        [PYTHON, "mutator.py", str(hold)],
+        cwd=PROGRAMS,
+        env=proxy_env([device.socket], "plain-job"),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert job.stdout is not None and job.stdout.readline() == "ready\n"
+        with ProxyControl(device.control, timeout=None) as control:
+            prepared = control.prepare("plain-job", tmp_path / "a", rounds=0, budget_s=0)
+            assert prepared["precopy_written_bytes"] == 0 and prepared["staged_bytes"] > 96 << 20
+            control.quiesce("plain-job")
+            captured = control.capture("plain-job", copy=True)
+            control.save("plain-job", tmp_path / "b")
+            control.resume("plain-job")
+            report = control.finish("plain-job")
+        assert captured["reused_bytes"] == 0 and captured["copied_bytes"] == report["paused_copied_bytes"]
+        assert report["paused_copied_bytes"] > 96 << 20, "the two large tensors were copied in the pause"
+        assert_same_state(state_of(tmp_path / "a"), state_of(tmp_path / "b"))
+        hold.touch()
+        assert job.wait(120) == 0
+    finally:
+        job.kill()
+        job.wait()
