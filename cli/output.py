@@ -181,6 +181,8 @@ def job_detail_text(detail: pb.JobDetail) -> str:
     lines.append(
         f"Checkpoints: {job.checkpoints} kept, {human_bytes(job.checkpoint_bytes)} on disk ({interval})"
     )
+    if detail.checkpoint_list:
+        lines += ["  " + line for line in checkpoints_table(detail.checkpoint_list).splitlines()]
     if detail.log_path:
         lines.append(f"Log:        {detail.log_path}")
     if detail.env:
@@ -190,6 +192,26 @@ def job_detail_text(detail: pb.JobDetail) -> str:
     rows = [[timestamp(e.at), _transition_text(e), e.reason] for e in detail.events]
     lines += ["  " + line for line in table(rows, ("TIME", "STATE", "EVENT")).splitlines()]
     return "\n".join(lines)
+
+
+def checkpoints_table(checkpoints: Sequence[pb.CheckpointInfo]) -> str:
+    """The job's checkpoints in `sing show`: each one's size, the pause it cost, when it was complete."""
+    rows = []
+    for c in checkpoints:
+        measured = c.pause_seconds > 0 or c.complete_seconds > 0
+        pause = f"{c.pause_seconds:.2f}s" + (" (stop)" if c.stopped else "") if measured else "-"
+        rows.append(
+            [
+                str(c.seq),
+                timestamp(c.created_at) if c.complete else "-",
+                human_bytes(c.bytes) if c.complete else "-",
+                pause if c.complete else "incomplete",
+                f"{c.complete_seconds:.2f}s" if measured else "-",
+                human_bytes(c.precopied_bytes) if measured else "-",
+                human_bytes(c.paused_bytes) if measured else "-",
+            ]
+        )
+    return table(rows, ("CHECKPOINT", "TAKEN", "SIZE", "PAUSE", "COMPLETE AFTER", "PRE-COPIED", "IN PAUSE"))
 
 
 def _transition_text(event: pb.Event) -> str:
@@ -205,7 +227,17 @@ def job_detail_dict(detail: pb.JobDetail) -> dict[str, Any]:
     data["env"] = dict(detail.env) if detail.env else None
     data["log_path"] = detail.log_path or None
     data["checkpoint_list"] = [
-        {"seq": c.seq, "created_at": c.created_at, "bytes": c.bytes, "complete": c.complete}
+        {
+            "seq": c.seq,
+            "created_at": c.created_at,
+            "bytes": c.bytes,
+            "complete": c.complete,
+            "pause_seconds": c.pause_seconds,
+            "complete_seconds": c.complete_seconds,
+            "stopped": c.stopped,
+            "precopied_bytes": c.precopied_bytes,
+            "paused_bytes": c.paused_bytes,
+        }
         for c in detail.checkpoint_list
     ]
     data["events"] = [
@@ -218,10 +250,18 @@ def job_detail_dict(detail: pb.JobDetail) -> dict[str, Any]:
 def checkpoint_text(response: pb.CheckpointResponse) -> str:
     """One line for `sing checkpoint`: which checkpoint, its size, the pause it cost."""
     taken = response.checkpoint
-    return (
+    text = (
         f"job {response.job.id}: checkpoint {taken.seq}, {human_bytes(taken.bytes)}, "
         f"paused {response.pause_seconds:.2f}s"
     )
+    if taken.complete_seconds:
+        text += f", complete after {taken.complete_seconds:.2f}s"
+    if taken.precopied_bytes or taken.paused_bytes:
+        text += (
+            f" (device state: {human_bytes(taken.precopied_bytes)} pre-copied, "
+            f"{human_bytes(taken.paused_bytes)} copied in the pause)"
+        )
+    return text
 
 
 def devices_table(devices: Sequence[pb.Device], header: bool = True) -> str:

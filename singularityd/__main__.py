@@ -35,7 +35,7 @@ from singularityd.config import (
     reload_config,
 )
 from singularityd.daemon import Daemon
-from singularityd.devices.access import DeviceAccess, DirectDevices, ProxiedDevices
+from singularityd.devices.access import DeviceAccess, DirectDevices, PreCopy, ProxiedDevices
 from singularityd.devices.inventory import Inventory, discover
 from singularityd.devices.proxies import JobProxies
 from singularityd.jobs.processes import HostProcesses
@@ -85,7 +85,8 @@ async def checkpoints_for(config: Config, devices: DeviceAccess) -> Checkpoints:
         Criu(info), images, keep=config.checkpoint_keep, pre_copy=config.checkpoint_pre_copy
     )
     log.info("CRIU %s (%s); checkpoints in %s", info.version_text, info.source, config.checkpoints)
-    return JobCheckpoints(checkpointer, devices, CriuStatus(" ".join(info.argv), info.version_text, ""))
+    status = CriuStatus(" ".join(info.argv), info.version_text, "")
+    return JobCheckpoints(checkpointer, devices, status, PreCopy(config.proxy_pre_copy))
 
 
 async def build_daemon(config: Config) -> Daemon:
@@ -171,6 +172,7 @@ class Running:
         if isinstance(self.daemon.checkpoints, JobCheckpoints):
             self.daemon.checkpoints.checkpointer.keep = config.checkpoint_keep
             self.daemon.checkpoints.checkpointer.pre_copy = config.checkpoint_pre_copy
+            self.daemon.checkpoints.pre_copy = PreCopy(config.proxy_pre_copy)
         if {"metrics", "metrics_address", "metrics_port"} & set(changed):
             self._serve_metrics()
         if {"spool", "spool_dir"} & set(changed):

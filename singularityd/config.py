@@ -72,6 +72,7 @@ class Config:
     checkpoint_dir: Path | None = None
     device_proxy: bool = True
     proxy_threads: int = 1
+    proxy_pre_copy: int = 2
     log_level: str = "info"
     metrics: bool = True
     metrics_address: str = "127.0.0.1"
@@ -135,6 +136,9 @@ OPTIONS: dict[str, str] = {
     "device state (default true); false gives jobs their GPUs directly (CUDA_VISIBLE_DEVICES).",
     "proxy_threads": "Intra-op CPU threads of each proxy server (default 1); a job's results match a "
     "direct CPU run with the same OMP_NUM_THREADS.",
+    "proxy_pre_copy": "Rounds of pre-copy of a job's device state by its proxy servers while it runs, "
+    "before a checkpoint's pause, so the pause copies only what the job wrote meanwhile (default 2; "
+    "0: everything is copied in the pause).",
     "log_level": "debug, info, warning or error (default info). Env SING_LOG_LEVEL.",
     "metrics": "Serve Prometheus metrics over HTTP at metrics_address:metrics_port/metrics (default true).",
     "metrics_address": "Address the metrics endpoint listens on (default 127.0.0.1: this machine only).",
@@ -153,6 +157,7 @@ LIVE_OPTIONS = frozenset(
         "checkpoint_interval_seconds",
         "checkpoint_keep",
         "checkpoint_pre_copy",
+        "proxy_pre_copy",
         "metrics",
         "metrics_address",
         "metrics_port",
@@ -198,7 +203,7 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         raise ConfigError(f"{source}: log_level must be one of {', '.join(LOG_LEVELS)}, not {coerced!r}")
     if name == "metrics_port" and not 0 <= coerced <= 65535:
         raise ConfigError(f"{source}: metrics_port must be between 0 and 65535")
-    if name == "checkpoint_pre_copy" and coerced < 0:
+    if name in ("checkpoint_pre_copy", "proxy_pre_copy") and coerced < 0:
         raise ConfigError(f"{source}: {name} must not be negative")
     if (
         name in ("kill_grace_seconds", "shutdown_grace_seconds", "checkpoint_interval_seconds")

@@ -364,8 +364,37 @@ def test_a_periodic_checkpoint_is_taken_when_the_job_is_idle_and_rearmed_after()
 
 def test_a_periodic_checkpoint_due_while_busy_is_put_off() -> None:
     busy = running(Activity(checkpoint=TakeCheckpoint(False)), checkpoint_interval=5.0)
-    assert decide(busy, PeriodicCheckpointDue(), 0).actions == (ArmPeriodicCheckpoint(5.0),)
+    assert decide(busy, PeriodicCheckpointDue(), 0).actions == (
+        Note("periodic checkpoint skipped: another checkpoint of the job is under way"),
+        ArmPeriodicCheckpoint(5.0),
+    )
+    starting = running(Activity(launching=True), checkpoint_interval=5.0)
+    assert decide(starting, PeriodicCheckpointDue(), 0).actions == (ArmPeriodicCheckpoint(5.0),)
     assert decide(JobFacts(1, JobState.PREEMPTED), PeriodicCheckpointDue(), 0).actions == ()
+
+
+def test_checkpoints_slower_than_their_interval_are_reported_and_never_overlap() -> None:
+    take = TakeCheckpoint(False, reason="periodic checkpoint", periodic=True)
+    job = running(Activity(checkpoint=take), checkpoint_interval=5.0)
+    done = decide(job, Checkpointed("checkpoint 1", complete_s=7.5), 0)
+    assert done.actions == (
+        Note("periodic checkpoint: checkpoint 1"),
+        ArmPeriodicCheckpoint(5.0),
+        Note(
+            "checkpoints take longer to complete (7.5s) than the job's interval (5s): the disk is "
+            "slower than the job's state changes; the next periodic checkpoint starts 5s after this "
+            "one completed"
+        ),
+        Reschedule(),
+    )
+    quick = decide(job, Checkpointed("checkpoint 1", complete_s=2.0), 0)
+    assert not any("longer" in getattr(a, "reason", "") for a in quick.actions)
+
+
+def test_a_restore_says_how_long_the_job_was_down() -> None:
+    job = JobFacts(1, JobState.RUNNING, activity=Activity(launching=True))
+    restored = Restored(42, 1000, seq=3, downtime="down 3.10s in all")
+    assert Note("restored from checkpoint 3 (down 3.10s in all)") in decide(job, restored, 0).actions
 
 
 # Scheduler preemption and its back-off

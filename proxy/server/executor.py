@@ -22,7 +22,7 @@ from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
 
 from .session import DeviceMemory, Session
-from .snapshot import note_writes
+from .writes import note_writes
 
 _FACTORIES = frozenset(protocol.SERVER_FACTORIES)
 _HOST_ALLOCATION_FAILED = re.compile(
@@ -172,7 +172,7 @@ class Executor:
         except RuntimeError as e:
             raise self._as_out_of_memory(session, e) from None
         finally:
-            note_writes(served.operator, decoded_args, decoded_kwargs)  # for pre-copies (snapshot.py)
+            note_writes(served.operator, decoded_args, decoded_kwargs)  # for pre-copies (writes.py)
         new_handles: list[int] = []
         try:
             template = self._template(session, output, inputs, [protocol.integer(first_handle)], new_handles)

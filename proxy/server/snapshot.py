@@ -13,7 +13,7 @@ A save goes through these control requests (the daemon's side is proxy/control.p
 
 Whether a storage changed is known without the kernel's dirty-page tracking: every write an
 operator makes to a tensor (its schema marks the argument written, `Tensor(a!)`, as for `out=`)
-bumps the tensor's version counter (`note_writes`, after each operation), which the server's views
+bumps the tensor's version counter (writes.py, after each operation), which the server's views
 share with their base; the server's own writes (uploads into an existing tensor) bump it too,
 and a storage's mark (session.py) changes
 whenever a tensor that might not share that counter starts using it. A storage's *stamp* joins
@@ -50,35 +50,6 @@ COPY_CHUNK = 64 << 20
 """Bytes copied by one task in the pause (big storages are split among the copy threads)."""
 SETTLED_BYTES = 8 << 20
 """A pre-copy round leaving less than this to copy ends the pre-copy."""
-
-
-_WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}
-"""Operator -> (position, name) of each argument its schema says it writes (Tensor(a!), Tensor(a!)[])."""
-
-
-def written_arguments(operator: Any) -> tuple[tuple[int, str], ...]:
-    """Where an operator's schema says it writes its arguments (cached per operator)."""
-    found = _WRITTEN.get(operator)
-    if found is None:
-        schema = operator._schema.arguments
-        found = tuple(
-            (i, a.name) for i, a in enumerate(schema) if a.alias_info is not None and a.alias_info.is_write
-        )
-        _WRITTEN[operator] = found
-    return found
-
-
-def note_writes(operator: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-    """Bump the version counter of every tensor an operator just wrote, as its schema says.
-
-    Most kernels do it themselves; some (fused optimizers, for one) do not, and a pre-copy must
-    see every write.
-    """
-    for position, name in written_arguments(operator):
-        value = args[position] if position < len(args) else kwargs.get(name)
-        for tensor in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(tensor, torch.Tensor) and not tensor.is_inference():
-                torch.autograd.graph.increment_version(tensor)
 
 
 @dataclass
@@ -125,6 +96,9 @@ class SaveReport:
     precopy_written_bytes: int = 0
     precopy_seconds: float = 0.0
     precopy_dirtied_bytes: int = 0
+    precopy_ended: str = ""
+    """Why the pre-copy stopped: "settled" (little left), "rounds", "budget", or "unsettled" (the job
+    wrote its state about as fast as it was saved)."""
     staged_bytes: int = 0
     reused_bytes: int = 0
     paused_copied_bytes: int = 0
@@ -184,12 +158,14 @@ class JobSave:
         lock = self.server.executor.lock
         began = time.monotonic()
         report = self.report
+        report.precopy_ended = "rounds" if rounds else ""
         for _ in range(rounds):
             with lock:
                 todo = self._unsaved(live_storages(self._sessions()))
             todo = [s for s in todo if s.stamp is not None]
             pending = sum(s.nbytes for s in todo)
             if not todo or (report.precopy_rounds and pending < SETTLED_BYTES):
+                report.precopy_ended = "settled"
                 break
             report.precopy_rounds += 1
             copied: list[tuple[LiveStorage, int]] = []
@@ -214,8 +190,12 @@ class JobSave:
                     dirtied += storage.nbytes
             report.precopy_dirtied_bytes += dirtied
             report.precopy_seconds = time.monotonic() - began
-            if time.monotonic() - began > budget_s or 2 * dirtied >= pending:
-                break  # out of time, or the job writes its state about as fast as it is saved
+            if time.monotonic() - began > budget_s:
+                report.precopy_ended = "budget"
+                break
+            if 2 * dirtied >= pending:
+                report.precopy_ended = "unsettled"
+                break
         report.precopy_seconds = time.monotonic() - began
 
     @staticmethod

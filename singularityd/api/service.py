@@ -17,6 +17,7 @@ import grpc
 from singularityd.api.protocol import JobService
 from singularityd.api.v1 import singularity_pb2 as pb
 from singularityd.api.v1 import singularity_pb2_grpc as pb_grpc
+from singularityd.checkpoint.coordinator import StoredCheckpoint
 from singularityd.errors import (
     InvalidRequest,
     NotFound,
@@ -48,6 +49,23 @@ def status_of(error: RequestError) -> grpc.StatusCode:
         if kind in STATUS_OF:
             return STATUS_OF[kind]
     return grpc.StatusCode.UNKNOWN
+
+
+def stored_checkpoint_message(stored: StoredCheckpoint) -> pb.CheckpointInfo:
+    """A checkpoint folder as `sing show` lists it, with its pause when its manifest has one."""
+    message = pb.CheckpointInfo(
+        seq=stored.seq, created_at=stored.created_at, bytes=stored.image_bytes, complete=stored.complete
+    )
+    pause = stored.pause
+    if pause is not None:
+        message.pause_seconds = pause.seconds
+        message.complete_seconds = stored.complete_s
+        message.stopped = pause.stopped
+        message.precopied_bytes = pause.device.reused_bytes
+        message.paused_bytes = pause.device.paused_copied_bytes + (
+            pause.device.written_after_bytes if pause.stopped else 0
+        )
+    return message
 
 
 def job_message(job: JobRecord, jobs: JobService) -> pb.Job:
@@ -168,10 +186,7 @@ class SingularityService(pb_grpc.SingularityServicer):  # type: ignore[misc]
                 for e in self.jobs.events(job.id)
             ],
         )
-        detail.checkpoint_list.extend(
-            pb.CheckpointInfo(seq=c.seq, created_at=c.created_at, bytes=c.image_bytes, complete=c.complete)
-            for c in self.jobs.checkpoints(job.id)
-        )
+        detail.checkpoint_list.extend(stored_checkpoint_message(c) for c in self.jobs.checkpoints(job.id))
         if self.caller.may_act_on(job.spec.uid):
             detail.env.update(job.spec.env)
             detail.log_path = str(self.jobs.log_path(job.id, 0))
@@ -240,7 +255,15 @@ class SingularityService(pb_grpc.SingularityServicer):  # type: ignore[misc]
         return pb.CheckpointResponse(
             job=job_message(job, self.jobs),
             checkpoint=pb.CheckpointInfo(
-                seq=taken.seq, created_at=taken.created_at, bytes=taken.image_bytes, complete=True
+                seq=taken.seq,
+                created_at=taken.created_at,
+                bytes=taken.image_bytes,
+                complete=True,
+                pause_seconds=taken.pause_s,
+                complete_seconds=taken.complete_s,
+                stopped=taken.stopped,
+                precopied_bytes=taken.precopied_bytes,
+                paused_bytes=taken.paused_bytes,
             ),
             pause_seconds=taken.pause_s,
         )

@@ -13,15 +13,25 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
-from singularityd.checkpoint.criu import tree_pids
+from singularityd.checkpoint.criu import DumpStats, tree_pids
 from singularityd.checkpoint.errors import CheckpointError
 from singularityd.checkpoint.manifest import IMAGES_DIR, MANIFEST_NAME, Manifest
+from singularityd.checkpoint.pause import (
+    DeviceSaveFigures,
+    Downtime,
+    Pause,
+    downtime,
+    measure_pause,
+    pause_summary,
+)
 from singularityd.checkpoint.service import Checkpointer, CheckpointResult
-from singularityd.devices.access import DeviceAccess, DeviceError
+from singularityd.devices.access import DeviceAccess, DeviceError, DeviceStateSave, NoDeviceState, PreCopy
 from singularityd.units import human_bytes
 
 log = logging.getLogger(__name__)
@@ -50,23 +60,36 @@ class CheckpointTarget:
 
 @dataclass(frozen=True)
 class CheckpointTaken:
-    """A complete checkpoint as the daemon reports it; `summary` is the text of its event."""
+    """A complete checkpoint as the daemon reports it; `summary` is the text of its event.
+
+    `pause_s` is what the job lost (see checkpoint/pause.py), `complete_s` the time from the start
+    of the pause until the manifest was written."""
 
     seq: int
     created_at: float
     image_bytes: int
     pause_s: float
     summary: str
+    complete_s: float = 0.0
+    stopped: bool = False
+    precopied_bytes: int = 0
+    paused_bytes: int = 0
 
 
 @dataclass(frozen=True)
 class StoredCheckpoint:
-    """One of a job's checkpoint folders: complete (with a readable manifest) or not."""
+    """One of a job's checkpoint folders: complete (with a readable manifest) or not, and its pause."""
 
     seq: int
     created_at: float
     image_bytes: int
     complete: bool
+    pause: Pause | None = None
+
+    @property
+    def complete_s(self) -> float:
+        """From the start of its pause until its manifest was written (0 when unknown)."""
+        return max(0.0, self.created_at - self.pause.began_at) if self.pause else 0.0
 
 
 @dataclass(frozen=True)
@@ -81,16 +104,23 @@ class Restoration:
     seq: int
     skipped: tuple[tuple[int, str], ...] = ()
     problem: str = ""
+    downtime: Downtime | None = None
 
 
-def checkpoint_summary(result: CheckpointResult) -> str:
+def checkpoint_summary(result: CheckpointResult, pause: Pause, complete_s: float) -> str:
     """What an event says about a checkpoint: its number, size, the pause and pre-copy."""
-    text = f"checkpoint {result.seq} ({human_bytes(result.image_bytes)}, paused {result.pause_s:.2f}s"
+    text = f"checkpoint {result.seq} ({human_bytes(result.image_bytes)}, {pause_summary(pause, complete_s)}"
     if result.pre_dumps:
-        text += f" after {len(result.pre_dumps)} pre-copy round(s)"
+        text += f"; after {len(result.pre_dumps)} CRIU pre-dump(s)"
     if result.pruned:
         text += f"; removed older checkpoint(s) {','.join(str(s) for s in result.pruned)}"
     return text + ")"
+
+
+def manifest_pause(manifest: Manifest) -> Pause | None:
+    """The pause a checkpoint's manifest records (None for checkpoints that predate it)."""
+    raw = manifest.stats.get("pause")
+    return Pause.from_dict(raw) if isinstance(raw, Mapping) else None
 
 
 class Checkpoints(Protocol):
@@ -163,11 +193,19 @@ class JobCheckpoints:
     next checkpoint: listing many jobs does not walk their image folders.
     """
 
-    def __init__(self, checkpointer: Checkpointer, devices: DeviceAccess, status: CriuStatus) -> None:
+    def __init__(
+        self,
+        checkpointer: Checkpointer,
+        devices: DeviceAccess,
+        status: CriuStatus,
+        pre_copy: PreCopy | None = None,
+    ) -> None:
         self.checkpointer = checkpointer
         self.images = checkpointer.store
         self.devices = devices
         self.status = status
+        self.pre_copy = pre_copy or PreCopy()
+        """How much device state the proxies copy while the job runs (live: set on reload)."""
         self._usage: dict[int, tuple[int, int]] = {}
 
     @property
@@ -198,23 +236,69 @@ class JobCheckpoints:
             except (CheckpointError, OSError, ValueError):
                 found.append(StoredCheckpoint(seq, 0.0, 0, False))
                 continue
-            found.append(StoredCheckpoint(seq, manifest.created_at, manifest.total_bytes, True))
+            pause = manifest_pause(manifest)
+            found.append(StoredCheckpoint(seq, manifest.created_at, manifest.total_bytes, True, pause))
         return found
 
     async def take(self, target: CheckpointTarget, *, stop: bool, reason: str) -> CheckpointTaken:
-        """Quiesce the job's devices and save their state, dump the tree, then release or resume."""
+        """Checkpoint the job with the shortest pause its devices allow, then release or resume them.
+
+        While the job runs, its proxies pre-copy its device state. The pause begins when they park
+        it. In place (`stop` false), what changed is copied in memory while CRIU dumps the
+        processes, the job runs again as soon as both are done, and the device state is written
+        and everything hashed after. For a preemption the device state is written before CRIU
+        stops the processes, so that a failure leaves the job running.
+        """
         job_id, devices = target.job_id, target.devices
-        quiesced = False
+        parked = False
+        saving: DeviceStateSave = NoDeviceState()
+        capturing: asyncio.Future[None] | None = None
         self._usage.pop(job_id, None)
+
+        async def before_dump(images: Path) -> None:
+            nonlocal parked, capturing, saving
+            if connections:
+                saving = self.devices.device_save(job_id, devices, images, self.pre_copy)
+            await saving.prepare()
+            parked = True
+            await saving.park()
+            if stop:
+                await saving.capture(copy=False)
+                figures.append(await saving.finish())
+            else:
+                capturing = asyncio.ensure_future(saving.capture(copy=True))  # beside CRIU's dump
+
+        async def after_dump(dump: DumpStats) -> Mapping[str, Any]:
+            nonlocal parked
+            returned = time.monotonic()
+            if capturing is not None:
+                await capturing
+            if parked and not stop:
+                await self.devices.resume(job_id, devices)
+                parked = False
+            try:
+                stamps = await saving.stamps()
+            except DeviceError as error:  # the figures suffer, not the checkpoint
+                log.warning("job %d: no pause timestamps from its proxies: %s", job_id, error)
+                stamps = None
+            if not stop:
+                figures.append(await saving.finish())
+            pause = measure_pause(
+                parked_at=stamps.parked_at if stamps else (),
+                resumed_at=stamps.resumed_at if stamps else (),
+                criu_returned_at=returned,
+                frozen_s=dump.pause_s,
+                stopped=stop,
+                device=figures[-1] if figures else DeviceSaveFigures(),
+            )
+            pauses.append(pause)
+            return {"pause": pause.as_dict()}
+
+        figures: list[DeviceSaveFigures] = []
+        pauses: list[Pause] = []
+        connections = []
         try:
             connections = await asyncio.to_thread(self.devices.connections, tree_pids(target.pid))
-
-            async def save_device_state(images: Path) -> None:
-                nonlocal quiesced
-                if connections:
-                    quiesced = True
-                    await self.devices.quiesce_and_save(job_id, devices, images)
-
             result = await self.checkpointer.checkpoint(
                 str(job_id),
                 target.pid,
@@ -223,7 +307,8 @@ class JobCheckpoints:
                 leave_running=not stop,
                 rewind_paths=target.rewind_paths,
                 external_unix_inodes=[c.inode for c in connections],
-                before_final_dump=save_device_state,
+                before_final_dump=before_dump,
+                after_final_dump=after_dump,
                 extra={
                     "reason": reason,
                     "devices": list(devices),
@@ -231,28 +316,39 @@ class JobCheckpoints:
                 },
             )
         except (CheckpointError, DeviceError, OSError) as error:
-            if quiesced:
+            if capturing is not None:
+                with contextlib.suppress(Exception):
+                    await capturing
+            with contextlib.suppress(DeviceError):
+                await saving.abort()
+            if parked:
                 with contextlib.suppress(DeviceError):
                     await self.devices.resume(job_id, devices)
             raise error if isinstance(error, CheckpointError) else CheckpointError(str(error)) from None
         finally:
             self._usage.pop(job_id, None)
-        if quiesced:
-            finish = self.devices.release if stop else self.devices.resume
+        if stop and connections:
             try:
-                await finish(job_id, devices)
+                await self.devices.release(job_id, devices)
             except DeviceError as error:
-                log.error("job %d: proxy %s after the checkpoint failed: %s", job_id, finish.__name__, error)
+                log.error("job %d: releasing its devices after the checkpoint failed: %s", job_id, error)
+        pause = pauses[0]
+        complete_s = max(0.0, time.time() - pause.began_at)
         return CheckpointTaken(
             result.seq,
             result.manifest.created_at,
             result.image_bytes,
-            result.pause_s,
-            checkpoint_summary(result),
+            pause.seconds,
+            checkpoint_summary(result, pause, complete_s),
+            complete_s=complete_s,
+            stopped=stop,
+            precopied_bytes=pause.device.reused_bytes,
+            paused_bytes=pause.device.paused_copied_bytes + (pause.device.written_after_bytes if stop else 0),
         )
 
     async def restore(self, job_id: int, devices: tuple[int, ...]) -> Restoration:
         """Restore the newest good checkpoint, reconnecting the processes to their devices."""
+        began = time.monotonic()
         opened: list[socket.socket] = []
 
         def reconnect(manifest: Manifest) -> dict[str, int]:
@@ -279,8 +375,9 @@ class JobCheckpoints:
                 await self.devices.resume(job_id, devices)
             except DeviceError as error:
                 problem = f"the device proxies did not resume the job: {error}"
+        down = downtime(began, time.monotonic(), manifest_pause(result.manifest))
         skipped = tuple((s.seq, s.reason) for s in result.skipped)
-        return Restoration(result.pid, result.seq, skipped, problem)
+        return Restoration(result.pid, result.seq, skipped, problem, down)
 
     async def resume_parked(self, job_id: int, devices: tuple[int, ...]) -> None:
         """Let go a job a killed daemon may have left parked in its proxies mid-checkpoint."""

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import shlex
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from singularityd.checkpoint.store import (
 )
 
 InheritFds = Mapping[str, int] | Callable[[Manifest], Mapping[str, int]]
+AfterDump = Callable[[DumpStats], Awaitable[Mapping[str, Any]]]
 
 
 def post_dump_script(paths: Sequence[str], out: Path) -> str:
@@ -125,6 +126,7 @@ class Checkpointer:
         extra: Mapping[str, Any] | None = None,
         prune: bool = True,
         before_final_dump: Callable[[Path], Any] | None = None,
+        after_final_dump: AfterDump | None = None,
     ) -> CheckpointResult:
         """Checkpoint the tree rooted at host PID `pid` (the job's init) as the job's next one.
 
@@ -136,7 +138,10 @@ class Checkpointer:
         them back. `extra` is small JSON state stored in the manifest. `before_final_dump` is
         called with the checkpoint's images folder (and awaited if it returns an awaitable) between
         the pre-dumps and the final dump; what it writes there is checksummed with the images.
-        Once started, a checkpoint runs to its end even if the awaiting task is cancelled.
+        `after_final_dump` is awaited with CRIU's figures as soon as the final dump returns (the
+        tree still frozen no more); the mapping it returns is kept in the manifest's stats, and if
+        it fails the checkpoint fails. Once started, a checkpoint runs to its end even if the
+        awaiting task is cancelled.
         """
         return await run_to_completion(
             self._checkpoint(
@@ -151,6 +156,7 @@ class Checkpointer:
                 extra=extra,
                 prune=prune,
                 before_final_dump=before_final_dump,
+                after_final_dump=after_final_dump,
             )
         )
 
@@ -168,6 +174,7 @@ class Checkpointer:
         extra: Mapping[str, Any] | None,
         prune: bool,
         before_final_dump: Callable[[Path], Any] | None,
+        after_final_dump: AfterDump | None,
     ) -> CheckpointResult:
         start = time.monotonic()
         info = self.criu.info
@@ -196,6 +203,7 @@ class Checkpointer:
                     rewind_paths,
                     before_final_dump,
                 )
+                after = dict(await after_final_dump(dump_stats)) if after_final_dump else {}
             except BaseException:
                 await asyncio.to_thread(self.store.abort, pending)
                 raise
@@ -203,6 +211,7 @@ class Checkpointer:
                 "dump": dump_stats.as_dict(),
                 "pre_dumps": [p.as_dict() for p in pre_stats],
                 "pre_copy_skipped": skipped,
+                **after,
             }
             try:
                 manifest = await asyncio.to_thread(

@@ -53,6 +53,8 @@ class Restored:
     seq: int
     skipped: tuple[tuple[int, str], ...] = ()
     problem: str = ""
+    downtime: str = ""
+    """How long the job was down, as the restore event says it (empty when not measured)."""
 
 
 @dataclass(frozen=True)
@@ -129,11 +131,13 @@ class PeriodicCheckpointDue:
 @dataclass(frozen=True)
 class Checkpointed:
     """The checkpoint under way completed; `summary` says what it wrote, `image_bytes` how much,
-    `pause_s` how long the job's processes were stopped for it."""
+    `pause_s` how long the job could not make progress for it."""
 
     summary: str
     image_bytes: int = 0
     pause_s: float = 0.0
+    complete_s: float = 0.0
+    """From the start of the pause until the checkpoint was complete."""
 
 
 @dataclass(frozen=True)
@@ -402,7 +406,9 @@ def _ended(job: JobFacts, stimulus: Exited | ProcessesLost, now: float) -> Decis
     return Decision(check_transition(job.job_id, state, target, reason, now), release)
 
 
-def _checkpoint_over(job: JobFacts, succeeded: bool, text: str, now: float) -> Decision:
+def _checkpoint_over(
+    job: JobFacts, succeeded: bool, text: str, now: float, complete_s: float = 0.0
+) -> Decision:
     """The checkpoint under way ended: record it, then whatever it held back or leads to."""
     take = job.activity.checkpoint
     if take is None:
@@ -424,6 +430,14 @@ def _checkpoint_over(job: JobFacts, succeeded: bool, text: str, now: float) -> D
         return Decision(actions=tuple(actions), activity=activity)
     if take.periodic:
         actions += _periodic(job)
+    if succeeded and complete_s > job.checkpoint_interval > 0:
+        actions.append(
+            Note(
+                f"checkpoints take longer to complete ({complete_s:.1f}s) than the job's interval "
+                f"({job.checkpoint_interval:g}s): the disk is slower than the job's state changes; "
+                f"the next periodic checkpoint starts {job.checkpoint_interval:g}s after this one completed"
+            )
+        )
     actions.append(Reschedule())  # the job may be preempted again
     return Decision(actions=tuple(actions), activity=activity)
 
@@ -447,11 +461,11 @@ def decide(job: JobFacts, stimulus: Stimulus, now: float) -> Decision:
                 raise InvalidTransition(f"job {job.job_id} is {state}; its processes cannot run")
             started = replace(job.activity, launching=False)
             return Decision(actions=_running(job, pid, ticks), activity=started)
-        case Restored(pid=pid, start_ticks=ticks, seq=seq, skipped=skipped, problem=problem):
+        case Restored(pid=pid, start_ticks=ticks, seq=seq, skipped=skipped, problem=problem, downtime=down):
             if not state.holds_devices:
                 raise InvalidTransition(f"job {job.job_id} is {state}; its processes cannot run")
             notes = [Note(f"checkpoint {s} not used: {why}") for s, why in skipped]
-            notes.append(Note(f"restored from checkpoint {seq}"))
+            notes.append(Note(f"restored from checkpoint {seq}" + (f" ({down})" if down else "")))
             actions = (*notes, *_running(job, pid, ticks))
             if problem and not job.cancel_requested:
                 actions += (Note(problem), TerminateProcesses())
@@ -513,13 +527,16 @@ def decide(job: JobFacts, stimulus: Stimulus, now: float) -> Decision:
         case PeriodicCheckpointDue():
             if state is not JobState.RUNNING:
                 return Decision()
+            if job.activity.checkpoint is not None:
+                busy = Note("periodic checkpoint skipped: another checkpoint of the job is under way")
+                return Decision(actions=(busy, *_periodic(job)))
             if not job.activity.idle or job.cancel_requested:
                 return Decision(actions=_periodic(job))
             return _checkpointing(job, TakeCheckpoint(False, reason="periodic checkpoint", periodic=True))
-        case Checkpointed(summary=summary):
+        case Checkpointed(summary=summary, complete_s=complete_s):
             under_way = job.activity.checkpoint
             reason = under_way.reason if under_way else "checkpoint"
-            return _checkpoint_over(job, True, f"{reason}: {summary}", now)
+            return _checkpoint_over(job, True, f"{reason}: {summary}", now, complete_s)
         case CheckpointFailed(error=error):
             return _checkpoint_over(job, False, f"checkpoint failed, the job keeps running: {error}", now)
         case Requeued(detail=detail):

@@ -3,23 +3,98 @@
 `ProxiedDevices` puts the daemon's per-job proxy servers (singularityd.devices.proxies) behind
 it; `DirectDevices` hands jobs the devices themselves (proxies turned off). Whichever is wired in,
 the rest of the daemon calls the same methods, and every failure arrives as one DeviceError.
+A checkpoint saves the job's device state through a `DeviceStateSave` (`device_save`): pre-copy
+while the job runs, park, capture in the pause, finish writing after it.
 """
 
 from __future__ import annotations
 
 import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from singularity.proxy.control import ControlError
-from singularityd.devices.proxies import JobIdentity, JobProxies, ProxyConnection, ProxyError, job_connections
+from singularity.proxy.control import ControlError, ProxyControl
+from singularityd.checkpoint.pause import DeviceSaveFigures
+from singularityd.devices.proxies import (
+    JobIdentity,
+    JobProxies,
+    ProxyConnection,
+    ProxyError,
+    device_state_file,
+    job_connections,
+)
 
 T = TypeVar("T")
 
 
 class DeviceError(Exception):
     """The devices (their proxy servers) did not do what the daemon asked; the message says why."""
+
+
+@dataclass(frozen=True)
+class PreCopy:
+    """How much of a job's device state its proxies copy while it runs, before the pause."""
+
+    rounds: int = 2
+    """Pre-copy rounds (0: none, everything is copied in the pause)."""
+    budget_s: float = 120.0
+    """The longest the pre-copy may take."""
+
+
+@dataclass(frozen=True)
+class PauseStamps:
+    """When the job's processes last parked and were let go (CLOCK_MONOTONIC), over all its devices."""
+
+    parked_at: tuple[float, ...] = ()
+    resumed_at: tuple[float, ...] = ()
+
+
+class DeviceStateSave(Protocol):
+    """One save of a job's device state, in the steps a checkpoint takes around its pause."""
+
+    async def prepare(self) -> None:
+        """While the job runs: pre-copy its state and make host memory ready for the pause."""
+
+    async def park(self) -> None:
+        """Stop the job's processes at an operation boundary (the pause begins)."""
+
+    async def capture(self, copy: bool) -> None:
+        """Take the parked state: copy what changed (`copy`), or leave it to be read from the device."""
+
+    async def stamps(self) -> PauseStamps:
+        """When the processes parked and were let go."""
+
+    async def finish(self) -> DeviceSaveFigures:
+        """Wait until the state is written; what the save cost."""
+
+    async def abort(self) -> None:
+        """Abandon the save (the checkpoint failed)."""
+
+
+class NoDeviceState:
+    """A job that holds no device state outside its processes: nothing to save."""
+
+    async def prepare(self) -> None:
+        """Nothing to pre-copy."""
+
+    async def park(self) -> None:
+        """Nothing to park: CRIU's freeze is the pause."""
+
+    async def capture(self, copy: bool) -> None:
+        """Nothing to capture."""
+
+    async def stamps(self) -> PauseStamps:
+        """No process parked."""
+        return PauseStamps()
+
+    async def finish(self) -> DeviceSaveFigures:
+        """Nothing was written."""
+        return DeviceSaveFigures()
+
+    async def abort(self) -> None:
+        """Nothing to abandon."""
 
 
 class DeviceAccess(Protocol):
@@ -51,6 +126,11 @@ class DeviceAccess(Protocol):
     async def quiesce_and_save(self, job_id: int, devices: Sequence[int], images: Path) -> None:
         """Stop the job at an operation boundary and save its device state into `images`."""
 
+    def device_save(
+        self, job_id: int, devices: Sequence[int], images: Path, pre_copy: PreCopy
+    ) -> DeviceStateSave:
+        """A save of the job's device state into `images`, to be carried out step by step."""
+
     async def resume(self, job_id: int, devices: Sequence[int]) -> None:
         """Let the job's parked processes go on."""
 
@@ -77,6 +157,57 @@ async def _translated_async(call: Awaitable[T]) -> T:
         return await call
     except (ProxyError, ControlError, OSError) as error:
         raise DeviceError(str(error)) from error
+
+
+class ProxyStateSave:
+    """A save of a job's device state by its proxy servers, all devices at once."""
+
+    def __init__(
+        self, pool: JobProxies, job_id: int, devices: Sequence[int], images: Path, pre_copy: PreCopy
+    ) -> None:
+        self.pool = pool
+        self.job = str(job_id)
+        self.job_id = job_id
+        self.devices = tuple(devices)
+        self.images = images
+        self.pre_copy = pre_copy
+
+    async def _all(self, call: Callable[[ProxyControl, int], Any]) -> list[Any]:
+        return await _translated_async(self.pool.on_servers(self.job_id, self.devices, call))
+
+    async def prepare(self) -> None:
+        """Pre-copy on every device while the job runs, then stage host memory for the pause."""
+        device_state_file(self.images, 0).parent.mkdir(parents=True, exist_ok=True)
+        rounds, budget = self.pre_copy.rounds, self.pre_copy.budget_s
+
+        def prepare(proxy: ProxyControl, index: int) -> Any:
+            return proxy.prepare(self.job, device_state_file(self.images, index), rounds, budget)
+
+        await self._all(prepare)
+
+    async def park(self) -> None:
+        """Quiesce the job on every device."""
+        await self._all(lambda proxy, _: proxy.quiesce(self.job))
+
+    async def capture(self, copy: bool) -> None:
+        """Capture the parked state on every device."""
+        await self._all(lambda proxy, _: proxy.capture(self.job, copy))
+
+    async def stamps(self) -> PauseStamps:
+        """When the processes parked and were let go, over all devices."""
+        times = await self._all(lambda proxy, _: proxy.pause_times(self.job))
+        return PauseStamps(
+            tuple(t for each in times for t in each["parked_at"]),
+            tuple(t for each in times for t in each["resumed_at"]),
+        )
+
+    async def finish(self) -> DeviceSaveFigures:
+        """Wait for every device's file; their figures together."""
+        return DeviceSaveFigures.summed(await self._all(lambda proxy, _: proxy.finish(self.job)))
+
+    async def abort(self) -> None:
+        """Abandon the save on every device."""
+        await self._all(lambda proxy, _: proxy.abort(self.job))
 
 
 class ProxiedDevices:
@@ -118,6 +249,12 @@ class ProxiedDevices:
     async def quiesce_and_save(self, job_id: int, devices: Sequence[int], images: Path) -> None:
         """Stop the job at an operation boundary and save its live tensors."""
         await _translated_async(self.pool.quiesce_and_save(job_id, devices, images))
+
+    def device_save(
+        self, job_id: int, devices: Sequence[int], images: Path, pre_copy: PreCopy
+    ) -> DeviceStateSave:
+        """A save by the job's proxy servers (see ProxyStateSave)."""
+        return ProxyStateSave(self.pool, job_id, devices, images, pre_copy)
 
     async def resume(self, job_id: int, devices: Sequence[int]) -> None:
         """Let the job's parked processes go on."""
@@ -169,6 +306,12 @@ class DirectDevices:
 
     async def quiesce_and_save(self, job_id: int, devices: Sequence[int], images: Path) -> None:
         """No device state is held outside the job."""
+
+    def device_save(
+        self, job_id: int, devices: Sequence[int], images: Path, pre_copy: PreCopy
+    ) -> DeviceStateSave:
+        """No device state is held outside the job."""
+        return NoDeviceState()
 
     async def resume(self, job_id: int, devices: Sequence[int]) -> None:
         """Nothing is parked."""

@@ -55,7 +55,8 @@ async def restore(
     except (CheckpointError, DeviceError, OSError) as error:
         return RestoreFailed(str(error))
     process = processes.adopt_restored(job.id, restored.pid)
-    return Restored(process.pid, process.start_ticks, restored.seq, restored.skipped, restored.problem)
+    down = restored.downtime.summary() if restored.downtime else ""
+    return Restored(process.pid, process.start_ticks, restored.seq, restored.skipped, restored.problem, down)
 
 
 async def checkpoint(
@@ -70,4 +71,4 @@ async def checkpoint(
         taken = await checkpoints.take(target, stop=take.stop, reason=take.reason)
     except CheckpointError as error:
         return CheckpointFailed(str(error)), StateConflict(f"checkpoint failed: {error}")
-    return Checkpointed(taken.summary, taken.image_bytes, taken.pause_s), taken
+    return Checkpointed(taken.summary, taken.image_bytes, taken.pause_s, taken.complete_s), taken

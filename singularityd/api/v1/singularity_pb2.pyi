@@ -125,16 +125,26 @@ class JobDetail(_message.Message):
     def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ..., env: _Optional[_Mapping[str, str]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., log_path: _Optional[str] = ..., checkpoint_list: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("seq", "created_at", "bytes", "complete")
+    __slots__ = ("seq", "created_at", "bytes", "complete", "pause_seconds", "complete_seconds", "stopped", "precopied_bytes", "paused_bytes")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
+    PRECOPIED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_BYTES_FIELD_NUMBER: _ClassVar[int]
     seq: int
     created_at: float
     bytes: int
     complete: bool
-    def __init__(self, seq: _Optional[int] = ..., created_at: _Optional[float] = ..., bytes: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
+    pause_seconds: float
+    complete_seconds: float
+    stopped: bool
+    precopied_bytes: int
+    paused_bytes: int
+    def __init__(self, seq: _Optional[int] = ..., created_at: _Optional[float] = ..., bytes: _Optional[int] = ..., complete: _Optional[bool] = ..., pause_seconds: _Optional[float] = ..., complete_seconds: _Optional[float] = ..., stopped: _Optional[bool] = ..., precopied_bytes: _Optional[int] = ..., paused_bytes: _Optional[int] = ...) -> None: ...
 
 class CheckpointResponse(_message.Message):
     __slots__ = ("job", "checkpoint", "pause_seconds")

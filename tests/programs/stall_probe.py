@@ -1,0 +1,42 @@
+"""Holds SIZE MiB of tensors on its cuda device and times its own steps until a file appears.
+
+How a checkpoint feels from inside a job: each step trains a small model a little and reads one
+value back, so it waits for the device. Every step longer than 20 ms is printed as
+"stall END SECONDS", by the wall clock: CRIU restores a process in a time namespace that hides
+the time it was stopped from CLOCK_MONOTONIC, so only the wall clock shows a preemption whole.
+Usage: stall_probe.py HOLD_FILE SIZE_MIB
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+hold, size_mib = sys.argv[1], int(sys.argv[2])
+torch.manual_seed(0)
+chunk = 64 << 20
+state = [torch.ones(min(chunk, (size_mib << 20) - i) // 4, device="cuda") for i in range(0, size_mib << 20, chunk)]
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).cuda()
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+data = torch.randn(32, 64, device="cuda")
+steps = 0
+longest = 0.0
+last = time.time()
+print("ready", flush=True)
+while not os.path.exists(hold):
+    loss = model(data).square().mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    loss.item()
+    steps += 1
+    now = time.time()
+    if now - last > 0.02:
+        print(f"stall {now:.6f} {now - last:.6f}", flush=True)
+    longest = max(longest, now - last)
+    last = now
+held = sum(t.numel() * t.element_size() for t in state) >> 20
+print(f"done: {held} MiB held, {steps > 0}, checksum {sum(float(t.sum().item()) for t in state):.0f}", flush=True)

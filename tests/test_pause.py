@@ -1,0 +1,79 @@
+"""The pause a checkpoint reports is the one the program feels (real daemon, real CRIU, 1 GiB on the device).
+
+tests/programs/stall_probe.py holds 1 GiB of tensors on its proxied device and prints every step
+that took longer than usual, by the wall clock. Around `sing checkpoint` its longest step must
+match the pause the daemon reports; around a preemption and the restore after it, the longest
+step must match the downtime the restore reports. Agreement: within 10% (or 20 ms).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+from tests.conftest import requires_root
+from tests.helpers import Daemon, running_daemon, wait_until
+from tests.proxy.conftest import PROGRAMS, PYTHON
+
+JOB_OPTIONS = ["--env", "OMP_NUM_THREADS=1", "--cwd", str(PROGRAMS)]
+
+
+def stalls(log: Path) -> list[tuple[float, float]]:
+    """(end, seconds) of each long step the probe printed."""
+    found = []
+    for line in log.read_text().splitlines():
+        if line.startswith("stall "):
+            end, seconds = line.split()[1:]
+            found.append((float(end), float(seconds)))
+    return found
+
+
+def longest_stall(log: Path, after: float) -> float:
+    """The longest step that ended after `after` (wall clock)."""
+    return max((seconds for end, seconds in stalls(log) if end > after), default=0.0)
+
+
+def agree(felt: float, reported: float) -> bool:
+    """Whether the daemon's figure is the program's, within 10% or 20 ms."""
+    return abs(felt - reported) <= max(0.1 * reported, 0.02)
+
+
+def events(daemon: Daemon, job: int) -> list[str]:
+    """The job's event texts."""
+    return [e["reason"] for e in daemon.job(job)["events"]]
+
+
+@requires_root
+def test_reported_pauses_are_what_the_program_lost(daemon_root: Path) -> None:
+    hold = daemon_root / "hold"
+    with running_daemon(daemon_root, virtual_devices=1) as daemon:
+        job = daemon.submit(PYTHON, "stall_probe.py", str(hold), "1024", options=JOB_OPTIONS)
+        log = daemon.state_dir / "jobs" / str(job) / "logs" / "rank-0.log"
+        wait_until(lambda: log.exists() and "ready" in log.read_text(), timeout=180)
+
+        began = time.time()
+        result = daemon.sing("checkpoint", str(job), timeout=600)
+        assert result.code == 0, result.err
+        printed = float(re.search(r"paused (\d+\.\d+)s", result.out).group(1))  # type: ignore[union-attr]
+        listed = daemon.job(job)["checkpoint_list"][-1]
+        assert listed["seq"] == 1 and not listed["stopped"]
+        reported = listed["pause_seconds"]
+        assert abs(printed - reported) < 0.006
+        assert listed["precopied_bytes"] >= 1 << 30, "the tensors the job only reads were pre-copied"
+        felt = wait_until(lambda: longest_stall(log, began), timeout=60)
+        assert agree(felt, reported), f"the program lost {felt:.3f}s, the daemon says {reported:.3f}s"
+
+        began = time.time()
+        assert daemon.sing("preempt", str(job), timeout=600).code == 0
+        daemon.wait_state(job, "RUNNING", timeout=300)
+        restore = wait_until(lambda: next((e for e in events(daemon, job) if "down " in e), None), timeout=300)
+        total = float(re.search(r"down (\d+\.\d+)s in all", restore).group(1))  # type: ignore[union-attr]
+        stopped = next(e for e in events(daemon, job) if e.startswith("preempted by"))
+        assert re.search(r"stopped in \d+\.\d+s", stopped), stopped
+        felt = wait_until(lambda: longest_stall(log, began + total / 2), timeout=60)
+        assert agree(felt, total), f"the program was down {felt:.3f}s, the daemon says {total:.3f}s"
+
+        hold.touch()
+        assert daemon.sing("wait", str(job), timeout=300).code == 0
+    assert "done: 1024 MiB held, True, checksum 268435456" in log.read_text()
