@@ -67,7 +67,7 @@ def test_reported_pauses_are_what_the_program_lost(daemon_root: Path) -> None:
         began = time.time()
         assert daemon.sing("preempt", str(job), timeout=600).code == 0
         daemon.wait_state(job, "RUNNING", timeout=300)
-        restore = wait_until(lambda: next((e for e in events(daemon, job) if "down " in e), None), timeout=300)
+        restore = wait_until(lambda: next((e for e in events(daemon, job) if "down " in e), None), 300)
         total = float(re.search(r"down (\d+\.\d+)s in all", restore).group(1))  # type: ignore[union-attr]
         stopped = next(e for e in events(daemon, job) if e.startswith("preempted by"))
         assert re.search(r"stopped in \d+\.\d+s", stopped), stopped

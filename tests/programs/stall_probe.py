@@ -18,7 +18,8 @@ import torch
 hold, size_mib = sys.argv[1], int(sys.argv[2])
 torch.manual_seed(0)
 chunk = 64 << 20
-state = [torch.ones(min(chunk, (size_mib << 20) - i) // 4, device="cuda") for i in range(0, size_mib << 20, chunk)]
+size = size_mib << 20
+state = [torch.ones(min(chunk, size - i) // 4, device="cuda") for i in range(0, size, chunk)]
 model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).cuda()
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 data = torch.randn(32, 64, device="cuda")
@@ -39,4 +40,5 @@ while not os.path.exists(hold):
     longest = max(longest, now - last)
     last = now
 held = sum(t.numel() * t.element_size() for t in state) >> 20
-print(f"done: {held} MiB held, {steps > 0}, checksum {sum(float(t.sum().item()) for t in state):.0f}", flush=True)
+checksum = sum(float(t.sum().item()) for t in state)
+print(f"done: {held} MiB held, {steps > 0}, checksum {checksum:.0f}", flush=True)
