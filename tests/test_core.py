@@ -365,7 +365,7 @@ def test_a_periodic_checkpoint_is_taken_when_the_job_is_idle_and_rearmed_after()
 def test_a_periodic_checkpoint_due_while_busy_is_put_off() -> None:
     busy = running(Activity(checkpoint=TakeCheckpoint(False)), checkpoint_interval=5.0)
     assert decide(busy, PeriodicCheckpointDue(), 0).actions == (
-        Note("periodic checkpoint skipped: another checkpoint of the job is under way"),
+        Note("skipped the checkpoint due by the interval: another checkpoint of the job is under way"),
         ArmPeriodicCheckpoint(5.0),
     )
     starting = running(Activity(launching=True), checkpoint_interval=5.0)
@@ -382,8 +382,7 @@ def test_checkpoints_slower_than_their_interval_are_reported_and_never_overlap()
         ArmPeriodicCheckpoint(5.0),
         Note(
             "checkpoints take longer to complete (7.5s) than the job's interval (5s): the disk is "
-            "slower than the job's state changes; the next periodic checkpoint starts 5s after this "
-            "one completed"
+            "slower than the job's state changes; the next one starts 5s after this one completed"
         ),
         Reschedule(),
     )

@@ -3,11 +3,13 @@
 tests/programs/stall_probe.py holds 1 GiB of tensors on its proxied device and prints every step
 that took longer than usual, by the wall clock. Around `sing checkpoint` its longest step must
 match the pause the daemon reports; around a preemption and the restore after it, the longest
-step must match the downtime the restore reports. Agreement: within 10% (or 20 ms).
+step must match the downtime the restore reports. Agreement: within 10% (or 20 ms). And the
+corpus stays byte-identical under checkpoints whose device state was pre-copied while it ran.
 """
 
 from __future__ import annotations
 
+import random
 import re
 import time
 from pathlib import Path
@@ -15,6 +17,8 @@ from pathlib import Path
 from tests.conftest import requires_root
 from tests.helpers import Daemon, running_daemon, wait_until
 from tests.proxy.conftest import PROGRAMS, PYTHON
+from tests.proxy.test_corpus import CORPUS
+from tests.test_daemon_proxy import direct_run, without_stderr_lines
 
 JOB_OPTIONS = ["--env", "OMP_NUM_THREADS=1", "--cwd", str(PROGRAMS)]
 
@@ -77,3 +81,33 @@ def test_reported_pauses_are_what_the_program_lost(daemon_root: Path) -> None:
         hold.touch()
         assert daemon.sing("wait", str(job), timeout=300).code == 0
     assert "done: 1024 MiB held, True, checksum 268435456" in log.read_text()
+
+
+@requires_root
+def test_corpus_is_exact_under_checkpoints_taken_while_precopy_runs(daemon_root: Path) -> None:
+    """Every corpus program, checkpointed in place at 4 random moments and then preempted (each with
+    its device state pre-copied while it ran) and restored, prints what it prints directly."""
+    rng = random.Random(11)
+    expected = {program: direct_run(program, direct_args) for program, direct_args, _ in CORPUS}
+    with running_daemon(daemon_root, virtual_devices=4) as daemon:
+        jobs = {}
+        for program, _, proxy_args in CORPUS:
+            hold = daemon_root / f"hold-{program}"
+            options = [*JOB_OPTIONS, "--env", f"CORPUS_HOLD={hold}"]
+            jobs[program] = (daemon.submit(PYTHON, program, *proxy_args, options=options), hold)
+        for program, (job, hold) in jobs.items():
+            daemon.wait_state(job, "RUNNING", timeout=600)
+            for _ in range(4):
+                time.sleep(rng.uniform(0.0, 1.5))
+                result = daemon.sing("checkpoint", str(job), timeout=600)
+                assert result.code == 0, f"{program}: {result.err}"
+            time.sleep(rng.uniform(0.0, 1.5))
+            assert daemon.sing("preempt", str(job), timeout=600).code == 0, program
+            daemon.wait_state(job, "RUNNING", timeout=600)
+            hold.touch()
+            assert daemon.sing("wait", str(job), timeout=600).code == 0, daemon.sing("logs", str(job)).out
+            log = daemon.sing("logs", str(job)).out
+            assert without_stderr_lines(log, expected[program].stderr) == expected[program].stdout, program
+            listed = daemon.job(job)["checkpoint_list"]
+            assert [c["stopped"] for c in listed][-1:] == [True], program
+            assert all(c["pause_seconds"] > 0 for c in listed), program

@@ -435,7 +435,7 @@ def _checkpoint_over(
             Note(
                 f"checkpoints take longer to complete ({complete_s:.1f}s) than the job's interval "
                 f"({job.checkpoint_interval:g}s): the disk is slower than the job's state changes; "
-                f"the next periodic checkpoint starts {job.checkpoint_interval:g}s after this one completed"
+                f"the next one starts {job.checkpoint_interval:g}s after this one completed"
             )
         )
     actions.append(Reschedule())  # the job may be preempted again
@@ -528,7 +528,9 @@ def decide(job: JobFacts, stimulus: Stimulus, now: float) -> Decision:
             if state is not JobState.RUNNING:
                 return Decision()
             if job.activity.checkpoint is not None:
-                busy = Note("periodic checkpoint skipped: another checkpoint of the job is under way")
+                busy = Note(
+                    "skipped the checkpoint due by the interval: another checkpoint of the job is under way"
+                )
                 return Decision(actions=(busy, *_periodic(job)))
             if not job.activity.idle or job.cancel_requested:
                 return Decision(actions=_periodic(job))

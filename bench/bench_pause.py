@@ -1,0 +1,211 @@
+"""Checkpoint pause as the program feels it, for 256 MiB to 4 GiB of device state, with and without pre-copy.
+
+Run as root: .venv/bin/python bench/bench_pause.py [--sizes 256,1024,4096] [--dir /var/tmp]
+
+A real daemon (virtual device, proxy servers, CRIU) runs tests/programs/stall_probe.py holding
+SIZE MiB of tensors on its device and training a small model; the bench takes `sing checkpoint`
+and reads the program's own longest step around it (by the wall clock), the pause the daemon
+reports, CRIU's freeze, and the time until the checkpoint is complete. Each size is measured with
+the proxies' pre-copy on (proxy_pre_copy = 2) and off (0), the two one after the other. Beside
+them, in the same run: the machine's memory copy bandwidth (1 GiB, into memory already touched
+and into fresh memory) and the disk's write bandwidth where the images go, since the pause is
+bounded by the one and the time to complete by the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.helpers import Daemon, running_daemon, wait_until  # noqa: E402
+from tests.proxy.conftest import PROGRAMS, PYTHON  # noqa: E402
+from tests.test_pause import longest_stall  # noqa: E402
+
+MiB = 1 << 20
+JOB_OPTIONS = ["--env", "OMP_NUM_THREADS=1", "--cwd", str(PROGRAMS)]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One checkpoint of one job, measured."""
+
+    mib: int
+    pre_copy: bool
+    felt_s: float
+    reported_s: float
+    frozen_s: float
+    copied_in_pause_mib: float
+    pre_copy_s: float
+    request_to_complete_s: float
+    complete_after_pause_s: float
+
+
+def copy_bandwidth_gbs(mib: int = 1024) -> tuple[float, float]:
+    """GB/s of a 1 GiB memory copy (one thread): into touched memory (best of 3), into fresh memory."""
+    torch.set_num_threads(1)
+    source = torch.ones(mib * MiB, dtype=torch.uint8)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    warm = float("inf")
+    for _ in range(3):
+        began = time.perf_counter()
+        target.copy_(source)
+        warm = min(warm, time.perf_counter() - began)
+    del target
+    began = time.perf_counter()
+    fresh = torch.empty_like(source)
+    fresh.copy_(source)
+    cold = time.perf_counter() - began
+    return source.numel() / warm / 1e9, source.numel() / cold / 1e9
+
+
+def disk_write_gbs(folder: Path, mib: int = 1024) -> float:
+    """GB/s of writing 1 GiB into a new file in `folder` (as the checkpoint does: no fsync)."""
+    block = os.urandom(16 * MiB)
+    path = folder / "write-test"
+    began = time.perf_counter()
+    with path.open("wb") as out:
+        for _ in range(mib // 16):
+            out.write(block)
+    seconds = time.perf_counter() - began
+    path.unlink()
+    return mib * MiB / seconds / 1e9
+
+
+def manifest_pause(daemon: Daemon, job: int, seq: int) -> dict[str, object]:
+    """The pause a checkpoint's manifest records."""
+    path = daemon.state_dir / "checkpoints" / str(job) / f"{seq:08d}" / "manifest.json"
+    pause: dict[str, object] = json.loads(path.read_text())["stats"]["pause"]
+    return pause
+
+
+def measure(daemon: Daemon, root: Path, mib: int, pre_copy: bool) -> Row:
+    """One job holding `mib` MiB, checkpointed once in place."""
+    hold = root / f"hold-{mib}-{pre_copy}"
+    job = daemon.submit(PYTHON, "stall_probe.py", str(hold), str(mib), options=JOB_OPTIONS)
+    log = daemon.state_dir / "jobs" / str(job) / "logs" / "rank-0.log"
+    try:
+        wait_until(lambda: log.exists() and "ready" in log.read_text(), timeout=600)
+        time.sleep(3)  # steady steps
+        began = time.time()
+        result = daemon.sing("checkpoint", str(job), timeout=1800)
+        request_s = time.time() - began
+        assert result.code == 0, result.err
+        listed = daemon.job(job)["checkpoint_list"][-1]
+        felt = wait_until(lambda: longest_stall(log, began), timeout=60)
+        pause = manifest_pause(daemon, job, listed["seq"])
+        device = pause["device"]
+        assert isinstance(device, dict)
+        return Row(
+            mib=mib,
+            pre_copy=pre_copy,
+            felt_s=felt,
+            reported_s=listed["pause_seconds"],
+            frozen_s=float(str(pause["frozen_s"])),
+            copied_in_pause_mib=listed["paused_bytes"] / MiB,
+            pre_copy_s=float(device["precopy_seconds"]),
+            request_to_complete_s=request_s,
+            complete_after_pause_s=listed["complete_seconds"],
+        )
+    finally:
+        hold.touch()
+        daemon.sing("cancel", str(job))
+        daemon.sing("wait", str(job), timeout=300)
+
+
+HEADER = (
+    "device state MiB",
+    "pre-copy",
+    "pause felt s",
+    "pause reported s",
+    "CRIU freeze s",
+    "copied in pause MiB",
+    "pre-copy s",
+    "complete after pause s",
+    "request to complete s",
+    "pause / (size / copy bw)",
+)
+
+
+def cells(row: Row, copy_gbs: float) -> tuple[str, ...]:
+    """One table row; the last column compares the pause with copying the whole state once."""
+    copy_s = row.mib * MiB / copy_gbs / 1e9
+    return (
+        str(row.mib),
+        "on" if row.pre_copy else "off",
+        f"{row.felt_s:.3f}",
+        f"{row.reported_s:.3f}",
+        f"{row.frozen_s:.3f}",
+        f"{row.copied_in_pause_mib:.1f}",
+        f"{row.pre_copy_s:.1f}" if row.pre_copy else "-",
+        f"{row.complete_after_pause_s:.1f}",
+        f"{row.request_to_complete_s:.1f}",
+        f"{row.felt_s / copy_s:.2f}",
+    )
+
+
+def plain_table(rows: list[tuple[str, ...]]) -> str:
+    """A fixed-width text table."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADER)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(HEADER, widths, strict=True))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
+def markdown_table(rows: list[tuple[str, ...]]) -> str:
+    """The same table in Markdown, for BENCHMARKS.md."""
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---:|" * len(HEADER)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="256,1024,4096", help="device state sizes in MiB")
+    parser.add_argument("--dir", default="/var/tmp", help="where the daemon's state and images go")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        print("bench_pause: run as root (the daemon and CRIU need it)", file=sys.stderr)
+        raise SystemExit(2)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    root = Path(tempfile.mkdtemp(prefix="sing-bench-pause-", dir=args.dir))
+    root.chmod(0o755)
+    rows: list[Row] = []
+    try:
+        warm_gbs, fresh_gbs = copy_bandwidth_gbs()
+        disk_gbs = disk_write_gbs(root)
+        memory = max(16, 2 * max(sizes) // 1024 + 2)
+        for pre_copy in (True, False):
+            config = {"proxy_pre_copy": 2 if pre_copy else 0, "virtual_device_memory_gib": memory}
+            with running_daemon(root / f"daemon-{pre_copy}", virtual_devices=1, config=config) as daemon:
+                rows += [measure(daemon, root, mib, pre_copy) for mib in sizes]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    rows.sort(key=lambda r: (r.mib, not r.pre_copy))
+    table = [cells(r, warm_gbs) for r in rows]
+    print(
+        f"memory copy bandwidth (1 thread, 1 GiB): {warm_gbs:.2f} GB/s into touched memory, "
+        f"{fresh_gbs:.2f} GB/s into fresh memory; disk write bandwidth ({args.dir}): {disk_gbs:.2f} GB/s; "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
+    print()
+    print(plain_table(table))
+    print()
+    print(markdown_table(table))
+
+
+if __name__ == "__main__":
+    main()
