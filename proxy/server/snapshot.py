@@ -100,6 +100,8 @@ class SaveReport:
     """Why the pre-copy stopped: "settled" (little left), "rounds", "budget", or "unsettled" (the job
     wrote its state about as fast as it was saved)."""
     staged_bytes: int = 0
+    written_in_pause: bool = False
+    """The pause's copy found no host memory, so the state was written while the job stayed parked."""
     reused_bytes: int = 0
     paused_copied_bytes: int = 0
     pause_copy_seconds: float = 0.0
@@ -253,7 +255,8 @@ class JobSave:
         """Take the parked job's state: reuse what the file holds, copy the rest (if `copy`), write on.
 
         Returns when the job may run again (with `copy`) and the file is being finished in the
-        background; `finish` waits for it.
+        background; `finish` waits for it. Without host memory for the copy, the file is written
+        before this returns (a longer pause, the same checkpoint).
         """
         if self.writer is not None:
             raise RuntimeError(f"proxy: the state of job {self.job_id} was already captured")
@@ -278,8 +281,12 @@ class JobSave:
                     _stamp, offset, nbytes = self.written[key]
                     storages[ids[key]] = [offset, nbytes]
                     report.reused_bytes += nbytes
+            written_in_pause = False
             if copy:
-                pending = self._copy(pending)
+                try:
+                    pending = self._copy(pending)
+                except RuntimeError:  # no host memory for a copy: write from the device, still parked
+                    written_in_pause = report.written_in_pause = True
             report.pause_copy_seconds = time.monotonic() - began
             report.parked_at = [s.parked_at for s in sessions if s.parked_at]
             report.ranks = len(sessions)
@@ -293,6 +300,8 @@ class JobSave:
         }
         self.writer = threading.Thread(target=self._write_rest, args=(pending, blobs, index), daemon=True)
         self.writer.start()
+        if written_in_pause:
+            self.writer.join()
         return {
             "parked_at": report.parked_at,
             "copied_bytes": report.paused_copied_bytes,

@@ -262,6 +262,7 @@ class JobCheckpoints:
             await saving.prepare()
             parked = True
             await saving.park()
+            marks["parked"] = time.monotonic()
             if stop:
                 await saving.capture(copy=False)
                 figures.append(await saving.finish())
@@ -292,10 +293,19 @@ class JobCheckpoints:
                 device=figures[-1] if figures else DeviceSaveFigures(),
             )
             pauses.append(pause)
+            log.info(
+                "job %d: paused %.3fs: parked %.3fs before CRIU returned (frozen %.3fs), running %.3fs after",
+                job_id,
+                pause.seconds,
+                returned - marks.get("parked", returned),
+                dump.pause_s,
+                max(stamps.resumed_at) - returned if stamps and stamps.resumed_at else 0.0,
+            )
             return {"pause": pause.as_dict()}
 
         figures: list[DeviceSaveFigures] = []
         pauses: list[Pause] = []
+        marks: dict[str, float] = {}
         connections = []
         try:
             connections = await asyncio.to_thread(self.devices.connections, tree_pids(target.pid))

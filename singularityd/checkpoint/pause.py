@@ -39,6 +39,7 @@ class DeviceSaveFigures:
     pause_copy_seconds: float = 0.0
     written_after_bytes: int = 0
     write_after_seconds: float = 0.0
+    written_in_pause: bool = False
 
     @staticmethod
     def summed(reports: Sequence[Mapping[str, Any]]) -> DeviceSaveFigures:
@@ -64,6 +65,7 @@ class DeviceSaveFigures:
             pause_copy_seconds=longest("pause_copy_seconds"),
             written_after_bytes=total("written_after_bytes"),
             write_after_seconds=longest("write_after_seconds"),
+            written_in_pause=any(r.get("written_in_pause") for r in reports),
         )
 
     @property
@@ -181,6 +183,8 @@ def pause_summary(pause: Pause, complete_s: float) -> str:
         )
         if pause.stopped:
             text += f", {human_bytes(device.written_after_bytes)} written while stopped"
+        elif device.written_in_pause:
+            text += ", written in the pause (no host memory to copy it into)"
     if device.unsettled:
         text += f"; {device.unsettled}"
     return text
