@@ -113,6 +113,7 @@ class Daemon:
         self.criu = CriuStatus("", "", "not probed yet")
         self.checkpointer: Checkpointer | None = None
         self._checkpoint_usage: dict[int, tuple[int, int]] = {}
+        self._manifests: dict[tuple[int, int], Manifest] = {}
         self._preemption_failed_at: dict[int, float] = {}
         self.proxies: ProxyPool | None = None
         self._checkpointing: set[int] = set()
@@ -849,6 +850,27 @@ class Daemon:
             found.append((seq, manifest.created_at, manifest.total_bytes, True))
         return found
 
+    def checkpoint_manifest(self, job_id: int, seq: int) -> Manifest | None:
+        """The manifest of one of the job's complete checkpoints (read once: it never changes), or None."""
+        if self.checkpointer is None:
+            return None
+        if (job_id, seq) not in self._manifests:
+            try:
+                self._manifests[job_id, seq] = self.checkpointer.store.read_manifest(str(job_id), seq)
+            except (CheckpointError, OSError, ValueError):
+                return None
+        return self._manifests[job_id, seq]
+
+    def latest_checkpoint(self, job_id: int) -> Manifest | None:
+        """The manifest of the job's newest complete checkpoint, or None when it has none."""
+        if self.checkpointer is None or not self.checkpoint_usage(job_id)[0]:
+            return None
+        for seq in reversed(self.checkpointer.store.seqs(str(job_id))):
+            manifest = self.checkpoint_manifest(job_id, seq)
+            if manifest is not None:
+                return manifest
+        return None
+
     async def wait_for_end(self, job_id: int) -> JobRecord:
         """Return the job once it has reached a terminal state."""
         with self.subscribe() as changes:
@@ -872,12 +894,14 @@ class Daemon:
             return runtime.Usage(job.cpu_seconds, job.max_rss_bytes or 0)
         return None
 
-    async def follow_log(self, job_id: int, rank: int, follow: bool, tail: int) -> AsyncIterator[bytes]:
-        """The rank's log from the start (or its last `tail` lines), then new output if following."""
+    async def follow_log(
+        self, job_id: int, rank: int, follow: bool, tail: int, offset: int | None = None
+    ) -> AsyncIterator[bytes]:
+        """The rank's log from byte `offset` (else its last `tail` lines, else the start), then new
+        output if following."""
         path = self.job_paths(job_id).rank_log(rank)
-        offset = 0
-        if tail > 0 and path.exists():
-            offset = await asyncio.to_thread(_offset_of_last_lines, path, tail)
+        if offset is None:
+            offset = await asyncio.to_thread(self.log_tail_offset, job_id, rank, tail) if tail > 0 else 0
         while True:
             job = self.get_job(job_id)
             ended = job.state.is_terminal or not follow
@@ -889,6 +913,11 @@ class Daemon:
             if ended:
                 return
             await asyncio.sleep(0.2)
+
+    def log_tail_offset(self, job_id: int, rank: int, lines: int) -> int:
+        """The byte offset where the last `lines` lines of the rank's log begin (0 without a log)."""
+        path = self.job_paths(job_id).rank_log(rank)
+        return _offset_of_last_lines(path, lines) if path.exists() else 0
 
     def info(self) -> dict[str, Any]:
         """Facts for `sing doctor`."""

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import wraps
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
+from singularity.proxy.control import ControlError, ProxyControl
 from singularityd.api.v1 import singularity_pb2 as pb
 from singularityd.api.v1 import singularity_pb2_grpc as pb_grpc
+from singularityd.checkpoint.manifest import Manifest
 from singularityd.identity import Caller
 from singularityd.requests import RequestError, SubmitArgs
 from singularityd.store import JobRecord
@@ -44,6 +49,9 @@ def job_message(job: JobRecord, daemon: Daemon) -> pb.Job:
         checkpoint_interval=daemon.checkpoint_interval(job),
     )
     message.checkpoints, message.checkpoint_bytes = daemon.checkpoint_usage(job.id)
+    latest = daemon.latest_checkpoint(job.id)
+    if latest is not None:
+        message.last_checkpoint.CopyFrom(checkpoint_message(latest))
     if job.exit_code is not None:
         message.exit_code = job.exit_code
     if job.signal is not None:
@@ -53,6 +61,40 @@ def job_message(job: JobRecord, daemon: Daemon) -> pb.Job:
         message.cpu_seconds = usage.cpu_seconds
         message.rss_bytes = usage.rss_bytes
     return message
+
+
+def checkpoint_message(manifest: Manifest) -> pb.CheckpointInfo:
+    """A complete checkpoint as an API message, with the pause CRIU measured for its final dump."""
+    frozen_us = manifest.stats.get("dump", {}).get("frozen_us", 0)
+    return pb.CheckpointInfo(
+        seq=manifest.seq,
+        created_at=manifest.created_at,
+        bytes=manifest.total_bytes,
+        complete=True,
+        pause_seconds=frozen_us / 1e6,
+    )
+
+
+def proxy_status(control: Path) -> tuple[str, list[pb.DeviceSession], int]:
+    """Ask a running proxy server how it is: its health, its sessions and the bytes allocated."""
+    try:
+        with ProxyControl(control, timeout=2.0) as proxy:
+            status = proxy.status()
+    except (OSError, ControlError) as error:
+        return f"down: {error}", [], 0
+    sessions = []
+    for key, session in sorted(status.get("jobs", {}).items()):
+        job, _, rank = str(key).partition("/")
+        with contextlib.suppress(ValueError):
+            sessions.append(
+                pb.DeviceSession(
+                    job=int(job),
+                    rank=int(rank),
+                    bytes=int(session.get("bytes", 0)),
+                    connected=bool(session.get("connected")),
+                )
+            )
+    return "up", sessions, int(status.get("allocated", 0))
 
 
 def _translating_errors(
@@ -140,10 +182,13 @@ class SingularityService(pb_grpc.SingularityServicer):  # type: ignore[misc]
                 for e in self.daemon.store.events(job.id)
             ],
         )
-        detail.checkpoint_list.extend(
-            pb.CheckpointInfo(seq=seq, created_at=created, bytes=size, complete=complete)
-            for seq, created, size, complete in self.daemon.checkpoint_list(job.id)
-        )
+        for seq, created, size, complete in self.daemon.checkpoint_list(job.id):
+            manifest = self.daemon.checkpoint_manifest(job.id, seq) if complete else None
+            detail.checkpoint_list.append(
+                checkpoint_message(manifest)
+                if manifest is not None
+                else pb.CheckpointInfo(seq=seq, created_at=created, bytes=size, complete=complete)
+            )
         if self.caller.may_act_on(job.spec.uid):
             detail.env.update(job.spec.env)
             detail.log_path = str(self.daemon.job_paths(job.id).rank_log(0))
@@ -159,8 +204,16 @@ class SingularityService(pb_grpc.SingularityServicer):  # type: ignore[misc]
                 )
         except RequestError as error:
             await context.abort(error.kind, error.message)
-        async for data in self.daemon.follow_log(request.id, request.rank, request.follow, request.tail):
-            yield pb.LogChunk(data=data)
+        offset = request.offset
+        if offset <= 0:
+            offset = 0
+            if request.tail > 0:
+                offset = await asyncio.to_thread(
+                    self.daemon.log_tail_offset, request.id, request.rank, request.tail
+                )
+        async for data in self.daemon.follow_log(request.id, request.rank, request.follow, 0, offset):
+            yield pb.LogChunk(data=data, offset=offset)
+            offset += len(data)
 
     @_translating_errors
     async def Cancel(self, request: pb.CancelRequest, context: Any) -> pb.CancelResponse:
@@ -197,6 +250,17 @@ class SingularityService(pb_grpc.SingularityServicer):  # type: ignore[misc]
             )
             if device.utilization_percent is not None:
                 message.utilization_percent = device.utilization_percent
+            proxies = self.daemon.proxies
+            if proxies is not None and proxies.running(device.index):
+                health, sessions, allocated = await asyncio.to_thread(
+                    proxy_status, proxies.control(device.index)
+                )
+                message.proxy = health
+                message.sessions.extend(sessions)
+                if device.kind == "virtual":
+                    message.memory_used = allocated
+            elif proxies is not None:
+                message.proxy = "idle"
             devices.append(message)
         return pb.ListDevicesResponse(devices=devices)
 
@@ -218,7 +282,11 @@ class SingularityService(pb_grpc.SingularityServicer):  # type: ignore[misc]
         return pb.CheckpointResponse(
             job=job_message(job, self.daemon),
             checkpoint=pb.CheckpointInfo(
-                seq=result.seq, created_at=result.manifest.created_at, bytes=result.image_bytes, complete=True
+                seq=result.seq,
+                created_at=result.manifest.created_at,
+                bytes=result.image_bytes,
+                complete=True,
+                pause_seconds=result.pause_s,
             ),
             pause_seconds=result.pause_s,
         )
