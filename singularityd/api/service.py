@@ -47,6 +47,7 @@ def job_message(job: JobRecord, daemon: Daemon) -> pb.Job:
         cwd=job.spec.cwd,
         attempt=job.attempt,
         checkpoint_interval=daemon.checkpoint_interval(job),
+        starting=job.state.holds_devices and job.init_pid is None,
     )
     message.checkpoints, message.checkpoint_bytes = daemon.checkpoint_usage(job.id)
     latest = daemon.latest_checkpoint(job.id)
