@@ -371,8 +371,13 @@ def top(
     refresh = interval if interval is not None else settings().refresh_seconds
     if not (math.isfinite(refresh) and refresh >= 0.1):
         raise CliError(f"--interval must be at least 0.1 seconds, not {refresh:g}", EXIT_USAGE)
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise CliError("sing top needs a terminal (for scripts: sing ps -o json, sing ps -w)", EXIT_USAGE)
+    try:
+        from singularity.cli.top.app import TopApp
+    except ImportError as error:
+        raise CliError(f"sing top needs textual ({error}): pip install 'singularityd[tui]'") from None
     from singularity.cli.source import DaemonSource
-    from singularity.cli.top.app import TopApp
 
     source = DaemonSource(resolve_socket(socket))
     try:
