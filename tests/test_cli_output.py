@@ -7,7 +7,6 @@ import os
 import pty
 import select
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from singularity.cli.config import CliSettings, parse_settings
 from singularity.cli.errors import CliError
 from singularityd import __version__
 from tests.conftest import requires_root
-from tests.helpers import SING, Daemon, run_sing, running_daemon, wait_until
+from tests.helpers import SING, Daemon, run_sing, running_daemon, submit_counter, wait_until
 
 LIVE_USAGE = ("cpu_seconds", "rss_bytes")
 
@@ -251,16 +250,7 @@ def test_logs_follow_through_preemption_and_resumption(daemon_root: Path) -> Non
         if "checkpoints unavailable" in daemon.sing("doctor").out:
             pytest.fail("CRIU must work for this test (run scripts/setup)")
         release = daemon.root / "release"
-        script = (
-            "import os, time\n"
-            "i = 0\n"
-            f"while not os.path.exists({str(release)!r}):\n"
-            "    print(i, flush=True)\n"
-            "    i += 1\n"
-            "    time.sleep(0.02)\n"
-            "print('end', flush=True)\n"
-        )
-        job = daemon.submit(sys.executable, "-c", script)
+        job = submit_counter(daemon, release)
         follower = subprocess.Popen(
             [SING, "logs", "-f", str(job)], stdout=subprocess.PIPE, env=sing_env(daemon)
         )

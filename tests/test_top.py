@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +17,7 @@ from singularity.cli.source import DaemonSource
 from singularity.cli.top.app import TopApp
 from singularity.cli.top.screens import ConfirmScreen, HelpScreen
 from tests.conftest import requires_root
-from tests.helpers import Daemon, running_daemon
+from tests.helpers import Daemon, running_daemon, submit_counter
 
 SIZE = (150, 46)
 
@@ -48,23 +47,9 @@ def log_lines(app: TopApp) -> list[str]:
     return [line for line in app.query_one("#log", Log).lines if line]
 
 
-def counter_job(daemon: Daemon, release: Path, *options: str) -> int:
-    """A job printing 0, 1, 2... until the release file exists, then 'end'."""
-    script = (
-        "import os, sys, time\n"
-        "i = 0\n"
-        f"while not os.path.exists({str(release)!r}):\n"
-        "    print(i, flush=True)\n"
-        "    i += 1\n"
-        "    time.sleep(0.02)\n"
-        "print('end', flush=True)\n"
-    )
-    return daemon.submit(sys.executable, "-c", script, options=["--name", "counter", *options])
-
-
 async def test_devices_jobs_detail_and_live_log(daemon: Daemon) -> None:
     release = daemon.root / "release"
-    counter = counter_job(daemon, release, "--gpus", "2")
+    counter = submit_counter(daemon, release, "--gpus", "2")
     waiting = daemon.submit("sleep", "300", options=["--gpus", "4", "--name", "waiter", "--priority", "-1"])
     daemon.wait_state(counter, "RUNNING")
     app = top(daemon)
@@ -192,7 +177,7 @@ async def test_suspend_and_resume_while_following_the_log(daemon_root: Path) -> 
         if "checkpoints unavailable" in daemon.sing("doctor").out:
             pytest.fail("CRIU must work for this test (run scripts/setup)")
         release = daemon.root / "release"
-        job = counter_job(daemon, release)
+        job = submit_counter(daemon, release)
         daemon.wait_state(job, "RUNNING")
         app = top(daemon)
         async with app.run_test(size=SIZE) as pilot:
