@@ -69,6 +69,7 @@ def _header(flag: bool | None) -> bool:
 
 
 def _version(value: bool) -> None:
+    """Print the version for --version and stop."""
     if value:
         print(f"sing {__version__}")
         raise typer.Exit()
@@ -93,6 +94,7 @@ def _job_status(job: pb.Job) -> int:
 
 
 def _parse_env(pairs: list[str]) -> dict[str, str]:
+    """KEY=VALUE pairs of --env as a dict."""
     env = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")

@@ -57,6 +57,7 @@ class Progress:
             self._write("\r\033[K")
 
     def _draw(self) -> None:
+        """Redraw the line every INTERVAL_S until the block ends (the first frame at once)."""
         frame = 0
         while not self._done.wait(INTERVAL_S if frame else 0):
             with self._lock:
@@ -66,6 +67,7 @@ class Progress:
             frame += 1
 
     def _write(self, text: str) -> None:
+        """Write to the stream; a stream that went away ends the drawing."""
         try:
             self.stream.write(text)
             self.stream.flush()

@@ -108,7 +108,6 @@ class LogFollower:
         self.request = pb.LogsRequest(id=job_id, rank=rank, follow=follow, tail=tail)
         self.offset: int | None = None
         self.retry_seconds = retry_seconds
-        self.reconnecting = False
         self._cancelled = threading.Event()
         self._call: Any = None
 
@@ -120,7 +119,7 @@ class LogFollower:
             call.cancel()
 
     def __iter__(self) -> Iterator[bytes]:
-        connected_once = False
+        self._first_contact()
         while not self._cancelled.is_set():
             connection = Connection(self.socket_path)
             request = pb.LogsRequest()
@@ -130,22 +129,28 @@ class LogFollower:
             try:
                 self._call = connection.stub.StreamLogs(request)
                 for chunk in self._call:
-                    connected_once = True
-                    self.reconnecting = False
                     self.offset = chunk.offset + len(chunk.data)
                     yield chunk.data
-                if not self._cancelled.is_set():
-                    return
+                return
             except grpc.RpcError as error:
                 if self._cancelled.is_set():
                     return
-                if error.code() not in RETRYABLE or not connected_once:
+                if error.code() not in RETRYABLE:
                     raise rpc_error(error, self.socket_path) from None
-                self.reconnecting = True
                 self._cancelled.wait(self.retry_seconds)
             finally:
                 self._call = None
                 connection.close()
+
+    def _first_contact(self) -> None:
+        """Fail at once when the daemon cannot be reached or has no such job (later, it is retried)."""
+        connection = Connection(self.socket_path)
+        try:
+            connection.stub.GetJob(pb.JobRef(id=self.request.id))
+        except grpc.RpcError as error:
+            raise rpc_error(error, self.socket_path) from None
+        finally:
+            connection.close()
 
 
 class DaemonSource:
@@ -172,6 +177,7 @@ class DaemonSource:
                 self._connection = None
 
     def _stub(self) -> Any:
+        """The stub of the current channel, opening one when there is none."""
         with self._lock:
             if self._connection is None:
                 if not self.socket_path.exists():
@@ -180,6 +186,7 @@ class DaemonSource:
             return self._connection.stub
 
     def _call(self, method: str, request: Any) -> Any:
+        """Call one unary RPC; a CliError when it fails (and a fresh channel next time if unreachable)."""
         stub = self._stub()
         try:
             return getattr(stub, method)(request)

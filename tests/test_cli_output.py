@@ -23,6 +23,7 @@ LIVE_USAGE = ("cpu_seconds", "rss_bytes")
 
 
 def sing_env(daemon: Daemon, **extra: str) -> dict[str, str]:
+    """The environment for a `sing` subprocess talking to this daemon."""
     return {**os.environ, "SING_SOCKET": str(daemon.socket), **extra}
 
 
@@ -238,6 +239,7 @@ class Collector:
         self.thread.start()
 
     def _read(self) -> None:
+        """Collect lines until the stream ends."""
         for line in self.stream:
             self.lines.append(line.decode().rstrip("\n"))
 

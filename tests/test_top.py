@@ -35,15 +35,18 @@ async def until(pilot: Pilot[None], predicate: Callable[[], Any], timeout: float
 
 
 def top(daemon: Daemon) -> TopApp:
+    """The app on the daemon, refreshing five times a second."""
     return TopApp(DaemonSource(daemon.socket), refresh_seconds=0.2)
 
 
 def cell(app: TopApp, table: str, row: str, column: str) -> str:
+    """The plain text of a table cell."""
     value = app.query_one(f"#{table}", DataTable).get_cell(row, column)
     return str(getattr(value, "plain", value))
 
 
 def log_lines(app: TopApp) -> list[str]:
+    """The non-empty lines of the log tab."""
     return [line for line in app.query_one("#log", Log).lines if line]
 
 
@@ -92,6 +95,7 @@ async def test_sort_by_header_click_and_keys_and_filter(daemon: Daemon) -> None:
         await until(pilot, lambda: table.row_count == 3)
 
         def order() -> list[int]:
+            """The job ids in table order."""
             keys = [
                 table.coordinate_to_cell_key(Coordinate(row, 0)).row_key for row in range(table.row_count)
             ]

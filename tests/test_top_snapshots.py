@@ -84,6 +84,7 @@ def test_sorted_by_priority_and_filtered(snap_compare: Compare) -> None:
 
 def test_with_ended_jobs(snap_compare: Compare) -> None:
     async def show_all(pilot: Pilot[None]) -> None:
+        """Settle, then show ended jobs too and wait for that refresh."""
         await settled(pilot)
         top = pilot.app
         assert isinstance(top, TopApp)

@@ -18,10 +18,12 @@ GIB = 1024**3
 
 
 def _checkpoint(seq: int, age: float, size: int, pause: float) -> pb.CheckpointInfo:
+    """A complete checkpoint taken `age` seconds before NOW."""
     return pb.CheckpointInfo(seq=seq, created_at=NOW - age, bytes=size, complete=True, pause_seconds=pause)
 
 
 def _job(job_id: int, name: str, user: str, state: str, **fields: object) -> pb.Job:
+    """A job message with sensible defaults and the given fields."""
     job = pb.Job(
         id=job_id,
         name=name,
@@ -78,6 +80,7 @@ ENDED = [
 def _device(
     index: int, util: float, used_gib: float, sessions: list[tuple[int, int, float, bool]]
 ) -> pb.Device:
+    """An NVIDIA-like device with the given (job, rank, GiB, connected) sessions."""
     device = pb.Device(
         index=index,
         kind="nvml",

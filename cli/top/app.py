@@ -39,6 +39,7 @@ def while_shown(handler: Handler) -> Handler:
 
     @wraps(handler)
     def guarded(*args: Any) -> None:
+        """The handler, ignoring widgets that are already gone."""
         with contextlib.suppress(NoMatches):
             handler(*args)
 
@@ -212,6 +213,7 @@ class TopApp(App[None]):
     # Background threads: they call the source and post messages, never touching widgets.
 
     def _refresh_loop(self) -> None:
+        """Thread: read the daemon every refresh_seconds (or when woken) and post what was read."""
         while not self._stop.is_set():
             self._wake.clear()
             chosen = self.selected
@@ -229,6 +231,7 @@ class TopApp(App[None]):
             self._wake.wait(self.refresh_seconds)
 
     def _pump_log(self, stream: LogStream, job_id: int) -> None:
+        """Thread: post each piece of a followed log, then its end."""
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         try:
             for data in stream:
@@ -238,6 +241,7 @@ class TopApp(App[None]):
             self.post_message(LogEnded(job_id, error.message))
 
     def _run_action(self, name: str, job_id: int) -> None:
+        """Thread: do an action on a job, post what came of it and wake the refresh."""
         try:
             self.post_message(ActionDone(self.source.act(name, job_id), True))
         except CliError as error:
@@ -301,6 +305,7 @@ class TopApp(App[None]):
     # Tables
 
     def _sync_devices(self) -> None:
+        """Bring the devices table in line with the last refresh."""
         table = self.query_one("#devices", DataTable)
         for device in self.devices:
             key = f"dev{device.index}"
@@ -323,6 +328,7 @@ class TopApp(App[None]):
         self._cells[key] = cells
 
     def _sync_jobs(self, now: float) -> None:
+        """Bring the jobs table in line with the jobs and the filter; the chosen job keeps the cursor."""
         table = self.query_one("#jobs", DataTable)
         shown = {str(j.id): j for j in self.jobs.values() if view.matches(j, self.filter_words)}
         kept_cursor = self.selected
@@ -350,15 +356,18 @@ class TopApp(App[None]):
         self._update_jobs_title()
 
     def _sort(self, now: float) -> None:
+        """Order the jobs table by the sort column's values (not its text)."""
         column = next(c for c in view.JOB_COLUMNS if c.key == self.sort_key)
         jobs = self.jobs
 
         def value(job_id: Any) -> Any:
+            """The sort value of the job in a row, from its ID cell."""
             return column.sort_value(jobs[int(str(job_id))], now)
 
         self.query_one("#jobs", DataTable).sort("id", key=value, reverse=self.sort_reverse)
 
     def _update_jobs_title(self) -> None:
+        """Say in the jobs pane's border how many jobs show, the sort and the filter."""
         table = self.query_one("#jobs", DataTable)
         label = next(c.label for c in view.JOB_COLUMNS if c.key == self.sort_key)
         title = f"Jobs ({table.row_count}" + (f" of {len(self.jobs)})" if self.filter_words else ")")
@@ -370,6 +379,7 @@ class TopApp(App[None]):
         table.border_title = title
 
     def _job_at_cursor(self) -> int | None:
+        """The id of the job under the cursor, or None for an empty table."""
         table = self.query_one("#jobs", DataTable)
         if not table.row_count:
             return None
@@ -391,6 +401,7 @@ class TopApp(App[None]):
         self._resort()
 
     def _resort(self) -> None:
+        """Sort again after the sort changed, keeping the chosen job under the cursor."""
         self._sort(self.source.now())
         if self.selected is not None and str(self.selected) in self.query_one("#jobs", DataTable).rows:
             table = self.query_one("#jobs", DataTable)
@@ -400,6 +411,7 @@ class TopApp(App[None]):
     # The chosen job
 
     def _choose(self, job_id: int | None) -> None:
+        """Make a job the one the detail shows (None: no job), and follow its log."""
         if job_id == self.selected:
             return
         self.selected = job_id
@@ -412,6 +424,7 @@ class TopApp(App[None]):
             self._wake.set()
 
     def _follow_log(self, job_id: int | None) -> None:
+        """Stop following the previous job's log and start on this one's."""
         if self._log_stream is not None:
             self._log_stream.cancel()
             self._log_stream = None
@@ -428,6 +441,7 @@ class TopApp(App[None]):
         )
 
     def _show_detail(self, detail: pb.JobDetail, now: float) -> None:
+        """Fill the detail tabs from a fresh GetJob."""
         self._detail = detail
         self.query_one("#overview", Static).update(view.overview_text(detail, self.devices, now))
         self._fill("checkpoints", view.checkpoint_rows(detail, now))
@@ -447,6 +461,7 @@ class TopApp(App[None]):
     # Banner and notices
 
     def _banner(self, text: str, kind: str) -> None:
+        """Show a line above everything: 'down' (red) or 'notice' (yellow)."""
         banner = self.query_one("#banner", Static)
         banner.update(text)
         banner.set_classes(kind)
@@ -454,14 +469,17 @@ class TopApp(App[None]):
             self._record(text)
 
     def _clear_notice(self) -> None:
+        """Hide a notice banner (a 'down' one stays until the daemon is back)."""
         banner = self.query_one("#banner", Static)
         if banner.has_class("notice"):
             banner.set_classes("")
 
     def _record(self, text: str) -> None:
+        """Keep what the app told the user (tests read it)."""
         self.notices.append(text)
 
     def _announce(self, text: str, severity: str = "information") -> None:
+        """Tell the user something in a toast, and keep it."""
         self._record(text)
         self.notify(text, severity="error" if severity == "error" else "information", timeout=8)
 
@@ -532,6 +550,7 @@ class TopApp(App[None]):
         detail = f"This will {action.explanation}."
 
         def answered(yes: bool | None) -> None:
+            """Run the action once the user said yes."""
             if yes:
                 self._announce(f"{name}: job {job.id}…")
                 work = partial(self._run_action, name, job.id)

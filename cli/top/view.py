@@ -28,7 +28,8 @@ STATE_STYLES = {
     "CANCELLED": "dim",
 }
 BAR_WIDTH = 10
-REASON_WIDTH = 38
+REASON_WIDTH = 34
+COMMAND_WIDTH = 200
 
 
 def styled(*parts: tuple[str, str]) -> Text:
@@ -83,6 +84,7 @@ class Column:
 
 
 def _devices_cell(job: pb.Job) -> str:
+    """The job's devices, comma-separated, or '-'."""
     return ",".join(str(d) for d in job.devices) or "-"
 
 
@@ -92,10 +94,12 @@ def _short(text: str, limit: int = REASON_WIDTH) -> str:
 
 
 def _checkpoint_age(job: pb.Job, now: float) -> float:
+    """Seconds since the job's last checkpoint (infinite without one, so those sort last)."""
     return now - job.last_checkpoint.created_at if job.HasField("last_checkpoint") else float("inf")
 
 
 def _checkpoint_cell(job: pb.Job, now: float, field: str) -> str:
+    """The age, size or pause of the job's last checkpoint, or '-'."""
     if not job.HasField("last_checkpoint"):
         return "-"
     last = job.last_checkpoint
@@ -105,6 +109,7 @@ def _checkpoint_cell(job: pb.Job, now: float, field: str) -> str:
 
 
 def _checkpoint_number(job: pb.Job, field: str) -> float:
+    """A numeric field of the job's last checkpoint, -1 without one."""
     return float(getattr(job.last_checkpoint, field)) if job.HasField("last_checkpoint") else -1.0
 
 
@@ -182,7 +187,7 @@ def proxy_text(device: pb.Device) -> Text:
     return Text(device.proxy, style="bold red")
 
 
-DEVICE_COLUMNS = (("dev", "DEV", 3), ("name", "NAME", 28), ("util", "UTIL", 15), ("memory", "MEMORY", 23),
+DEVICE_COLUMNS = (("dev", "DEV", 3), ("name", "NAME", None), ("util", "UTIL", 15), ("memory", "MEMORY", 23),
                   ("proxy", "PROXY", 8), ("jobs", "JOBS AND RANKS", None))  # fmt: skip
 
 
@@ -244,7 +249,7 @@ def overview_text(detail: pb.JobDetail, devices: Sequence[pb.Device], now: float
     text.append_text(priority_text(job.priority))
     lines = [
         ("Reason", reason_of(job)),
-        ("Command", " ".join(job.command)),
+        ("Command", _short(" ".join(job.command).replace("\n", "⏎"), COMMAND_WIDTH)),
         ("Directory", job.cwd),
         (
             "Times",
