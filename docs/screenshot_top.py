@@ -2,7 +2,8 @@
 
 It starts a daemon with 4 virtual devices, runs a two-rank PyTorch job on two of them through the
 device proxies, checkpoints a counter, suspends a job and queues one that cannot fit, then takes
-Textual's screenshot of `sing top` with the PyTorch job chosen. Needs root and CRIU (scripts/setup).
+Textual's screenshot of `sing top` with the PyTorch job chosen, and cleans up (jobs, proxy servers,
+the folder). Needs root and CRIU (scripts/setup).
 
 Run: .venv/bin/python docs/screenshot_top.py [OUTPUT.svg]
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -21,6 +23,7 @@ sys.path.insert(0, str(REPO))
 
 from singularity.cli.source import DaemonSource  # noqa: E402
 from singularity.cli.top.app import TopApp  # noqa: E402
+from tests.conftest import _kill_jobs_under  # noqa: E402
 from tests.helpers import Daemon, running_daemon, submit_counter, wait_until  # noqa: E402
 
 TRAIN = """
@@ -92,6 +95,8 @@ def main() -> None:
             ids = [str(job["id"]) for job in daemon.sing("ps", "-o", "json").json()]
             if ids:
                 daemon.sing("cancel", *ids)
+    _kill_jobs_under(root / "state")
+    shutil.rmtree(root, ignore_errors=True)
     print(f"wrote {output}")
 
 
