@@ -168,6 +168,11 @@ class ProxyPool:
         """Whether the device's server has been started (it holds state only then)."""
         return index in self._watches
 
+    def status(self, index: int, timeout: float) -> dict[str, Any]:
+        """What the device's running server reports: bytes allocated and each job rank's session."""
+        with ProxyControl(self.control(index), timeout=timeout) as proxy:
+            return proxy.status()
+
     def _recorded_pid(self, index: int) -> int | None:
         try:
             return int((self.state_dir / f"dev-{index}.pid").read_text())
