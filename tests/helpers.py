@@ -186,6 +186,20 @@ class Daemon:
         return int(result.out.strip())
 
 
+def submit_counter(daemon: Daemon, release: Path, *options: str) -> int:
+    """Submit a job printing 0, 1, 2... (one line every 20 ms) until `release` exists, then 'end'."""
+    script = (
+        "import os, time\n"
+        "i = 0\n"
+        f"while not os.path.exists({str(release)!r}):\n"
+        "    print(i, flush=True)\n"
+        "    i += 1\n"
+        "    time.sleep(0.02)\n"
+        "print('end', flush=True)\n"
+    )
+    return daemon.submit(sys.executable, "-c", script, options=["--name", "counter", *options])
+
+
 def python_for_user(user: str) -> list[str] | None:
     """A Python command line, with this project importable, that another user can run; or None.
 

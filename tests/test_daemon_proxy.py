@@ -214,3 +214,30 @@ def test_job_device_work_runs_with_the_users_privileges_only(daemon: Daemon) -> 
     daemon.wait_state(job, "CANCELLED")
     wait_until(functools.partial(ended, pid))
     assert not socket_path.parent.exists(), "the job's sockets and temporary files are gone with it"
+
+
+@requires_root
+def test_devices_show_proxy_sessions_and_jobs_their_last_checkpoint(daemon_root: Path) -> None:
+    """What `sing top` shows: a started proxy with each rank's session, the newest checkpoint and
+    the pause it cost the job."""
+    release = daemon_root / "release"
+    with running_daemon(daemon_root, virtual_devices=2) as daemon:
+        args = ["--steps", "10", "--hold", str(release)]
+        job = daemon.submit(PYTHON, "long_train.py", *args, options=JOB_OPTIONS)
+        device = daemon.wait_state(job, "RUNNING")["devices"][0]
+        wait_until(functools.partial(progressed, daemon, job, 9, 10), timeout=120)
+
+        listed = {d["index"]: d for d in daemon.sing("devices", "-o", "json").json()}
+        used, unused = listed[device], listed[1 - device]
+        assert used["proxy"] == "up" and used["jobs"] == [job]
+        assert [(s["job"], s["rank"], s["connected"]) for s in used["sessions"]] == [(job, 0, True)]
+        assert used["memory_used"] == used["sessions"][0]["bytes"] > 0, "a virtual device's use is its jobs'"
+        assert unused["proxy"] == "idle" and unused["sessions"] == [] and unused["memory_used"] == 0
+
+        assert daemon.job(job)["last_checkpoint"] is None
+        taken = daemon.sing("checkpoint", "-o", "json", str(job)).json()
+        assert taken.pop("job") == job and taken["complete"] and taken["pause_seconds"] > 0
+        assert daemon.job(job)["last_checkpoint"] == taken, "the pause measured when taken is kept"
+        assert daemon.job(job)["checkpoint_list"][-1] == taken
+        release.touch()
+        assert daemon.sing("wait", str(job), timeout=300).code == 0

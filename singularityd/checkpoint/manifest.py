@@ -55,6 +55,12 @@ class Manifest:
         """Sum of the sizes of the checkpoint's files."""
         return sum(r.size for r in self.files.values())
 
+    @property
+    def pause_s(self) -> float:
+        """How long the final dump froze the job, as CRIU measured it (0 when not recorded)."""
+        dump = self.stats.get("dump", {})
+        return float(dump.get("frozen_us", 0)) / 1e6 if isinstance(dump, dict) else 0.0
+
     def to_json(self) -> str:
         """Serialise to the on-disk form (stable key order, so equal manifests are equal bytes)."""
         body = {
