@@ -79,7 +79,9 @@ def test_read_commands_take_output_and_header_flags(daemon: Daemon) -> None:
     assert devices[0].split()[-3:] == ["UUID", "PROXY", "SESSIONS"]
     assert len(daemon.sing("devices", "--no-header").out.splitlines()) == 4
     listed = daemon.sing("devices", "-o", "json").json()
-    assert listed[0]["proxy"] == "idle" and listed[0]["sessions"] == []
+    held = [d for d in listed if d["jobs"] == [job]]
+    assert len(held) == 1 and held[0]["proxy"] == "up" and held[0]["sessions"] == [], "a server, unused"
+    assert all(d["proxy"] == "idle" and d["sessions"] == [] for d in listed if d not in held)
 
     shown = daemon.sing("show", str(job)).out
     assert "  TIME" in shown and "  TIME" not in daemon.sing("show", "--no-header", str(job)).out
