@@ -2,7 +2,8 @@
 
 Here the parts are chosen and connected: the store, the device inventory, how jobs reach their
 devices (the proxies, or directly), checkpoints (CRIU, or the reason there are none), the job
-processes, the daemon that drives them, and the API that serves the daemon to users.
+processes (in user namespaces of the daemon's where that lets CRIU checkpoint other users' jobs),
+the daemon that drives them, and the API that serves the daemon to users.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from singularityd import __version__
 from singularityd.api.server import ApiServer
 from singularityd.checkpoint import Checkpointer, CheckpointUnavailable, Criu, ImageStore, locate_criu
 from singularityd.checkpoint.coordinator import Checkpoints, CriuStatus, JobCheckpoints, NoCheckpoints
+from singularityd.checkpoint.criu import CAP_SYS_RESOURCE, have_capability
 from singularityd.config import OPTIONS, Config, ConfigError, load_config
 from singularityd.daemon import Daemon
 from singularityd.devices.access import DeviceAccess, DirectDevices, ProxiedDevices
 from singularityd.devices.inventory import Inventory, discover
 from singularityd.devices.proxies import ProxyPool
+from singularityd.jobs.launch import probe_user_namespaces
 from singularityd.jobs.processes import HostProcesses
 from singularityd.requests import Requests
 from singularityd.statedir import prepare_state
@@ -75,16 +78,41 @@ async def checkpoints_for(config: Config, devices: DeviceAccess) -> Checkpoints:
     return JobCheckpoints(checkpointer, devices, CriuStatus(" ".join(info.argv), info.version_text, ""))
 
 
+async def job_user_namespaces(config: Config, checkpoints: Checkpoints) -> bool:
+    """Whether other users' jobs run in user namespaces the daemon owns.
+
+    Only a root daemon with CRIU that lacks CAP_SYS_RESOURCE needs them (CRIU cannot read another
+    user's limits without it), and only if `job_user_namespaces` is on and a trial launch works.
+    Otherwise the reason is kept for users whose jobs therefore cannot be checkpointed.
+    """
+    if config.user_mode or not isinstance(checkpoints, JobCheckpoints) or have_capability(CAP_SYS_RESOURCE):
+        return False
+    problem = "job_user_namespaces is off in the configuration"
+    if config.job_user_namespaces:
+        trial = await asyncio.to_thread(probe_user_namespaces)
+        problem = f"user namespaces do not work here: {trial}" if trial else ""
+    checkpoints.checkpointer.userns_problem = problem
+    if problem:
+        log.warning("other users' jobs cannot be checkpointed: %s", problem)
+    else:
+        log.info("root lacks CAP_SYS_RESOURCE: other users' jobs run in user namespaces")
+    return not problem
+
+
 async def build_daemon(config: Config) -> Daemon:
     """Take the state directory and connect the daemon's parts (nothing runs yet)."""
     store = Store(config.database)
     inventory = discover(config.devices, config.virtual_devices, config.virtual_device_memory_gib)
     log.info("%d %s device(s); NVML %s", len(inventory.devices), inventory.kind, inventory.nvml_status)
     devices = device_access(config, inventory)
-    processes = HostProcesses(
-        config.jobs_dir, pid_namespace=not config.user_mode, kill_grace_seconds=config.kill_grace_seconds
-    )
     checkpoints = await checkpoints_for(config, devices)
+    processes = HostProcesses(
+        config.jobs_dir,
+        pid_namespace=not config.user_mode,
+        kill_grace_seconds=config.kill_grace_seconds,
+        user_namespaces=await job_user_namespaces(config, checkpoints),
+        private_network=config.job_network == "private",
+    )
     return Daemon(config, store, inventory, processes, checkpoints, devices)
 
 

@@ -66,3 +66,13 @@ def test_bad_values_are_clear(tmp_path: Path, text: str, message: str) -> None:
 def test_missing_explicit_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml", env={})
+
+
+def test_job_network_must_be_host_or_private(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('job_network = "private"\njob_user_namespaces = false\n')
+    config = load_config(path, env={})
+    assert (config.job_network, config.job_user_namespaces) == ("private", False)
+    path.write_text('job_network = "bridge"\n')
+    with pytest.raises(ConfigError, match="job_network must be 'host' or 'private'"):
+        load_config(path, env={})

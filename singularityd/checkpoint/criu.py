@@ -23,6 +23,12 @@ from pathlib import Path
 from typing import TypeVar
 
 from singularityd.checkpoint.errors import CheckpointUnavailable, CriuError
+from singularityd.checkpoint.namespaces import (
+    ExternalMounts,
+    dump_mount_args,
+    restore_argv_in_yard,
+    user_namespace_of,
+)
 
 MIN_VERSION = (4, 0)
 TCP_FIXED_VERSION = (4, 2)
@@ -227,17 +233,35 @@ class ProcFacts:
     nspid: tuple[int, ...]
     fd_targets: tuple[str, ...] = ()
     tcp_inodes: frozenset[int] = field(default_factory=frozenset)
+    tcp_connected: frozenset[int] = field(default_factory=frozenset)
+    userns: int = 0
+    netns: int = 0
+
+    @property
+    def socket_inodes(self) -> set[int]:
+        """Inodes of the sockets the process has open."""
+        return {int(t[8:-1]) for t in self.fd_targets if t.startswith("socket:[") and t.endswith("]")}
 
 
-def tree_problems(
-    procs: Sequence[ProcFacts],
-    *,
-    our_uid: int,
-    our_gid: int,
-    have_cap_sys_resource: bool,
-    tcp_problem_text: str,
-) -> list[str]:
-    """Reasons a tree cannot be dumped, found before CRIU freezes anything (pure)."""
+@dataclass(frozen=True)
+class DaemonFacts:
+    """What the pre-dump checks compare a job's processes with: the daemon's own standing."""
+
+    uid: int
+    gid: int
+    have_cap_sys_resource: bool
+    userns: int = 0
+    netns: int = 0
+    root_userns_owned: bool = False
+    userns_problem: str = ""
+
+
+def tree_problems(procs: Sequence[ProcFacts], daemon: DaemonFacts, *, tcp_problem_text: str) -> list[str]:
+    """Reasons a tree cannot be dumped, found before CRIU freezes anything (pure).
+
+    `daemon.root_userns_owned` says whether the root's user namespace, when not the daemon's, is
+    one the daemon created (then CRIU holds every capability over the tree).
+    """
     problems: list[str] = []
     if not procs:
         return ["the job's root process does not exist"]
@@ -247,13 +271,18 @@ def tree_problems(
             f"the job's PID-namespace init (pid {root.pid}) runs as uid {root.uids[1]}: "
             "CRIU needs it to be root (only the ranks should drop privileges)"
         )
-    if not have_cap_sys_resource:
-        foreign = [p for p in procs if any(u != our_uid for u in p.uids) or any(g != our_gid for g in p.gids)]
+    if root.userns != daemon.userns:
+        problems += _user_namespace_problems(procs, daemon)
+    elif not daemon.have_cap_sys_resource:
+        foreign = [
+            p for p in procs if any(u != daemon.uid for u in p.uids) or any(g != daemon.gid for g in p.gids)
+        ]
         if foreign:
             p = foreign[0]
+            why_not = f" ({daemon.userns_problem})" if daemon.userns_problem else ""
             problems.append(
                 f"process {p.pid} ({p.name}) runs as uid {p.uids[0]} and this daemon lacks "
-                "CAP_SYS_RESOURCE, without which CRIU cannot read another user's limits"
+                f"CAP_SYS_RESOURCE, without which CRIU cannot read another user's limits{why_not}"
             )
     for p in procs:
         if any("io_uring" in t for t in p.fd_targets):
@@ -264,9 +293,32 @@ def tree_problems(
             break
     if tcp_problem_text:
         for p in procs:
-            inodes = {int(t[8:-1]) for t in p.fd_targets if t.startswith("socket:[") and t.endswith("]")}
-            if inodes & p.tcp_inodes:
+            if p.socket_inodes & p.tcp_inodes:
                 problems.append(f"process {p.pid} ({p.name}) has TCP sockets: {tcp_problem_text}")
+                break
+    return problems
+
+
+def _user_namespace_problems(procs: Sequence[ProcFacts], daemon: DaemonFacts) -> list[str]:
+    """What stops CRIU from checkpointing a tree whose root is in a user namespace (pure)."""
+    root = procs[0]
+    if not daemon.root_userns_owned:
+        return [f"the job's user namespace (of pid {root.pid}) was not created by this daemon"]
+    problems = []
+    nested = [p for p in procs if p.userns != root.userns]
+    if nested:
+        p = nested[0]
+        problems.append(
+            f"process {p.pid} ({p.name}) entered a user namespace of its own, which CRIU cannot checkpoint"
+        )
+    if root.netns == daemon.netns:
+        for p in procs:
+            if p.socket_inodes & p.tcp_connected:
+                problems.append(
+                    f"process {p.pid} ({p.name}) has TCP connections, which CRIU cannot restore into "
+                    "the host's network from the job's user namespace (TCP repair needs CAP_NET_ADMIN "
+                    'there); give jobs a network of their own (job_network = "private")'
+                )
                 break
     return problems
 
@@ -286,21 +338,31 @@ def tree_pids(root: int) -> list[int]:
     return out
 
 
-def _tcp_inodes(pid: int) -> frozenset[int]:
+TCP_LISTEN = 0x0A
+TCP_CLOSE = 0x07
+
+
+def _tcp_inodes(pid: int) -> tuple[frozenset[int], frozenset[int]]:
+    """Inodes of the TCP sockets in the process's network namespace: all, and those connected."""
     inodes: set[int] = set()
+    connected: set[int] = set()
     for name in ("tcp", "tcp6"):
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]:
                 cols = line.split()
                 if len(cols) > 9 and cols[9].isdigit():
                     inodes.add(int(cols[9]))
-    return frozenset(inodes)
+                    if int(cols[3], 16) not in (TCP_LISTEN, TCP_CLOSE):
+                        connected.add(int(cols[9]))
+    return frozenset(inodes), frozenset(connected)
 
 
 def read_proc_facts(pid: int, *, with_tcp: bool) -> ProcFacts | None:
     """Facts about one process from /proc, or None when it is gone."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
+        userns = os.stat(f"/proc/{pid}/ns/user").st_ino
+        netns = os.stat(f"/proc/{pid}/ns/net").st_ino
     except OSError:
         return None
     fields: dict[str, str] = {}
@@ -312,6 +374,7 @@ def read_proc_facts(pid: int, *, with_tcp: bool) -> ProcFacts | None:
         for fd in os.listdir(f"/proc/{pid}/fd"):
             with contextlib.suppress(OSError):
                 targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    tcp, connected = _tcp_inodes(pid) if with_tcp else (frozenset[int](), frozenset[int]())
     return ProcFacts(
         pid=pid,
         name=fields.get("Name", "?"),
@@ -319,7 +382,10 @@ def read_proc_facts(pid: int, *, with_tcp: bool) -> ProcFacts | None:
         gids=tuple(int(x) for x in fields.get("Gid", "0").split()),
         nspid=tuple(int(x) for x in fields.get("NSpid", str(pid)).split()),
         fd_targets=tuple(targets),
-        tcp_inodes=_tcp_inodes(pid) if with_tcp else frozenset(),
+        tcp_inodes=tcp,
+        tcp_connected=connected,
+        userns=userns,
+        netns=netns,
     )
 
 
@@ -331,16 +397,28 @@ def have_capability(cap: int) -> bool:
     return False
 
 
-def dump_problems(pid: int, info: CriuInfo) -> list[str]:
-    """Reasons the tree rooted at `pid` cannot be dumped, checked before CRIU touches it."""
-    facts = [read_proc_facts(p, with_tcp=bool(info.tcp_problem)) for p in tree_pids(pid)]
-    return tree_problems(
-        [f for f in facts if f is not None],
-        our_uid=os.getuid(),
-        our_gid=os.getgid(),
+def dump_problems(pid: int, info: CriuInfo, userns_problem: str = "") -> list[str]:
+    """Reasons the tree rooted at `pid` cannot be dumped, checked before CRIU touches it.
+
+    `userns_problem` says why jobs do not run in user namespaces here, if they do not.
+    """
+    try:
+        userns = user_namespace_of(pid)
+        in_host_network = os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return ["the job's root process does not exist"]
+    with_tcp = bool(info.tcp_problem) or (not userns.ours and in_host_network)
+    facts = [read_proc_facts(p, with_tcp=with_tcp) for p in tree_pids(pid)]
+    daemon = DaemonFacts(
+        uid=os.getuid(),
+        gid=os.getgid(),
         have_cap_sys_resource=have_capability(CAP_SYS_RESOURCE),
-        tcp_problem_text=info.tcp_problem,
+        userns=os.stat("/proc/self/ns/user").st_ino,
+        netns=os.stat("/proc/self/ns/net").st_ino,
+        root_userns_owned=userns.owned_by_us,
+        userns_problem=userns_problem,
     )
+    return tree_problems([f for f in facts if f is not None], daemon, tcp_problem_text=info.tcp_problem)
 
 
 def _run_sync(argv: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -518,6 +596,7 @@ class Criu:
         track_mem: bool = False,
         external_unix_inodes: Sequence[int] = (),
         action_script: Path | None = None,
+        external_mounts: ExternalMounts | None = None,
     ) -> list[str]:
         """The CRIU command line of a dump (exposed so tests and logs can show it)."""
         argv = [*self.info.argv, "dump", "-t", str(pid), *self._common(image_dir, log_file)]
@@ -530,6 +609,7 @@ class Criu:
             argv += ["--prev-images-dir", parent_image_dir]
         for inode in external_unix_inodes:
             argv += ["--external", f"unix[{inode}]"]
+        argv += dump_mount_args(external_mounts or {})
         if self.options.ghost_limit_bytes is not None:
             argv += ["--ghost-limit", str(self.options.ghost_limit_bytes)]
         if action_script is not None:
@@ -547,13 +627,15 @@ class Criu:
         track_mem: bool = False,
         external_unix_inodes: Sequence[int] = (),
         action_script: Path | None = None,
+        external_mounts: ExternalMounts | None = None,
     ) -> DumpStats:
         """Dump the tree rooted at host PID `pid` into `image_dir` (which must exist).
 
         With `leave_running` the tree goes on after the dump, else CRIU kills it once the images
         are complete. On failure CRIU resumes the tree, and CriuError says why. `parent_image_dir`
         (relative to `image_dir`, e.g. "../pre-2") names the last pre-dump; `track_mem` keeps the
-        kernel's dirty tracking on for a later incremental dump.
+        kernel's dirty tracking on for a later incremental dump. `external_mounts` names the mounts
+        a job with its own mount namespace shares with the daemon (see checkpoint.namespaces).
         """
         if track_mem and not self.info.dirty_tracking:
             raise CheckpointUnavailable(self.info.dirty_tracking_reason)
@@ -566,6 +648,7 @@ class Criu:
             track_mem=track_mem,
             external_unix_inodes=external_unix_inodes,
             action_script=action_script,
+            external_mounts=external_mounts,
         )
         return await _run_dump(argv, log_file, f"dump of pid {pid}")
 
@@ -577,6 +660,7 @@ class Criu:
         log_file: Path,
         parent_image_dir: str | None = None,
         external_unix_inodes: Sequence[int] = (),
+        external_mounts: ExternalMounts | None = None,
     ) -> DumpStats:
         """Copy the tree's memory into `image_dir` while it keeps running, tracking what it dirties.
 
@@ -592,17 +676,30 @@ class Criu:
             argv += ["--prev-images-dir", parent_image_dir]
         for inode in external_unix_inodes:
             argv += ["--external", f"unix[{inode}]"]
+        argv += dump_mount_args(external_mounts or {})
         return await _run_dump(argv, log_file, f"pre-dump of pid {pid}")
 
     def restore_argv(
-        self, image_dir: Path, *, log_file: Path, pidfile: Path, inherit_fds: Mapping[str, int]
+        self,
+        image_dir: Path,
+        *,
+        log_file: Path,
+        pidfile: Path,
+        inherit_fds: Mapping[str, int],
+        external_mounts: ExternalMounts | None = None,
+        mount_yard: Path | None = None,
     ) -> list[str]:
-        """The CRIU command line of a restore."""
+        """The command line of a restore: CRIU, or CRIU in a mount yard for a job with its own mounts."""
         argv = [*self.info.argv, "restore", *self._common(image_dir, log_file)]
         argv += ["--restore-detached", "--pidfile", str(pidfile), *self._socket_args()]
         for key, fd in inherit_fds.items():
             argv += ["--inherit-fd", f"fd[{fd}]:{key}"]
-        return argv + list(self.options.extra_restore_args)
+        argv += list(self.options.extra_restore_args)
+        if external_mounts is None:
+            return argv
+        if mount_yard is None:
+            raise ValueError("a job with its own mount namespace is restored through a mount yard")
+        return restore_argv_in_yard(argv, external_mounts, mount_yard)
 
     async def restore(
         self,
@@ -611,16 +708,29 @@ class Criu:
         log_file: Path,
         pidfile: Path,
         inherit_fds: Mapping[str, int] | None = None,
+        external_mounts: ExternalMounts | None = None,
+        mount_yard: Path | None = None,
     ) -> RestoreOutcome:
         """Restore the tree in `image_dir` detached from CRIU; return its root's host PID.
 
         `inherit_fds` maps a resource as CRIU names it in the images (e.g. "socket:[12345]", an
         external Unix socket of the dump) to an fd open in this process that replaces it. A job
         dumped from its own PID namespace gets a new one, so its PIDs never clash with running
-        processes. "Can't fork for PID" (a dumped process not yet reaped) is retried briefly.
+        processes. "Can't fork for PID" (a dumped process not yet reaped) is retried briefly. A job
+        dumped with its own mount namespace (`external_mounts` not None, as recorded at the dump)
+        is restored through `mount_yard`, an empty directory of the daemon's.
         """
         fds = dict(inherit_fds or {})
-        argv = self.restore_argv(image_dir, log_file=log_file, pidfile=pidfile, inherit_fds=fds)
+        if mount_yard is not None:
+            mount_yard.mkdir(mode=0o700, exist_ok=True)
+        argv = self.restore_argv(
+            image_dir,
+            log_file=log_file,
+            pidfile=pidfile,
+            inherit_fds=fds,
+            external_mounts=external_mounts,
+            mount_yard=mount_yard,
+        )
         attempts = 0
         total = 0.0
         while True:
