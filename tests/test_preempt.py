@@ -199,10 +199,9 @@ def test_daemon_and_job_killed_resume_from_periodic_checkpoint(daemon_root: Path
         release = release_file(daemon)
         job = submit_training(daemon, "--checkpoint-every", "1.5", steps=200, hold=release)
         daemon.wait_state(job, "RUNNING")
-        wait_until(
-            lambda: sum("periodic checkpoint" in e["reason"] for e in events(daemon, job)) >= 2, timeout=120
-        )
-        assert steps_done(daemon, job) > 0
+        wait_progress(daemon, job, 0, steps=200)
+        taken = periodic_checkpoints(daemon, job)
+        wait_until(lambda: periodic_checkpoints(daemon, job) >= max(2, taken + 1), timeout=120)
         supervisor = daemon.supervisor_pid(job)
         daemon.stop(signal.SIGKILL)
         os.kill(supervisor, signal.SIGKILL)  # PID 1 of the job's namespace: every rank dies with it
@@ -215,6 +214,11 @@ def test_daemon_and_job_killed_resume_from_periodic_checkpoint(daemon_root: Path
         reasons = [e["reason"] for e in events(daemon, job)]
         assert any("queued to resume from its last checkpoint" in r for r in reasons), reasons
         assert daemon.sing("logs", str(job)).out == expected, "logs rewound to the checkpoint, then replayed"
+
+
+def periodic_checkpoints(daemon: Daemon, job_id: int) -> int:
+    """How many periodic checkpoints of the job its events record."""
+    return sum("periodic checkpoint" in e["reason"] for e in events(daemon, job_id))
 
 
 def process_gone(pid: int) -> bool:
