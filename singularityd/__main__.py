@@ -25,7 +25,7 @@ from singularityd import __version__
 from singularityd.api.server import ApiServer
 from singularityd.checkpoint import Checkpointer, CheckpointUnavailable, Criu, ImageStore, locate_criu
 from singularityd.checkpoint.coordinator import Checkpoints, CriuStatus, JobCheckpoints, NoCheckpoints
-from singularityd.checkpoint.criu import CAP_SYS_RESOURCE, have_capability
+from singularityd.checkpoint.precheck import CAP_SYS_RESOURCE, have_capability
 from singularityd.config import OPTIONS, Config, ConfigError, load_config
 from singularityd.daemon import Daemon
 from singularityd.devices.access import DeviceAccess, DirectDevices, ProxiedDevices

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from singularityd.checkpoint.criu import CAP_SYS_RESOURCE, have_capability
+from singularityd.checkpoint.precheck import CAP_SYS_RESOURCE, have_capability
 from singularityd.jobs.launch import probe_user_namespaces
 
 OWNER = "sing-alice"

@@ -42,14 +42,11 @@ from singularityd.checkpoint import (
 )
 from singularityd.checkpoint.criu import (
     FORK_RETRY_PATTERN,
-    DaemonFacts,
-    ProcFacts,
     parse_stats,
     parse_version,
     privilege_problem,
     summarize_log,
     tcp_problem,
-    tree_problems,
 )
 from singularityd.checkpoint.manifest import (
     FileFact,
@@ -59,6 +56,7 @@ from singularityd.checkpoint.manifest import (
     plan_prune,
     structural_problems,
 )
+from singularityd.checkpoint.precheck import DaemonFacts, ProcFacts, tree_problems
 from singularityd.checkpoint.service import parse_sizes, post_dump_script
 from tests.checkpoint_helpers import (
     LaunchedJob,

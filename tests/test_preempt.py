@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from singularityd.checkpoint.criu import CAP_SYS_RESOURCE, have_capability
 from singularityd.checkpoint.namespaces import user_namespace_of
+from singularityd.checkpoint.precheck import CAP_SYS_RESOURCE, have_capability
 from tests.conftest import requires_root
 from tests.helpers import (
     OWNER,

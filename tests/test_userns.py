@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 
 from singularityd.checkpoint import Checkpointer, CheckpointError, Criu, CriuInfo, ImageStore, Manifest
-from singularityd.checkpoint.criu import DaemonFacts, ProcFacts, tree_problems
 from singularityd.checkpoint.manifest import ManifestError
 from singularityd.checkpoint.namespaces import (
     MountEntry,
@@ -30,6 +29,7 @@ from singularityd.checkpoint.namespaces import (
     read_external_mounts,
     user_namespace_of,
 )
+from singularityd.checkpoint.precheck import DaemonFacts, ProcFacts, tree_problems
 from singularityd.jobs import launcher
 from singularityd.jobs.launch import probe_user_namespaces
 from tests.checkpoint_helpers import children, kill_tree, pid_alive, wait_exit, wait_for_line

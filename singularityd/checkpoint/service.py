@@ -21,13 +21,12 @@ from singularityd.checkpoint.criu import (
     Criu,
     DumpStats,
     RestoreOutcome,
-    dump_problems,
     run_to_completion,
-    tree_pids,
 )
 from singularityd.checkpoint.errors import CheckpointError, NoValidCheckpoint
 from singularityd.checkpoint.manifest import IMAGES_DIR, Manifest, Skipped, Verdict
 from singularityd.checkpoint.namespaces import ExternalMounts, read_external_mounts
+from singularityd.checkpoint.precheck import dump_problems, tree_pids
 from singularityd.checkpoint.store import (
     ImageStore,
     JobUsage,
