@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 
 from tests.conftest import requires_root
-from tests.helpers import Daemon, ensure_user, running_daemon, wait_until
+from tests.helpers import Daemon, ensure_user, other_user, python_for_user, running_daemon, wait_until
 from tests.proxy.conftest import PROGRAMS, PYTHON, base_env
 from tests.proxy.test_corpus import CORPUS
 
@@ -109,6 +109,39 @@ def test_proxied_job_preempted_and_moved_is_exact(daemon_root: Path) -> None:
         reasons = [e["reason"] for e in daemon.job(job)["events"]]
         assert sum(r.startswith("restored from checkpoint") for r in reasons) == 6
         daemon.sing("cancel", str(blocker))
+
+
+@requires_root
+def test_another_users_proxied_job_preempted_is_exact(daemon_root: Path) -> None:
+    """A second user's job holding connections to the proxy (external to its namespaces) is
+    dumped, and restored with fresh connections, exactly; it runs in a user namespace where root
+    lacks CAP_SYS_RESOURCE."""
+    owner = other_user()
+    python = python_for_user(owner)
+    assert python is not None and python[1].startswith("PYTHONPATH=")
+    total = 300
+    args = ["--steps", str(total)]
+    expected = direct_output("long_train.py", args)
+    options = [*JOB_OPTIONS, "--env", python[1]]
+    release = daemon_root / "release"
+    with running_daemon(daemon_root, virtual_devices=1) as daemon:
+        job = daemon.submit(
+            python[-1], "long_train.py", *args, "--hold", str(release), options=options, user=owner
+        )
+        daemon.wait_state(job, "RUNNING")
+        seen = 0
+        for _ in range(2):
+            wait_until(functools.partial(progressed, daemon, job, seen + 20, total), timeout=120)
+            result = daemon.sing("preempt", str(job), user=owner)
+            assert result.code == 0, result.err
+            daemon.wait_state(job, "RUNNING")
+            seen = steps(daemon, job)
+        release.touch()
+        assert daemon.sing("wait", str(job), timeout=600).code == 0
+        assert daemon.sing("logs", str(job)).out == expected
+        folders = (daemon.state_dir / "checkpoints" / str(job)).glob("*/manifest.json")
+        manifests = [json.loads(path.read_text()) for path in folders]
+        assert manifests and all(m["extra"]["proxy_connections"] for m in manifests)
 
 
 def test_job_process_holds_no_device_state(daemon: Daemon) -> None:

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from singularityd.checkpoint.criu import tree_pids
 from singularityd.checkpoint.errors import CheckpointError
 from singularityd.checkpoint.manifest import IMAGES_DIR, MANIFEST_NAME, Manifest
+from singularityd.checkpoint.precheck import tree_pids
 from singularityd.checkpoint.service import Checkpointer, CheckpointResult
 from singularityd.devices.access import DeviceAccess, DeviceError
 from singularityd.units import human_bytes
