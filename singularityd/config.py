@@ -73,6 +73,8 @@ class Config:
     device_proxy: bool = True
     proxy_threads: int = 1
     proxy_pre_copy: int = 2
+    job_user_namespaces: bool = True
+    job_network: str = "host"
     log_level: str = "info"
     metrics: bool = True
     metrics_address: str = "127.0.0.1"
@@ -139,6 +141,12 @@ OPTIONS: dict[str, str] = {
     "proxy_pre_copy": "Rounds of pre-copy of a job's device state by its proxy servers while it runs, "
     "before a checkpoint's pause, so the pause copies only what the job wrote meanwhile (default 2; "
     "0: everything is copied in the pause).",
+    "job_user_namespaces": "Where root lacks CAP_SYS_RESOURCE (some containers and VMs), run other "
+    "users' jobs in a user namespace owned by the daemon, so CRIU can checkpoint them (default true; "
+    "used only when a trial at start-up works).",
+    "job_network": "'host' (jobs share the machine's network, default) or 'private' (each job gets a "
+    "network namespace with only a loopback device: no outside network, but the TCP connections "
+    "between its ranks can be checkpointed even in a user namespace).",
     "log_level": "debug, info, warning or error (default info). Env SING_LOG_LEVEL.",
     "metrics": "Serve Prometheus metrics over HTTP at metrics_address:metrics_port/metrics (default true).",
     "metrics_address": "Address the metrics endpoint listens on (default 127.0.0.1: this machine only).",
@@ -197,6 +205,8 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         raise ConfigError(f"{source}: {name} = {value!r} is not a valid value") from error
     if name == "devices" and coerced not in ("auto", "nvml", "virtual"):
         raise ConfigError(f"{source}: devices must be 'auto', 'nvml' or 'virtual', not {coerced!r}")
+    if name == "job_network" and coerced not in ("host", "private"):
+        raise ConfigError(f"{source}: job_network must be 'host' or 'private', not {coerced!r}")
     if name in ("virtual_devices", "checkpoint_keep", "proxy_threads") and coerced < 1:
         raise ConfigError(f"{source}: {name} must be at least 1")
     if name == "log_level" and coerced not in LOG_LEVELS:

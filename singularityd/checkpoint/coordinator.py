@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from singularityd.checkpoint.criu import DumpStats, tree_pids
+from singularityd.checkpoint.criu import DumpStats
 from singularityd.checkpoint.errors import CheckpointError
 from singularityd.checkpoint.manifest import IMAGES_DIR, MANIFEST_NAME, Manifest
 from singularityd.checkpoint.pause import (
@@ -30,6 +30,7 @@ from singularityd.checkpoint.pause import (
     measure_pause,
     pause_summary,
 )
+from singularityd.checkpoint.precheck import tree_pids
 from singularityd.checkpoint.service import Checkpointer, CheckpointResult
 from singularityd.devices.access import DeviceAccess, DeviceError, DeviceStateSave, NoDeviceState, PreCopy
 from singularityd.units import human_bytes
@@ -78,13 +79,23 @@ class CheckpointTaken:
 
 @dataclass(frozen=True)
 class StoredCheckpoint:
-    """One of a job's checkpoint folders: complete (with a readable manifest) or not, and its pause."""
+    """One of a job's checkpoint folders: complete (with a readable manifest) or not, and its pause.
+
+    `pause` is what taking it cost the job (None when incomplete or taken before pauses were
+    recorded: then `frozen_s`, CRIU's freeze, is all that is known).
+    """
 
     seq: int
     created_at: float
     image_bytes: int
     complete: bool
     pause: Pause | None = None
+    frozen_s: float = 0.0
+
+    @property
+    def pause_s(self) -> float:
+        """How long the job could not make progress for it (0 when unknown or incomplete)."""
+        return self.pause.seconds if self.pause else self.frozen_s
 
     @property
     def complete_s(self) -> float:
@@ -141,6 +152,9 @@ class Checkpoints(Protocol):
     def listing(self, job_id: int) -> list[StoredCheckpoint]:
         """Each of the job's checkpoint folders, oldest first."""
 
+    def latest(self, job_id: int) -> StoredCheckpoint | None:
+        """The job's newest complete checkpoint, or None when it has none."""
+
     async def take(self, target: CheckpointTarget, *, stop: bool, reason: str) -> CheckpointTaken:
         """Checkpoint the job (stopping it when `stop`); CheckpointError says why it failed."""
 
@@ -174,6 +188,10 @@ class NoCheckpoints:
         """Nothing is listed."""
         return []
 
+    def latest(self, job_id: int) -> StoredCheckpoint | None:
+        """There is none."""
+        return None
+
     async def take(self, target: CheckpointTarget, *, stop: bool, reason: str) -> CheckpointTaken:
         """Always fails, saying why."""
         raise CheckpointError(f"checkpoints are unavailable here: {self.status.unavailable_reason}")
@@ -190,7 +208,8 @@ class JobCheckpoints:
     """Checkpoints with CRIU, coordinated with the job's devices.
 
     Only the daemon writes checkpoints, so a job's disk usage is computed once and kept until its
-    next checkpoint: listing many jobs does not walk their image folders.
+    next checkpoint, and a complete checkpoint's manifest (which never changes) is read once:
+    listing many jobs, each with its newest checkpoint, does not walk their image folders.
     """
 
     def __init__(
@@ -207,6 +226,7 @@ class JobCheckpoints:
         self.pre_copy = pre_copy or PreCopy()
         """How much device state the proxies copy while the job runs (live: set on reload)."""
         self._usage: dict[int, tuple[int, int]] = {}
+        self._manifests: dict[int, dict[int, Manifest]] = {}
 
     @property
     def available(self) -> bool:
@@ -227,18 +247,43 @@ class JobCheckpoints:
             self._usage[job_id] = (usage.checkpoints, usage.bytes_on_disk)
         return self._usage[job_id]
 
+    def _manifest(self, job_id: int, seq: int) -> Manifest | None:
+        """The manifest of one of the job's checkpoints (read once), or None when incomplete."""
+        known = self._manifests.setdefault(job_id, {})
+        if seq not in known:
+            try:
+                known[seq] = self.images.read_manifest(str(job_id), seq)
+            except (CheckpointError, OSError, ValueError):
+                return None
+        return known[seq]
+
+    def _stored(self, job_id: int, seq: int) -> StoredCheckpoint:
+        """One checkpoint folder as listed: with its manifest's facts when complete."""
+        manifest = self._manifest(job_id, seq)
+        if manifest is None:
+            return StoredCheckpoint(seq, 0.0, 0, False)
+        return StoredCheckpoint(
+            seq, manifest.created_at, manifest.total_bytes, True, manifest_pause(manifest), manifest.pause_s
+        )
+
     def listing(self, job_id: int) -> list[StoredCheckpoint]:
         """Each of the job's checkpoint folders, oldest first."""
-        found = []
-        for seq in self.images.seqs(str(job_id)):
-            try:
-                manifest = self.images.read_manifest(str(job_id), seq)
-            except (CheckpointError, OSError, ValueError):
-                found.append(StoredCheckpoint(seq, 0.0, 0, False))
-                continue
-            pause = manifest_pause(manifest)
-            found.append(StoredCheckpoint(seq, manifest.created_at, manifest.total_bytes, True, pause))
-        return found
+        return [self._stored(job_id, seq) for seq in self.images.seqs(str(job_id))]
+
+    def latest(self, job_id: int) -> StoredCheckpoint | None:
+        """The job's newest complete checkpoint, or None (no folder is read for a job without any)."""
+        if not self.usage(job_id)[0]:
+            return None
+        for seq in reversed(self.images.seqs(str(job_id))):
+            stored = self._stored(job_id, seq)
+            if stored.complete:
+                return stored
+        return None
+
+    def _forget_cached(self, job_id: int) -> None:
+        """Drop what is kept about the job's checkpoints: a new one is being taken, old ones pruned."""
+        self._usage.pop(job_id, None)
+        self._manifests.pop(job_id, None)
 
     async def take(self, target: CheckpointTarget, *, stop: bool, reason: str) -> CheckpointTaken:
         """Checkpoint the job with the shortest pause its devices allow, then release or resume them.
@@ -253,7 +298,7 @@ class JobCheckpoints:
         parked = False
         saving: DeviceStateSave = NoDeviceState()
         capturing: asyncio.Future[None] | None = None
-        self._usage.pop(job_id, None)
+        self._forget_cached(job_id)
 
         async def before_dump(images: Path) -> None:
             nonlocal parked, capturing, saving
@@ -336,7 +381,7 @@ class JobCheckpoints:
                     await self.devices.resume(job_id, devices)
             raise error if isinstance(error, CheckpointError) else CheckpointError(str(error)) from None
         finally:
-            self._usage.pop(job_id, None)
+            self._forget_cached(job_id)
         if stop and connections:
             try:
                 await self.devices.release(job_id, devices)
