@@ -14,6 +14,8 @@ import re
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import requires_root
 from tests.helpers import Daemon, running_daemon, wait_until
 from tests.proxy.conftest import PROGRAMS, PYTHON
@@ -65,7 +67,11 @@ def test_reported_pauses_are_what_the_program_lost(daemon_root: Path) -> None:
         reported = listed["pause_seconds"]
         assert abs(printed - reported) < 0.006
         assert listed["precopied_bytes"] >= 1 << 30, "the tensors the job only reads were pre-copied"
+        shown = daemon.sing("show", str(job), "-o", "wide").out.splitlines()
+        row = next(line.split() for line in shown if line.split()[:1] == ["1"])
+        assert "PRE-COPIED" in "".join(shown) and f"{reported:.2f}s" in row, shown
         felt = wait_until(lambda: longest_stall(log, began), timeout=60)
+        print(f"checkpoint: the program lost {felt:.3f}s, the daemon says {reported:.3f}s")
         assert agree(felt, reported), f"the program lost {felt:.3f}s, the daemon says {reported:.3f}s"
 
         began = time.time()
@@ -76,6 +82,7 @@ def test_reported_pauses_are_what_the_program_lost(daemon_root: Path) -> None:
         stopped = next(e for e in events(daemon, job) if e.startswith("preempted by"))
         assert re.search(r"stopped in \d+\.\d+s", stopped), stopped
         felt = wait_until(lambda: longest_stall(log, began + total / 2), timeout=60)
+        print(f"preempt and resume: the program was down {felt:.3f}s, the daemon says {total:.3f}s")
         assert agree(felt, total), f"the program was down {felt:.3f}s, the daemon says {total:.3f}s"
 
         hold.touch()
@@ -83,6 +90,7 @@ def test_reported_pauses_are_what_the_program_lost(daemon_root: Path) -> None:
     assert "done: 1024 MiB held, True, checksum 268435456" in log.read_text()
 
 
+@pytest.mark.timeout(1200)  # ten programs, each checkpointed five times, on two shared cores
 @requires_root
 def test_corpus_is_exact_under_checkpoints_taken_while_precopy_runs(daemon_root: Path) -> None:
     """Every corpus program, checkpointed in place at 4 random moments and then preempted (each with
