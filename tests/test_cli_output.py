@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from singularity.cli import output
 from singularity.cli.config import CliSettings, parse_settings
 from singularity.cli.errors import CliError
 from singularityd import __version__
+from singularityd.api.v1 import singularity_pb2 as pb
 from tests.conftest import requires_root
 from tests.helpers import SING, Daemon, run_sing, running_daemon, submit_counter, wait_until
 
@@ -31,6 +33,32 @@ def test_version() -> None:
     for flag in ("--version", "-V"):
         result = run_sing([flag], socket_path=None)
         assert (result.code, result.out, result.err) == (0, f"sing {__version__}\n", "")
+
+
+def test_show_and_checkpoint_print_each_checkpoints_pause() -> None:
+    checkpoints = [
+        pb.CheckpointInfo(seq=1, created_at=1.0, bytes=1 << 30, complete=True, pause_seconds=0.614,
+                          complete_seconds=3.5, precopied_bytes=1 << 30, paused_bytes=51_200),
+        pb.CheckpointInfo(seq=2, created_at=2.0, bytes=1 << 30, complete=True, pause_seconds=1.25,
+                          complete_seconds=1.25, stopped=True, paused_bytes=1 << 30),
+        pb.CheckpointInfo(seq=3),
+    ]  # fmt: skip
+    detail = pb.JobDetail(job=pb.Job(id=7, checkpoints=2), checkpoint_list=checkpoints)
+    narrow = [line.split() for line in output.job_detail_text(detail).splitlines()]
+    wide = [line.split() for line in output.job_detail_text(detail, wide=True).splitlines()]
+    assert ["CHECKPOINT", "TAKEN", "SIZE", "PAUSE", "COMPLETE", "AFTER"] in narrow
+    assert [c[3:] for c in narrow if c[:1] in (["1"], ["2"])] == [
+        ["1.0G", "0.61s", "3.50s"],
+        ["1.0G", "1.25s", "(stop)", "1.25s"],
+    ]
+    assert ["3", "-", "-", "incomplete", "-", "-", "-"] in wide
+    assert [c[-2:] for c in wide if c[:1] in (["1"], ["2"])] == [["1.0G", "50.0K"], ["0B", "1.0G"]]
+    response = pb.CheckpointResponse(job=pb.Job(id=7), checkpoint=checkpoints[0], pause_seconds=0.614)
+    assert output.checkpoint_text(response) == (
+        "job 7: checkpoint 1, 1.0G, paused 0.61s, complete after 3.50s "
+        "(device state: 1.0G pre-copied, 50.0K copied in the pause)"
+    )
+    assert output.checkpoint_dict(checkpoints[1])["stopped"] is True
 
 
 def test_ps_json_agrees_with_show_json_for_every_job(daemon: Daemon) -> None:
