@@ -96,6 +96,7 @@ class SaveReport:
     precopy_written_bytes: int = 0
     precopy_seconds: float = 0.0
     precopy_dirtied_bytes: int = 0
+    precopy_sync_seconds: float = 0.0
     precopy_ended: str = ""
     """Why the pre-copy stopped: "settled" (little left), "rounds", "budget", or "unsettled" (the job
     wrote its state about as fast as it was saved)."""
@@ -198,6 +199,10 @@ class JobSave:
             if 2 * dirtied >= pending:
                 report.precopy_ended = "unsettled"
                 break
+        if report.precopy_written_bytes:
+            synced = time.monotonic()
+            os.fdatasync(self.fd)  # on disk before the pause: CRIU's writes then meet no dirty backlog
+            report.precopy_sync_seconds = time.monotonic() - synced
         report.precopy_seconds = time.monotonic() - began
 
     @staticmethod

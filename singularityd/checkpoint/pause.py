@@ -33,6 +33,7 @@ class DeviceSaveFigures:
     precopy_written_bytes: int = 0
     precopy_dirtied_bytes: int = 0
     precopy_seconds: float = 0.0
+    precopy_sync_seconds: float = 0.0
     precopy_ended: str = ""
     reused_bytes: int = 0
     paused_copied_bytes: int = 0
@@ -59,6 +60,7 @@ class DeviceSaveFigures:
             precopy_written_bytes=total("precopy_written_bytes"),
             precopy_dirtied_bytes=total("precopy_dirtied_bytes"),
             precopy_seconds=longest("precopy_seconds"),
+            precopy_sync_seconds=longest("precopy_sync_seconds"),
             precopy_ended="unsettled" if "unsettled" in endings else next(iter(endings), ""),
             reused_bytes=total("reused_bytes"),
             paused_copied_bytes=total("paused_copied_bytes"),
