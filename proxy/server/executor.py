@@ -38,6 +38,11 @@ def template_new_bytes(template: Any) -> list[int]:
     return []
 
 
+def _layout(tensor: torch.Tensor) -> list[Any]:
+    """[shape, stride, storage offset] of a tensor, as templates carry them."""
+    return [list(tensor.shape), list(tensor.stride()), tensor.storage_offset()]
+
+
 def _meta_growth(operator: Any, args: list[Any], kwargs: dict[str, Any]) -> int:
     """Bytes an operator would allocate, found by running it on meta tensors shaped like the inputs."""
     real_bytes: dict[int, int] = {}
@@ -130,14 +135,7 @@ class Executor:
             session.claim_handle(handle)
             nbytes = session.add(handle, output)
             new_handles.append(handle)
-            return [
-                protocol.TEMPLATE_TENSOR,
-                list(output.shape),
-                list(output.stride()),
-                output.storage_offset(),
-                _NAMES.dtype_names[output.dtype],
-                nbytes,
-            ]
+            return [protocol.TEMPLATE_TENSOR, *_layout(output), _NAMES.dtype_names[output.dtype], nbytes]
         if isinstance(output, list):
             items = [self._template(session, o, inputs, next_handle, new_handles) for o in output]
             return [protocol.TEMPLATE_LIST, items]
@@ -172,6 +170,11 @@ class Executor:
             raise
         if new_handles:
             session.check_capacity(new_handles, sum(template_new_bytes(template)))
+        if served.reshapes_input and template[0] == protocol.TEMPLATE_ALIAS:
+            template = [protocol.TEMPLATE_RESHAPED, template[1], *_layout(output)]
+        if served.rebinds_input:
+            for handle in set(inputs):
+                session.rebind(handle)
         if served.grows_inputs:
             growth = sum(session.recount(handle) for handle in set(inputs))
             if growth > 0:

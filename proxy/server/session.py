@@ -219,6 +219,13 @@ class Session:
             self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         return growth
 
+    def rebind(self, handle: int) -> None:
+        """Count a tensor under its current storage, after an operation that may have replaced it."""
+        tensor = self.tensors[handle]
+        if tensor.untyped_storage()._cdata != self.storage_of[handle]:
+            self.free(handle)
+            self.add(handle, tensor)
+
     def free(self, handle: int) -> None:
         """Drop the tensor under `handle` (its storage when no other handle uses it)."""
         if self.tensors.pop(handle, None) is None:

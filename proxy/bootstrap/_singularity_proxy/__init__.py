@@ -38,20 +38,22 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     """Install the client: the devices, the torch patches and the global mode."""
     import torch
 
-    from . import cuda_surface, serialization, tensor
+    from . import composites, cuda_surface, serialization, tensor
     from .devices import DEVICES
     from .mode import DeviceMode
-    from .randomness import RANDOM_OPS
+    from .randomness import RANDOM_OPS, host_random_handler
     from .transfers import TRANSFER_OPS
 
     DEVICES.configure(list(paths), job_id, rank)
     tensor.special_ops.update(RANDOM_OPS)
     tensor.special_ops.update(TRANSFER_OPS)
+    tensor.special_rules.append(host_random_handler)
     torch.__future__.set_swap_module_params_on_conversion(True)
     cuda_surface.patch_cuda()
     cuda_surface.patch_accelerator()
     cuda_surface.patch_autocast()
     serialization.install()
+    composites.install()
     mode = DeviceMode()
     mode.__enter__()  # type: ignore[no-untyped-call,unused-ignore]
     _installed.append(mode)

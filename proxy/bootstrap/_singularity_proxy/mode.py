@@ -10,11 +10,13 @@ C++ device is the host, torch itself would not notice).
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable, Sequence
+from types import FunctionType
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, handle_torch_function
 
 from . import protocol
 from .devices import DEVICES, device_index, same_device_error
@@ -148,6 +150,10 @@ def _is_pinned(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return False
 
 
+def _untouched(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    return func(*args, **kwargs)
+
+
 _SERVER_FACTORIES = {getattr(torch, name) for name in protocol.SERVER_FACTORIES}
 
 
@@ -198,6 +204,7 @@ _METHODS: dict[Any, Callable[[Any, Sequence[Any], dict[str, Any]], Any]] = {
     _Tensor.new_tensor: _new_tensor,
     _Tensor.pin_memory: _pin_memory,
     _Tensor.is_pinned: _is_pinned,
+    _Tensor.type: _untouched,
 }
 
 _MIXING_ALLOWED = {
@@ -237,10 +244,121 @@ def _check_devices(args: Sequence[Any]) -> None:
         raise same_device_error(str(device.device), str(host.device))
 
 
+def _never(*args: Any) -> bool:
+    return False
+
+
+_CHECKS_SKIPPED = {
+    "has_torch_function": _never,
+    "has_torch_function_unary": _never,
+    "has_torch_function_variadic": _never,
+}
+_bodies: dict[Any, FunctionType] = {}
+
+
+def _body(func: FunctionType) -> FunctionType:
+    """A copy of one of torch's Python functions that skips its own torch-function check.
+
+    torch leaves a torch-function mode while the mode handles a call, so the torch calls a
+    Python function makes (`torch.rand(..., device=x.device)` in fractional_max_pool2d,
+    `torch.tensor(..., device=...)` in unravel_index) would bypass this mode and reach CUDA,
+    which a CPU build lacks. The copy runs with the mode entered again; its own check, which
+    would hand the call back to the mode forever, is answered "no".
+    """
+    body = _bodies.get(func)
+    if body is None:
+        namespace = {**func.__globals__, **_CHECKS_SKIPPED}
+        body = FunctionType(func.__code__, namespace, func.__name__, func.__defaults__, func.__closure__)
+        body.__kwdefaults__ = func.__kwdefaults__
+        _bodies[func] = body
+    return body
+
+
+def _checking_function(frame: Any) -> FunctionType | None:
+    """The function that called handle_torch_function from `frame` (handle_torch_function's frame)."""
+    if frame.f_code is not handle_torch_function.__code__ or frame.f_back is None:
+        return None
+    caller = frame.f_back
+    found = caller.f_globals.get(caller.f_code.co_name)
+    if type(found) is FunctionType and found.__code__ is caller.f_code:
+        return found
+    return None
+
+
+class _Entering(threading.local):
+    """The Python function whose body the mode is about to run (per thread)."""
+
+    func: Any = None
+    checker_tried = False
+
+
+def _on_device_of(args: Sequence[Any], result: Any) -> Any:
+    """`result` with host tensors uploaded, if every tensor argument was a stand-in.
+
+    torch's C++ composites make some results with their input's options (`at::zeros(...,
+    input.options())` in matrix_rank of an empty matrix), and a stand-in's options name the
+    host; on a GPU such a result is on the device.
+    """
+    found = [a for a in _tensor_arguments(args)]
+    if not found or not all(isinstance(a, ProxyTensor) for a in found):
+        return result
+    index = found[0]._channel.index
+
+    def place(value: Any) -> Any:
+        if isinstance(value, ProxyTensor) or not isinstance(value, _Tensor):
+            if isinstance(value, (list, tuple)) and not isinstance(value, _Tensor):
+                return type(value)(place(item) for item in value)
+            return value
+        return to_device(value, index) if value.device.type == "cpu" else value
+
+    return place(result)
+
+
+def _tensor_arguments(args: Sequence[Any]) -> list[Any]:
+    """The tensors among arguments (and in lists and tuples of them)."""
+    found = []
+    for arg in args:
+        if isinstance(arg, _Tensor):
+            found.append(arg)
+        elif type(arg) is list or type(arg) is tuple:
+            found += _tensor_arguments(arg)
+    return found
+
+
 class DeviceMode(TorchFunctionMode):
     """Routes device placement (factories, .to, .cuda, .cpu) to the proxied devices."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._entering = _Entering()
+
+    def _run_body(self, func: FunctionType, args: Sequence[Any], kwargs: dict[str, Any], again: bool) -> Any:
+        """Run a torch Python function with this mode active for the calls it makes.
+
+        `again`: the body of `func` handed the call back at once, because the function that
+        checks is not `func` itself (`F.fractional_max_pool2d` dispatches to a function that
+        checks): that function, the caller of handle_torch_function, runs instead.
+        """
+        run = func
+        if again:
+            checker = None if self._entering.checker_tried else _checking_function(sys._getframe(2))
+            if checker is None:  # no way to its body with the mode active: run it as torch does
+                return func(*args, **kwargs)
+            run = checker
+        self._entering.func = func
+        self._entering.checker_tried = again
+        try:
+            with self:
+                return _body(run)(*args, **kwargs)
+        finally:
+            self._entering.func = None
+            self._entering.checker_tried = False
+
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        entering = self._entering.func
+        self._entering.func = None
+        if entering is not func:
+            self._entering.checker_tried = False
         handler = _METHODS.get(func)
         if handler is not None:
             return handler(func, args, kwargs or {})
@@ -250,6 +368,13 @@ class DeviceMode(TorchFunctionMode):
                 return _factory(func, args, kwargs)
         if len(args) > 1 and func not in _MIXING_ALLOWED:
             _check_devices(args)
-        if kwargs:
-            return func(*args, **kwargs)
-        return func(*args)
+        if type(func) is FunctionType:
+            result = self._run_body(func, args, kwargs or {}, again=entering is func)
+        elif kwargs:
+            result = func(*args, **kwargs)
+        else:
+            result = func(*args)
+        kind = type(result)
+        if kind is ProxyTensor or not (kind is _Tensor or kind is tuple or kind is list):
+            return result
+        return _on_device_of(args, result)

@@ -27,6 +27,10 @@ SpecialHandler = Callable[[Any, Sequence[Any], dict[str, Any]], Any]
 special_ops: dict[Any, SpecialHandler] = {}
 """Operators the client carries out itself (random numbers, copies across devices); filled by
 the modules that own them when the client is installed."""
+special_rules: list[Callable[[Any], SpecialHandler | None]] = []
+"""Rules giving the handler of an operator not in special_ops (None: forwarded), asked once per
+operator (random operators by their tag)."""
+_classified: set[Any] = set()
 
 
 class TensorHandle:
@@ -324,6 +328,9 @@ def _parse_template(tree: Any) -> Any:
         return (tag, (tuple(shape), tuple(stride), offset, _NAMES.dtype(dtype)), nbytes)
     if tag in (protocol.TEMPLATE_LIST, protocol.TEMPLATE_TUPLE):
         return (tag, [_parse_template(item) for item in tree[1]])
+    if tag == protocol.TEMPLATE_RESHAPED:
+        _, position, shape, stride, offset = tree
+        return (tag, position, (tuple(shape), tuple(stride), offset))
     return tuple(tree)
 
 
@@ -355,6 +362,8 @@ def _build(template: Any, channel: Channel, inputs: list[ProxyTensor], next_hand
         return new_stand_in(channel, handle, template[1])
     if tag == protocol.TEMPLATE_ALIAS:
         return inputs[template[1]]
+    if tag == protocol.TEMPLATE_RESHAPED:
+        return _reshape(inputs[template[1]], *template[2])
     if tag == protocol.TEMPLATE_LIST:
         return [_build(item, channel, inputs, next_handle) for item in template[1]]
     if tag == protocol.TEMPLATE_TUPLE:
@@ -362,6 +371,24 @@ def _build(template: Any, channel: Channel, inputs: list[ProxyTensor], next_hand
     if tag == protocol.TEMPLATE_VALUE:
         return template[1]
     return None
+
+
+def _reshape(stand_in: ProxyTensor, shape: Any, stride: Any, offset: int) -> ProxyTensor:
+    """Give a stand-in the shape, stride and offset an in-place view operation gave its tensor.
+
+    The stand-in's C++ metadata is set the way torch sets a wrapper subclass's for in-place
+    views (`return_and_correct_aliasing`): `set_` with dispatch off and the meta kernels on,
+    which allocates nothing.
+    """
+    with torch._C._DisableTorchDispatch():
+        meta_before = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            stand_in.set_(stand_in.untyped_storage(), offset, shape, stride)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta_before)
+    stand_in._meta = (shape, stride, offset, stand_in._meta[3])
+    return stand_in
 
 
 def _value_dependent(func: Any, args: Sequence[Any]) -> bool:
@@ -377,6 +404,11 @@ def _value_dependent(func: Any, args: Sequence[Any]) -> bool:
 def dispatch(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> Any:
     """Carry out one aten operation on stand-ins (most are forwarded to the proxy server)."""
     special = special_ops.get(func)
+    if special is None and func not in _classified:
+        _classified.add(func)
+        special = next((found for rule in special_rules if (found := rule(func)) is not None), None)
+        if special is not None:
+            special_ops[func] = special
     if special is not None:
         return special(func, args, kwargs or {})
     return forward(func, args, kwargs)
