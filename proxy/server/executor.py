@@ -20,7 +20,7 @@ import torch
 from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
 
-from .session import DeviceMemory, Session
+from .session import DeviceMemory, Session, sparse_parts
 
 _FACTORIES = frozenset(protocol.SERVER_FACTORIES)
 _HOST_ALLOCATION_FAILED = re.compile(
@@ -33,9 +33,17 @@ def template_new_bytes(template: Any) -> list[int]:
     """Bytes of new storage of each new tensor in an output template."""
     if template[0] == protocol.TEMPLATE_TENSOR:
         return [template[5]]
+    if template[0] == protocol.TEMPLATE_SPARSE:
+        return [template[4]]
     if template[0] in (protocol.TEMPLATE_LIST, protocol.TEMPLATE_TUPLE):
         return [nbytes for item in template[1] for nbytes in template_new_bytes(item)]
     return []
+
+
+def _raw(tensor: torch.Tensor) -> list[Any]:
+    """[dtype, shape, stride, bytes] of a tensor's values, as REQ_FETCH answers them."""
+    host, raw = protocol.tensor_to_raw(tensor)
+    return [_NAMES.dtype_names[host.dtype], list(host.shape), list(host.stride()), raw]
 
 
 def _layout(tensor: torch.Tensor) -> list[Any]:
@@ -135,7 +143,11 @@ class Executor:
             session.claim_handle(handle)
             nbytes = session.add(handle, output)
             new_handles.append(handle)
-            return [protocol.TEMPLATE_TENSOR, *_layout(output), _NAMES.dtype_names[output.dtype], nbytes]
+            dtype = _NAMES.dtype_names[output.dtype]
+            if output.layout != torch.strided:
+                layout = str(output.layout).removeprefix("torch.")
+                return [protocol.TEMPLATE_SPARSE, layout, list(output.shape), dtype, nbytes]
+            return [protocol.TEMPLATE_TENSOR, *_layout(output), dtype, nbytes]
         if isinstance(output, list):
             items = [self._template(session, o, inputs, next_handle, new_handles) for o in output]
             return [protocol.TEMPLATE_LIST, items]
@@ -298,8 +310,15 @@ class Executor:
         if kind == protocol.REQ_CALL:
             return self._call(session, request, buffers)
         if kind == protocol.REQ_FETCH:
-            host, raw = protocol.tensor_to_raw(session.tensor(_operation(request, 2)[1]))
-            return [_NAMES.dtype_names[host.dtype], list(host.shape), list(host.stride()), raw]
+            tensor = session.tensor(_operation(request, 2)[1])
+            if tensor.layout == torch.strided:
+                return _raw(tensor)
+            return {
+                "layout": str(tensor.layout).removeprefix("torch."),
+                "shape": list(tensor.shape),
+                "coalesced": tensor.layout == torch.sparse_coo and tensor.is_coalesced(),
+                "parts": [_raw(part) for part in sparse_parts(tensor)],
+            }
         if kind == protocol.REQ_SYNC:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 
-SERVED_NAMESPACES = frozenset({"aten", "prims"})
+from singularity.proxy.bootstrap._singularity_proxy import protocol
+
+SERVED_NAMESPACES = frozenset(protocol.SERVED_NAMESPACES)
 """Namespaces of the tensor operators the server runs."""
 
 COLLECTIVE_NAMESPACES: frozenset[str] = frozenset()

@@ -57,6 +57,29 @@ def allocator_bytes(count: float) -> str:
     return f"{int(count)} bytes"
 
 
+_SPARSE_PARTS = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
+"""The dense components of a sparse tensor, by layout, as its methods' names."""
+
+
+def sparse_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The dense tensors a sparse tensor is made of (indices, values); [] for a strided tensor."""
+    names = _SPARSE_PARTS.get(tensor.layout, ())
+    return [getattr(tensor, name)() for name in names]
+
+
+def storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages holding a tensor's data: its own, or its components' if it is sparse."""
+    if tensor.layout == torch.strided:
+        return [tensor.untyped_storage()]
+    return [part.untyped_storage() for part in sparse_parts(tensor)]
+
+
 class Connection:
     """One job process's socket; answers and control messages share its send lock."""
 
@@ -110,8 +133,9 @@ class Session:
         self.uid = uid
         self.memory = memory
         self.tensors: dict[int, torch.Tensor] = {}
-        self.storage_of: dict[int, int] = {}
-        """Handle -> identity of its storage (views share their base's)."""
+        self.storage_of: dict[int, tuple[int, ...]] = {}
+        """Handle -> identities of its storages (views share their base's; a sparse tensor has
+        one per component)."""
         self.storages: dict[int, list[int]] = {}
         """Storage identity -> [bytes, number of handles using it]."""
         self.operators: dict[int, operators.Served] = {}
@@ -191,29 +215,35 @@ class Session:
 
     def add(self, handle: int, tensor: torch.Tensor) -> int:
         """Hold `tensor` under `handle`; the bytes of new storage this takes."""
-        storage = tensor.untyped_storage()
-        key = storage._cdata  # the storage itself: stays the same when it is resized
         self.tensors[handle] = tensor
-        self.storage_of[handle] = key
-        entry = self.storages.get(key)
-        if entry is not None:
-            entry[1] += 1
-            return 0
-        nbytes = storage.nbytes()
-        self.storages[key] = [nbytes, 1]
-        self.held_bytes += nbytes
-        self.memory.used += nbytes
+        keys = []
+        added = 0
+        for storage in storages(tensor):
+            key = storage._cdata  # the storage itself: stays the same when it is resized
+            keys.append(key)
+            entry = self.storages.get(key)
+            if entry is not None:
+                entry[1] += 1
+                continue
+            nbytes = storage.nbytes()
+            self.storages[key] = [nbytes, 1]
+            added += nbytes
+        self.storage_of[handle] = tuple(keys)
+        self.held_bytes += added
+        self.memory.used += added
         if self.held_bytes > self.peak_bytes:
             self.peak_bytes = self.held_bytes
-        return nbytes
+        return added
 
     def recount(self, handle: int) -> int:
         """Count a tensor's storage again after an operation that may have resized it; the growth."""
-        entry = self.storages[self.storage_of[handle]]
-        nbytes = self.tensors[handle].untyped_storage().nbytes()
-        growth = nbytes - entry[0]
-        if growth:
+        growth = 0
+        for key, storage in zip(self.storage_of[handle], storages(self.tensors[handle]), strict=False):
+            entry = self.storages[key]
+            nbytes = storage.nbytes()
+            growth += nbytes - entry[0]
             entry[0] = nbytes
+        if growth:
             self.held_bytes += growth
             self.memory.used += growth
             self.peak_bytes = max(self.peak_bytes, self.held_bytes)
@@ -222,21 +252,21 @@ class Session:
     def rebind(self, handle: int) -> None:
         """Count a tensor under its current storage, after an operation that may have replaced it."""
         tensor = self.tensors[handle]
-        if tensor.untyped_storage()._cdata != self.storage_of[handle]:
+        if tuple(storage._cdata for storage in storages(tensor)) != self.storage_of[handle]:
             self.free(handle)
             self.add(handle, tensor)
 
     def free(self, handle: int) -> None:
-        """Drop the tensor under `handle` (its storage when no other handle uses it)."""
+        """Drop the tensor under `handle` (its storages when no other handle uses them)."""
         if self.tensors.pop(handle, None) is None:
             return
-        key = self.storage_of.pop(handle)
-        entry = self.storages[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self.storages[key]
-            self.held_bytes -= entry[0]
-            self.memory.used -= entry[0]
+        for key in self.storage_of.pop(handle):
+            entry = self.storages[key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self.storages[key]
+                self.held_bytes -= entry[0]
+                self.memory.used -= entry[0]
 
     def free_all(self) -> None:
         """Drop every tensor of the session."""

@@ -56,4 +56,5 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     composites.install()
     mode = DeviceMode()
     mode.__enter__()  # type: ignore[no-untyped-call,unused-ignore]
+    tensor.device_mode.append(mode)
     _installed.append(mode)

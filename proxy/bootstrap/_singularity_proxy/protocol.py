@@ -138,7 +138,9 @@ OP_WRITE = 7
 REQ_CALL = 0
 """[REQ_CALL, op_id, first_output_handle, args, kwargs] -> the output template."""
 REQ_FETCH = 1
-"""[REQ_FETCH, handle] -> [dtype, shape, stride, bytes]: the tensor's values."""
+"""[REQ_FETCH, handle] -> [dtype, shape, stride, bytes]: the tensor's values; for a sparse
+tensor {"layout": name, "shape": [...], "coalesced": bool, "parts": [[dtype, shape, stride,
+bytes], ...]}, its dense components (indices and values)."""
 REQ_SYNC = 2
 """[REQ_SYNC] -> null once everything sent before it has run."""
 REQ_MEMORY = 3
@@ -157,6 +159,9 @@ TEMPLATE_TENSOR = "T"
 which takes the next handle (the client keeps [T, (shape, stride, offset, dtype), bytes])."""
 TEMPLATE_ALIAS = "A"
 """[TEMPLATE_ALIAS, i]: the operation returned its i-th tensor input itself."""
+TEMPLATE_SPARSE = "S"
+"""[TEMPLATE_SPARSE, layout, shape, dtype, bytes of new storage]: a new sparse tensor (COO,
+CSR, CSC, BSR or BSC), which takes the next handle."""
 TEMPLATE_RESHAPED = "R"
 """[TEMPLATE_RESHAPED, i, shape, stride, storage_offset]: the operation changed its i-th tensor
 input's shape, stride or offset in place (squeeze_, transpose_, resize_, set_, ...) and returned it."""
@@ -168,6 +173,10 @@ TEMPLATE_NONE = "N"
 """[TEMPLATE_NONE]."""
 TEMPLATE_VALUE = "V"
 """[TEMPLATE_VALUE, value]: a plain value (number, bool, string; anything else as its repr)."""
+
+# -- operators ----------------------------------------------------------------------------------
+SERVED_NAMESPACES = ("aten", "prims")
+"""Namespaces whose operators a server may run for a job (see the server's operators.py)."""
 
 # -- control channel ------------------------------------------------------------------------------
 CONTROL_REQUESTS = ("quiesce", "save", "release", "load", "resume", "status")

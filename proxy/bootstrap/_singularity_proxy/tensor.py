@@ -11,6 +11,7 @@ server once, so shapes, strides and error messages are the real kernel's.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,10 +25,10 @@ HOST = torch.device("cpu")
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 SpecialHandler = Callable[[Any, Sequence[Any], dict[str, Any]], Any]
-special_ops: dict[Any, SpecialHandler] = {}
+special_ops: dict[Any, SpecialHandler] = {torch.ops.prim.layout.default: lambda f, a, k: _layout_of(f, a, k)}
 """Operators the client carries out itself (random numbers, copies across devices); filled by
 the modules that own them when the client is installed."""
-special_rules: list[Callable[[Any], SpecialHandler | None]] = []
+special_rules: list[Callable[[Any], SpecialHandler | None]] = [lambda func: custom_op_handler(func)]
 """Rules giving the handler of an operator not in special_ops (None: forwarded), asked once per
 operator (random operators by their tag)."""
 _classified: set[Any] = set()
@@ -108,12 +109,76 @@ def new_stand_in(channel: Channel, handle: int, meta: tuple[Any, ...]) -> ProxyT
     return tensor  # type: ignore[no-any-return]
 
 
+def new_sparse_stand_in(channel: Channel, handle: int, meta: tuple[Any, ...]) -> ProxyTensor:
+    """The stand-in for sparse server tensor `handle`, with meta (shape, layout, 0, dtype).
+
+    Its layout is answered through dispatch (`prim.layout`): torch keeps a compressed sparse
+    layout (CSR, CSC, BSR, BSC) only in its own sparse tensor class.
+    """
+    tensor = _make_wrapper(
+        ProxyTensor, meta[0], dtype=meta[3], layout=meta[1], device=HOST, dispatch_layout=True
+    )
+    tensor._handle = TensorHandle(channel, handle)
+    tensor._wire_ref = {protocol.TAG_HANDLE: handle}
+    tensor._meta = meta
+    tensor._channel = channel
+    return tensor  # type: ignore[no-any-return]
+
+
+def _layout_of(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`prim.layout` of a sparse stand-in."""
+    return args[0]._meta[1]
+
+
 # -- values between the host and the server ------------------------------------------------------
 def download(stand_in: torch.Tensor) -> Any:
     """A new host tensor with a stand-in's values (waits for the device)."""
     assert isinstance(stand_in, ProxyTensor)
-    dtype, shape, stride, raw = stand_in._channel.request([protocol.REQ_FETCH, stand_in._handle.id])
-    return protocol.tensor_from_raw(dtype, shape, stride, raw)
+    answer = stand_in._channel.request([protocol.REQ_FETCH, stand_in._handle.id])
+    if type(answer) is dict:
+        return _sparse_from_parts(answer)
+    return protocol.tensor_from_raw(*answer)
+
+
+def _sparse_from_parts(answer: dict[str, Any]) -> torch.Tensor:
+    """A host sparse tensor from the components REQ_FETCH sent."""
+    parts = [protocol.tensor_from_raw(*part) for part in answer["parts"]]
+    layout = _NAMES.layouts[answer["layout"]]
+    if layout == torch.sparse_coo:
+        indices, values = parts
+        return torch.sparse_coo_tensor(indices, values, answer["shape"], is_coalesced=answer["coalesced"])
+    compressed, plain, values = parts
+    return torch.sparse_compressed_tensor(compressed, plain, values, answer["shape"], layout=layout)
+
+
+_SPARSE_FACTORIES = {
+    torch.sparse_coo: torch.ops.aten.sparse_coo_tensor.indices_size,
+    torch.sparse_csr: torch.ops.aten.sparse_compressed_tensor.comp_plain_value_size,
+    torch.sparse_csc: torch.ops.aten.sparse_compressed_tensor.comp_plain_value_size,
+    torch.sparse_bsr: torch.ops.aten.sparse_compressed_tensor.comp_plain_value_size,
+    torch.sparse_bsc: torch.ops.aten.sparse_compressed_tensor.comp_plain_value_size,
+}
+
+
+def _upload_sparse(channel: Channel, tensor: torch.Tensor) -> ProxyTensor:
+    """A sparse stand-in with a host sparse tensor's values: its components are uploaded and
+    the server builds the tensor from them, checking its indices."""
+    layout = tensor.layout
+    if layout == torch.sparse_coo:
+        parts = [tensor._indices(), tensor._values()]
+        options: dict[str, Any] = {"is_coalesced": tensor.is_coalesced()}
+    else:
+        compressed, plain = (
+            (tensor.crow_indices(), tensor.col_indices())
+            if layout in (torch.sparse_csr, torch.sparse_bsr)
+            else (tensor.ccol_indices(), tensor.row_indices())
+        )
+        parts = [compressed, plain, tensor.values()]
+        options = {"layout": layout}
+    stand_ins = [upload_to(channel, part) for part in parts]
+    options.update(dtype=tensor.dtype, device=channel.device)
+    result: ProxyTensor = forward(_SPARSE_FACTORIES[layout], (*stand_ins, list(tensor.shape)), options)
+    return result
 
 
 def upload_to(channel: Channel, tensor: torch.Tensor) -> ProxyTensor:
@@ -123,6 +188,8 @@ def upload_to(channel: Channel, tensor: torch.Tensor) -> ProxyTensor:
     and written chunk by chunk (OP_WRITE), one frame each. Uploads of `sync_bytes` or more
     wait for the server, so that running out of device memory shows at the call.
     """
+    if tensor.layout != torch.strided:
+        return _upload_sparse(channel, tensor)
     with torch.no_grad():
         host, raw = protocol.tensor_to_raw(tensor.detach())
     handle = channel.new_handle()
@@ -328,6 +395,9 @@ def _parse_template(tree: Any) -> Any:
         return (tag, (tuple(shape), tuple(stride), offset, _NAMES.dtype(dtype)), nbytes)
     if tag in (protocol.TEMPLATE_LIST, protocol.TEMPLATE_TUPLE):
         return (tag, [_parse_template(item) for item in tree[1]])
+    if tag == protocol.TEMPLATE_SPARSE:
+        _, layout, shape, dtype, nbytes = tree
+        return (tag, (tuple(shape), _NAMES.layouts[layout], 0, _NAMES.dtype(dtype)), nbytes)
     if tag == protocol.TEMPLATE_RESHAPED:
         _, position, shape, stride, offset = tree
         return (tag, position, (tuple(shape), tuple(stride), offset))
@@ -337,7 +407,7 @@ def _parse_template(tree: Any) -> Any:
 def _count_new(template: Any) -> tuple[int, int, bool]:
     """Number of new tensors, bytes of new storage, and whether a plain value is returned."""
     tag = template[0]
-    if tag == protocol.TEMPLATE_TENSOR:
+    if tag == protocol.TEMPLATE_TENSOR or tag == protocol.TEMPLATE_SPARSE:
         return 1, template[2], False
     if tag in (protocol.TEMPLATE_LIST, protocol.TEMPLATE_TUPLE):
         count = nbytes = 0
@@ -360,6 +430,10 @@ def _build(template: Any, channel: Channel, inputs: list[ProxyTensor], next_hand
         handle = next_handle[0]
         next_handle[0] = handle + 1
         return new_stand_in(channel, handle, template[1])
+    if tag == protocol.TEMPLATE_SPARSE:
+        handle = next_handle[0]
+        next_handle[0] = handle + 1
+        return new_sparse_stand_in(channel, handle, template[1])
     if tag == protocol.TEMPLATE_ALIAS:
         return inputs[template[1]]
     if tag == protocol.TEMPLATE_RESHAPED:
@@ -399,6 +473,42 @@ def _value_dependent(func: Any, args: Sequence[Any]) -> bool:
             return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
         return True
     return False
+
+
+def custom_op_handler(func: Any) -> SpecialHandler | None:
+    """For a Python custom operator of a namespace the server does not serve (torch's own
+    `torch_nn::` operators), a handler running its implementation here: the operations it
+    makes reach the server. None for any other operator."""
+    if func.namespace in protocol.SERVED_NAMESPACES:
+        return None
+    from torch._library.custom_ops import OPDEFS
+
+    definition = OPDEFS.get(f"{func.namespace}::{func._opname}")
+    if definition is None:
+        return None
+    implementations = definition._backend_fns
+    implementation = implementations.get("cpu") or implementations.get(None)  # the host's choice
+    if implementation is None:
+        return None
+
+    def run(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        with device_mode_active():  # it makes tensors with device=input.device
+            return implementation(*args, **kwargs)
+
+    return run
+
+
+device_mode: list[Any] = []
+"""The torch-function mode placing tensors on the proxied devices, once installed (mode.py)."""
+
+
+def device_mode_active() -> Any:
+    """A context in which the device mode is active (entered unless it is on the mode stack)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    if not device_mode or device_mode[0] in _get_current_function_mode_stack():
+        return contextlib.nullcontext()
+    return device_mode[0]
 
 
 def dispatch(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> Any:
@@ -461,6 +571,8 @@ def _repr(stand_in: ProxyTensor) -> str:
 
     with torch.no_grad():
         host = download(stand_in)
+    if host.layout != torch.strided:  # torch prints the components, then the device before the size
+        return repr(host).replace("size=", f"device='{stand_in.device}', size=", 1)
     contents = "[]" if host.numel() == 0 else _tensor_str._tensor_str(host, len("tensor("))
     name = ProxyTensor.__name__
     ProxyTensor.__name__ = "tensor"
