@@ -20,6 +20,7 @@ from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
 
 from . import operators
+from .plans import Plan
 
 _SIOCOUTQ = 0x5411
 
@@ -144,6 +145,11 @@ class Session:
         """Operator id -> (namespace, name, overload), as saved in checkpoints."""
         self.refused: dict[int, operators.RefusedOperator] = {}
         """Operator id -> why the server refused to define it."""
+        self.plans: dict[int, Plan] = {}
+        """Plan id -> a call planned by the job (see plans.py)."""
+        self.plan_wire: dict[int, list[Any]] = {}
+        """Plan id -> [op_id, args, kwargs] as the job sent it, as saved in checkpoints."""
+        self.plan_leaves = 0
         self.held_bytes = 0
         self.peak_bytes = 0
         self.pending_error: list[str] | None = None
@@ -194,6 +200,32 @@ class Session:
                 raise operators.RefusedOperator(*refused.args)
             raise ProtocolError(f"operator {op_id!r} was not defined")
         return found
+
+    def plan(self, plan_id: Any, op_id: Any, args: Any, kwargs: Any, device: torch.device) -> None:
+        """Let `plan_id` stand for a call of operator `op_id` with these arguments (slots marked)."""
+        protocol.integer(plan_id, 0, protocol.PLAN_LIMIT - 1)
+        old = self.plans.pop(plan_id, None)
+        self.plan_wire.pop(plan_id, None)
+        if old is not None:
+            self.plan_leaves -= old.leaves
+        made = Plan(self.operator(op_id), args, kwargs, device)
+        if self.plan_leaves + made.leaves > protocol.PLAN_LEAVES:
+            raise ProtocolError("the session's plans are too large")
+        self.plan_leaves += made.leaves
+        self.plans[plan_id] = made
+        self.plan_wire[plan_id] = [op_id, args, kwargs]
+
+    def planned(self, plan_id: Any) -> Plan:
+        """The plan `plan_id` stands for; ProtocolError if there is none."""
+        found = self.plans.get(plan_id) if type(plan_id) is int else None
+        if found is None:
+            raise ProtocolError(f"plan {plan_id!r} was not made")
+        return found
+
+    def restore_plans(self, saved: dict[Any, Any], device: torch.device) -> None:
+        """Make again the plans of a checkpoint (`plan_wire` of the saved session)."""
+        for plan_id, (op_id, args, kwargs) in saved.items():
+            self.plan(int(plan_id), op_id, args, kwargs, device)
 
     # -- errors reported at the next request ------------------------------------------------------
     def fail(self, error: BaseException) -> None:

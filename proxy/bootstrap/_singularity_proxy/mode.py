@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from types import FunctionType
+from types import CodeType, FunctionType
 from typing import Any
 
 import torch
@@ -20,7 +20,8 @@ from torch.overrides import TorchFunctionMode, handle_torch_function
 
 from . import protocol
 from .devices import DEVICES, device_index, same_device_error
-from .tensor import ProxyTensor, download, encode_arguments, new_stand_in
+from .encoding import wire_arguments
+from .tensor import ProxyTensor, download, new_stand_in
 from .transfers import to_device, to_host, upload
 
 _Tensor = torch.Tensor
@@ -171,8 +172,8 @@ def _factory(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         meta = func(*args, **options)
         channel = DEVICES.channel(index)
         handle = channel.new_handle()
-        encoded = encode_arguments(args, {**options, "device": channel.device})  # the server's device
-        op = [protocol.OP_FACTORY, handle, func.__name__, encoded.args, encoded.kwargs]
+        wire_args, wire_kwargs = wire_arguments(args, {**options, "device": channel.device})  # the server's
+        op = [protocol.OP_FACTORY, handle, func.__name__, wire_args, wire_kwargs]
         nbytes = meta.numel() * meta.element_size()
         if nbytes >= channel.sync_bytes:
             channel.pending.append(op)
@@ -223,25 +224,78 @@ _MIXING_ALLOWED = {
 def _check_devices(args: Sequence[Any]) -> None:
     """Raise what CUDA raises when one call mixes cuda tensors and (non-scalar) host tensors."""
     device = host = None
+    channels_differ = False
     for arg in args:
         kind = type(arg)
-        if kind is list or kind is tuple:
+        if kind is ProxyTensor:
+            if device is None:
+                device = arg
+            elif arg._channel is not device._channel:
+                channels_differ = True
+        elif kind is list or kind is tuple:
             for item in arg:
                 if isinstance(item, ProxyTensor):
                     device = item if device is None else device
                 elif isinstance(item, torch.Tensor) and item.dim() > 0:
                     host = item if host is None else host
-        elif kind is ProxyTensor:
-            device = arg if device is None else device
-        elif isinstance(arg, torch.Tensor) and arg.dim() > 0 and not isinstance(arg, ProxyTensor):
-            host = arg if host is None else host
-    if device is None or _from_torch_internals():
+        elif isinstance(arg, torch.Tensor) and arg.dim() > 0:
+            if isinstance(arg, ProxyTensor):
+                device = arg if device is None else device
+            else:
+                host = arg if host is None else host
+    if device is None or (host is None and not channels_differ) or _from_torch_internals():
         return
     for arg in args:
         if isinstance(arg, ProxyTensor) and arg._channel is not device._channel:
             raise same_device_error(str(device.device), str(arg.device))
     if host is not None:
         raise same_device_error(str(device.device), str(host.device))
+
+
+_MAKES_TENSORS = frozenset(
+    {
+        "device", "cuda", "to", "tensor", "as_tensor", "from_numpy", "empty", "empty_strided",
+        "zeros", "ones", "full", "arange", "range", "linspace", "logspace", "eye", "rand", "randn",
+        "randint", "randperm", "normal", "scalar_tensor", "tril_indices", "triu_indices",
+        "new_tensor", "new_empty", "new_zeros", "new_ones", "new_full", "get_default_device",
+    }
+)  # fmt: skip
+"""Names whose use in a Python function may make a tensor on a device named there."""
+_mode_needed: dict[Any, bool] = {}
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 (an empty cell raises)
+    except ValueError:
+        return False
+    return True
+
+
+def _needs_mode(func: FunctionType, depth: int = 0) -> bool:
+    """Whether a torch Python function may make tensors on the devices (then it runs with the mode).
+
+    It does if its code, or that of a function it calls from its own module or its closure,
+    names a factory, `device`, `.to` or `.cuda`; F.relu, which only calls torch.relu, does not.
+    """
+    found = _mode_needed.get(func)
+    if found is not None:
+        return found
+    _mode_needed[func] = False  # recursion guard
+    codes = [func.__code__]
+    names: set[str] = set()
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes += [c for c in code.co_consts if isinstance(c, CodeType)]
+    found = not _MAKES_TENSORS.isdisjoint(names)
+    if not found and depth < 3:
+        module = func.__globals__
+        called = [module.get(name) for name in names]
+        called += [cell.cell_contents for cell in func.__closure__ or () if _filled(cell)]
+        found = any(type(f) is FunctionType and _needs_mode(f, depth + 1) for f in called)
+    _mode_needed[func] = found
+    return found
 
 
 def _never(*args: Any) -> bool:
@@ -355,10 +409,6 @@ class DeviceMode(TorchFunctionMode):
             self._entering.checker_tried = False
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
-        entering = self._entering.func
-        self._entering.func = None
-        if entering is not func:
-            self._entering.checker_tried = False
         handler = _METHODS.get(func)
         if handler is not None:
             return handler(func, args, kwargs or {})
@@ -368,8 +418,12 @@ class DeviceMode(TorchFunctionMode):
                 return _factory(func, args, kwargs)
         if len(args) > 1 and func not in _MIXING_ALLOWED:
             _check_devices(args)
-        if type(func) is FunctionType:
-            result = self._run_body(func, args, kwargs or {}, again=entering is func)
+        if type(func) is FunctionType and _needs_mode(func):
+            entering = self._entering
+            again = entering.func is func
+            if not again:
+                entering.checker_tried = False
+            result = self._run_body(func, args, kwargs or {}, again)
         elif kwargs:
             result = func(*args, **kwargs)
         else:

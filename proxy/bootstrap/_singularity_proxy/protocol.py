@@ -21,7 +21,8 @@ one-key object, a *tag* (see `encode_value`): {"tuple": [...]}, {"bytes": i} (th
 buffer), {"complex": [re, im]}, {"dtype": "float32"}, {"layout": "strided"},
 {"memory_format": "channels_last"}, {"dict": {...}}; operation arguments also use
 {"handle": n} (a tensor the job holds on the server), {"tensor": [dtype, shape, stride, i]}
-(a host tensor whose storage is buffer i) and DEVICE_MARKER (the server's own device).
+(a host tensor whose storage is buffer i), DEVICE_MARKER (the server's own device) and, in
+plans, {"slot": kind} (a value each run of the plan gives).
 Frames from a job are bounded (MAX_BODY_BYTES, MAX_BUFFERS, MAX_FRAME_BUFFER_BYTES);
 larger uploads travel in chunks (OP_ALLOCATE, then OP_WRITE).
 
@@ -133,6 +134,14 @@ OP_ALLOCATE = 6
 """[OP_ALLOCATE, handle, dtype, shape, stride]: a new uninitialised tensor (filled by OP_WRITE)."""
 OP_WRITE = 7
 """[OP_WRITE, handle, byte offset, buffer]: write bytes into the tensor's storage."""
+OP_PLAN = 8
+"""[OP_PLAN, plan_id, op_id, args, kwargs]: plan_id stands from now on for a call of a defined
+operator with these arguments, in which {"slot": kind} marks a value each run gives (SLOT_*),
+in order: positional arguments depth first, then keyword arguments. A plan_id may be planned
+again (it then stands for the new call). The server decodes the arguments once."""
+OP_RUN = 9
+"""[OP_RUN, plan_id, first_output_handle, values]: run a plan with these slot values; new output
+tensors get consecutive handles from first_output_handle on, as with OP_CALL."""
 
 # -- requests: the last element of a REQUEST ------------------------------------------------------
 REQ_CALL = 0
@@ -145,6 +154,20 @@ REQ_SYNC = 2
 """[REQ_SYNC] -> null once everything sent before it has run."""
 REQ_MEMORY = 3
 """[REQ_MEMORY, what] -> the session's memory figure `what`, one of MEMORY_QUERIES."""
+REQ_RUN = 4
+"""[REQ_RUN, plan_id, first_output_handle, values] -> the output template (OP_RUN, answered)."""
+
+SLOT_TENSOR = "T"
+"""A plan slot for a tensor the job holds: its value is the handle."""
+SLOT_NUMBER = "F"
+"""A plan slot for a Python float (or int) the operation takes: its value is the number."""
+SLOT_HOST_TENSOR = "H"
+"""A plan slot for a host tensor: its value is [dtype, shape, stride, buffer]."""
+PLAN_LIMIT = 1 << 16
+"""Plan ids are below this; a client plans an id again rather than using more."""
+PLAN_LEAVES = 1 << 21
+"""Most values (list items, dict entries) all of a session's plans may hold together; a client
+plans ids again from 0 once its plans hold half of this."""
 
 MEMORY_ALLOCATED = "allocated"  # -> bytes the session holds
 MEMORY_PEAK = "peak"  # -> the most bytes it held since the last reset
@@ -200,6 +223,7 @@ TAG_DTYPE = "dtype"
 TAG_LAYOUT = "layout"
 TAG_MEMORY_FORMAT = "memory_format"
 TAG_DICT = "dict"
+TAG_SLOT = "slot"
 
 DEVICE_MARKER = {TAG_DEVICE: "proxied"}
 """Stands for "the server's own device" wherever a torch.device appears in arguments."""

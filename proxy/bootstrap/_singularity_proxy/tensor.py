@@ -25,23 +25,37 @@ HOST = torch.device("cpu")
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 SpecialHandler = Callable[[Any, Sequence[Any], dict[str, Any]], Any]
-special_ops: dict[Any, SpecialHandler] = {torch.ops.prim.layout.default: lambda f, a, k: _layout_of(f, a, k)}
+special_ops: dict[Any, SpecialHandler] = {
+    torch.ops.prim.layout.default: lambda f, a, k: _layout_of(f, a, k),
+    torch.ops.aten.detach.default: lambda f, a, k: _detach(f, a, k),
+}
 """Operators the client carries out itself (random numbers, copies across devices); filled by
 the modules that own them when the client is installed."""
-special_rules: list[Callable[[Any], SpecialHandler | None]] = [lambda func: custom_op_handler(func)]
+special_rules: list[Callable[[Any], SpecialHandler | None]] = [
+    lambda func: custom_op_handler(func),
+    lambda func: in_place_view_handler(func),
+]
 """Rules giving the handler of an operator not in special_ops (None: forwarded), asked once per
 operator (random operators by their tag)."""
-_classified: set[Any] = set()
+_routes: dict[int, SpecialHandler | None] = {}
+_UNROUTED: Any = object()
+"""id(operator) -> its handler, or None for forwarded operators (filled on first use)."""
 
 
 class TensorHandle:
-    """Owns one server-side tensor id; queues its release when the stand-in dies."""
+    """Owns one server-side tensor id; queues its release when the last stand-in using it dies.
 
-    __slots__ = ("channel", "id")
+    Stand-ins of `detach` share their source's handle (the server tensor is the same); such a
+    handle is `shared`, and an in-place view operation (t_, resize_, ...) on a stand-in with a
+    shared handle first gives it a handle of its own.
+    """
+
+    __slots__ = ("channel", "id", "shared")
 
     def __init__(self, channel: Channel, handle: int) -> None:
         self.channel = channel
         self.id = handle
+        self.shared = False
 
     def __del__(self) -> None:
         try:  # noqa: SIM105 (hot path: no context manager)
@@ -54,7 +68,7 @@ class ProxyTensor(torch.Tensor):
     """A tensor on a proxied cuda device: metadata here, data in the proxy server."""
 
     _handle: TensorHandle
-    _wire_ref: dict[str, int]  # how the handle travels in arguments
+    _id: int  # the handle's number, as it travels
     _meta: tuple[Any, ...]  # (shape, stride, storage offset, dtype): part of operation signatures
     _channel: Channel
 
@@ -64,6 +78,9 @@ class ProxyTensor(torch.Tensor):
     def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
     ) -> Any:
+        route = _routes.get(id(func), _UNROUTED)  # `dispatch`, inlined: this runs for every operation
+        if route is None:
+            return forward(func, args, kwargs)
         return dispatch(func, args, kwargs)
 
     @property  # type: ignore[misc]
@@ -103,10 +120,41 @@ def new_stand_in(channel: Channel, handle: int, meta: tuple[Any, ...]) -> ProxyT
     """The stand-in for server tensor `handle`, with meta (shape, stride, storage offset, dtype)."""
     tensor = _make_wrapper(ProxyTensor, meta[0], meta[1], meta[2], None, meta[3], torch.strided, HOST)
     tensor._handle = TensorHandle(channel, handle)
-    tensor._wire_ref = {protocol.TAG_HANDLE: handle}
+    tensor._id = handle
     tensor._meta = meta
     tensor._channel = channel
     return tensor  # type: ignore[no-any-return]
+
+
+def _detach(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`detach`: a stand-in of the same server tensor (nothing is sent)."""
+    source = args[0]
+    if source.layout != torch.strided:
+        return forward(func, args, kwargs)
+    meta = source._meta
+    tensor = _make_wrapper(ProxyTensor, meta[0], meta[1], meta[2], None, meta[3], torch.strided, HOST)
+    handle = source._handle
+    handle.shared = True
+    tensor._handle = handle
+    tensor._id = handle.id
+    tensor._meta = meta
+    tensor._channel = source._channel
+    return tensor
+
+
+def _in_place_view(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """An operation changing its input's shape or strides in place: on a handle of its own."""
+    target = args[0]
+    if target._handle.shared:
+        own = forward(torch.ops.aten.alias.default, (target,), None)
+        target._handle = own._handle
+        target._id = own._id
+    return forward(func, args, kwargs)
+
+
+def in_place_view_handler(func: Any) -> SpecialHandler | None:
+    """The handler of operators that change their input's shape or strides in place."""
+    return _in_place_view if torch.Tag.inplace_view in func.tags else None
 
 
 def new_sparse_stand_in(channel: Channel, handle: int, meta: tuple[Any, ...]) -> ProxyTensor:
@@ -119,7 +167,7 @@ def new_sparse_stand_in(channel: Channel, handle: int, meta: tuple[Any, ...]) ->
         ProxyTensor, meta[0], dtype=meta[3], layout=meta[1], device=HOST, dispatch_layout=True
     )
     tensor._handle = TensorHandle(channel, handle)
-    tensor._wire_ref = {protocol.TAG_HANDLE: handle}
+    tensor._id = handle
     tensor._meta = meta
     tensor._channel = channel
     return tensor  # type: ignore[no-any-return]
@@ -232,135 +280,9 @@ def fill(stand_in: ProxyTensor, values: torch.Tensor) -> None:
     channel.push([protocol.OP_FILL, stand_in._handle.id, *layout, index])
 
 
-# -- encoding of arguments -----------------------------------------------------------------------
-# The encoders turn arguments into their JSON-ready wire form (protocol.py) and append to
-# `signature` what the output template depends on (stand-ins' metadata, plain values, the
-# float-ness of Python scalars). Host tensors travel as buffers, listed in `host_tensors` as
-# (tag payload, bytes): the payload's last element becomes the buffer's index in the frame.
-_FLOAT = float
-_NAMES = protocol.torch_names()
-_TORCH_VALUE_TAGS = _NAMES.encoders
 HOST_ARGUMENT_BYTES = protocol.CHUNK_BYTES // 4
 """Host tensors larger than this reach the server as uploaded tensors, not inside the operation."""
-
-
-class _LargeHostTensor(Exception):
-    """A host tensor argument too large to travel inside an operation."""
-
-
-class Encoded:
-    """An operation's arguments as they travel, its signature, stand-ins and host tensors."""
-
-    __slots__ = ("args", "host_tensors", "inputs", "kwargs", "signature")
-
-    def __init__(self) -> None:
-        self.args: list[Any] = []
-        self.kwargs: dict[str, Any] | None = None
-        self.signature: list[Any] = []
-        self.inputs: list[ProxyTensor] = []
-        self.host_tensors: list[tuple[list[Any], memoryview]] = []
-
-
-def _encode_sequence(seq: Sequence[Any], signature: list[Any], encoded: Encoded) -> list[Any]:
-    out: list[Any] = []
-    for arg in seq:
-        kind = type(arg)
-        if kind is ProxyTensor:
-            encoded.inputs.append(arg)
-            signature.append(arg._meta)
-            out.append(arg._wire_ref)
-        elif kind is int or kind is float or kind is str or arg is None:
-            signature.append(arg)
-            out.append(arg)
-        else:
-            out.append(_encode_other(arg, kind, signature, encoded))
-    return out
-
-
-def _encode_other(arg: Any, kind: type, signature: list[Any], encoded: Encoded) -> Any:
-    if kind is list or kind is tuple or isinstance(arg, (list, tuple)):  # torch.Size is a tuple
-        nested: list[Any] = []
-        out = _encode_sequence(arg, nested, encoded)
-        signature.append(tuple(nested))
-        return out
-    if kind is bool:
-        signature.append((bool, arg))
-        return arg
-    tag = _TORCH_VALUE_TAGS.get(kind)
-    if tag is not None:
-        signature.append(arg)
-        return tag(arg)
-    if isinstance(arg, ProxyTensor):
-        encoded.inputs.append(arg)
-        signature.append(arg._meta)
-        return arg._wire_ref
-    if isinstance(arg, torch.Tensor):
-        return _encode_host_tensor(arg, signature, encoded)
-    if kind is torch.device:
-        signature.append(kind)
-        return protocol.DEVICE_MARKER
-    if kind is complex:
-        signature.append(arg)
-        return {protocol.TAG_COMPLEX: [arg.real, arg.imag]}
-    for plain in (bool, int, float, str):  # subclasses of the plain types travel as those
-        if isinstance(arg, plain):
-            return _encode_sequence([plain(arg)], signature, encoded)[0]
-    raise TypeError(f"proxy: an argument of type {kind.__qualname__} cannot be sent to the device")
-
-
-def _encode_host_tensor(arg: torch.Tensor, signature: list[Any], encoded: Encoded) -> Any:
-    """A host tensor reaching an operation on stand-ins.
-
-    It is a scalar, or one that torch's C++ made with the stand-in's (host) options: mixing
-    by the program is caught in the torch-function mode, as the device would catch it.
-    """
-    host = arg.detach()
-    if host.device.type != "cpu":
-        raise same_device_error("cuda:0", str(host.device))
-    if host.numel() * host.element_size() > HOST_ARGUMENT_BYTES:
-        raise _LargeHostTensor
-    signature.append(("cpu", tuple(host.shape), tuple(host.stride()), host.dtype))
-    host, raw = protocol.tensor_to_raw(host)
-    payload = [_NAMES.dtype_names[host.dtype], list(host.shape), list(host.stride()), -1]
-    encoded.host_tensors.append((payload, raw))
-    return {protocol.TAG_HOST_TENSOR: payload}
-
-
-def encode_arguments(args: Sequence[Any], kwargs: dict[str, Any] | None) -> Encoded:
-    """Arguments and keyword arguments as they travel, with the operation's signature."""
-    encoded = Encoded()
-    signature = encoded.signature
-    inputs = encoded.inputs
-    wire_args = encoded.args
-    for arg in args:
-        kind = type(arg)
-        if kind is ProxyTensor:
-            inputs.append(arg)
-            signature.append(arg._meta)
-            wire_args.append(arg._wire_ref)
-        elif kind is int or kind is str or arg is None:
-            signature.append(arg)
-            wire_args.append(arg)
-        elif kind is float:
-            signature.append(_FLOAT)
-            wire_args.append(arg)
-        else:
-            wire_args.append(_encode_other(arg, kind, signature, encoded))
-    if kwargs:
-        wire_kwargs: dict[str, Any] = {}
-        for name, value in kwargs.items():
-            signature.append(name)
-            kind = type(value)
-            if kind is float:
-                signature.append(_FLOAT)
-                wire_kwargs[name] = value
-            elif kind is int or kind is str or value is None:
-                signature.append(value)
-                wire_kwargs[name] = value
-            else:
-                wire_kwargs[name] = _encode_other(value, kind, signature, encoded)
-        encoded.kwargs = wire_kwargs
-    return encoded
+_NAMES = protocol.torch_names()
 
 
 def _upload_large_host_tensors(value: Any, channel: Channel) -> Any:
@@ -513,54 +435,60 @@ def device_mode_active() -> Any:
 
 def dispatch(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> Any:
     """Carry out one aten operation on stand-ins (most are forwarded to the proxy server)."""
-    special = special_ops.get(func)
-    if special is None and func not in _classified:
-        _classified.add(func)
-        special = next((found for rule in special_rules if (found := rule(func)) is not None), None)
-        if special is not None:
-            special_ops[func] = special
-    if special is not None:
-        return special(func, args, kwargs or {})
-    return forward(func, args, kwargs)
+    try:
+        route = _routes[id(func)]  # operators live as long as torch: their ids stay theirs
+    except KeyError:
+        route = special_ops.get(func)
+        if route is None:
+            route = next((found for rule in special_rules if (found := rule(func)) is not None), None)
+        _routes[id(func)] = route
+    if route is None:
+        return forward(func, args, kwargs)
+    return route(func, args, kwargs or {})
 
 
 def forward(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> Any:
-    """Send one aten operation to the server; its outputs as stand-ins."""
+    """Send one aten operation to the server; its outputs as stand-ins.
+
+    A call whose signature was seen before runs its plan (OP_RUN) and is answered from the
+    cached template at once; a new signature is planned (OP_PLAN) and asks for its template.
+    """
     try:
-        encoded = encode_arguments(args, kwargs)
-    except _LargeHostTensor:
+        call = encoding.encode_call(args, kwargs)
+    except encoding.LargeHostTensor:
         target = _first_stand_in([*args, *(kwargs or {}).values()])
         assert target is not None
         args = _upload_large_host_tensors(list(args), target._channel)
         kwargs = {k: _upload_large_host_tensors(v, target._channel) for k, v in (kwargs or {}).items()}
-        encoded = encode_arguments(args, kwargs)
-    inputs = encoded.inputs
+        call = encoding.encode_call(args, kwargs)
+    inputs = call.inputs
     channel = inputs[0]._channel
     for stand_in in inputs:
         if stand_in._channel is not channel:
             raise same_device_error(str(channel.device), str(stand_in._channel.device))
-    if encoded.host_tensors:
-        first = channel.attach([raw for _, raw in encoded.host_tensors])
-        for position, (payload, _raw) in enumerate(encoded.host_tensors):
+    if call.host_tensors:
+        first = channel.attach([raw for _, raw in call.host_tensors])
+        for position, (payload, _raw) in enumerate(call.host_tensors):
             payload[3] = first + position
-    key = (func, tuple(encoded.signature))
-    cached = channel.templates.get(key)
-    if cached is not None:
-        template, count, nbytes = cached
-        if nbytes < channel.sync_bytes:
-            first = channel.new_handle(count)
-            channel.push([protocol.OP_CALL, channel.op_id(func), first, encoded.args, encoded.kwargs])
+    key = (id(func), tuple(call.signature))
+    known = channel.calls.get(key)
+    if known is None:
+        known = channel.plan(key, func, *encoding.plan_arguments(args, kwargs))
+    else:
+        template = known[1]
+        if template is not None and known[3] < channel.sync_bytes:
+            first = channel.new_handle(known[2])
+            channel.push([protocol.OP_RUN, known[0], first, call.values])
             if template[0] == protocol.TEMPLATE_TENSOR:
                 return new_stand_in(channel, first, template[1])
             return _build(template, channel, inputs, [first])
-    op_id = channel.op_id(func)
     first = channel.next_handle
-    reply = channel.request([protocol.REQ_CALL, op_id, first, encoded.args, encoded.kwargs])
+    reply = channel.request([protocol.REQ_RUN, known[0], first, call.values])
     template = _parse_template(reply)
     count, nbytes, has_value = _count_new(template)
     channel.next_handle = first + count
     if not has_value and not _value_dependent(func, args):
-        channel.templates[key] = (template, count, nbytes)
+        known[1:] = [template, count, nbytes]
     return _build(template, channel, inputs, [first])
 
 
@@ -585,3 +513,6 @@ def _repr(stand_in: ProxyTensor) -> str:
             text = text[len("Parameter(") : -1]
         return "Parameter containing:\n" + text
     return text
+
+
+from . import encoding  # noqa: E402 (it needs ProxyTensor from here)
