@@ -9,6 +9,7 @@ same run, so that the columns compare under the same machine load.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -53,13 +54,13 @@ def step():
     opt.zero_grad(); loss.backward(); opt.step()
     return loss
 step().item()
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 for i in range(steps):
     loss = step()
     if i % 10 == 9:
         loss.item()
 loss.item()
-print(time.perf_counter() - t0)
+print(time.perf_counter() - t0, time.process_time() - c0)
 """
 
 CKPT = r"""
@@ -100,6 +101,25 @@ def _run(code: str, args: list[str], env: dict[str, str]) -> str:
     return r.stdout.strip()
 
 
+def _timed(code: str, args: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) the training loop of a run took, as it measured them."""
+    wall, cpu = _run(code, args, env).split()
+    return float(wall), float(cpu)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU time a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _timed_proxied(args: list[str], proxy: Proxied) -> tuple[float, float, float]:
+    """(wall, job CPU, server CPU) seconds of a proxied run; the server's over the whole job."""
+    before = _cpu_seconds(proxy.server.proc.pid)
+    wall, cpu = _timed(TRAIN, args, proxy.env())
+    return wall, cpu, _cpu_seconds(proxy.server.proc.pid) - before
+
+
 def _checkpoint_ratio(proxy: Proxied, directory: Path) -> str:
     """Bytes a checkpoint of a small Adam-trained model writes per live tensor byte."""
     job = subprocess.Popen(
@@ -133,12 +153,14 @@ def measure(proxies: list[Proxied], directory: Path) -> list[tuple[str, list[str
     rows.append(("client cost per op, add/relu 64x64 (median)", [f"{float(m):.1f} us" for m, _ in per_op]))
     rows.append(("client cost per op, add/relu 64x64 (p99)", [f"{float(p):.1f} us" for _, p in per_op]))
     for label, args in RUNS:
-        direct = min(float(_run(TRAIN, args, base_env())) for _ in range(2))
-        values = []
+        direct, direct_cpu = min(_timed(TRAIN, args, base_env()) for _ in range(3))
+        values, cpu = [], []
         for p in proxies:
-            proxied = min(float(_run(TRAIN, args, p.env())) for _ in range(2))
+            proxied, job_cpu, server_cpu = min(_timed_proxied(args, p) for _ in range(3))
             values.append(f"{proxied / direct:.3f} ({proxied:.2f} s / {direct:.2f} s)")
+            cpu.append(f"{job_cpu / direct_cpu:.2f} + {server_cpu / direct_cpu:.2f}")
         rows.append((f"run time proxied/direct, {label}", values))
+        rows.append((f"CPU time job + server / direct, {label}", cpu))
     # the control protocol is this tree's, so the checkpoint is measured on this tree only
     rows.append(
         (

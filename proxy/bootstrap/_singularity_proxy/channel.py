@@ -18,7 +18,7 @@ import torch
 
 from . import protocol
 
-BATCH_OPS = 64
+BATCH_OPS = 128
 """Queued operations are sent once this many are waiting (or at the next request)."""
 
 

@@ -1,0 +1,117 @@
+"""Proxy server cost per operation: the frames of a small-op training run, replayed in process.
+
+Run: .venv/bin/python bench/bench_server.py [--baseline REV]
+The in-job client and the server of a source tree (this one, and REV's with --baseline) run the
+small-op MLP of bench_proxy.py for 400 steps while every frame the job sends is recorded; the
+frames are then run again by that tree's `Executor` in one process, from the first frame on
+(so handles, operators and plans exist), and the cost of the last three quarters is reported
+per operation: CPU time of the thread (so that other work on the machine matters less) and
+wall time, best of 5. What is measured is the server's own work (decoding, handle lookups,
+the operators, bookkeeping); the socket is not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.bench_proxy import _export  # noqa: E402
+from tests.proxy.conftest import base_env, proxy_env, start_server, stop_server  # noqa: E402
+
+RECORD = r"""
+import base64, json, sys, torch
+from torch import nn
+from _singularity_proxy import protocol
+log = []
+send = protocol.send_frame
+def record(sock, kind, body, buffers=()):
+    if kind in (protocol.BATCH, protocol.REQUEST):
+        data = [base64.b64encode(bytes(memoryview(b).cast("B"))).decode() for b in buffers]
+        log.append([kind, protocol.encode_body(body).decode(), data])
+    send(sock, kind, body, buffers)
+protocol.send_frame = record
+torch.manual_seed(0)
+m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)).cuda()
+opt = torch.optim.SGD(m.parameters(), lr=1e-4)
+x = torch.randn(32, 64).cuda()
+for i in range(400):
+    loss = m(x).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    if i % 10 == 9:
+        loss.item()
+json.dump(log, open(sys.argv[1], "w"))
+"""
+
+REPLAY = r"""
+import base64, json, sys, time, torch
+torch.set_num_threads(1)
+from singularity.proxy.bootstrap._singularity_proxy import protocol
+from singularity.proxy.server.executor import Executor
+from singularity.proxy.server.session import DeviceMemory, Session
+assert Executor.__module__ and sys.modules[Executor.__module__].__file__.startswith(sys.argv[2]), "wrong tree"
+log = json.load(open(sys.argv[1]))
+frames = [(k, b.encode(), [memoryview(bytearray(base64.b64decode(x))) for x in d]) for k, b, d in log]
+def replay():
+    memory = DeviceMemory(0, 8 << 30)
+    executor = Executor(torch.device("cpu"), memory)
+    session = Session("bench", 0, 0, memory)
+    torch.set_grad_enabled(True)
+    count = 0
+    for index, (kind, body, buffers) in enumerate(frames):
+        if index == len(frames) // 4:
+            count, cpu, wall = 0, time.thread_time(), time.perf_counter()
+        decoded = protocol.Frame(kind, body, buffers).decode()
+        request = decoded[1] if kind == protocol.REQUEST else None
+        executor.run_batch(session, decoded[0], request, buffers)
+        count += len(decoded[0]) + (request is not None)
+    return (time.thread_time() - cpu) / count * 1e6, (time.perf_counter() - wall) / count * 1e6
+results = [replay() for _ in range(5)]
+operations = sum(len(json.loads(body)[0]) for _, body, _ in frames)
+print(min(r[0] for r in results), min(r[1] for r in results), operations)
+"""
+
+
+def measure(tree: Path, directory: Path) -> tuple[float, float, int]:
+    """(CPU us per operation, wall us per operation, operations recorded) for one source tree."""
+    frames = directory / f"frames-{abs(hash(tree))}.json"
+    server = start_server(directory, f"record-{abs(hash(tree))}", tree=tree)
+    try:
+        env = proxy_env([server.socket], "bench-server", tree=tree)
+        subprocess.run([sys.executable, "-c", RECORD, str(frames)], env=env, check=True, timeout=600)
+    finally:
+        stop_server(server)
+    env = base_env()
+    env["PYTHONPATH"] = str(tree)
+    done = subprocess.run(
+        [sys.executable, "-c", REPLAY, str(frames), str(tree)],
+        env=env, cwd=tree, capture_output=True, text=True, check=True, timeout=600,
+    )  # fmt: skip
+    cpu, wall, count = done.stdout.split()
+    return float(cpu), float(wall), int(count)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the per-operation cost of the server of this tree (and of a baseline revision)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", help="git revision whose server is measured side by side")
+    parser.add_argument("--keep", help=argparse.SUPPRESS)
+    options = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(dir=options.keep) as d:
+        directory = Path(d)
+        trees = [("this tree", REPO)]
+        if options.baseline:
+            trees.insert(0, (options.baseline, _export(options.baseline, directory)))
+        rows = [(label, *measure(tree, directory)) for label, tree in trees]
+    print(f"{'server':<12} {'CPU us/op':>10} {'wall us/op':>11} {'operations':>11}")
+    for label, cpu, wall, count in rows:
+        print(f"{label:<12} {cpu:>10.2f} {wall:>11.2f} {count:>11}")
+
+
+if __name__ == "__main__":
+    main()
