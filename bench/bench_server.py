@@ -22,31 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.bench_proxy import _export  # noqa: E402
+from bench.bench_wire import RECORD  # noqa: E402
 from tests.proxy.conftest import base_env, proxy_env, start_server, stop_server  # noqa: E402
-
-RECORD = r"""
-import base64, json, sys, torch
-from torch import nn
-from _singularity_proxy import protocol
-log = []
-send = protocol.send_frame
-def record(sock, kind, body, buffers=()):
-    if kind in (protocol.BATCH, protocol.REQUEST):
-        data = [base64.b64encode(bytes(memoryview(b).cast("B"))).decode() for b in buffers]
-        log.append([kind, protocol.encode_body(body).decode(), data])
-    send(sock, kind, body, buffers)
-protocol.send_frame = record
-torch.manual_seed(0)
-m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)).cuda()
-opt = torch.optim.SGD(m.parameters(), lr=1e-4)
-x = torch.randn(32, 64).cuda()
-for i in range(400):
-    loss = m(x).pow(2).mean()
-    opt.zero_grad(); loss.backward(); opt.step()
-    if i % 10 == 9:
-        loss.item()
-json.dump(log, open(sys.argv[1], "w"))
-"""
 
 REPLAY = r"""
 import base64, json, sys, time, torch
@@ -83,7 +60,8 @@ def record(tree: Path, directory: Path, name: str) -> Path:
     server = start_server(directory, f"record-{name}", tree=tree)
     try:
         env = proxy_env([server.socket], "bench-server", tree=tree)
-        subprocess.run([sys.executable, "-c", RECORD, str(frames)], env=env, check=True, timeout=600)
+        command = [sys.executable, "-c", RECORD, str(frames), "400"]
+        subprocess.run(command, env=env, check=True, timeout=600)
     finally:
         stop_server(server)
     return frames

@@ -73,7 +73,7 @@ FRAME_HEADER = struct.Struct("<BxHI")
 BUFFER_LENGTH = struct.Struct("<Q")
 
 MAX_BODY_BYTES = 16 << 20
-"""Largest JSON body a server reads from a job (a batch of 64 operations is a few KiB)."""
+"""Largest JSON body a server reads from a job (a batch of 128 operations is a few KiB)."""
 MAX_BUFFERS = 4096
 """Most buffers in one frame from a job."""
 CHUNK_BYTES = 32 << 20
