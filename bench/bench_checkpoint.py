@@ -1,7 +1,7 @@
 """Benchmark of CRIU checkpoints: dump, pause, restore and image size for jobs of 100 MB to 4 GB.
 
-Each job is one process holding a buffer of the given size, launched like the daemon launches
-jobs (own PID namespace, init, log files). For each size it measures: a checkpoint that leaves
+Each job is one process holding a buffer of the given size, started by the daemon's own launcher
+(own PID namespace, supervisor, log files). For each size it measures: a checkpoint that leaves
 the job running (CRIU wall time, the pause = time frozen, image size, time to hash and record),
 the same with pre-copy (pre-dump, then DIRTY of the buffer rewritten, then the final dump) when
 the kernel tracks dirty memory, and a preempt-and-restore. The machine's memory copy bandwidth,
@@ -110,14 +110,14 @@ async def bench_size(cp: Checkpointer, work: Path, mib: int, dirty: float, copy_
     h = _helpers()
     script = work / "workload.py"
     script.write_text(WORKLOAD)
-    log = work / f"w{mib}.log"
-    spec = h.JobSpec(
-        ranks=[h.RankSpec([sys.executable, str(script), str(mib), str(dirty)], log)],
-        init_log=work / f"w{mib}-init.log",
-        cwd=work,
+    job_files = work / f"w{mib}"
+    launched = await h.start_job(
+        job_files,
+        [sys.executable, str(script), str(mib), str(dirty)],
         env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+        cwd=work,
     )
-    pid = int(h.launch_job(spec))
+    pid, log = launched.pid, launched.log()
     live = [pid]
     try:
         _wait_line(log, "ready", 120)

@@ -1,17 +1,18 @@
-"""Daemon-facing control of proxy servers: quiesce, save, release, load and resume a job.
+"""Daemon-facing control of proxy servers: quiesce, save, release, load, resume and stop a job.
 
 Preempting a job whose processes use proxied devices goes like this (the daemon runs CRIU):
 
 1. `ProxyControl(ctl).quiesce(job)` on every device of the job: each process stops at an
    operation boundary with nothing left in its sockets.
-2. `save(job, dir)` on every device: only the job's live tensors are written.
+2. `save(job, file)` on every device: only the job's live tensors are written, into a file the
+   caller creates and whose descriptor travels with the request (the server never opens it).
 3. For each job process: `criu dump -t PID ... *criu_dump_args(PID)` (the proxy sockets are
    declared external, so CRIU dumps the process without the server's half).
 4. `release(job)` on every device frees its memory.
 
 Resuming, on the same devices or others:
 
-1. `load(job, dir)` on the new device's server, for each device index of the job.
+1. `load(job, file)` on the new device's server, for each device index of the job.
 2. `open_restored_connection(socket, job, rank, index)` for each process and device:
    a fresh connection the server already treats as that process's.
 3. `criu restore --restore-detached ... *criu_restore_args(old_fds, new_socks)` with the new
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +59,9 @@ class ProxyControl:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, *request: Any) -> Any:
-        """Send one request; its result, or ControlError with the server's failure."""
+    def _call(self, *request: Any, fds: Sequence[int] = ()) -> Any:
+        """Send one request (with file descriptors); its result, or ControlError with the failure."""
+        socket.send_fds(self._sock, [b"\x00"], list(fds))
         protocol.send_message(self._sock, protocol.CONTROL_REQUEST, list(request))
         reply = protocol.recv_frame(self._sock)
         if reply.kind != protocol.CONTROL_OK:
@@ -75,28 +77,44 @@ class ProxyControl:
         """
         return list(self._call("quiesce", job_id, timeout))
 
-    def save(self, job_id: str, directory: str | os.PathLike[str]) -> dict[str, int]:
-        """Write the quiesced job's live tensors under `directory` (one file per rank).
+    def save(self, job_id: str, path: str | os.PathLike[str]) -> dict[str, int]:
+        """Write the quiesced job's live tensors (every rank) into a new file at `path`.
 
+        The file is created here (mode 0600, owned by the caller) and only its descriptor is
+        passed, so a server running as the job's user writes it without any right to the folder.
         Returns {"live_bytes", "file_bytes", "ranks"}.
         """
-        return dict(self._call("save", job_id, os.fspath(directory)))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            return dict(self._call("save", job_id, fds=[fd]))
+        finally:
+            os.close(fd)
 
     def release(self, job_id: str) -> int:
         """Free everything the job holds on this device; the bytes freed."""
         return int(self._call("release", job_id))
 
-    def load(self, job_id: str, directory: str | os.PathLike[str]) -> dict[str, int]:
-        """Recreate a saved job's tensors on this server (any server), parked until resume."""
-        return dict(self._call("load", job_id, os.fspath(directory)))
+    def load(self, job_id: str, path: str | os.PathLike[str]) -> dict[str, int]:
+        """Recreate a saved job's tensors on this server (any server) from the file at `path`,
+        parked until resume (the file is opened here and passed as a descriptor)."""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            return dict(self._call("load", job_id, fds=[fd]))
+        finally:
+            os.close(fd)
 
     def resume(self, job_id: str) -> list[int]:
         """Let the job's parked processes go on; the ranks resumed."""
         return list(self._call("resume", job_id))
 
     def status(self) -> dict[str, Any]:
-        """Capacity, bytes in use and the jobs present on this device."""
+        """Capacity, bytes in use, work done so far (operations, batches, busy_seconds) and the
+        jobs present on this device."""
         return dict(self._call("status"))
+
+    def stop(self) -> None:
+        """Ask the server process to exit (its job no longer needs it)."""
+        self._call("stop")
 
 
 def client_sockets(pid: int) -> dict[int, tuple[int, int]]:

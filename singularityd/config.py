@@ -72,7 +72,14 @@ class Config:
     checkpoint_dir: Path | None = None
     device_proxy: bool = True
     proxy_threads: int = 1
+    job_user_namespaces: bool = True
+    job_network: str = "host"
     log_level: str = "info"
+    metrics: bool = True
+    metrics_address: str = "127.0.0.1"
+    metrics_port: int = 9470
+    spool: bool = True
+    spool_dir: Path | None = None
 
     @property
     def user_mode(self) -> bool:
@@ -93,6 +100,11 @@ class Config:
     def checkpoints(self) -> Path:
         """Where checkpoint images are kept: checkpoint_dir, else <state_dir>/checkpoints."""
         return self.checkpoint_dir or self.state_dir / "checkpoints"
+
+    @property
+    def spool_folder(self) -> Path:
+        """Where job files are dropped: spool_dir, else <state_dir>/spool."""
+        return self.spool_dir or self.state_dir / "spool"
 
     @property
     def internal_socket_dir(self) -> Path:
@@ -125,8 +137,40 @@ OPTIONS: dict[str, str] = {
     "device state (default true); false gives jobs their GPUs directly (CUDA_VISIBLE_DEVICES).",
     "proxy_threads": "Intra-op CPU threads of each proxy server (default 1); a job's results match a "
     "direct CPU run with the same OMP_NUM_THREADS.",
+    "job_user_namespaces": "Where root lacks CAP_SYS_RESOURCE (some containers and VMs), run other "
+    "users' jobs in a user namespace owned by the daemon, so CRIU can checkpoint them (default true; "
+    "used only when a trial at start-up works).",
+    "job_network": "'host' (jobs share the machine's network, default) or 'private' (each job gets a "
+    "network namespace with only a loopback device: no outside network, but the TCP connections "
+    "between its ranks can be checkpointed even in a user namespace).",
     "log_level": "debug, info, warning or error (default info). Env SING_LOG_LEVEL.",
+    "metrics": "Serve Prometheus metrics over HTTP at metrics_address:metrics_port/metrics (default true).",
+    "metrics_address": "Address the metrics endpoint listens on (default 127.0.0.1: this machine only).",
+    "metrics_port": "TCP port of the metrics endpoint (default 9470; 0: any free port, logged).",
+    "spool": "Watch spool_dir for job files and submit each as its file's owner (default true).",
+    "spool_dir": "Folder watched for job files (default <state_dir>/spool, created mode 1733 like "
+    "cron's crontabs: anyone may drop a file, nobody else may list, replace or remove it).",
 }
+
+LIVE_OPTIONS = frozenset(
+    {
+        "log_level",
+        "admin_group",
+        "kill_grace_seconds",
+        "shutdown_grace_seconds",
+        "checkpoint_interval_seconds",
+        "checkpoint_keep",
+        "checkpoint_pre_copy",
+        "metrics",
+        "metrics_address",
+        "metrics_port",
+        "spool",
+        "spool_dir",
+    }
+)
+"""Options a running daemon takes from its reloaded config file; every other one needs a restart."""
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 ENV_NAMES: dict[str, str] = {
     "socket": "SING_SOCKET",
@@ -139,7 +183,7 @@ ENV_NAMES: dict[str, str] = {
 
 def _coerce(name: str, value: Any, source: str) -> Any:
     """Turn a raw value from a file, env or flag into the field's type, or raise ConfigError."""
-    paths = ("socket", "state_dir", "checkpoint_dir")
+    paths = ("socket", "state_dir", "checkpoint_dir", "spool_dir")
     kinds: dict[str, type] = {f.name: type(f.default) for f in fields(Config) if f.name not in paths}
     try:
         if name in paths:
@@ -156,8 +200,14 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         raise ConfigError(f"{source}: {name} = {value!r} is not a valid value") from error
     if name == "devices" and coerced not in ("auto", "nvml", "virtual"):
         raise ConfigError(f"{source}: devices must be 'auto', 'nvml' or 'virtual', not {coerced!r}")
+    if name == "job_network" and coerced not in ("host", "private"):
+        raise ConfigError(f"{source}: job_network must be 'host' or 'private', not {coerced!r}")
     if name in ("virtual_devices", "checkpoint_keep", "proxy_threads") and coerced < 1:
         raise ConfigError(f"{source}: {name} must be at least 1")
+    if name == "log_level" and coerced not in LOG_LEVELS:
+        raise ConfigError(f"{source}: log_level must be one of {', '.join(LOG_LEVELS)}, not {coerced!r}")
+    if name == "metrics_port" and not 0 <= coerced <= 65535:
+        raise ConfigError(f"{source}: metrics_port must be between 0 and 65535")
     if name == "checkpoint_pre_copy" and coerced < 0:
         raise ConfigError(f"{source}: {name} must not be negative")
     if (
@@ -189,6 +239,11 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return section
 
 
+def config_path(config_file: Path | None, env: Mapping[str, str]) -> Path:
+    """The config file read: the one given, else $SING_CONFIG, else the default for this uid."""
+    return config_file or Path(env.get("SING_CONFIG") or default_config_file(os.geteuid()))
+
+
 def load_config(
     config_file: Path | None = None,
     env: Mapping[str, str] | None = None,
@@ -198,7 +253,7 @@ def load_config(
     env = os.environ if env is None else env
     uid = os.geteuid()
     explicit_file = config_file is not None or "SING_CONFIG" in env
-    path = config_file or Path(env.get("SING_CONFIG") or default_config_file(uid))
+    path = config_path(config_file, env)
     raw = read_config_file(path)
     if explicit_file and not path.exists():
         raise ConfigError(f"config file {path} does not exist")
@@ -217,3 +272,53 @@ def load_config(
     socket = values.pop("socket", default_socket(uid))
     state_dir = values.pop("state_dir", SYSTEM_STATE_DIR if uid == 0 else user_state_dir())
     return replace(Config(socket=socket, state_dir=state_dir), **values)
+
+
+@dataclass(frozen=True)
+class ConfigSource:
+    """Where a daemon's configuration came from (file, environment, flags), kept to read it again."""
+
+    config_file: Path | None
+    env: Mapping[str, str]
+    overrides: Mapping[str, Any]
+
+    @property
+    def path(self) -> Path:
+        """The config file (it may not exist)."""
+        return config_path(self.config_file, self.env)
+
+    def load(self) -> Config:
+        """The configuration as the file, environment and flags give it now; ConfigError if bad."""
+        return load_config(self.config_file, self.env, self.overrides)
+
+
+@dataclass(frozen=True)
+class ConfigChange:
+    """What reading the config file again changes: the configuration to run with (the live options
+    updated, the others kept), and each changed option's old and new value."""
+
+    config: Config
+    applied: dict[str, tuple[Any, Any]]
+    need_restart: dict[str, tuple[Any, Any]]
+
+    def describe(self, names: dict[str, tuple[Any, Any]]) -> str:
+        """The changes as `name old -> new` separated by semicolons."""
+        return "; ".join(f"{name} {old!s} -> {new!s}" for name, (old, new) in names.items())
+
+
+def reload_config(current: Config, source: ConfigSource) -> ConfigChange:
+    """Read the configuration again and sort its changes into live ones and those needing a restart.
+
+    Flags and SING_* variables keep winning over the file, as at start. ConfigError (the running
+    configuration stays) when the file cannot be used.
+    """
+    fresh = source.load()
+    applied: dict[str, tuple[Any, Any]] = {}
+    need_restart: dict[str, tuple[Any, Any]] = {}
+    for option in fields(Config):
+        old, new = getattr(current, option.name), getattr(fresh, option.name)
+        if old != new:
+            changes = applied if option.name in LIVE_OPTIONS else need_restart
+            changes[option.name] = (old, new)
+    live = replace(current, **{name: new for name, (_, new) in applied.items()})
+    return ConfigChange(live, applied, need_restart)

@@ -1,35 +1,220 @@
-"""What the API hands the daemon, and the errors the daemon gives back for a refused request."""
+"""What people ask of the daemon: checked against the caller, turned into stimuli, answered.
+
+`Requests` is the daemon as the API layer sees it: it implements singularityd.api.protocol's
+`JobService`, the one interface the servicer depends on. Every refusal is a plain error from
+singularityd.errors; the API layer alone turns those into wire status codes.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
 
-import grpc
+from singularityd import __version__
+from singularityd.api.protocol import DaemonFacts, DeviceFacts, LiveFacts
+from singularityd.checkpoint.coordinator import CheckpointTaken, StoredCheckpoint
+from singularityd.core.jobs import (
+    CancelRequested,
+    CheckpointRequested,
+    Decision,
+    PreemptRequested,
+    ResumeRequested,
+    StillLaunching,
+    Stimulus,
+    TakeCheckpoint,
+)
+from singularityd.core.states import InvalidTransition
+from singularityd.daemon import Daemon
+from singularityd.errors import InvalidRequest, PermissionDenied, StateConflict
+from singularityd.identity import Caller
+from singularityd.jobs.logs import read_log
+from singularityd.jobs.processes import Usage
+from singularityd.jobs.submission import SubmitArgs, validated_spec
+from singularityd.observe.feed import JobSubmitted
+from singularityd.store import EventRecord, JobRecord
+
+log = logging.getLogger("singularityd")
+
+LAUNCH_WAIT_SECONDS = 120.0
 
 
-class RequestError(Exception):
-    """A request the daemon refuses; `kind` picks the gRPC status the CLI maps to an exit code."""
+class Requests:
+    """The requests the API serves, carried out by the daemon for a kernel-proven caller."""
 
-    def __init__(self, kind: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
+    def __init__(self, daemon: Daemon, launch_wait_seconds: float = LAUNCH_WAIT_SECONDS) -> None:
+        self.daemon = daemon
+        self.launch_wait_seconds = launch_wait_seconds
 
+    # Reading
 
-def not_found(job_id: int) -> RequestError:
-    """The error for a job id the store does not know."""
-    return RequestError(grpc.StatusCode.NOT_FOUND, f"job {job_id} not found")
+    def jobs(self, include_finished: bool) -> list[JobRecord]:
+        """The live jobs, or all of them."""
+        return self.daemon.store.list_jobs(include_finished=include_finished)
 
+    def job(self, job_id: int) -> JobRecord:
+        """The stored job, or NotFound."""
+        return self.daemon.get_job(job_id)
 
-@dataclass(frozen=True)
-class SubmitArgs:
-    """A submission as the API received it, before validation."""
+    def owned_job(self, caller: Caller, job_id: int) -> JobRecord:
+        """The job, if the caller may act on it; else NotFound or PermissionDenied."""
+        job = self.daemon.get_job(job_id)
+        if not caller.may_act_on(job.spec.uid):
+            raise PermissionDenied(
+                f"job {job_id} belongs to {job.spec.user}; {caller.user} may not act on it"
+            )
+        return job
 
-    command: tuple[str, ...]
-    name: str
-    gpus: int
-    priority: int
-    ranks: int
-    cwd: str
-    env: dict[str, str]
-    checkpoint_interval: float | None = None
+    def events(self, job_id: int) -> list[EventRecord]:
+        """The job's event log, oldest first."""
+        return self.daemon.store.events(job_id)
+
+    def live(self, job: JobRecord) -> LiveFacts:
+        """Checkpoint settings, disk use and the newest checkpoint; live CPU and memory (recorded
+        totals once ended); whether its processes are still being launched or restored."""
+        daemon = self.daemon
+        checkpoints, checkpoint_bytes = daemon.checkpoints.usage(job.id)
+        usage = None
+        if job.state.holds_devices and job.init_pid is not None:
+            usage = daemon.processes.usage(job.init_pid)
+        elif job.cpu_seconds is not None:
+            usage = Usage(job.cpu_seconds, job.max_rss_bytes or 0)
+        return LiveFacts(
+            daemon.checkpoint_interval(job),
+            checkpoints,
+            checkpoint_bytes,
+            usage,
+            last_checkpoint=daemon.checkpoints.latest(job.id),
+            starting=job.state.holds_devices and daemon.activity(job.id).launching,
+        )
+
+    def checkpoints(self, job_id: int) -> list[StoredCheckpoint]:
+        """The job's checkpoint folders, complete or not."""
+        return self.daemon.checkpoints.listing(job_id)
+
+    def log_path(self, job_id: int, rank: int) -> Path:
+        """Where a rank's output is written."""
+        return self.daemon.processes.paths(job_id).rank_log(rank)
+
+    def read_log(
+        self, caller: Caller, job_id: int, rank: int, follow: bool, tail: int, offset: int
+    ) -> AsyncIterator[tuple[int, bytes]]:
+        """A rank's log from byte `offset` (else its last `tail` lines), then new output while
+        following; each chunk with its offset. The caller and rank are checked first."""
+        job = self.owned_job(caller, job_id)
+        if not 0 <= rank < job.spec.ranks:
+            raise InvalidRequest(f"job {job.id} has ranks 0 to {job.spec.ranks - 1}, not {rank}")
+
+        def ended() -> bool:
+            return self.daemon.get_job(job_id).state.is_terminal
+
+        return read_log(self.log_path(job_id, rank), follow=follow, tail=tail, offset=offset, ended=ended)
+
+    async def devices(self) -> list[DeviceFacts]:
+        """Each device with live memory use and utilisation (where reported), its jobs and its
+        proxy's health; a virtual device's memory use is what its proxy server holds."""
+        busy = self.daemon.store.busy_devices()
+        devices = self.daemon.current_devices()
+        health = await asyncio.gather(
+            *(asyncio.to_thread(self.daemon.devices.health, device.index) for device in devices)
+        )
+        found = []
+        for device, proxy in zip(devices, health, strict=True):
+            if device.kind == "virtual" and proxy.allocated is not None:
+                device = replace(device, memory_used=proxy.allocated)
+            found.append(DeviceFacts(device, [busy[device.index]] if device.index in busy else [], proxy))
+        return found
+
+    def subscribe(self) -> contextlib.AbstractContextManager[asyncio.Queue[int]]:
+        """A queue of the ids of jobs that change while the context is open."""
+        return self.daemon.feed.subscribe()
+
+    async def wait_for_end(self, job_id: int) -> JobRecord:
+        """Return the job once it has reached a terminal state."""
+        with self.daemon.feed.subscribe() as changes:
+            while True:
+                job = self.daemon.get_job(job_id)
+                if job.state.is_terminal:
+                    return job
+                while await changes.get() != job_id:
+                    pass
+
+    def info(self) -> DaemonFacts:
+        """Facts for `sing doctor`."""
+        daemon = self.daemon
+        config, inventory, criu = daemon.config, daemon.inventory, daemon.checkpoints.status
+        return DaemonFacts(
+            version=__version__,
+            mode="user" if config.user_mode else "system",
+            socket=str(config.socket),
+            state_dir=str(config.state_dir),
+            device_kind=inventory.kind,
+            device_count=len(inventory.devices),
+            nvml_status=inventory.nvml_status,
+            criu_unavailable_reason=criu.unavailable_reason,
+            criu_path=criu.path,
+            criu_version=criu.version,
+            started_at=daemon.started_at,
+            pid_namespaces=not config.user_mode,
+        )
+
+    # Acting
+
+    def submit(self, caller: Caller, args: SubmitArgs) -> JobRecord:
+        """Validate and queue a job that will run as the caller."""
+        daemon = self.daemon
+        spec = validated_spec(caller, args, len(daemon.inventory.devices))
+        job = daemon.store.create_job(spec, daemon.clock(), f"submitted by {caller.user}")
+        command = " ".join(args.command)
+        log.info("job %d submitted by %s: %s", job.id, caller.user, command)
+        daemon.feed.report(JobSubmitted(job.id, spec.user))
+        daemon.feed.publish(job.id)
+        daemon.request_schedule()
+        return job
+
+    def _apply_now(self, job_id: int, stimulus: Stimulus) -> Decision:
+        """Apply a user's request; a state that does not allow it is the user's error, not ours."""
+        try:
+            return self.daemon.apply(job_id, stimulus)
+        except InvalidTransition as error:
+            raise StateConflict(str(error)) from None
+
+    async def _apply_once_started(self, job_id: int, stimulus: Stimulus) -> Decision:
+        """Apply a request that needs the job's processes, waiting while they are being started."""
+        try:
+            return self.daemon.apply(job_id, stimulus)
+        except StillLaunching:
+            await self.daemon.launched(job_id, self.launch_wait_seconds)
+        except InvalidTransition as error:
+            raise StateConflict(str(error)) from None
+        return self._apply_now(job_id, stimulus)
+
+    def cancel(self, caller: Caller, job_id: int) -> JobRecord:
+        """Cancel a job: a queued one at once, a running one by signalling its processes."""
+        self.owned_job(caller, job_id)
+        self._apply_now(job_id, CancelRequested(caller.user))
+        return self.daemon.get_job(job_id)
+
+    async def preempt(self, caller: Caller, job_id: int, hold: bool) -> JobRecord:
+        """Checkpoint and stop a running job (hold: until resumed by hand); returns once stopped."""
+        self.owned_job(caller, job_id)
+        decision = await self._apply_once_started(job_id, PreemptRequested(caller.user, hold=hold))
+        if any(isinstance(action, TakeCheckpoint) for action in decision.actions):
+            await self.daemon.checkpoint_outcome(job_id)
+        return self.daemon.get_job(job_id)
+
+    def resume(self, caller: Caller, job_id: int) -> JobRecord:
+        """Put a suspended job back in the queue."""
+        self.owned_job(caller, job_id)
+        self._apply_now(job_id, ResumeRequested(caller.user))
+        return self.daemon.get_job(job_id)
+
+    async def checkpoint(self, caller: Caller, job_id: int) -> tuple[JobRecord, CheckpointTaken]:
+        """Checkpoint a running job in place; returns once the checkpoint is complete."""
+        self.owned_job(caller, job_id)
+        await self._apply_once_started(job_id, CheckpointRequested(caller.user))
+        taken = await self.daemon.checkpoint_outcome(job_id)
+        return self.daemon.get_job(job_id), taken

@@ -14,7 +14,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from singularityd.core.jobs import JobState, Transition
+from singularityd.core.states import JobState, Transition
+from singularityd.errors import StoreUnwritable
 
 SCHEMA_VERSION = 1
 
@@ -162,13 +163,17 @@ class Store:
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
-        self._db.execute("BEGIN IMMEDIATE")
+        """One write transaction; a database that cannot be written raises StoreUnwritable."""
         try:
-            yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+        except sqlite3.Error as error:
+            raise StoreUnwritable(f"the daemon cannot write its state database: {error}") from error
 
     # Jobs
 
@@ -230,6 +235,11 @@ class Store:
         fetched = rows.fetchall()
         devices = self._devices_of([int(r["id"]) for r in fetched]) if fetched else {}
         return [self._record(row, devices.get(int(row["id"]), ())) for row in fetched]
+
+    def count_by_state(self) -> dict[JobState, int]:
+        """How many jobs are in each state (states without jobs are left out)."""
+        rows = self._db.execute("SELECT state, COUNT(*) AS n FROM jobs GROUP BY state")
+        return {JobState(row["state"]): int(row["n"]) for row in rows}
 
     def _devices_of(self, job_ids: list[int]) -> dict[int, tuple[int, ...]]:
         found: dict[int, list[int]] = {}

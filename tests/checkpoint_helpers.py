@@ -1,163 +1,71 @@
-"""Launch a job's process tree the way the daemon does, for the checkpoint tests and benchmark.
+"""Jobs for the checkpoint tests and benchmark, started by the daemon's own launcher.
 
-A root launcher unshares a PID namespace and forks; the child is PID 1 of that namespace, calls
-setsid, points fd 0 at /dev/null and fds 1 and 2 at an O_APPEND log, drops privileges to the job's
-user and acts as the job's init: it starts one process per rank (each with its own O_APPEND log,
-stdin /dev/null and PR_SET_PDEATHSIG=SIGKILL) and reaps them. The launcher exits at once, so the
-init is reparented away from the caller. This stands in for the daemon's launcher until it exists.
-
-Run as a script, this file is the launcher itself (it reads a JSON job spec on stdin).
+`start_job` runs a command the way the daemon runs a job (singularityd.jobs.launch): a PID
+namespace whose init is the job's supervisor, one process per rank as the job's user, O_APPEND
+logs, a status file when it ends. The launcher exits at once, so the supervisor is reparented
+away from the caller, as under the daemon. The rest are small /proc helpers.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import select
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-CLONE_NEWPID = 0x20000000
-PR_SET_PDEATHSIG = 1
-INIT_EXIT_PREFIX = "job-init: exit "
-
-
-@dataclass(frozen=True)
-class RankSpec:
-    """One rank of a job: its command line and the log file its stdout and stderr go to."""
-
-    argv: Sequence[str]
-    log: Path
+from singularityd.core.states import JobState
+from singularityd.jobs.launch import launch_spec, run_launcher
+from singularityd.jobs.paths import JobPaths
+from singularityd.store import JobRecord, JobSpec
 
 
 @dataclass(frozen=True)
-class JobSpec:
-    """Everything the launcher needs to start a job's process tree."""
+class LaunchedJob:
+    """A job's process tree: the host PID of its supervisor (the root to checkpoint), its files."""
 
-    ranks: Sequence[RankSpec]
-    init_log: Path
-    uid: int = 0
-    gid: int = 0
-    cwd: Path = Path("/")
-    env: Mapping[str, str] = field(default_factory=dict)
-    pid_namespace: bool = True
+    pid: int
+    paths: JobPaths
 
-    def to_json(self) -> str:
-        """Serialise the spec for the launcher process."""
-        return json.dumps(
-            {
-                "ranks": [{"argv": list(r.argv), "log": str(r.log)} for r in self.ranks],
-                "init_log": str(self.init_log),
-                "uid": self.uid,
-                "gid": self.gid,
-                "cwd": str(self.cwd),
-                "env": dict(self.env),
-                "pid_namespace": self.pid_namespace,
-            }
-        )
+    def log(self, rank: int = 0) -> Path:
+        """stdout and stderr of one rank."""
+        return self.paths.rank_log(rank)
 
-    @staticmethod
-    def from_json(text: str) -> JobSpec:
-        """Parse a spec written by `to_json`."""
-        raw = json.loads(text)
-        return JobSpec(
-            ranks=[RankSpec(argv=r["argv"], log=Path(r["log"])) for r in raw["ranks"]],
-            init_log=Path(raw["init_log"]),
-            uid=int(raw["uid"]),
-            gid=int(raw["gid"]),
-            cwd=Path(raw["cwd"]),
-            env=dict(raw["env"]),
-            pid_namespace=bool(raw["pid_namespace"]),
-        )
+    def status(self) -> dict[str, Any]:
+        """What the supervisor recorded when the job ended."""
+        data: dict[str, Any] = json.loads(self.paths.status.read_text())
+        return data
 
 
-def launch_job(spec: JobSpec) -> int:
-    """Start the job's tree and return the host PID of its init (the root to checkpoint)."""
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve())],
-        input=spec.to_json(),
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=30,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"launcher failed ({proc.returncode}): {proc.stderr.strip()}")
-    return int(proc.stdout.strip())
-
-
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _set_pdeathsig() -> None:
-    if _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        os._exit(127)
-
-
-def _init_main(spec: JobSpec) -> None:
-    os.setsid()
-    null = os.open("/dev/null", os.O_RDONLY)
-    log = os.open(spec.init_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(null, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(null)
-    os.close(log)
-    env = dict(spec.env)
-    procs: dict[int, int] = {}
-    for rank, rs in enumerate(spec.ranks):
-        fd = os.open(rs.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        os.fchown(fd, spec.uid, spec.gid)
-        p = subprocess.Popen(
-            list(rs.argv),
-            stdin=subprocess.DEVNULL,
-            stdout=fd,
-            stderr=fd,
-            cwd=spec.cwd,
-            env=env,
-            preexec_fn=_set_pdeathsig,
-            close_fds=True,
-            user=spec.uid,
-            group=spec.gid,
-            extra_groups=[],
-        )
-        os.close(fd)
-        procs[p.pid] = rank
-    codes: dict[int, int] = {}
-    while len(codes) < len(procs):
-        try:
-            pid, status = os.wait()
-        except ChildProcessError:
-            break
-        if pid in procs:
-            codes[procs[pid]] = os.waitstatus_to_exitcode(status)
-    worst = next((c for _, c in sorted(codes.items()) if c != 0), 0)
-    print(f"{INIT_EXIT_PREFIX}{json.dumps(codes, sort_keys=True)}", flush=True)
-    os._exit(worst if worst >= 0 else 128 - worst)
-
-
-def _launcher_main() -> None:
-    spec = JobSpec.from_json(sys.stdin.read())
-    if spec.pid_namespace and _libc().unshare(CLONE_NEWPID) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"unshare(CLONE_NEWPID): {os.strerror(err)}")
-    pid = os.fork()
-    if pid == 0:
-        try:
-            _init_main(spec)
-        finally:
-            os._exit(126)
-    print(pid, flush=True)
-    os._exit(0)
+async def start_job(
+    folder: Path,
+    command: Sequence[str],
+    *,
+    ranks: int = 1,
+    uid: int = 0,
+    gid: int = 0,
+    user: str = "root",
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+) -> LaunchedJob:
+    """Start `command` (every rank runs it, told its RANK) as the daemon would; files in `folder`."""
+    spec = JobSpec(
+        name=folder.name, uid=uid, gid=gid, user=user, priority=0, gpus=1, ranks=ranks,
+        command=tuple(command), env=dict(env or {}), cwd=str(cwd or folder.parent),
+    )  # fmt: skip
+    job = JobRecord(
+        id=1, spec=spec, state=JobState.RUNNING, reason="test", pending_reason="", cancel_requested=False,
+        submitted_at=0.0, started_at=None, ended_at=None, exit_code=None, signal=None, cpu_seconds=None,
+        max_rss_bytes=None, attempt=1, init_pid=None, init_start_ticks=None, devices=(),
+    )  # fmt: skip
+    paths = JobPaths(folder)
+    launch = launch_spec(job, paths, {}, pid_namespace=True, kill_grace_seconds=5.0)
+    return LaunchedJob(await run_launcher(launch, paths), paths)
 
 
 def pid_alive(pid: int) -> bool:
@@ -222,14 +130,6 @@ def wait_for_line(path: Path, needle: str, timeout: float) -> bool:
     return False
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def socket_inodes(pid: int) -> list[int]:
     """Inodes of the sockets a process has open, in fd order."""
     out: list[int] = []
@@ -260,7 +160,3 @@ def ns_pids(pid: int) -> list[int]:
         if line.startswith("NSpid:"):
             return [int(x) for x in line.split()[1:]]
     return [pid]
-
-
-if __name__ == "__main__":
-    _launcher_main()

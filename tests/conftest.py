@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import signal
@@ -12,7 +14,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from singularityd.runtime import process_start_ticks
+from singularityd.checkpoint import CheckpointUnavailable, CriuInfo, locate_criu
+from singularityd.jobs.processes import process_start_ticks
+from tests.checkpoint_helpers import kill_tree
 from tests.helpers import Daemon, running_daemon
 
 requires_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (users, PID namespaces)")
@@ -21,23 +25,22 @@ requires_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (users,
 def _kill_jobs_under(state_dir: Path) -> None:
     """Kill the job supervisors and proxy servers a test left running (they outlive daemons).
 
-    A recorded PID is killed only if it still names the same process: a supervisor by its start
-    time, a proxy server by its command line naming this state directory.
+    A recorded PID is killed only if it still names the same process (by its start time).
     """
-    for pid_file in [*state_dir.glob("jobs/*/init.pid"), *state_dir.glob("proxy/dev-*.pid")]:
+    recorded: list[tuple[int, int]] = []
+    for pid_file in state_dir.glob("jobs/*/init.pid"):
+        with contextlib.suppress(ValueError, OSError):
+            pid, ticks = (int(field) for field in pid_file.read_text().split()[:2])
+            recorded.append((pid, ticks))
+    for record in state_dir.glob("proxy/servers/job-*-dev-*.json"):
+        with contextlib.suppress(ValueError, OSError, KeyError, TypeError):
+            facts = json.loads(record.read_text())
+            recorded.append((int(facts["pid"]), int(facts["ticks"])))
+    for pid, ticks in recorded:
         try:
-            fields = pid_file.read_text().split()
-            pid = int(fields[0])
-            process = psutil.Process(pid)
-            if process.status() == psutil.STATUS_ZOMBIE:
-                continue
-            if pid_file.name == "init.pid":
-                ours = len(fields) > 1 and process_start_ticks(pid) == int(fields[1])
-            else:
-                ours = str(state_dir) in " ".join(process.cmdline())
-            if ours:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and process_start_ticks(pid) == ticks:
                 os.kill(pid, signal.SIGKILL)
-        except (ValueError, IndexError, psutil.Error, ProcessLookupError, FileNotFoundError):
+        except (psutil.Error, ProcessLookupError):
             continue
 
 
@@ -60,3 +63,33 @@ def daemon(daemon_root: Path) -> Iterator[Daemon]:
     """A running daemon with 4 virtual devices."""
     with running_daemon(daemon_root) as started:
         yield started
+
+
+@pytest.fixture(scope="module")
+def criu_info() -> CriuInfo:
+    """The CRIU the checkpoint tests use (SINGULARITYD_TEST_CRIU, else found as the daemon would)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    try:
+        return locate_criu(os.environ.get("SINGULARITYD_TEST_CRIU", "auto"))
+    except CheckpointUnavailable as e:
+        pytest.skip(f"no usable CRIU: {e}")
+
+
+@pytest.fixture
+def work() -> Iterator[Path]:
+    """A scratch folder (in /dev/shm when there is one) that other test users can reach."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    d = Path(tempfile.mkdtemp(prefix="sing-ckpt-", dir=base))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def jobs() -> Iterator[list[int]]:
+    """Host PIDs of the job trees a test started; each is killed with its tree afterwards."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        kill_tree(pid)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import grp
 import json
 import os
@@ -11,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +21,10 @@ from typing import Any
 
 import pytest
 
+from singularityd.checkpoint.precheck import CAP_SYS_RESOURCE, have_capability
+from singularityd.jobs.launch import probe_user_namespaces
+
+OWNER = "sing-alice"
 BIN = Path(sys.executable).parent
 SING = str(BIN / "sing")
 SINGULARITYD = str(BIN / "singularityd")
@@ -50,6 +56,25 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 20.0, interval: fl
         time.sleep(interval)
 
 
+class PrintedLines:
+    """The lines a running process prints, collected by a thread as they come."""
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        assert process.stdout is not None
+        self.lines: list[str] = []
+        self._stream = process.stdout
+        self._thread = threading.Thread(target=self._collect, daemon=True)
+        self._thread.start()
+
+    def _collect(self) -> None:
+        for line in self._stream:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, predicate: Callable[[list[str]], Any], timeout: float = 60.0) -> Any:
+        """Wait until the predicate holds for the lines printed so far; returns its value."""
+        return wait_until(lambda: predicate(list(self.lines)), timeout)
+
+
 @dataclass
 class Daemon:
     """A singularityd process driven by the tests."""
@@ -58,6 +83,8 @@ class Daemon:
     virtual_devices: int = 4
     config: dict[str, Any] = field(default_factory=dict)
     process: subprocess.Popen[bytes] | None = None
+    log_level: str | None = "debug"
+    """Given as --log-level (None: the config file's log_level rules)."""
 
     @property
     def socket(self) -> Path:
@@ -105,8 +132,7 @@ class Daemon:
                 "virtual",
                 "--virtual-devices",
                 str(self.virtual_devices),
-                "--log-level",
-                "debug",
+                *(["--log-level", self.log_level] if self.log_level else []),
             ],
             stdout=log,
             stderr=log,
@@ -154,14 +180,29 @@ class Daemon:
         return result
 
     def supervisor_pid(self, job_id: int) -> int:
-        """The host PID of the job's supervisor, from the file the launcher writes."""
-        return int((self.state_dir / "jobs" / str(job_id) / "init.pid").read_text().split()[0])
+        """The host PID of the job's supervisor, from the file the launcher writes (once written)."""
+        path = self.state_dir / "jobs" / str(job_id) / "init.pid"
+        return int(wait_until(lambda: path.exists() and path.read_text().split()[:1])[0])
 
     def submit(self, *command: str, options: Sequence[str] = (), user: str | None = None) -> int:
         """Submit a job and return its id."""
         result = self.sing("submit", *options, "--", *command, user=user)
         assert result.code == 0, result.err
         return int(result.out.strip())
+
+
+def submit_counter(daemon: Daemon, release: Path, *options: str) -> int:
+    """Submit a job printing 0, 1, 2... (one line every 20 ms) until `release` exists, then 'end'."""
+    script = (
+        "import os, time\n"
+        "i = 0\n"
+        f"while not os.path.exists({str(release)!r}):\n"
+        "    print(i, flush=True)\n"
+        "    i += 1\n"
+        "    time.sleep(0.02)\n"
+        "print('end', flush=True)\n"
+    )
+    return daemon.submit(sys.executable, "-c", script, options=["--name", "counter", *options])
 
 
 def python_for_user(user: str) -> list[str] | None:
@@ -268,3 +309,21 @@ def running_daemon(root: Path, **kwargs: Any) -> Iterator[Daemon]:
             except subprocess.TimeoutExpired:
                 daemon.process.kill()
                 daemon.process.wait()
+
+
+@functools.cache
+def user_namespace_problem() -> str | None:
+    """None where root can checkpoint other users' jobs directly (it holds CAP_SYS_RESOURCE); else
+    "" where it does so through user namespaces, or why it cannot."""
+    if have_capability(CAP_SYS_RESOURCE):
+        return None
+    return probe_user_namespaces()
+
+
+def other_user() -> str:
+    """A second (non-root) user whose jobs this machine can checkpoint; skips where none can be."""
+    problem = user_namespace_problem()
+    if problem:
+        pytest.skip(f"root lacks CAP_SYS_RESOURCE and user namespaces do not work: {problem}")
+    ensure_user(OWNER)
+    return OWNER

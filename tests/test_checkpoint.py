@@ -2,7 +2,9 @@
 
 The CRIU used is `locate_criu(os.environ.get("SINGULARITYD_TEST_CRIU", "auto"))`; tests that need
 what it cannot do here (TCP sockets with CRIU < 4.2 on Linux >= 6.16, pre-dumps without kernel
-dirty tracking) are skipped with the reason.
+dirty tracking) are skipped with the reason. Jobs are started by the daemon's own launcher; a job
+that must still run when a checkpoint hits it waits before its last line for the test's release
+file (the last argument of the scripts below).
 """
 
 from __future__ import annotations
@@ -16,10 +18,9 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -40,13 +41,12 @@ from singularityd.checkpoint import (
     locate_criu,
 )
 from singularityd.checkpoint.criu import (
-    ProcFacts,
+    FORK_RETRY_PATTERN,
     parse_stats,
     parse_version,
     privilege_problem,
     summarize_log,
     tcp_problem,
-    tree_problems,
 )
 from singularityd.checkpoint.manifest import (
     FileFact,
@@ -56,21 +56,20 @@ from singularityd.checkpoint.manifest import (
     plan_prune,
     structural_problems,
 )
+from singularityd.checkpoint.precheck import DaemonFacts, ProcFacts, tree_problems
 from singularityd.checkpoint.service import parse_sizes, post_dump_script
 from tests.checkpoint_helpers import (
-    INIT_EXIT_PREFIX,
-    JobSpec,
-    RankSpec,
+    LaunchedJob,
     children,
-    free_port,
     kill_tree,
-    launch_job,
     ns_pids,
     pid_alive,
     socket_inodes,
+    start_job,
     wait_exit,
     wait_for_line,
 )
+from tests.helpers import wait_until
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="needs root (CRIU, PID namespaces, users)")
@@ -79,7 +78,16 @@ T = TypeVar("T")
 TEST_USER = "sing-test-job"
 OTHER_USER = "sing-test-other"
 
-TRAIN = """
+HOLD = """
+def hold(path):
+    import os, time
+    while not os.path.exists(path):
+        time.sleep(0.05)
+"""
+
+TRAIN = (
+    HOLD
+    + """
 import hashlib, sys, time
 import torch
 torch.set_num_threads(1)
@@ -97,27 +105,35 @@ for step in range(steps):
     opt.step()
     print(f"step {step} loss {loss.item():.10f}", flush=True)
     time.sleep(0.02)
+hold(sys.argv[2])
 h = hashlib.sha256()
 for p in model.parameters():
     h.update(p.detach().numpy().tobytes())
 print("checksum", h.hexdigest(), flush=True)
 """
+)
 
-COUNTER = """
+COUNTER = (
+    HOLD
+    + """
 import sys, time
 for i in range(int(sys.argv[1])):
     print(i, flush=True)
     time.sleep(0.02)
+hold(sys.argv[2])
 print("done", flush=True)
 """
+)
 
-ALLREDUCE = """
+ALLREDUCE = (
+    HOLD
+    + """
 import sys, time
 import torch, torch.distributed as dist
 torch.set_num_threads(1)
-rank, world, port, steps = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                        world_size=world)
+steps = int(sys.argv[1])
+dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from the launcher
+rank = dist.get_rank()
 x = torch.zeros(4, dtype=torch.float64)
 for step in range(steps):
     t = torch.full((4,), float(rank + step), dtype=torch.float64)
@@ -125,11 +141,15 @@ for step in range(steps):
     x += t
     print(step, int(x.sum().item()), flush=True)
     time.sleep(0.02)
+hold(sys.argv[2])
 dist.destroy_process_group()
 print("done", flush=True)
 """
+)
 
-UNIX_CLIENT = """
+UNIX_CLIENT = (
+    HOLD
+    + """
 import socket, sys, time
 s = socket.socket(socket.AF_UNIX)
 s.connect(sys.argv[1])
@@ -137,8 +157,10 @@ for i in range(int(sys.argv[2])):
     s.sendall(f"{i}\\n".encode())
     print(i, flush=True)
     time.sleep(0.02)
+hold(sys.argv[3])
 print("done", flush=True)
 """
+)
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
@@ -269,21 +291,20 @@ def test_tree_problems() -> None:
         ("anon_inode:[io_uring]", "socket:[55]"),
         frozenset({55}),
     )
-    problems = tree_problems(
-        [init, rank], our_uid=0, our_gid=0, have_cap_sys_resource=False, tcp_problem_text="old CRIU"
-    )
+    lacking = DaemonFacts(uid=0, gid=0, have_cap_sys_resource=False, userns_problem="no user namespaces")
+    problems = tree_problems([init, rank], lacking, tcp_problem_text="old CRIU")
     text = "\n".join(problems)
     assert "must be root" not in text and "CRIU needs it to be root" in text
-    assert "CAP_SYS_RESOURCE" in text
+    assert "CAP_SYS_RESOURCE" in text and "(no user namespaces)" in text
     assert "io_uring" in text
     assert "TCP sockets: old CRIU" in text
     root_init = ProcFacts(10, "python", (0,) * 4, (0,) * 4, (10, 1))
-    assert (
-        tree_problems([root_init], our_uid=0, our_gid=0, have_cap_sys_resource=False, tcp_problem_text="")
-        == []
-    )
-    assert tree_problems([], our_uid=0, our_gid=0, have_cap_sys_resource=True, tcp_problem_text="") == [
-        "the job's root process does not exist"
+    assert tree_problems([root_init], lacking, tcp_problem_text="") == []
+    full = DaemonFacts(uid=0, gid=0, have_cap_sys_resource=True)
+    assert tree_problems([], full, tcp_problem_text="") == ["the job's root process does not exist"]
+    assert tree_problems([root_init, rank], full, tcp_problem_text="") == [
+        "process 11 (python) uses io_uring, which CRIU cannot checkpoint "
+        "(for torch.distributed set USE_LIBUV=0 so its TCPStore does not use libuv)"
     ]
 
 
@@ -302,33 +323,6 @@ def test_post_dump_script_records_sizes(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- real CRIU
-
-
-@pytest.fixture(scope="module")
-def criu_info() -> CriuInfo:
-    if not ROOT:
-        pytest.skip("needs root")
-    try:
-        return locate_criu(os.environ.get("SINGULARITYD_TEST_CRIU", "auto"))
-    except CheckpointUnavailable as e:
-        pytest.skip(f"no usable CRIU: {e}")
-
-
-@pytest.fixture
-def work() -> Iterator[Path]:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    d = Path(tempfile.mkdtemp(prefix="sing-ckpt-", dir=base))
-    d.chmod(0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def jobs() -> Iterator[list[int]]:
-    pids: list[int] = []
-    yield pids
-    for p in pids:
-        kill_tree(p)
 
 
 def _user(name: str) -> pwd.struct_passwd:
@@ -370,21 +364,21 @@ def _job_env() -> dict[str, str]:
 
 
 def _launch(
-    work: Path, name: str, argv_per_rank: list[list[str]], jobs: list[int], uid: int = 0, gid: int = 0
-) -> tuple[int, list[Path], Path]:
-    logs = [work / f"{name}-r{i}.log" for i in range(len(argv_per_rank))]
-    init_log = work / f"{name}-init.log"
-    spec = JobSpec(
-        ranks=[RankSpec(a, lg) for a, lg in zip(argv_per_rank, logs, strict=True)],
-        init_log=init_log,
-        uid=uid,
-        gid=gid,
-        cwd=work,
-        env=_job_env(),
+    work: Path,
+    name: str,
+    command: list[str],
+    jobs: list[int],
+    *,
+    ranks: int = 1,
+    user: pwd.struct_passwd | None = None,
+) -> LaunchedJob:
+    """Start `command` as a job (as `user`, else root) with the daemon's launcher; kill it at the end."""
+    uid, gid, login = (user.pw_uid, user.pw_gid, user.pw_name) if user else (0, 0, "root")
+    job = run(
+        start_job(work / name, command, ranks=ranks, uid=uid, gid=gid, user=login, env=_job_env(), cwd=work)
     )
-    pid = launch_job(spec)
-    jobs.append(pid)
-    return pid, logs, init_log
+    jobs.append(job.pid)
+    return job
 
 
 def _track(jobs: list[int], pid: int) -> int:
@@ -392,11 +386,12 @@ def _track(jobs: list[int], pid: int) -> int:
     return pid
 
 
-def _finish(pid: int, init_log: Path, timeout: float = 60) -> str:
+def _finish(pid: int, job: LaunchedJob, timeout: float = 60) -> dict[str, Any]:
+    """Wait for the job's (possibly restored) supervisor to end; its status, which must be success."""
     assert wait_exit(pid, timeout), f"job {pid} did not finish"
-    text = init_log.read_text()
-    assert INIT_EXIT_PREFIX in text, text
-    return text
+    status = job.status()
+    assert (status["exit_code"], status["signal"]) == (0, None), status
+    return status
 
 
 @needs_root
@@ -404,9 +399,10 @@ def test_exactness_torch_training(criu_info: CriuInfo, work: Path, jobs: list[in
     """Preempt/resume 5 times, checkpoint in place, crash and resume: output is byte-identical."""
     script = _script(work, "train.py", TRAIN)
     py = sys.executable
-    steps = "400"
-    ref_pid, (ref_log,), ref_init = _launch(work, "ref", [[py, script, steps]], jobs)
-    pid, (log,), init_log = _launch(work, "run", [[py, script, steps]], jobs)
+    steps, release = "400", work / "release"
+    ref = _launch(work, "ref", [py, script, steps, str(release)], jobs)
+    job = _launch(work, "run", [py, script, steps, str(release)], jobs)
+    log = job.log()
     cp = _checkpointer(criu_info, work / "store", keep=2)
     seed = int(os.environ.get("SING_TEST_SEED", "20261129"))
     rng = random.Random(seed)
@@ -415,11 +411,9 @@ def test_exactness_torch_training(criu_info: CriuInfo, work: Path, jobs: list[in
     done: list[str] = []
 
     async def drive() -> int:
-        cur = pid
+        cur = job.pid
         for op in plan:
             await asyncio.sleep(rng.uniform(0.1, 0.5))
-            if not pid_alive(cur) or "checksum" in log.read_text():
-                break
             if op == "inplace":
                 r = await cp.checkpoint(
                     "train", cur, owner_uid=0, owner_gid=0, leave_running=True, rewind_paths=[str(log)]
@@ -457,13 +451,13 @@ def test_exactness_torch_training(criu_info: CriuInfo, work: Path, jobs: list[in
         return cur
 
     final = run(drive())
-    assert isinstance(final, int)
-    _finish(final, init_log)
-    _finish(ref_pid, ref_init)
-    assert done == plan, f"job finished before the plan was carried out (seed {seed}): {done}"
-    out, ref = log.read_bytes(), ref_log.read_bytes()
-    assert b"checksum" in ref
-    assert out == ref, f"outputs differ (seed {seed})"
+    assert done == plan
+    release.touch()
+    _finish(final, job)
+    _finish(ref.pid, ref)
+    out, expected = log.read_bytes(), ref.log().read_bytes()
+    assert b"checksum" in expected
+    assert out == expected, f"outputs differ (seed {seed})"
 
 
 @needs_root
@@ -472,14 +466,13 @@ def test_two_rank_gloo_allreduce(criu_info: CriuInfo, work: Path, jobs: list[int
     if criu_info.tcp_problem:
         pytest.skip(criu_info.tcp_problem)
     script = _script(work, "allreduce.py", ALLREDUCE)
-    port, steps = str(free_port()), 300
-    argv = [[sys.executable, script, str(r), "2", port, str(steps)] for r in range(2)]
-    pid, logs, init_log = _launch(work, "ar", argv, jobs)
+    steps, release = 300, work / "release"
+    job = _launch(work, "ar", [sys.executable, script, str(steps), str(release)], jobs, ranks=2)
     cp = _checkpointer(criu_info, work / "store")
-    assert wait_for_line(logs[1], "\n20 ", 60)
+    assert wait_for_line(job.log(1), "\n20 ", 60)
 
     async def drive() -> int:
-        cur = pid
+        cur = job.pid
         for op in ("preempt", "inplace", "preempt"):
             await asyncio.sleep(0.4)
             r = await cp.checkpoint("ar", cur, owner_uid=0, owner_gid=0, leave_running=op == "inplace")
@@ -490,19 +483,21 @@ def test_two_rank_gloo_allreduce(criu_info: CriuInfo, work: Path, jobs: list[int
         return cur
 
     final = run(drive())
-    assert isinstance(final, int)
-    init_text = _finish(final, init_log)
-    assert init_text.endswith(INIT_EXIT_PREFIX + '{"0": 0, "1": 0}\n'), init_text
+    release.touch()
+    status = _finish(final, job)
+    assert [(r["rank"], r["exit_code"]) for r in status["ranks"]] == [(0, 0), (1, 0)], status
     expected = "".join(f"{s} {4 * (s + 1) ** 2}\n" for s in range(steps)) + "done\n"
-    for lg in logs:
-        assert lg.read_text() == expected
+    for rank in range(2):
+        assert job.log(rank).read_text() == expected
 
 
 @needs_root
 def test_restore_twice_while_original_runs(criu_info: CriuInfo, work: Path, jobs: list[int]) -> None:
     """Restores never need the original PIDs: two copies restore while the original runs."""
     script = _script(work, "count.py", COUNTER)
-    pid, (log,), _ = _launch(work, "twice", [[SYSTEM_PYTHON, script, "100000"]], jobs)
+    release = work / "release"
+    job = _launch(work, "twice", [SYSTEM_PYTHON, script, "100000", str(release)], jobs)
+    pid, log = job.pid, job.log()
     assert wait_for_line(log, "3\n", 30)
     cp = _checkpointer(criu_info, work / "store")
     r = run(cp.checkpoint("twice", pid, owner_uid=0, owner_gid=0, leave_running=True))
@@ -518,8 +513,7 @@ def test_restore_twice_while_original_runs(criu_info: CriuInfo, work: Path, jobs
         (rank,) = children(c)
         assert ns_pids(rank)[-1] == ns_pids(children(pid)[0])[-1]
     size = log.stat().st_size
-    time.sleep(0.3)
-    assert log.stat().st_size > size
+    wait_until(lambda: log.stat().st_size > size, timeout=30)
 
 
 @needs_root
@@ -527,7 +521,9 @@ def test_corrupt_newest_falls_back(criu_info: CriuInfo, work: Path, jobs: list[i
     """Flipped bytes in the newest image: it is refused, the previous one restores, and why."""
     script = _script(work, "count.py", COUNTER)
     n = 150
-    pid, (log,), init_log = _launch(work, "corrupt", [[SYSTEM_PYTHON, script, str(n)]], jobs)
+    release = work / "release"
+    job = _launch(work, "corrupt", [SYSTEM_PYTHON, script, str(n), str(release)], jobs)
+    pid, log = job.pid, job.log()
     assert wait_for_line(log, "3\n", 30)
     cp = _checkpointer(criu_info, work / "store", keep=5)
 
@@ -557,7 +553,8 @@ def test_corrupt_newest_falls_back(criu_info: CriuInfo, work: Path, jobs: list[i
     assert "no manifest" in reasons[3]
     assert f"{pages.relative_to(store.checkpoint_dir('c', 2))} fails its sha256 check" in reasons[2]
     _track(jobs, rr.pid)
-    _finish(rr.pid, init_log)
+    release.touch()
+    _finish(rr.pid, job)
     assert log.read_text() == "".join(f"{i}\n" for i in range(n)) + "done\n"
     with pytest.raises(NoValidCheckpoint):
         run(cp.restore_latest("nothing-here"))
@@ -568,7 +565,9 @@ def test_images_readable_by_owner_only(criu_info: CriuInfo, work: Path, jobs: li
     """A checkpoint directory is the job user's, mode 0700; another user can read nothing."""
     owner, other = _user(TEST_USER), _user(OTHER_USER)
     script = _script(work, "count.py", COUNTER)
-    pid, (log,), _ = _launch(work, "perm", [[SYSTEM_PYTHON, script, "100000"]], jobs)
+    release = work / "release"
+    job = _launch(work, "perm", [SYSTEM_PYTHON, script, "100000", str(release)], jobs)
+    pid, log = job.pid, job.log()
     assert wait_for_line(log, "2\n", 30)
     cp = _checkpointer(criu_info, work / "store")
     r = run(cp.checkpoint("perm", pid, owner_uid=owner.pw_uid, owner_gid=owner.pw_gid, leave_running=True))
@@ -595,7 +594,9 @@ def test_full_disk(criu_info: CriuInfo, work: Path, jobs: list[int]) -> None:
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m,mode=0755", "tmpfs", str(mnt)], check=True)
     try:
         script = _script(work, "count.py", COUNTER)
-        pid, (log,), _ = _launch(work, "full", [[SYSTEM_PYTHON, script, "100000"]], jobs)
+        release = work / "release"
+        job = _launch(work, "full", [SYSTEM_PYTHON, script, "100000", str(release)], jobs)
+        pid, log = job.pid, job.log()
         assert wait_for_line(log, "2\n", 30)
         cp = _checkpointer(criu_info, mnt / "store")
         first = run(cp.checkpoint("full", pid, owner_uid=0, owner_gid=0, leave_running=True))
@@ -616,8 +617,8 @@ def test_full_disk(criu_info: CriuInfo, work: Path, jobs: list[int]) -> None:
             run(Criu(criu_info).dump(pid, images, log_file=work / "raw-dump.log", leave_running=False))
         assert cexc.value.log_path == work / "raw-dump.log"
         before = log.stat().st_size
-        time.sleep(0.3)
-        assert pid_alive(pid) and log.stat().st_size > before
+        wait_until(lambda: log.stat().st_size > before, timeout=30)
+        assert pid_alive(pid)
         assert cp.store.verify("full", 1).ok
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
@@ -646,7 +647,9 @@ def test_external_unix_socket(criu_info: CriuInfo, work: Path, jobs: list[int]) 
     threading.Thread(target=serve, daemon=True).start()
     try:
         script = _script(work, "client.py", UNIX_CLIENT)
-        pid, (log,), init_log = _launch(work, "ux", [[SYSTEM_PYTHON, script, path, "150"]], jobs)
+        release = work / "release"
+        job = _launch(work, "ux", [SYSTEM_PYTHON, script, path, "150", str(release)], jobs)
+        pid, log = job.pid, job.log()
         assert wait_for_line(log, "5\n", 30)
         (rank,) = children(pid)
         (inode,) = socket_inodes(rank)
@@ -669,9 +672,10 @@ def test_external_unix_socket(criu_info: CriuInfo, work: Path, jobs: list[int]) 
         rr = run(cp.restore_latest("ux", inherit_fds=fds))
         fresh.close()
         _track(jobs, rr.pid)
-        _finish(rr.pid, init_log)
+        release.touch()
+        _finish(rr.pid, job)
         assert log.read_text() == "".join(f"{i}\n" for i in range(150)) + "done\n"
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not (len(conns) == 2 and b"149\n" in b"".join(conns[1])):
             time.sleep(0.05)
         assert len(conns) == 2
@@ -696,9 +700,9 @@ def test_ranks_of_another_user(criu_info: CriuInfo, work: Path, jobs: list[int])
     """Ranks that dropped to the job's user: dumped where CRIU can, else a clear reason."""
     user = _user(TEST_USER)
     script = _script(work, "count.py", COUNTER)
-    pid, (log,), init_log = _launch(
-        work, "user", [[SYSTEM_PYTHON, script, "120"]], jobs, uid=user.pw_uid, gid=user.pw_gid
-    )
+    release = work / "release"
+    job = _launch(work, "user", [SYSTEM_PYTHON, script, "120", str(release)], jobs, user=user)
+    pid, log = job.pid, job.log()
     assert wait_for_line(log, "2\n", 30)
     cp = _checkpointer(criu_info, work / "store")
     caps = int(
@@ -715,7 +719,8 @@ def test_ranks_of_another_user(criu_info: CriuInfo, work: Path, jobs: list[int])
     run(cp.checkpoint("user", pid, owner_uid=user.pw_uid, owner_gid=user.pw_gid, leave_running=False))
     rr = run(cp.restore_latest("user"))
     _track(jobs, rr.pid)
-    _finish(rr.pid, init_log)
+    release.touch()
+    _finish(rr.pid, job)
     assert log.read_text() == "".join(f"{i}\n" for i in range(120)) + "done\n"
 
 
@@ -723,7 +728,9 @@ def test_ranks_of_another_user(criu_info: CriuInfo, work: Path, jobs: list[int])
 def test_pre_copy(criu_info: CriuInfo, work: Path, jobs: list[int]) -> None:
     """With dirty tracking, pre-dumps then a short final dump; without, a clear reason."""
     script = _script(work, "count.py", COUNTER)
-    pid, (log,), init_log = _launch(work, "pre", [[SYSTEM_PYTHON, script, "150"]], jobs)
+    release = work / "release"
+    job = _launch(work, "pre", [SYSTEM_PYTHON, script, "150", str(release)], jobs)
+    pid, log = job.pid, job.log()
     assert wait_for_line(log, "2\n", 30)
     cp = _checkpointer(criu_info, work / "store")
     if not criu_info.dirty_tracking:
@@ -739,7 +746,8 @@ def test_pre_copy(criu_info: CriuInfo, work: Path, jobs: list[int]) -> None:
     assert r.dump.pages_skipped_parent > 0
     rr = run(cp.restore_latest("pre"))
     _track(jobs, rr.pid)
-    _finish(rr.pid, init_log)
+    release.touch()
+    _finish(rr.pid, job)
     assert log.read_text() == "".join(f"{i}\n" for i in range(150)) + "done\n"
 
 
@@ -747,7 +755,9 @@ def test_pre_copy(criu_info: CriuInfo, work: Path, jobs: list[int]) -> None:
 def test_usage_prune_and_busy_lock(criu_info: CriuInfo, work: Path, jobs: list[int]) -> None:
     """Keep the last K, report disk usage, refuse a second concurrent operation on a job."""
     script = _script(work, "count.py", COUNTER)
-    pid, (log,), _ = _launch(work, "keep", [[SYSTEM_PYTHON, script, "100000"]], jobs)
+    release = work / "release"
+    job = _launch(work, "keep", [SYSTEM_PYTHON, script, "100000", str(release)], jobs)
+    pid, log = job.pid, job.log()
     assert wait_for_line(log, "2\n", 30)
     cp = _checkpointer(criu_info, work / "store", keep=2)
 
@@ -785,10 +795,10 @@ def test_usage_prune_and_busy_lock(criu_info: CriuInfo, work: Path, jobs: list[i
 def test_restore_retries_while_pid_is_taken(criu_info: CriuInfo, work: Path) -> None:
     """Without a PID namespace the old PID must be free: restore retries until it is reaped."""
     script = _script(work, "count.py", COUNTER)
-    log = work / "zombie.log"
+    log, release = work / "zombie.log", work / "release"
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [SYSTEM_PYTHON, script, "100"],
+            [SYSTEM_PYTHON, script, "100", str(release)],
             stdin=subprocess.DEVNULL,
             stdout=out,
             start_new_session=True,
@@ -799,13 +809,27 @@ def test_restore_retries_while_pid_is_taken(criu_info: CriuInfo, work: Path) -> 
         cp = _checkpointer(criu_info, work / "store")
         run(cp.checkpoint("z", proc.pid, owner_uid=0, owner_gid=0, leave_running=False))
         assert not pid_alive(proc.pid)
-        reaper = threading.Timer(0.5, proc.wait)
+
+        def reap_once_restore_was_refused() -> None:
+            """Reap the dumped process only after a restore attempt failed on its PID."""
+            logs = cp.store.logs_dir("z")
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if any(
+                    FORK_RETRY_PATTERN in p.read_text(errors="replace") for p in logs.glob("restore-*.log")
+                ):
+                    break
+                time.sleep(0.01)
+            proc.wait()
+
+        reaper = threading.Thread(target=reap_once_restore_was_refused)
         reaper.start()
         rr = run(cp.restore_latest("z"))
         restored = rr.pid
         reaper.join()
         assert rr.pid == proc.pid
         assert rr.outcome.attempts > 1
+        release.touch()
         assert wait_exit(rr.pid, 30)
         assert log.read_text() == "".join(f"{i}\n" for i in range(100)) + "done\n"
     finally:

@@ -7,7 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.helpers import SING, Daemon, running_daemon, wait_until
+from tests.helpers import SING, Daemon, PrintedLines, running_daemon, wait_until
 
 
 def test_submit_ps_show_logs_wait(daemon: Daemon) -> None:
@@ -126,7 +126,7 @@ def test_devices(daemon: Daemon) -> None:
     assert table.code == 0
     assert table.out.splitlines()[0].split() == ["INDEX", "KIND", "NAME", "MEMORY", "UTIL", "JOBS"]
     assert len(table.out.splitlines()) == 5
-    job_id = daemon.submit("sleep", "30", options=["--gpus", "2"])
+    job_id = daemon.submit("sleep", "300", options=["--gpus", "2"])
     daemon.wait_state(job_id, "RUNNING")
     devices = daemon.sing("devices", "-o", "json").json()
     assert [d["index"] for d in devices] == [0, 1, 2, 3]
@@ -163,21 +163,36 @@ def test_command_not_found_is_a_clear_failure(daemon: Daemon) -> None:
     assert job["reason"] == "command not found: no-such-program-xyz"
 
 
+def gate(release: Path) -> list[str]:
+    """A job command that runs until the file `release` exists."""
+    return ["sh", "-c", f"while [ ! -e {release} ]; do sleep 0.05; done"]
+
+
+def states_of(job_id: int, lines: list[str]) -> list[str]:
+    """The states a `sing ps -w` printed for one job, in order."""
+    return [line.split()[3] for line in lines if line.split() and line.split()[0] == str(job_id)]
+
+
 def test_watch_prints_changes(daemon: Daemon) -> None:
-    watcher = subprocess.Popen(
-        [SING, "ps", "-w", "--no-header"], stdout=subprocess.PIPE, text=True, env=daemon_env(daemon)
-    )
+    blocker_release, job_release = daemon.root / "release-blocker", daemon.root / "release-job"
+    blocker = daemon.submit(*gate(blocker_release), options=["--gpus", "4"])
+    daemon.wait_state(blocker, "RUNNING")
+    watcher = subprocess.Popen([SING, "ps", "-w"], stdout=subprocess.PIPE, text=True, env=daemon_env(daemon))
     try:
-        time.sleep(0.5)
-        job_id = daemon.submit("sh", "-c", "sleep 0.5")
-        daemon.sing("wait", str(job_id))
-        assert watcher.stdout is not None
-        states = []
-        while "COMPLETED" not in states:
-            line = watcher.stdout.readline()
-            assert line, "watch ended early"
-            states.append(line.split()[3])
-        assert states[0] == "PENDING" and "RUNNING" in states
+        printed = PrintedLines(watcher)
+        printed.wait_for(lambda lines: states_of(blocker, lines) == ["RUNNING"])
+        assert printed.lines[0].split()[:4] == ["ID", "NAME", "USER", "STATE"], "the listing comes first"
+        job_id = daemon.submit(*gate(job_release))
+        printed.wait_for(lambda lines: "PENDING" in states_of(job_id, lines))
+        blocker_release.touch()
+        printed.wait_for(lambda lines: "RUNNING" in states_of(job_id, lines))
+        job_release.touch()
+        printed.wait_for(lambda lines: "COMPLETED" in states_of(job_id, lines))
+        states = states_of(job_id, printed.lines)
+        changes = [state for i, state in enumerate(states) if i == 0 or states[i - 1] != state]
+        assert changes == ["PENDING", "RUNNING", "COMPLETED"], states
+        assert states_of(blocker, printed.lines)[-1] == "COMPLETED"
+        assert sum(line.split()[0] == "ID" for line in printed.lines) == 1, "changes come without a header"
     finally:
         watcher.terminate()
         watcher.wait(10)
@@ -197,6 +212,7 @@ def test_spawning_many_jobs_while_rpcs_are_in_flight(daemon: Daemon) -> None:
         [SING, "ps", "-w", "-a", "--no-header"], stdout=subprocess.PIPE, text=True, env=daemon_env(daemon)
     )
     try:
+        printed = PrintedLines(watcher)
         with ThreadPoolExecutor(max_workers=8) as pool:
             codes = list(
                 pool.map(
@@ -208,7 +224,14 @@ def test_spawning_many_jobs_while_rpcs_are_in_flight(daemon: Daemon) -> None:
         assert codes == [n % 7 for n in range(24)]
         assert listed == [0] * 8
         jobs = daemon.sing("ps", "-a", "-o", "json").json()
-        assert len(jobs) == 24 and {j["state"] for j in jobs} <= {"COMPLETED", "FAILED"}
+        assert len(jobs) == 24
+        assert all(j["state"] == ("COMPLETED" if j["exit_code"] == 0 else "FAILED") for j in jobs)
+        final = {job["id"]: job["state"] for job in jobs}
+
+        def watched_to_the_end(lines: list[str]) -> bool:
+            return all(states_of(job_id, lines)[-1:] == [state] for job_id, state in final.items())
+
+        printed.wait_for(watched_to_the_end)
     finally:
         watcher.terminate()
         watcher.wait(10)

@@ -1,4 +1,4 @@
-"""The pure job state machine and scheduling policy: no I/O, microseconds per test."""
+"""The pure job state machine: no I/O, microseconds per test."""
 
 from __future__ import annotations
 
@@ -7,29 +7,65 @@ import signal
 import pytest
 
 from singularityd.core.jobs import (
-    ALLOWED_TRANSITIONS,
+    PREEMPTION_BACKOFF_SECONDS,
+    Activity,
+    ArmPeriodicCheckpoint,
     CancelRequested,
+    Checkpointed,
+    CheckpointFailed,
+    CheckpointRequested,
+    Decision,
     Exited,
-    InvalidTransition,
     JobFacts,
-    JobState,
     LaunchFailed,
+    LaunchProcesses,
     MarkCancelRequested,
+    Note,
+    PeriodicCheckpointDue,
+    PreemptionWanted,
+    PreemptRequested,
     ProcessesLost,
+    ProcessesRunning,
     ReleaseDevices,
+    Replay,
     Requeued,
     Reschedule,
+    RescheduleAfter,
+    Restored,
+    RestoreFailed,
+    RestoreProcesses,
+    ResumeRequested,
     Started,
+    StillLaunching,
+    TakeCheckpoint,
     TerminateProcesses,
-    check_transition,
+    WatchProcesses,
     decide,
     shell_exit_status,
 )
-from singularityd.core.policy import QueuedJob, RunningJob, plan_starts
+from singularityd.core.states import ALLOWED_TRANSITIONS, InvalidTransition, JobState, check_transition
 
 
 def facts(state: JobState, cancel: bool = False) -> JobFacts:
     return JobFacts(job_id=7, state=state, cancel_requested=cancel)
+
+
+def running(
+    activity: Activity = Activity(),
+    *,
+    checkpoint_interval: float = 0.0,
+    cancel_requested: bool = False,
+    checkpoints_available: bool = True,
+) -> JobFacts:
+    """A RUNNING job (its processes run, with checkpoints available unless said otherwise)."""
+    return JobFacts(
+        1,
+        JobState.RUNNING,
+        cancel_requested,
+        checkpoints_available=checkpoints_available,
+        checkpoint_interval=checkpoint_interval,
+        activity=activity,
+    )
 
 
 def test_start_moves_pending_to_running_with_devices_in_reason() -> None:
@@ -38,6 +74,44 @@ def test_start_moves_pending_to_running_with_devices_in_reason() -> None:
     assert decision.transition.to_state is JobState.RUNNING
     assert decision.transition.reason == "started on devices 0,2"
     assert decision.transition.at == 1.0
+    assert decision.actions == (LaunchProcesses(),)
+    assert decision.activity == Activity(launching=True)
+
+
+def test_a_job_with_a_checkpoint_is_restored_not_launched() -> None:
+    restart = decide(JobFacts(1, JobState.PREEMPTED, has_checkpoint=True), Started((2,)), 0)
+    assert restart.transition is not None
+    assert restart.transition.reason == "resumed from its checkpoint on device 2"
+    assert restart.actions == (RestoreProcesses(),)
+
+
+def test_running_processes_are_watched_and_periodic_checkpoints_armed() -> None:
+    launching = running(Activity(launching=True), checkpoint_interval=30.0)
+    decision = decide(launching, ProcessesRunning(42, 1000), 0)
+    assert decision.transition is None
+    assert decision.actions == (WatchProcesses(42, 1000), ArmPeriodicCheckpoint(30.0))
+    assert decision.activity == Activity()
+    no_interval = decide(running(Activity(launching=True)), ProcessesRunning(42, 1000), 0)
+    assert no_interval.actions == (WatchProcesses(42, 1000),)
+
+
+def test_a_cancel_that_arrived_while_launching_is_carried_out_once_running() -> None:
+    launching = running(Activity(launching=True), cancel_requested=True)
+    decision = decide(launching, ProcessesRunning(42, 1000), 0)
+    assert decision.actions == (WatchProcesses(42, 1000), TerminateProcesses())
+
+
+def test_a_restore_notes_skipped_checkpoints_and_stops_a_job_its_proxies_refused() -> None:
+    restored = Restored(42, 1000, seq=3, skipped=((4, "fails its sha256 check"),))
+    decision = decide(running(Activity(launching=True)), restored, 0)
+    assert decision.actions == (
+        Note("checkpoint 4 not used: fails its sha256 check"),
+        Note("restored from checkpoint 3"),
+        WatchProcesses(42, 1000),
+    )
+    broken = Restored(42, 1000, seq=3, problem="the device proxies did not resume the job: gone")
+    stopped = decide(running(Activity(launching=True)), broken, 0)
+    assert stopped.actions[-2:] == (Note(broken.problem), TerminateProcesses())
 
 
 @pytest.mark.parametrize(
@@ -109,124 +183,218 @@ def test_shell_exit_status() -> None:
     assert shell_exit_status(None, 9) == 137
 
 
-def queued(job_id: int, wanted: int, priority: int = 0) -> QueuedJob:
-    return QueuedJob(job_id=job_id, priority=priority, submit_seq=job_id, devices_wanted=wanted)
+# Preempt, suspend, resume and checkpoint requests
 
 
-def test_policy_priority_then_fifo() -> None:
-    plan = plan_starts(
-        [queued(1, 1), queued(2, 1, priority=5), queued(3, 1)], free_devices=[0, 1], total_devices=2
+@pytest.mark.parametrize(
+    ("hold", "note", "reason"),
+    [
+        (False, "preempt requested by alice: checkpointing", "preempted by alice"),
+        (True, "suspend requested by alice: checkpointing", "suspended by alice"),
+    ],
+)
+def test_preempt_and_suspend_take_a_stopping_checkpoint(hold: bool, note: str, reason: str) -> None:
+    decision = decide(running(), PreemptRequested("alice", hold=hold), 0)
+    take = TakeCheckpoint(stop=True, hold=hold, reason=reason)
+    assert decision.transition is None
+    assert decision.actions == (Note(note), take)
+    assert decision.activity == Activity(checkpoint=take)
+
+
+def test_checkpoint_request_takes_one_in_place() -> None:
+    decision = decide(running(), CheckpointRequested("alice"), 0)
+    take = TakeCheckpoint(stop=False, reason="checkpoint by alice")
+    assert decision.actions == (Note("checkpoint requested by alice"), take)
+
+
+@pytest.mark.parametrize(
+    ("hold", "target", "ending"),
+    [(False, JobState.PREEMPTED, "; queued to resume"), (True, JobState.SUSPENDED, "; held until resumed")],
+)
+def test_a_stopping_checkpoint_that_completes_frees_the_devices(
+    hold: bool, target: JobState, ending: str
+) -> None:
+    take = TakeCheckpoint(stop=True, hold=hold, reason="preempted by alice")
+    decision = decide(running(Activity(checkpoint=take)), Checkpointed("checkpoint 2 (10M)"), 0)
+    assert decision.transition is not None and decision.transition.to_state is target
+    assert decision.transition.reason == f"preempted by alice: checkpoint 2 (10M){ending}"
+    assert decision.actions == (ReleaseDevices(), Reschedule())
+    assert decision.activity == Activity()
+
+
+def test_an_in_place_checkpoint_that_completes_is_noted() -> None:
+    take = TakeCheckpoint(stop=False, reason="checkpoint by alice")
+    decision = decide(running(Activity(checkpoint=take)), Checkpointed("checkpoint 4 (1M)"), 0)
+    assert decision.transition is None
+    assert decision.actions == (Note("checkpoint by alice: checkpoint 4 (1M)"), Reschedule())
+    assert decision.activity == Activity()
+
+
+def test_a_failed_checkpoint_is_noted_and_the_job_keeps_running() -> None:
+    take = TakeCheckpoint(stop=True, reason="preempted by alice")
+    decision = decide(running(Activity(checkpoint=take)), CheckpointFailed("No space left on device"), 0)
+    assert decision.transition is None
+    assert decision.actions == (
+        Note("checkpoint failed, the job keeps running: No space left on device"),
+        Reschedule(),
     )
-    assert plan.starts == ((2, (0,)), (1, (1,)))
-    assert plan.pending_reasons == {3: "Resources: needs 1 device, 0 free"}
+    assert decision.activity == Activity()
 
 
-def test_policy_gang_allocation_and_strict_queue() -> None:
-    plan = plan_starts([queued(1, 3), queued(2, 1)], free_devices=[1, 3], total_devices=4)
-    assert plan.starts == ()
-    assert plan.pending_reasons == {
-        1: "Resources: needs 3 devices, 2 free",
-        2: "Priority: queued behind job 1",
-    }
-    plan = plan_starts([queued(1, 2), queued(2, 2)], free_devices=[0, 1, 2, 3], total_devices=4)
-    assert plan.starts == ((1, (0, 1)), (2, (2, 3)))
+@pytest.mark.parametrize(
+    ("job", "request_", "message"),
+    [
+        (
+            JobFacts(1, JobState.PENDING),
+            PreemptRequested("a"),
+            "is PENDING; only a RUNNING job can be preempted",
+        ),
+        (
+            running(Activity(checkpoint=TakeCheckpoint(False))),
+            CheckpointRequested("a"),
+            "already being checkpointed",
+        ),
+        (running(checkpoints_available=False), PreemptRequested("a"), "checkpoints are unavailable"),
+        (running(cancel_requested=True), PreemptRequested("a"), "is being cancelled"),
+        (
+            JobFacts(1, JobState.PREEMPTED, has_checkpoint=True),
+            ResumeRequested("a"),
+            "only a SUSPENDED job can be resumed",
+        ),
+    ],
+    ids=["queued", "checkpointing", "no-criu", "cancelling", "resume-not-suspended"],
+)
+def test_requests_the_state_does_not_allow_are_refused(
+    job: JobFacts, request_: PreemptRequested | CheckpointRequested | ResumeRequested, message: str
+) -> None:
+    with pytest.raises(InvalidTransition, match=message):
+        decide(job, request_, 0)
 
 
-def test_policy_never_overcommits_and_names_unsatisfiable_jobs() -> None:
-    plan = plan_starts([queued(1, 5), queued(2, 1)], free_devices=[0], total_devices=4)
-    assert plan.starts == ((2, (0,)),)
-    assert plan.pending_reasons[1] == "Unsatisfiable: needs 5 devices, the machine has 4"
-    granted = [
-        d
-        for _, devices in plan_starts([queued(i, 1) for i in range(10)], [0, 1, 2], 3).starts
-        for d in devices
-    ]
-    assert sorted(granted) == [0, 1, 2]
+@pytest.mark.parametrize("request_", [PreemptRequested("a"), CheckpointRequested("a")])
+def test_requests_on_a_launching_job_are_told_to_wait(
+    request_: PreemptRequested | CheckpointRequested,
+) -> None:
+    with pytest.raises(StillLaunching, match="still starting"):
+        decide(running(Activity(launching=True)), request_, 0)
 
 
-def running(
-    job_id: int, priority: int, devices: tuple[int, ...], started: float, stopping: bool = False
-) -> RunningJob:
-    return RunningJob(
-        job_id=job_id, priority=priority, started_seq=started, devices=devices, stopping=stopping
-    )
+@pytest.mark.parametrize(
+    ("has_checkpoint", "target"), [(True, JobState.PREEMPTED), (False, JobState.PENDING)]
+)
+def test_resume_queues_a_suspended_job(has_checkpoint: bool, target: JobState) -> None:
+    decision = decide(JobFacts(1, JobState.SUSPENDED, has_checkpoint=has_checkpoint), ResumeRequested("a"), 0)
+    assert decision.transition is not None and decision.transition.to_state is target
+    assert decision.actions == (Reschedule(),)
 
 
-def test_policy_preempts_the_fewest_lowest_priority_jobs() -> None:
-    busy = [running(1, 0, (0,), 1.0), running(2, 0, (1,), 2.0), running(3, 5, (2, 3), 3.0)]
-    plan = plan_starts([queued(9, 1, priority=3)], [], 4, busy, can_preempt=True)
-    assert plan.starts == () and plan.preemptions == (2,), "newest of the lowest priority goes first"
-    assert plan.pending_reasons[9] == "Preempting: checkpointing lower-priority job(s) 2"
-    plan = plan_starts([queued(9, 2, priority=3)], [], 4, busy, can_preempt=True)
-    assert plan.preemptions == (2, 1)
+def test_suspending_a_queued_job_holds_it_without_a_checkpoint() -> None:
+    decision = decide(JobFacts(1, JobState.PENDING), PreemptRequested("alice", hold=True), 0)
+    assert decision.transition is not None and decision.transition.to_state is JobState.SUSPENDED
+    assert decision.actions == ()
 
 
-def test_policy_never_preempts_equal_or_higher_priority_or_without_checkpoints() -> None:
-    busy = [running(1, 3, (0, 1), 1.0)]
-    plan = plan_starts([queued(9, 1, priority=3)], [], 2, busy, can_preempt=True)
-    assert plan.preemptions == () and plan.pending_reasons[9] == "Resources: needs 1 device, 0 free"
-    lower = [running(1, 0, (0, 1), 1.0)]
-    assert plan_starts([queued(9, 1, priority=3)], [], 2, lower, can_preempt=False).preemptions == ()
-
-
-def test_policy_waits_for_jobs_already_stopping() -> None:
-    busy = [running(1, 0, (0,), 1.0, stopping=True), running(2, 0, (1,), 2.0)]
-    plan = plan_starts([queued(9, 1, priority=3), queued(10, 1, priority=3)], [], 2, busy, can_preempt=True)
-    assert plan.preemptions == ()
-    assert plan.pending_reasons[9] == "Preempting: waiting for job(s) 1 to stop"
-    assert plan.pending_reasons[10] == "Priority: queued behind job 9"
-
-
-def test_preempt_suspend_resume_checkpoint_decisions() -> None:
-    from singularityd.core.jobs import (
-        Checkpointed,
-        CheckpointFailed,
-        CheckpointRequested,
-        Note,
-        PreemptRequested,
-        RestoreFailed,
-        ResumeRequested,
-        TakeCheckpoint,
-    )
-
-    run = JobFacts(1, JobState.RUNNING)
-    assert decide(run, PreemptRequested("alice"), 0).actions[-1] == TakeCheckpoint(stop=True, hold=False)
-    assert decide(run, PreemptRequested("alice", hold=True), 0).actions[-1] == TakeCheckpoint(True, True)
-    assert decide(run, CheckpointRequested("alice"), 0).actions[-1] == TakeCheckpoint(stop=False)
-    done = decide(run, Checkpointed("preempted by alice: checkpoint 2 (10 MB)", stopped=True), 0)
-    assert done.transition is not None and done.transition.to_state is JobState.PREEMPTED
-    assert done.transition.reason == "preempted by alice: checkpoint 2 (10 MB); queued to resume"
-    held = decide(run, Checkpointed("checkpoint 3", stopped=True, hold=True), 0)
-    assert held.transition is not None and held.transition.to_state is JobState.SUSPENDED
-    in_place = decide(run, Checkpointed("checkpoint 4", stopped=False), 0)
-    assert in_place.transition is None and in_place.actions == (Note("checkpoint 4"),)
-    failed = decide(run, CheckpointFailed("No space left on device"), 0)
-    assert failed.transition is None
-    assert failed.actions == (Note("checkpoint failed, the job keeps running: No space left on device"),)
-
-    with pytest.raises(InvalidTransition, match="is PENDING; only a RUNNING job can be preempted"):
-        decide(JobFacts(1, JobState.PENDING), PreemptRequested("alice"), 0)
-    with pytest.raises(InvalidTransition, match="already being checkpointed"):
-        decide(JobFacts(1, JobState.RUNNING, checkpointing=True), CheckpointRequested("a"), 0)
-    with pytest.raises(InvalidTransition, match="checkpoints are unavailable"):
-        decide(JobFacts(1, JobState.RUNNING, checkpoints_available=False), PreemptRequested("a"), 0)
-    with pytest.raises(InvalidTransition, match="only a SUSPENDED job can be resumed"):
-        decide(JobFacts(1, JobState.PREEMPTED, has_checkpoint=True), ResumeRequested("a"), 0)
-
-    suspended = JobFacts(1, JobState.SUSPENDED, has_checkpoint=True)
-    resumed = decide(suspended, ResumeRequested("alice"), 0)
-    assert resumed.transition is not None and resumed.transition.to_state is JobState.PREEMPTED
-    never_ran = decide(JobFacts(1, JobState.SUSPENDED), ResumeRequested("alice"), 0)
-    assert never_ran.transition is not None and never_ran.transition.to_state is JobState.PENDING
-    hold_pending = decide(JobFacts(1, JobState.PENDING), PreemptRequested("alice", hold=True), 0)
-    assert hold_pending.transition is not None and hold_pending.transition.to_state is JobState.SUSPENDED
-
-    restart = decide(JobFacts(1, JobState.PREEMPTED, has_checkpoint=True), Started((2,)), 0)
-    assert (
-        restart.transition is not None
-        and restart.transition.reason == "resumed from its checkpoint on device 2"
-    )
+def test_lost_processes_of_a_checkpointed_job_queue_it_to_resume() -> None:
     lost = decide(JobFacts(1, JobState.RUNNING, has_checkpoint=True), ProcessesLost("gone"), 0)
     assert lost.transition is not None and lost.transition.to_state is JobState.PREEMPTED
-    broken = decide(JobFacts(1, JobState.RUNNING, has_checkpoint=True), RestoreFailed("all corrupt"), 0)
+
+
+def test_a_restore_that_fails_fails_the_job() -> None:
+    broken = decide(running(Activity(launching=True)), RestoreFailed("all corrupt"), 0)
     assert broken.transition is not None and broken.transition.reason == "cannot resume: all corrupt"
+    assert broken.actions == (ReleaseDevices(), Reschedule())
+
+
+# An exit during a checkpoint
+
+
+def test_an_exit_during_a_checkpoint_waits_for_it() -> None:
+    take = TakeCheckpoint(stop=False, reason="checkpoint by alice")
+    ended = Exited(0, None)
+    decision = decide(running(Activity(checkpoint=take)), ended, 0)
+    assert decision.transition is None and decision.actions == ()
+    assert decision.activity == Activity(checkpoint=take, deferred_exit=ended)
+
+
+@pytest.mark.parametrize("succeeded", [True, False])
+def test_an_exit_held_back_is_replayed_after_an_in_place_checkpoint(succeeded: bool) -> None:
+    take = TakeCheckpoint(stop=False, reason="periodic checkpoint", periodic=True)
+    ended = Exited(0, None)
+    job = running(Activity(checkpoint=take, deferred_exit=ended), checkpoint_interval=5.0)
+    outcome = Checkpointed("checkpoint 1 (1M)") if succeeded else CheckpointFailed("frozen")
+    decision = decide(job, outcome, 0)
+    assert decision.transition is None
+    assert decision.actions[-1] == Replay(ended), "the exit comes after the checkpoint's event"
+    assert ArmPeriodicCheckpoint(5.0) not in decision.actions, "no next checkpoint for an ended job"
+    assert decision.activity == Activity()
+    replayed = decide(running(decision.activity), ended, 0)
+    assert replayed.transition is not None and replayed.transition.to_state is JobState.COMPLETED
+
+
+def test_the_exit_a_stopping_checkpoint_causes_is_not_the_jobs_end() -> None:
+    take = TakeCheckpoint(stop=True, reason="preempted by alice")
+    job = running(Activity(checkpoint=take, deferred_exit=Exited(None, signal.SIGKILL)))
+    decision = decide(job, Checkpointed("checkpoint 1 (1M)"), 0)
+    assert decision.transition is not None and decision.transition.to_state is JobState.PREEMPTED
+    assert not any(isinstance(action, Replay) for action in decision.actions)
+
+
+@pytest.mark.parametrize("ended", [Exited(None, signal.SIGKILL), ProcessesLost("gone")])
+def test_an_exit_of_a_job_that_no_longer_holds_devices_is_ignored(ended: Exited | ProcessesLost) -> None:
+    assert decide(JobFacts(1, JobState.PREEMPTED), ended, 0) == Decision()
+
+
+# Periodic checkpoints
+
+
+def test_a_periodic_checkpoint_is_taken_when_the_job_is_idle_and_rearmed_after() -> None:
+    job = running(checkpoint_interval=5.0)
+    due = decide(job, PeriodicCheckpointDue(), 0)
+    take = TakeCheckpoint(stop=False, reason="periodic checkpoint", periodic=True)
+    assert due.actions == (take,)
+    done = decide(
+        running(Activity(checkpoint=take), checkpoint_interval=5.0), Checkpointed("checkpoint 1"), 0
+    )
+    assert done.actions == (
+        Note("periodic checkpoint: checkpoint 1"),
+        ArmPeriodicCheckpoint(5.0),
+        Reschedule(),
+    )
+
+
+def test_a_periodic_checkpoint_due_while_busy_is_put_off() -> None:
+    busy = running(Activity(checkpoint=TakeCheckpoint(False)), checkpoint_interval=5.0)
+    assert decide(busy, PeriodicCheckpointDue(), 0).actions == (ArmPeriodicCheckpoint(5.0),)
+    assert decide(JobFacts(1, JobState.PREEMPTED), PeriodicCheckpointDue(), 0).actions == ()
+
+
+# Scheduler preemption and its back-off
+
+
+def test_the_scheduler_preempts_an_idle_job() -> None:
+    decision = decide(running(), PreemptionWanted(), 0)
+    take = TakeCheckpoint(stop=True, reason="preempted for a higher-priority job", for_scheduler=True)
+    assert decision.actions[-1] == take
+    assert decision.actions[0] == Note(
+        "preempt requested by the scheduler (a higher-priority job needs its devices): checkpointing"
+    )
+
+
+def test_a_failed_scheduler_preemption_backs_off_and_a_later_one_clears_the_back_off() -> None:
+    take = TakeCheckpoint(stop=True, reason="preempted for a higher-priority job", for_scheduler=True)
+    failed = decide(running(Activity(checkpoint=take)), CheckpointFailed("io_uring"), now=100.0)
+    backoff = 100.0 + PREEMPTION_BACKOFF_SECONDS
+    assert failed.activity == Activity(preemption_backoff_until=backoff)
+    assert RescheduleAfter(PREEMPTION_BACKOFF_SECONDS) in failed.actions
+    assert failed.activity is not None
+    assert not failed.activity.preemptible_at(backoff - 1) and failed.activity.preemptible_at(backoff)
+    again = decide(running(failed.activity), PreemptionWanted(), now=backoff)
+    assert again.activity == Activity(checkpoint=take), "trying again clears the back-off"
+
+
+def test_a_scheduler_preemption_the_job_cannot_take_backs_off() -> None:
+    decision = decide(running(Activity(launching=True)), PreemptionWanted(), now=10.0)
+    assert decision.actions == (RescheduleAfter(PREEMPTION_BACKOFF_SECONDS),)
+    assert decision.activity == Activity(
+        launching=True, preemption_backoff_until=10.0 + PREEMPTION_BACKOFF_SECONDS
+    )

@@ -1,24 +1,24 @@
 """Unmodified `cuda` programs under the real daemon: proxied virtual devices, preempted and moved.
 
-The corpus runs through `sing submit` on virtual devices (served by socket-activated proxy
-servers the daemon owns) and must print exactly what it prints run directly on the CPU; a
-proxied job preempted at random moments, and resumed on another device, must too.
+The corpus runs through `sing submit` on virtual devices (served by proxy servers the daemon
+starts for each job, as the job's user) and must print exactly what it prints run directly on
+the CPU; a proxied job preempted at random moments, and resumed on another device, must too.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import random
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
+import psutil
 
 from tests.conftest import requires_root
-from tests.helpers import Daemon, ensure_user, running_daemon, wait_until
+from tests.helpers import Daemon, ensure_user, other_user, python_for_user, running_daemon, wait_until
 from tests.proxy.conftest import PROGRAMS, PYTHON, base_env
 from tests.proxy.test_corpus import CORPUS
 
@@ -50,26 +50,23 @@ def without_stderr_lines(log: str, stderr: str) -> str:
     )
 
 
-@pytest.fixture
-def proxied(daemon_root: Path) -> Iterator[Daemon]:
-    """A daemon with 4 virtual devices served through its proxies."""
-    with running_daemon(daemon_root) as daemon:
-        yield daemon
-
-
-def test_corpus_under_the_daemon_matches_direct_runs(proxied: Daemon) -> None:
+def test_corpus_under_the_daemon_matches_direct_runs(daemon: Daemon) -> None:
     jobs = {
-        program: proxied.submit(PYTHON, program, *proxy_args, options=JOB_OPTIONS)
+        program: daemon.submit(PYTHON, program, *proxy_args, options=JOB_OPTIONS)
         for program, _, proxy_args in CORPUS
     }
     expected = {program: direct_run(program, direct_args) for program, direct_args, _ in CORPUS}
     for program, job in jobs.items():
-        result = proxied.sing("wait", str(job), timeout=600)
-        assert result.code == 0, proxied.sing("logs", str(job)).out[-2000:]
-        log = proxied.sing("logs", str(job)).out
+        result = daemon.sing("wait", str(job), timeout=600)
+        assert result.code == 0, daemon.sing("logs", str(job)).out[-2000:]
+        log = daemon.sing("logs", str(job)).out
         assert without_stderr_lines(log, expected[program].stderr) == expected[program].stdout, program
-    started = [p for p in (proxied.state_dir / "proxy").glob("dev-*.pid")]
-    assert started, "the daemon started proxy servers for the jobs"
+    served = {
+        int(p.name.split("-")[1]) for p in (daemon.state_dir / "proxy" / "logs").glob("job-*-dev-*.log")
+    }
+    assert served == set(jobs.values()), "each job had a proxy server of its own"
+    assert not list((daemon.state_dir / "proxy" / "servers").iterdir()), "servers end with their jobs"
+    assert not list((daemon.root / "run" / "proxy").iterdir()), "nothing of the jobs stays behind"
 
 
 def steps(daemon: Daemon, job: int) -> int:
@@ -77,21 +74,24 @@ def steps(daemon: Daemon, job: int) -> int:
     return log.read_text().count("step ") if log.exists() else 0
 
 
-def progressed(daemon: Daemon, job: int, beyond: int) -> bool:
-    return steps(daemon, job) > beyond
+def progressed(daemon: Daemon, job: int, beyond: int, total: int) -> bool:
+    """Whether the job printed more than `beyond` steps (or all but one: it holds at the end)."""
+    return steps(daemon, job) > min(beyond, total - 1)
 
 
 @requires_root
 def test_proxied_job_preempted_and_moved_is_exact(daemon_root: Path) -> None:
-    args = ["--steps", "600"]
+    total = 600
+    args = ["--steps", str(total)]
     expected = direct_output("long_train.py", args)
     rng = random.Random(4)
+    release = daemon_root / "release"
     with running_daemon(daemon_root, virtual_devices=2) as daemon:
-        job = daemon.submit(PYTHON, "long_train.py", *args, options=JOB_OPTIONS)
+        job = daemon.submit(PYTHON, "long_train.py", *args, "--hold", str(release), options=JOB_OPTIONS)
         first = daemon.wait_state(job, "RUNNING")["devices"]
         seen = 0
         for _ in range(5):
-            wait_until(functools.partial(progressed, daemon, job, seen), timeout=120)
+            wait_until(functools.partial(progressed, daemon, job, seen, total), timeout=120)
             time.sleep(rng.uniform(0.0, 0.3))
             result = daemon.sing("preempt", str(job))
             assert result.code == 0, result.err
@@ -103,7 +103,7 @@ def test_proxied_job_preempted_and_moved_is_exact(daemon_root: Path) -> None:
         assert daemon.sing("resume", str(job)).code == 0
         moved = daemon.wait_state(job, "RUNNING")
         assert moved["devices"] != first, "resumed on the other device"
-        assert steps(daemon, job) < 600, "every cut hit the job while it trained"
+        release.touch()
         assert daemon.sing("wait", str(job), timeout=600).code == 0
         assert daemon.sing("logs", str(job)).out == expected
         reasons = [e["reason"] for e in daemon.job(job)["events"]]
@@ -111,62 +111,166 @@ def test_proxied_job_preempted_and_moved_is_exact(daemon_root: Path) -> None:
         daemon.sing("cancel", str(blocker))
 
 
-def test_job_process_holds_no_device_state(proxied: Daemon) -> None:
+@requires_root
+def test_another_users_proxied_job_preempted_is_exact(daemon_root: Path) -> None:
+    """A second user's job holding connections to the proxy (external to its namespaces) is
+    dumped, and restored with fresh connections, exactly; it runs in a user namespace where root
+    lacks CAP_SYS_RESOURCE."""
+    owner = other_user()
+    python = python_for_user(owner)
+    assert python is not None and python[1].startswith("PYTHONPATH=")
+    total = 300
+    args = ["--steps", str(total)]
+    expected = direct_output("long_train.py", args)
+    options = [*JOB_OPTIONS, "--env", python[1]]
+    release = daemon_root / "release"
+    with running_daemon(daemon_root, virtual_devices=1) as daemon:
+        job = daemon.submit(
+            python[-1], "long_train.py", *args, "--hold", str(release), options=options, user=owner
+        )
+        daemon.wait_state(job, "RUNNING")
+        seen = 0
+        for _ in range(2):
+            wait_until(functools.partial(progressed, daemon, job, seen + 20, total), timeout=120)
+            result = daemon.sing("preempt", str(job), user=owner)
+            assert result.code == 0, result.err
+            daemon.wait_state(job, "RUNNING")
+            seen = steps(daemon, job)
+        release.touch()
+        assert daemon.sing("wait", str(job), timeout=600).code == 0
+        assert daemon.sing("logs", str(job)).out == expected
+        folders = (daemon.state_dir / "checkpoints" / str(job)).glob("*/manifest.json")
+        manifests = [json.loads(path.read_text()) for path in folders]
+        assert manifests and all(m["extra"]["proxy_connections"] for m in manifests)
+
+
+def test_job_process_holds_no_device_state(daemon: Daemon) -> None:
     """No /dev/nvidia* and no CUDA library in the job, even after torch.cuda.init()."""
-    job = proxied.submit(PYTHON, "probe_no_cuda.py", options=JOB_OPTIONS)
-    assert proxied.sing("wait", str(job), timeout=300).code == 0, proxied.sing("logs", str(job)).out
-    out = proxied.sing("logs", str(job)).out
+    job = daemon.submit(PYTHON, "probe_no_cuda.py", options=JOB_OPTIONS)
+    assert daemon.sing("wait", str(job), timeout=300).code == 0, daemon.sing("logs", str(job)).out
+    out = daemon.sing("logs", str(job)).out
     assert "available True count 1" in out and "value True" in out
     assert "nvidia fds []" in out and "cuda libraries []" in out
     assert "real lazy init ran False" in out
 
 
+def server_of(daemon: Daemon, job: int) -> tuple[int, int]:
+    """(pid, device) of the proxy server the daemon started for the job's first device."""
+    device = daemon.job(job)["devices"][0]
+    record = daemon.state_dir / "proxy" / "servers" / f"job-{job}-dev-{device}.json"
+    return int(wait_until(record.exists) and json.loads(record.read_text())["pid"]), device
+
+
+def status_of(pid: int) -> dict[str, str]:
+    """/proc/PID/status as a dict of its fields."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        fields[key] = value.strip()
+    return fields
+
+
 def test_proxy_servers_survive_a_daemon_restart(daemon_root: Path) -> None:
+    release = daemon_root / "release"
+    expected = direct_output("long_train.py", ["--steps", "60"])
     with running_daemon(daemon_root, virtual_devices=1) as daemon:
-        job = daemon.submit(PYTHON, "mlp.py", options=JOB_OPTIONS)
-        assert daemon.sing("wait", str(job), timeout=300).code == 0
-        pid = int((daemon.state_dir / "proxy" / "dev-0.pid").read_text())
+        job = daemon.submit(
+            PYTHON, "long_train.py", "--steps", "60", "--hold", str(release), options=JOB_OPTIONS
+        )
+        wait_until(functools.partial(progressed, daemon, job, 5, 60), timeout=120)
+        pid, device = server_of(daemon, job)
         daemon.stop()
-        assert os.path.exists(f"/proc/{pid}"), "the proxy outlives the daemon"
+        assert os.path.exists(f"/proc/{pid}"), "the job's proxy outlives the daemon"
         daemon.start()
-        again = daemon.submit(PYTHON, "mlp.py", options=JOB_OPTIONS)
-        assert daemon.sing("wait", str(again), timeout=300).code == 0
-        assert int((daemon.state_dir / "proxy" / "dev-0.pid").read_text()) == pid, "adopted, not restarted"
-        assert "adopted the proxy server of device 0" in daemon.log.read_text()
+        assert (
+            f"adopted the proxy server of job {job} on device {device} (pid {pid})" in daemon.log.read_text()
+        )
+        release.touch()
+        assert daemon.sing("wait", str(job), timeout=300).code == 0
+        assert daemon.sing("logs", str(job)).out == expected
+        wait_until(functools.partial(ended, pid))
+
+
+def ended(pid: int) -> bool:
+    """Whether the process is gone (or a zombie: reaping orphans is init's business)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 ATTACK = """
 import socket, sys
 from _singularity_proxy import protocol
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-s.connect(sys.argv[1])
+try:
+    s.connect(sys.argv[1])
+except OSError as error:
+    print("connect:", error.strerror)
+    sys.exit(0)
 protocol.send_message(s, protocol.HELLO, [sys.argv[2], 0, 0, False])
 print(protocol.recv_frame(s).value())
 """
 
 
 @requires_root
-def test_users_cannot_open_sessions_for_jobs_not_theirs(proxied: Daemon) -> None:
-    """A proxy session of a job can be opened only by the job's own user (or root)."""
-    ensure_user("sing-alice")
-    bob = ensure_user("sing-bob")
-    job = proxied.submit("sleep", "300", user="sing-alice")
-    proxied.wait_state(job, "RUNNING")
-    device = proxied.job(job)["devices"][0]
-    socket_path = proxied.root / "run" / "proxy" / f"dev-{device}.sock"
-    bootstrap = proxied.state_dir / "bootstrap"
+def test_job_device_work_runs_with_the_users_privileges_only(daemon: Daemon) -> None:
+    """The server of a job runs as its user, holds no capability, and only that user reaches it."""
+    alice = ensure_user("sing-alice")
+    ensure_user("sing-bob")
+    job = daemon.submit("sleep", "300", user="sing-alice")
+    daemon.wait_state(job, "RUNNING")
+    pid, device = server_of(daemon, job)
+    fields = status_of(pid)
+    assert fields["Uid"].split() == [str(alice.pw_uid)] * 4
+    assert fields["Gid"].split() == [str(alice.pw_gid)] * 4
+    for capability_set in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(fields[capability_set], 16) == 0, capability_set
+    assert fields["NoNewPrivs"] == "1"
+    assert os.stat(f"/proc/{pid}/fd").st_uid == 0, "not dumpable: the user cannot trace it"
+    socket_path = daemon.root / "run" / "proxy" / f"job-{job}" / f"dev-{device}.sock"
+    assert os.stat(socket_path).st_uid == alice.pw_uid and os.stat(socket_path).st_mode & 0o777 == 0o600
+    bootstrap = daemon.state_dir / "bootstrap"
 
-    def hello_as(user: str, job_id: str, path: Path = socket_path) -> str:
+    def hello_as(user: str, job_id: str) -> str:
         done = subprocess.run(
-            ["/usr/bin/python3", "-c", ATTACK, str(path), job_id],
+            ["/usr/bin/python3", "-c", ATTACK, str(socket_path), job_id],
             env={"PYTHONPATH": str(bootstrap), "PATH": "/usr/bin:/bin"},
             user=user, capture_output=True, text=True, timeout=120, cwd="/tmp",
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
         return done.stdout
 
-    assert f"job {job} does not belong to uid {bob.pw_uid}" in hello_as("sing-bob", str(job))
-    assert "job 4242 is not admitted on this device" in hello_as("sing-bob", "4242")
-    other = socket_path.with_name(f"dev-{(device + 1) % 4}.sock")
-    assert f"job {job} was not granted device {(device + 1) % 4}" in hello_as("sing-alice", str(job), other)
-    proxied.sing("cancel", str(job))
+    assert hello_as("sing-bob", str(job)).strip() == "connect: Permission denied"
+    assert f"serves job {job}, not '4242'" in hello_as("sing-alice", "4242")
+    assert daemon.sing("cancel", str(job)).code == 0
+    daemon.wait_state(job, "CANCELLED")
+    wait_until(functools.partial(ended, pid))
+    assert not socket_path.parent.exists(), "the job's sockets and temporary files are gone with it"
+
+
+@requires_root
+def test_devices_show_proxy_sessions_and_jobs_their_last_checkpoint(daemon_root: Path) -> None:
+    """What `sing top` shows: a started proxy with each rank's session, the newest checkpoint and
+    the pause it cost the job."""
+    release = daemon_root / "release"
+    with running_daemon(daemon_root, virtual_devices=2) as daemon:
+        args = ["--steps", "10", "--hold", str(release)]
+        job = daemon.submit(PYTHON, "long_train.py", *args, options=JOB_OPTIONS)
+        device = daemon.wait_state(job, "RUNNING")["devices"][0]
+        wait_until(functools.partial(progressed, daemon, job, 9, 10), timeout=120)
+
+        listed = {d["index"]: d for d in daemon.sing("devices", "-o", "json").json()}
+        used, unused = listed[device], listed[1 - device]
+        assert used["proxy"] == "up" and used["jobs"] == [job]
+        assert [(s["job"], s["rank"], s["connected"]) for s in used["sessions"]] == [(job, 0, True)]
+        assert used["memory_used"] == used["sessions"][0]["bytes"] > 0, "a virtual device's use is its jobs'"
+        assert unused["proxy"] == "idle" and unused["sessions"] == [] and unused["memory_used"] == 0
+
+        assert daemon.job(job)["last_checkpoint"] is None
+        taken = daemon.sing("checkpoint", "-o", "json", str(job)).json()
+        assert taken.pop("job") == job and taken["complete"] and taken["pause_seconds"] > 0
+        assert daemon.job(job)["last_checkpoint"] == taken, "the pause measured when taken is kept"
+        assert daemon.job(job)["checkpoint_list"][-1] == taken
+        release.touch()
+        assert daemon.sing("wait", str(job), timeout=300).code == 0

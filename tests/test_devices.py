@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from singularityd import devices
+from singularityd.devices import inventory as devices
 
 
 class FakeNVMLError(Exception):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from singularityd.core.jobs import JobState, check_transition
+from singularityd.core.states import JobState, check_transition
 from singularityd.store import JobSpec, Store
 
 

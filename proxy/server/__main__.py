@@ -70,11 +70,14 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
         help="an inherited, already listening socket for --socket (socket activation by the daemon)",
     )
     parser.add_argument(
-        "--registry",
-        type=Path,
+        "--control-fd",
+        type=int,
         default=None,
-        help="folder of files named by job id holding the uid allowed to open its sessions (the daemon's)",
+        help="an inherited, already listening socket for the daemon's control requests (else --control)",
     )
+    parser.add_argument("--job-id", default=None, help="serve this job only (one server per job)")
+    parser.add_argument("--job-uid", type=int, default=None, help="the uid whose processes may open sessions")
+    parser.add_argument("--daemon-uid", type=int, default=None, help="who may reattach saved sessions")
     return parser.parse_args(argv)
 
 
@@ -84,27 +87,40 @@ def main(argv: list[str] | None = None) -> int:
     if options.threads:
         torch.set_num_threads(options.threads)
     server = Server(
-        options.device_index, options.memory_bytes, options.cuda_device, options.name, options.registry
+        options.device_index,
+        options.memory_bytes,
+        options.cuda_device,
+        options.name,
+        job_id=options.job_id,
+        job_uid=options.job_uid,
+        daemon_uid=options.daemon_uid,
     )
     if options.cuda_device is None:
         bound_host_memory(options.memory_bytes)
-    control_path = options.control or options.socket + ".ctl"
-    control = _listen(control_path)
-    os.chmod(control_path, 0o600)
+    own_paths = []
+    if options.control_fd is not None:
+        control = socket.socket(fileno=options.control_fd)
+        control.setblocking(True)
+    else:
+        control_path = options.control or options.socket + ".ctl"
+        control = _listen(control_path)
+        os.chmod(control_path, 0o600)
+        own_paths.append(control_path)
     if options.listen_fd is not None:
         jobs = socket.socket(fileno=options.listen_fd)
         jobs.setblocking(True)
     else:
         jobs = _listen(options.socket)
-        os.chmod(options.socket, 0o666)  # every user's jobs connect; a session is bound to its uid at hello
+        os.chmod(options.socket, 0o666)  # started by hand: whoever can reach the folder may connect
+        own_paths.append(options.socket)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    for listener, serve in ((control, ControlHandler(server).serve), (jobs, server.serve_job)):
+    for listener, serve in ((control, ControlHandler(server, stop).serve), (jobs, server.serve_job)):
         threading.Thread(target=_accept_forever, args=(listener, serve), daemon=True).start()
     print(f"proxy: device {options.device_index} ready on {options.socket}", file=sys.stderr, flush=True)
     stop.wait()
-    for path in (options.socket, control_path):
+    for path in own_paths:
         with contextlib.suppress(OSError):
             os.unlink(path)
     return 0

@@ -1,16 +1,23 @@
-"""The server's side of the daemon's control channel: quiesce, save, release, load, resume, status.
+"""The server's side of the daemon's control channel: quiesce, save, release, load, resume, status, stop.
 
-Requests come from the daemon (proxy/control.py is its client) on a socket no job can open.
-Each names a job; the handler parks, saves, frees, recreates or resumes that job's sessions
-in the Server it was given, and answers with the result or the failure.
+Requests come from the daemon (proxy/control.py is its client) on a socket no job can open: the
+daemon binds it in a folder only root can enter and hands the server the listening descriptor.
+Each request names a job; the handler parks, saves, frees, recreates or resumes that job's
+sessions in the Server it was given, and answers with the result or the failure. Device state
+is written to and read from files the daemon opened and passes with the request (SCM_RIGHTS),
+so the server, which runs as the job's user, never opens a path in the checkpoint store.
+
+Every control message starts with one marker byte sent with sendmsg, carrying the request's
+file descriptors (often none), followed by a protocol frame [name, *arguments].
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,12 +28,18 @@ from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolErro
 from .service import Server
 from .session import Session
 
+SAVE_FORMAT = 1
+"""Version of the device-state file a save writes (one file per device, every rank of the job)."""
+MAX_CONTROL_FDS = 4
+
 
 class ControlHandler:
     """Carries out the daemon's requests on one Server."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Server, stop: threading.Event | None = None) -> None:
         self.server = server
+        self.stop_requested = stop or threading.Event()
+        """Set by a stop request: the server process then exits."""
 
     def quiesce(self, job_id: str, timeout: float) -> list[int]:
         """Park every connected process of the job at an operation boundary; the ranks parked."""
@@ -56,32 +69,34 @@ class ControlHandler:
             parked.append(session.rank)
         return parked
 
-    def save(self, job_id: str, directory: str) -> dict[str, int]:
-        """Write the live tensors of a quiesced job, one file per rank."""
-        folder = Path(directory)
-        folder.mkdir(parents=True, exist_ok=True)
-        live = written = 0
+    def save(self, job_id: str, fd: int) -> dict[str, int]:
+        """Write the live tensors of a quiesced job, every rank, into the file open at `fd`."""
+        live = 0
         sessions = self.server.job_sessions(job_id)
         if not sessions:
             raise KeyError(f"proxy: no job {job_id!r} on device {self.server.index}")
         with self.server.executor.lock:
+            states = []
             for session in sessions:
                 if not session.parked:
                     raise RuntimeError(f"proxy: job {job_id} rank {session.rank} is not quiesced")
-                state = {
-                    "job_id": session.job_id,
-                    "rank": session.rank,
-                    "uid": session.uid,
-                    "tensors": session.tensors,
-                    "ops": session.operator_names,
-                    "plans": session.plan_wire,
-                    "peak": session.peak_bytes,
-                    "pending_error": session.pending_error,
-                }
-                path = folder / f"rank{session.rank}.pt"
-                torch.save(state, path)
+                states.append(
+                    {
+                        "job_id": session.job_id,
+                        "rank": session.rank,
+                        "uid": session.uid,
+                        "tensors": session.tensors,
+                        "ops": session.operator_names,
+                        "plans": session.plan_wire,
+                        "peak": session.peak_bytes,
+                        "pending_error": session.pending_error,
+                    }
+                )
                 live += session.held_bytes
-                written += path.stat().st_size
+            with os.fdopen(os.dup(fd), "wb") as file:
+                torch.save({"format": SAVE_FORMAT, "device": self.server.index, "sessions": states}, file)
+                file.flush()
+                written = file.tell()
         return {"live_bytes": live, "file_bytes": written, "ranks": len(sessions)}
 
     def release(self, job_id: str) -> int:
@@ -97,16 +112,16 @@ class ControlHandler:
             self.server.drop(session)
         return freed
 
-    def load(self, job_id: str, directory: str) -> dict[str, int]:
-        """Recreate a saved job's tensors here, parked until resume."""
-        files = sorted(Path(directory).glob("rank*.pt"))
-        if not files:
-            raise FileNotFoundError(f"proxy: no saved ranks in {directory}")
-        loaded = 0
+    def load(self, job_id: str, fd: int) -> dict[str, int]:
+        """Recreate a saved job's tensors here from the file open at `fd`, parked until resume."""
         server = self.server
+        with os.fdopen(os.dup(fd), "rb") as file:
+            saved = torch.load(file, map_location=server.device, weights_only=True)
+        if not isinstance(saved, dict) or saved.get("format") != SAVE_FORMAT:
+            raise ValueError("proxy: not a device-state file of this version")
+        loaded = 0
         with server.executor.lock:
-            for file in files:
-                state = torch.load(file, map_location=server.device, weights_only=True)
+            for state in saved["sessions"]:
                 key = (job_id, int(state["rank"]))
                 with server.state_lock:
                     if key in server.sessions:
@@ -130,7 +145,7 @@ class ControlHandler:
                         server.drop(session)
                         raise
                     loaded += session.held_bytes
-        return {"live_bytes": loaded, "ranks": len(files)}
+        return {"live_bytes": loaded, "ranks": len(saved["sessions"])}
 
     def resume(self, job_id: str) -> list[int]:
         """Let the job's parked processes go on; the ranks resumed."""
@@ -145,13 +160,17 @@ class ControlHandler:
         return ranks
 
     def status(self) -> dict[str, Any]:
-        """Capacity, bytes in use and the sessions present on this device."""
+        """Capacity, bytes in use, work done so far and the sessions present on this device."""
         server = self.server
+        executor = server.executor
         with server.state_lock:
             return {
                 "index": server.index,
                 "capacity": server.memory.capacity,
                 "allocated": server.memory.used,
+                "operations": executor.operations,
+                "batches": executor.batches,
+                "busy_seconds": executor.busy_seconds,
                 "jobs": {
                     f"{job}/{rank}": {
                         "bytes": session.held_bytes,
@@ -163,16 +182,19 @@ class ControlHandler:
                 },
             }
 
-    def handle(self, name: str, args: tuple[Any, ...]) -> Any:
-        """Carry out one control request; its result."""
+    def handle(self, name: str, args: tuple[Any, ...], fds: list[int]) -> Any:
+        """Carry out one control request (with the descriptors that came with it); its result."""
         if name == "quiesce":
             return self.quiesce(str(args[0]), float(args[1]))
-        if name == "save":
-            return self.save(str(args[0]), str(args[1]))
+        if name in ("save", "load"):
+            if len(fds) != 1:
+                raise ValueError(f"a {name} request carries exactly one file descriptor")
+            return (self.save if name == "save" else self.load)(str(args[0]), fds[0])
         if name == "release":
             return self.release(str(args[0]))
-        if name == "load":
-            return self.load(str(args[0]), str(args[1]))
+        if name == "stop":
+            self.stop_requested.set()
+            return None
         if name == "resume":
             return self.resume(str(args[0]))
         if name == "status":
@@ -183,15 +205,22 @@ class ControlHandler:
         """Serve one control connection (the daemon) until it closes."""
         try:
             while True:
-                frame = protocol.recv_frame(sock, protocol.JOB_FRAME_LIMITS)
+                marker, fds, _flags, _address = socket.recv_fds(sock, 1, MAX_CONTROL_FDS)
+                if not marker:
+                    return
                 try:
+                    frame = protocol.recv_frame(sock, protocol.JOB_FRAME_LIMITS)
                     request = frame.value()
                     if frame.kind != protocol.CONTROL_REQUEST or type(request) is not list or not request:
                         raise ProtocolError("a control request is [name, *arguments]")
-                    result = self.handle(request[0], tuple(request[1:]))
+                    result = self.handle(request[0], tuple(request[1:]), fds)
                     protocol.send_message(sock, protocol.CONTROL_OK, result)
                 except Exception as e:
                     protocol.send_message(sock, protocol.CONTROL_FAILED, [type(e).__name__, str(e)])
+                finally:
+                    for fd in fds:
+                        with contextlib.suppress(OSError):
+                            os.close(fd)
         except (ConnectionError, OSError, EOFError):
             pass
         finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -91,6 +92,12 @@ class Executor:
         self.memory = memory
         self.lock = threading.Lock()
         """Held while anything runs on the device (operations, saves, loads)."""
+        self.operations = 0
+        """Operations run since the server started (the daemon's metrics report the rate)."""
+        self.batches = 0
+        """Batches run since the server started."""
+        self.busy_seconds = 0.0
+        """Time spent running batches (on a virtual device, the device's utilisation over time)."""
 
     # -- arguments and outputs --------------------------------------------------------------------
     def _decode(self, session: Session, arg: Any, inputs: list[int], buffers: Sequence[Any]) -> Any:
@@ -393,14 +400,20 @@ class Executor:
         Without a request (None) it returns None and keeps the first failure in the session.
         """
         with self.lock:
-            if type(ops) is not list:
-                raise ProtocolError("the operations of a batch must be a list")
-            for op in ops:
-                try:
-                    self._run(session, op, buffers)
-                except Exception as e:
-                    session.fail(e)
-            if request is None:
-                return None
-            session.raise_pending()
-            return self._answer(session, request, buffers)
+            began = time.perf_counter()
+            try:
+                if type(ops) is not list:
+                    raise ProtocolError("the operations of a batch must be a list")
+                for op in ops:
+                    try:
+                        self._run(session, op, buffers)
+                    except Exception as e:
+                        session.fail(e)
+                if request is None:
+                    return None
+                session.raise_pending()
+                return self._answer(session, request, buffers)
+            finally:
+                self.batches += 1
+                self.operations += len(ops) if type(ops) is list else 0
+                self.busy_seconds += time.perf_counter() - began

@@ -9,12 +9,10 @@ thread through the executor. The daemon's requests arrive on a separate control 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 import struct
 import threading
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,11 +38,17 @@ class Server:
         memory_bytes: int,
         cuda_device: int | None,
         name: str | None = None,
-        registry: Path | None = None,
+        job_id: str | None = None,
+        job_uid: int | None = None,
+        daemon_uid: int | None = None,
     ) -> None:
         self.index = device_index
-        self.registry = registry
-        """Folder of files named by job id holding the uid allowed to open its sessions (None: any)."""
+        self.job_id = job_id
+        """The one job this server serves (None: any, for tests and tools that run a server by hand)."""
+        self.job_uid = job_uid
+        """The uid whose processes may open its sessions, besides root (None: the server's own)."""
+        self.daemon_uid = os.getuid() if daemon_uid is None else daemon_uid
+        """The uid allowed to reattach a saved session to a restored process (the daemon's)."""
         if cuda_device is None:
             self.device = torch.device("cpu")
             name, major, minor, processors, kind = name or "Singularity Virtual Device", 8, 0, 1, "virtual"
@@ -86,22 +90,18 @@ class Server:
     def admission_problem(self, job_id: str, uid: int) -> str:
         """Why a process of this uid may not open a session for this job ('' when it may).
 
-        With a registry (the daemon's), a job's sessions can be opened only by the uid the
-        daemon registered for it, so no user can claim, squat or disturb another user's job.
+        A server the daemon starts serves one job and runs as that job's user: only processes of
+        that uid (and root, the daemon reconnecting restored processes) may open sessions, and
+        only for that job. The kernel names the uid (SO_PEERCRED); the socket itself is the
+        user's alone, so this is a second wall.
         """
-        if self.registry is None or uid == 0:
-            return ""
-        if not job_id or not all(c.isalnum() or c in "._-" for c in job_id):
-            return f"proxy: invalid job id {job_id!r}"
-        try:
-            admitted = json.loads((self.registry / job_id).read_text())
-            owner, devices = int(admitted["uid"]), [int(d) for d in admitted["devices"]]
-        except (OSError, ValueError, KeyError, TypeError):
-            return f"proxy: job {job_id} is not admitted on this device"
-        if owner != uid:
-            return f"proxy: job {job_id} does not belong to uid {uid}"
-        if self.index not in devices:
-            return f"proxy: job {job_id} was not granted device {self.index}"
+        if self.job_id is None:
+            return ""  # a server started by hand serves whoever can open its socket
+        if job_id != self.job_id:
+            return f"proxy: this device server serves job {self.job_id}, not {job_id!r}"
+        allowed = os.getuid() if self.job_uid is None else self.job_uid
+        if uid not in (0, allowed):
+            return f"proxy: uid {uid} may not use the devices of job {job_id}"
         return ""
 
     def _open_session(self, connection: Connection, uid: int, hello: protocol.Frame) -> Session | None:
@@ -123,7 +123,7 @@ class Server:
         with self.state_lock:
             existing = self.sessions.get(key)
             if resume:
-                if existing is None or (uid != 0 and uid != os.getuid()):
+                if existing is None or uid not in (0, self.daemon_uid):
                     connection.send(
                         protocol.ERROR, _refusal(RuntimeError, f"proxy: no session to resume for {key}")
                     )
@@ -133,6 +133,8 @@ class Server:
                 refusal = self.admission_problem(job_id, uid)
                 if not refusal and existing is not None and existing.uid != uid and uid != 0:
                     refusal = f"proxy: session {key} belongs to another user"
+                if not refusal and existing is not None and existing.connection is not None:
+                    refusal = f"proxy: session {key} is in use by another process"
                 if refusal:
                     connection.send(protocol.ERROR, _refusal(PermissionError, refusal))
                     return None

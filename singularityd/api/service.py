@@ -1,28 +1,92 @@
-"""The gRPC servicer: translates singularity.v1 messages to daemon calls for one known caller."""
+"""The gRPC servicer: singularity.v1 messages in, calls on a `JobService` out, for one caller.
+
+This is the only place that knows gRPC status codes: the domain refuses requests with the plain
+errors of singularityd.errors, and `STATUS_OF` says which status each becomes (the CLI then maps
+statuses to exit codes).
+"""
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict
 from functools import wraps
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
+from singularityd.api.protocol import DeviceFacts, JobService
 from singularityd.api.v1 import singularity_pb2 as pb
 from singularityd.api.v1 import singularity_pb2_grpc as pb_grpc
+from singularityd.checkpoint.coordinator import StoredCheckpoint
+from singularityd.errors import (
+    InvalidRequest,
+    NotFound,
+    PermissionDenied,
+    RequestError,
+    StateConflict,
+    StoreUnwritable,
+    Unsatisfiable,
+)
 from singularityd.identity import Caller
-from singularityd.requests import RequestError, SubmitArgs
+from singularityd.jobs.submission import SubmitArgs
 from singularityd.store import JobRecord
-
-if TYPE_CHECKING:
-    from singularityd.daemon import Daemon
 
 Response = TypeVar("Response")
 
+STATUS_OF: dict[type[RequestError], grpc.StatusCode] = {
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    Unsatisfiable: grpc.StatusCode.FAILED_PRECONDITION,
+    StateConflict: grpc.StatusCode.FAILED_PRECONDITION,
+    StoreUnwritable: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
 
-def job_message(job: JobRecord, daemon: Daemon) -> pb.Job:
-    """A stored job as an API message, with live usage for running jobs."""
+
+def status_of(error: RequestError) -> grpc.StatusCode:
+    """The gRPC status for a refused request (UNKNOWN for a kind not listed)."""
+    for kind in type(error).__mro__:
+        if kind in STATUS_OF:
+            return STATUS_OF[kind]
+    return grpc.StatusCode.UNKNOWN
+
+
+def checkpoint_message(checkpoint: StoredCheckpoint) -> pb.CheckpointInfo:
+    """One of a job's checkpoints as an API message, with the pause taking it cost the job."""
+    return pb.CheckpointInfo(
+        seq=checkpoint.seq,
+        created_at=checkpoint.created_at,
+        bytes=checkpoint.image_bytes,
+        complete=checkpoint.complete,
+        pause_seconds=checkpoint.pause_s,
+    )
+
+
+def device_message(facts: DeviceFacts) -> pb.Device:
+    """A device as an API message: its memory and utilisation, holders, proxy health and sessions."""
+    device, health = facts.device, facts.health
+    message = pb.Device(
+        index=device.index,
+        kind=device.kind,
+        name=device.name,
+        uuid=device.uuid,
+        memory_total=device.memory_total,
+        memory_used=device.memory_used,
+        jobs=facts.jobs,
+        proxy=health.proxy,
+        sessions=[
+            pb.DeviceSession(job=s.job, rank=s.rank, bytes=s.bytes, connected=s.connected)
+            for s in health.sessions
+        ],
+    )
+    if device.utilization_percent is not None:
+        message.utilization_percent = device.utilization_percent
+    return message
+
+
+def job_message(job: JobRecord, jobs: JobService) -> pb.Job:
+    """A stored job as an API message, with live usage for running jobs and its newest checkpoint."""
+    live = jobs.live(job)
     message = pb.Job(
         id=job.id,
         name=job.spec.name,
@@ -41,36 +105,35 @@ def job_message(job: JobRecord, daemon: Daemon) -> pb.Job:
         ended_at=job.ended_at or 0.0,
         cwd=job.spec.cwd,
         attempt=job.attempt,
-        checkpoint_interval=daemon.checkpoint_interval(job),
+        checkpoint_interval=live.checkpoint_interval,
+        checkpoints=live.checkpoints,
+        checkpoint_bytes=live.checkpoint_bytes,
+        starting=live.starting,
     )
-    message.checkpoints, message.checkpoint_bytes = daemon.checkpoint_usage(job.id)
+    if live.last_checkpoint is not None:
+        message.last_checkpoint.CopyFrom(checkpoint_message(live.last_checkpoint))
     if job.exit_code is not None:
         message.exit_code = job.exit_code
     if job.signal is not None:
         message.signal = job.signal
-    usage = daemon.usage(job)
-    if usage is not None:
-        message.cpu_seconds = usage.cpu_seconds
-        message.rss_bytes = usage.rss_bytes
+    if live.usage is not None:
+        message.cpu_seconds = live.usage.cpu_seconds
+        message.rss_bytes = live.usage.rss_bytes
     return message
 
 
 def _translating_errors(
     method: Callable[..., Awaitable[Response]],
 ) -> Callable[..., Awaitable[Response]]:
-    """Turn the daemon's RequestError into a gRPC status with the same message."""
+    """Turn a refused request into its gRPC status, with the same one-line message."""
 
     @wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Response:
         try:
             return await method(self, request, context)
         except RequestError as error:
-            await context.abort(error.kind, error.message)
+            await context.abort(status_of(error), error.message)
             raise  # unreachable: abort raises
-        except sqlite3.Error as error:
-            message = f"the daemon cannot write its state database: {error}"
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
-            raise
 
     return wrapper
 
@@ -78,13 +141,13 @@ def _translating_errors(
 class SingularityService(pb_grpc.SingularityServicer):  # type: ignore[misc]
     """Serves one caller, whose identity the kernel gave when they connected."""
 
-    def __init__(self, daemon: Daemon, caller: Caller) -> None:
-        self.daemon = daemon
+    def __init__(self, jobs: JobService, caller: Caller) -> None:
+        self.jobs = jobs
         self.caller = caller
 
     @_translating_errors
     async def Submit(self, request: pb.SubmitRequest, context: Any) -> pb.SubmitResponse:
-        job = self.daemon.submit(
+        job = self.jobs.submit(
             self.caller,
             SubmitArgs(
                 command=tuple(request.command),
@@ -99,37 +162,39 @@ class SingularityService(pb_grpc.SingularityServicer):  # type: ignore[misc]
                 ),
             ),
         )
-        return pb.SubmitResponse(job=job_message(job, self.daemon))
+        return pb.SubmitResponse(job=job_message(job, self.jobs))
 
     def _listed(self, request: pb.ListJobsRequest) -> list[pb.Job]:
-        jobs = self.daemon.store.list_jobs(include_finished=request.all)
-        return [job_message(j, self.daemon) for j in jobs if not request.user or j.spec.user == request.user]
+        jobs = self.jobs.jobs(include_finished=request.all)
+        return [job_message(j, self.jobs) for j in jobs if not request.user or j.spec.user == request.user]
 
     @_translating_errors
     async def ListJobs(self, request: pb.ListJobsRequest, context: Any) -> pb.ListJobsResponse:
         return pb.ListJobsResponse(jobs=self._listed(request))
 
     async def WatchJobs(self, request: pb.ListJobsRequest, context: Any) -> AsyncIterator[pb.JobUpdate]:
-        with self.daemon.subscribe() as changes:
+        with self.jobs.subscribe() as changes:
             yield pb.JobUpdate(jobs=self._listed(request), is_change=False)
             while True:
                 changed = {await changes.get()}
                 while not changes.empty():
                     changed.add(changes.get_nowait())
-                jobs = [self.daemon.store.get(job_id) for job_id in sorted(changed)]
-                messages = [
-                    job_message(j, self.daemon)
-                    for j in jobs
-                    if j is not None and (not request.user or j.spec.user == request.user)
-                ]
+                messages = []
+                for job_id in sorted(changed):
+                    try:
+                        job = self.jobs.job(job_id)
+                    except NotFound:
+                        continue
+                    if not request.user or job.spec.user == request.user:
+                        messages.append(job_message(job, self.jobs))
                 if messages:
                     yield pb.JobUpdate(jobs=messages, is_change=True)
 
     @_translating_errors
     async def GetJob(self, request: pb.JobRef, context: Any) -> pb.JobDetail:
-        job = self.daemon.get_job(request.id)
+        job = self.jobs.job(request.id)
         detail = pb.JobDetail(
-            job=job_message(job, self.daemon),
+            job=job_message(job, self.jobs),
             events=[
                 pb.Event(
                     at=e.at,
@@ -137,90 +202,73 @@ class SingularityService(pb_grpc.SingularityServicer):  # type: ignore[misc]
                     to_state=e.to_state.value,
                     reason=e.reason,
                 )
-                for e in self.daemon.store.events(job.id)
+                for e in self.jobs.events(job.id)
             ],
         )
-        detail.checkpoint_list.extend(
-            pb.CheckpointInfo(seq=seq, created_at=created, bytes=size, complete=complete)
-            for seq, created, size, complete in self.daemon.checkpoint_list(job.id)
-        )
+        detail.checkpoint_list.extend(checkpoint_message(c) for c in self.jobs.checkpoints(job.id))
         if self.caller.may_act_on(job.spec.uid):
             detail.env.update(job.spec.env)
-            detail.log_path = str(self.daemon.job_paths(job.id).rank_log(0))
+            detail.log_path = str(self.jobs.log_path(job.id, 0))
         return detail
 
     async def StreamLogs(self, request: pb.LogsRequest, context: Any) -> AsyncIterator[pb.LogChunk]:
         try:
-            job = self.daemon.owned_job(self.caller, request.id)
-            if not 0 <= request.rank < job.spec.ranks:
-                raise RequestError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"job {job.id} has ranks 0 to {job.spec.ranks - 1}, not {request.rank}",
-                )
+            chunks = self.jobs.read_log(
+                self.caller, request.id, request.rank, request.follow, request.tail, request.offset
+            )
         except RequestError as error:
-            await context.abort(error.kind, error.message)
-        async for data in self.daemon.follow_log(request.id, request.rank, request.follow, request.tail):
-            yield pb.LogChunk(data=data)
+            await context.abort(status_of(error), error.message)
+            raise  # unreachable: abort raises
+        async for offset, data in chunks:
+            yield pb.LogChunk(data=data, offset=offset)
 
     @_translating_errors
     async def Cancel(self, request: pb.CancelRequest, context: Any) -> pb.CancelResponse:
         results = []
         for job_id in request.ids:
             try:
-                job = self.daemon.cancel(self.caller, job_id)
+                job = self.jobs.cancel(self.caller, job_id)
             except RequestError as error:
-                results.append(
-                    pb.CancelResult(id=job_id, ok=False, error=error.message, code=error.kind.value[0])
-                )
+                code = status_of(error).value[0]
+                results.append(pb.CancelResult(id=job_id, ok=False, error=error.message, code=code))
             else:
                 results.append(pb.CancelResult(id=job_id, ok=True, state=job.state.value))
         return pb.CancelResponse(results=results)
 
     @_translating_errors
     async def Wait(self, request: pb.JobRef, context: Any) -> pb.Job:
-        job = await self.daemon.wait_for_end(request.id)
-        return job_message(job, self.daemon)
+        job = await self.jobs.wait_for_end(request.id)
+        return job_message(job, self.jobs)
 
     @_translating_errors
     async def ListDevices(self, request: pb.ListDevicesRequest, context: Any) -> pb.ListDevicesResponse:
-        busy = self.daemon.store.busy_devices()
-        devices = []
-        for device in self.daemon.current_devices():
-            message = pb.Device(
-                index=device.index,
-                kind=device.kind,
-                name=device.name,
-                uuid=device.uuid,
-                memory_total=device.memory_total,
-                memory_used=device.memory_used,
-                jobs=[busy[device.index]] if device.index in busy else [],
-            )
-            if device.utilization_percent is not None:
-                message.utilization_percent = device.utilization_percent
-            devices.append(message)
-        return pb.ListDevicesResponse(devices=devices)
+        return pb.ListDevicesResponse(devices=[device_message(d) for d in await self.jobs.devices()])
 
     @_translating_errors
     async def Preempt(self, request: pb.JobRef, context: Any) -> pb.Job:
-        return job_message(await self.daemon.preempt(self.caller, request.id, hold=False), self.daemon)
+        return job_message(await self.jobs.preempt(self.caller, request.id, hold=False), self.jobs)
 
     @_translating_errors
     async def Suspend(self, request: pb.JobRef, context: Any) -> pb.Job:
-        return job_message(await self.daemon.preempt(self.caller, request.id, hold=True), self.daemon)
+        return job_message(await self.jobs.preempt(self.caller, request.id, hold=True), self.jobs)
 
     @_translating_errors
     async def Resume(self, request: pb.JobRef, context: Any) -> pb.Job:
-        return job_message(self.daemon.resume(self.caller, request.id), self.daemon)
+        return job_message(self.jobs.resume(self.caller, request.id), self.jobs)
 
     @_translating_errors
     async def Checkpoint(self, request: pb.JobRef, context: Any) -> pb.CheckpointResponse:
-        job, result = await self.daemon.checkpoint(self.caller, request.id)
+        job, taken = await self.jobs.checkpoint(self.caller, request.id)
         return pb.CheckpointResponse(
-            job=job_message(job, self.daemon),
+            job=job_message(job, self.jobs),
             checkpoint=pb.CheckpointInfo(
-                seq=result.seq, created_at=result.manifest.created_at, bytes=result.image_bytes, complete=True
+                seq=taken.seq,
+                created_at=taken.created_at,
+                bytes=taken.image_bytes,
+                complete=True,
+                pause_seconds=taken.pause_s,
             ),
-            pause_seconds=result.pause_s,
+            pause_seconds=taken.pause_s,
         )
 
     @_translating_errors
@@ -229,10 +277,12 @@ class SingularityService(pb_grpc.SingularityServicer):  # type: ignore[misc]
             caller_uid=self.caller.uid,
             caller_user=self.caller.user,
             caller_is_admin=self.caller.is_admin,
-            **self.daemon.info(),
+            **asdict(self.jobs.info()),
         )
 
 
-def add_service(server: grpc.aio.Server, daemon: Daemon, caller: Caller) -> None:
-    """Register the servicer for one caller on a gRPC server."""
-    pb_grpc.add_SingularityServicer_to_server(SingularityService(daemon, caller), server)
+def add_service(server: grpc.aio.Server, jobs: JobService, caller: Caller) -> SingularityService:
+    """Register the servicer for one caller on a gRPC server; returns it."""
+    service = SingularityService(jobs, caller)
+    pb_grpc.add_SingularityServicer_to_server(service, server)
+    return service

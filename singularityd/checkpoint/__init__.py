@@ -1,6 +1,7 @@
-"""Checkpoints of job process trees with CRIU: driver, image store, and the daemon's entry point.
+"""Checkpoints of job process trees with CRIU: driver, image store, and the checkpointer.
 
-Typical use by the daemon:
+The daemon itself goes through singularityd.checkpoint.coordinator, which adds the job's device
+state (saved and restored by the device proxies) to what is exported here. Typical use:
 
     info = locate_criu(config.criu)            # once at start-up; CheckpointUnavailable says why not
     cp = Checkpointer(Criu(info), ImageStore(state_dir / "checkpoints"), keep=3, pre_copy=1)
@@ -15,9 +16,7 @@ from singularityd.checkpoint.criu import (
     CriuOptions,
     DumpStats,
     RestoreOutcome,
-    dump_problems,
     locate_criu,
-    tree_pids,
 )
 from singularityd.checkpoint.errors import (
     CheckpointError,
@@ -26,6 +25,7 @@ from singularityd.checkpoint.errors import (
     NoValidCheckpoint,
 )
 from singularityd.checkpoint.manifest import FileRecord, Manifest, Skipped, Verdict
+from singularityd.checkpoint.precheck import dump_problems, tree_pids
 from singularityd.checkpoint.service import Checkpointer, CheckpointResult, RestoreResult
 from singularityd.checkpoint.store import ImageStore, JobUsage, rewind_files
 

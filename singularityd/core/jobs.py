@@ -1,110 +1,25 @@
 """The job state machine: pure decisions, no I/O.
 
-The daemon feeds a job's current facts and one stimulus to `decide`, records the transition it
-returns in the store and carries out the actions. Keeping this free of I/O lets every rule be
-tested in microseconds and replayed by a simulator.
+The daemon feeds a job's facts (its stored state and its in-memory activity) and one stimulus to
+`decide`, records the transition it returns, keeps the activity it returns and carries out the
+actions in order. Long work (launch, restore, checkpoint) is an action whose outcome comes back
+as a stimulus, so this module, not the caller, decides what an outcome means. Keeping it free of
+I/O lets every rule be tested in microseconds and replayed by a simulator.
 """
 
 from __future__ import annotations
 
-import enum
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from singularityd.core.states import InvalidTransition, JobState, Transition, check_transition
 
 
-class JobState(enum.StrEnum):
-    """The states a job passes through; the terminal ones never change again."""
-
-    PENDING = "PENDING"
-    RUNNING = "RUNNING"
-    SUSPENDED = "SUSPENDED"
-    PREEMPTED = "PREEMPTED"
-    MIGRATING = "MIGRATING"
-    COMPLETED = "COMPLETED"
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"
-
-    @property
-    def is_terminal(self) -> bool:
-        """Whether the job has ended for good."""
-        return self in TERMINAL_STATES
-
-    @property
-    def is_queued(self) -> bool:
-        """Whether the scheduler may start (or resume) the job when devices free up."""
-        return self in QUEUED_STATES
-
-    @property
-    def holds_devices(self) -> bool:
-        """Whether the job's processes exist and own devices in this state."""
-        return self in (JobState.RUNNING, JobState.MIGRATING)
+class StillLaunching(InvalidTransition):
+    """The job's processes are being started or restored; a request that needs them must wait."""
 
 
-TERMINAL_STATES = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED})
-QUEUED_STATES = frozenset({JobState.PENDING, JobState.PREEMPTED})
-
-ALLOWED_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
-    JobState.PENDING: frozenset({JobState.RUNNING, JobState.SUSPENDED, JobState.CANCELLED, JobState.FAILED}),
-    JobState.RUNNING: frozenset(
-        {
-            JobState.COMPLETED,
-            JobState.FAILED,
-            JobState.CANCELLED,
-            JobState.SUSPENDED,
-            JobState.PREEMPTED,
-            JobState.MIGRATING,
-            JobState.PENDING,
-        }
-    ),
-    JobState.SUSPENDED: frozenset(
-        {JobState.PENDING, JobState.PREEMPTED, JobState.CANCELLED, JobState.FAILED}
-    ),
-    JobState.PREEMPTED: frozenset(
-        {JobState.RUNNING, JobState.SUSPENDED, JobState.CANCELLED, JobState.FAILED}
-    ),
-    JobState.MIGRATING: frozenset(
-        {JobState.RUNNING, JobState.PREEMPTED, JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED}
-    ),
-    JobState.COMPLETED: frozenset(),
-    JobState.FAILED: frozenset(),
-    JobState.CANCELLED: frozenset(),
-}
-
-
-class InvalidTransition(ValueError):
-    """A stimulus asked for a change the job's state does not allow."""
-
-
-@dataclass(frozen=True)
-class Transition:
-    """One recorded change of a job's state, always with the reason for it."""
-
-    job_id: int
-    from_state: JobState | None
-    to_state: JobState
-    reason: str
-    at: float
-
-
-def check_transition(job_id: int, current: JobState, target: JobState, reason: str, at: float) -> Transition:
-    """Return the transition from `current` to `target`, or raise InvalidTransition."""
-    if target not in ALLOWED_TRANSITIONS[current]:
-        raise InvalidTransition(f"job {job_id} is {current}; it cannot become {target}")
-    if not reason:
-        raise ValueError("every transition needs a reason")
-    return Transition(job_id, current, target, reason, at)
-
-
-@dataclass(frozen=True)
-class JobFacts:
-    """What the state machine needs to know about a job to decide."""
-
-    job_id: int
-    state: JobState
-    cancel_requested: bool = False
-    has_checkpoint: bool = False
-    checkpointing: bool = False
-    checkpoints_available: bool = True
+PREEMPTION_BACKOFF_SECONDS = 60.0
 
 
 # Stimuli: things that happened to a job.
@@ -115,6 +30,29 @@ class Started:
     """The scheduler gave the job devices; its processes are launched (or restored) next."""
 
     devices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ProcessesRunning:
+    """The job's supervisor runs: just launched, or found running after a daemon restart."""
+
+    pid: int
+    start_ticks: int
+
+
+@dataclass(frozen=True)
+class Restored:
+    """The job's processes were restored from checkpoint `seq`; newer ones were `skipped`.
+
+    `problem` is set when the processes run but the device proxies did not take them back: the
+    job cannot go on and is stopped.
+    """
+
+    pid: int
+    start_ticks: int
+    seq: int
+    skipped: tuple[tuple[int, str], ...] = ()
+    problem: str = ""
 
 
 @dataclass(frozen=True)
@@ -131,6 +69,8 @@ class Exited:
     exit_code: int | None
     signal: int | None
     error: str = ""
+    cpu_seconds: float | None = None
+    max_rss_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -163,6 +103,11 @@ class PreemptRequested:
 
 
 @dataclass(frozen=True)
+class PreemptionWanted:
+    """The scheduler wants the job's devices for a higher-priority job."""
+
+
+@dataclass(frozen=True)
 class ResumeRequested:
     """Release a held (SUSPENDED) job back into the queue."""
 
@@ -177,17 +122,23 @@ class CheckpointRequested:
 
 
 @dataclass(frozen=True)
+class PeriodicCheckpointDue:
+    """The job's periodic checkpoint interval has passed."""
+
+
+@dataclass(frozen=True)
 class Checkpointed:
-    """A checkpoint completed; `stopped` when the job's processes were stopped by it."""
+    """The checkpoint under way completed; `summary` says what it wrote, `image_bytes` how much,
+    `pause_s` how long the job's processes were stopped for it."""
 
     summary: str
-    stopped: bool
-    hold: bool = False
+    image_bytes: int = 0
+    pause_s: float = 0.0
 
 
 @dataclass(frozen=True)
 class CheckpointFailed:
-    """A checkpoint did not complete; the job keeps running and the previous images stay."""
+    """The checkpoint under way did not complete; the job keeps running, previous images stay."""
 
     error: str
 
@@ -201,21 +152,43 @@ class RestoreFailed:
 
 Stimulus = (
     Started
+    | ProcessesRunning
+    | Restored
     | LaunchFailed
     | Exited
     | CancelRequested
     | ProcessesLost
     | Requeued
     | PreemptRequested
+    | PreemptionWanted
     | ResumeRequested
     | CheckpointRequested
+    | PeriodicCheckpointDue
     | Checkpointed
     | CheckpointFailed
     | RestoreFailed
 )
 
 
-# Actions: what the daemon must carry out.
+# Actions: what the daemon must carry out, in order.
+
+
+@dataclass(frozen=True)
+class LaunchProcesses:
+    """Start the job's processes from its command; report ProcessesRunning or LaunchFailed."""
+
+
+@dataclass(frozen=True)
+class RestoreProcesses:
+    """Restore the job's processes from its newest good checkpoint; report Restored or RestoreFailed."""
+
+
+@dataclass(frozen=True)
+class WatchProcesses:
+    """Record the job's supervisor (PID and start time) and watch it until it ends."""
+
+    pid: int
+    start_ticks: int
 
 
 @dataclass(frozen=True)
@@ -225,7 +198,7 @@ class TerminateProcesses:
 
 @dataclass(frozen=True)
 class ReleaseDevices:
-    """Give the job's devices back to the pool."""
+    """Give the job's devices back to the pool and drop what the daemon holds for its processes."""
 
 
 @dataclass(frozen=True)
@@ -239,11 +212,33 @@ class Reschedule:
 
 
 @dataclass(frozen=True)
+class RescheduleAfter:
+    """Run the scheduling policy again once `seconds` have passed."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
 class TakeCheckpoint:
-    """Checkpoint the job's processes; stop them afterwards when `stop` (hold: keep off the queue)."""
+    """Checkpoint the job's processes; report Checkpointed or CheckpointFailed.
+
+    `stop`: the processes end with the dump (hold: keep the job off the queue afterwards).
+    `reason` starts the event that records the checkpoint. `periodic` and `for_scheduler` say who
+    asked, which decides what a failure or success leads to.
+    """
 
     stop: bool
     hold: bool = False
+    reason: str = "checkpoint"
+    periodic: bool = False
+    for_scheduler: bool = False
+
+
+@dataclass(frozen=True)
+class ArmPeriodicCheckpoint:
+    """Deliver PeriodicCheckpointDue after `after` seconds."""
+
+    after: float
 
 
 @dataclass(frozen=True)
@@ -253,15 +248,78 @@ class Note:
     reason: str
 
 
-Action = TerminateProcesses | ReleaseDevices | MarkCancelRequested | Reschedule | TakeCheckpoint | Note
+@dataclass(frozen=True)
+class Replay:
+    """Feed a stimulus held back earlier (an exit seen during a checkpoint) to the state machine."""
+
+    stimulus: Exited | ProcessesLost
+
+
+Action = (
+    LaunchProcesses
+    | RestoreProcesses
+    | WatchProcesses
+    | TerminateProcesses
+    | ReleaseDevices
+    | MarkCancelRequested
+    | Reschedule
+    | RescheduleAfter
+    | TakeCheckpoint
+    | ArmPeriodicCheckpoint
+    | Note
+    | Replay
+)
+
+
+@dataclass(frozen=True)
+class Activity:
+    """What is under way with a job's processes: volatile, kept by the daemon, never stored.
+
+    `launching` from the grant of devices until the processes run or fail to start; `checkpoint`
+    while a checkpoint is taken; `deferred_exit` an exit seen during that checkpoint, replayed
+    once it is over; `preemption_backoff_until` the time before which the scheduler leaves the
+    job alone, after preempting it failed.
+    """
+
+    launching: bool = False
+    checkpoint: TakeCheckpoint | None = None
+    deferred_exit: Exited | ProcessesLost | None = None
+    preemption_backoff_until: float | None = None
+
+    @property
+    def idle(self) -> bool:
+        """Whether the processes run with nothing under way (a checkpoint may start)."""
+        return not self.launching and self.checkpoint is None
+
+    def preemptible_at(self, now: float) -> bool:
+        """Whether the scheduler may preempt the job now (running, idle, not backing off)."""
+        backoff = self.preemption_backoff_until
+        return self.idle and (backoff is None or now >= backoff)
+
+
+@dataclass(frozen=True)
+class JobFacts:
+    """What the state machine needs to know about a job to decide."""
+
+    job_id: int
+    state: JobState
+    cancel_requested: bool = False
+    has_checkpoint: bool = False
+    checkpoints_available: bool = True
+    checkpoint_interval: float = 0.0
+    activity: Activity = field(default_factory=Activity)
 
 
 @dataclass(frozen=True)
 class Decision:
-    """The outcome of one stimulus: an optional transition and the actions to carry out."""
+    """The outcome of one stimulus: a transition to record, the job's activity, actions to take.
+
+    `activity` is None when the stimulus leaves the activity as it was.
+    """
 
     transition: Transition | None = None
     actions: tuple[Action, ...] = field(default_factory=tuple)
+    activity: Activity | None = None
 
 
 def describe_exit(exit_code: int | None, sig: int | None) -> str:
@@ -284,15 +342,90 @@ def shell_exit_status(exit_code: int | None, sig: int | None) -> int | None:
     return exit_code
 
 
-def _require_running(job: JobFacts, verb: str) -> None:
+def _require_idle_running(job: JobFacts, verb: str) -> None:
+    """Refuse (or, while the processes start, defer) a checkpoint the job cannot take now."""
     if job.state is not JobState.RUNNING:
         raise InvalidTransition(f"job {job.job_id} is {job.state}; only a RUNNING job can be {verb}")
     if not job.checkpoints_available:
         raise InvalidTransition(f"job {job.job_id} cannot be {verb}: checkpoints are unavailable here")
-    if job.checkpointing:
+    if job.activity.checkpoint is not None:
         raise InvalidTransition(f"job {job.job_id} is already being checkpointed")
     if job.cancel_requested:
         raise InvalidTransition(f"job {job.job_id} is being cancelled")
+    if job.activity.launching:
+        raise StillLaunching(f"job {job.job_id} is still starting")
+
+
+def _checkpointing(job: JobFacts, take: TakeCheckpoint, *first: Action) -> Decision:
+    """Start a checkpoint: remember it as the job's activity and carry it out."""
+    activity = replace(job.activity, checkpoint=take)
+    if take.for_scheduler:
+        activity = replace(activity, preemption_backoff_until=None)
+    return Decision(actions=(*first, take), activity=activity)
+
+
+def _periodic(job: JobFacts) -> tuple[Action, ...]:
+    """Arm the next periodic checkpoint, when the job has an interval and checkpoints work."""
+    if job.checkpoints_available and job.checkpoint_interval > 0:
+        return (ArmPeriodicCheckpoint(job.checkpoint_interval),)
+    return ()
+
+
+def _running(job: JobFacts, pid: int, ticks: int) -> tuple[Action, ...]:
+    """What follows once the job's supervisor runs: watch it, arm checkpoints, honour a cancel."""
+    cancel: tuple[Action, ...] = (TerminateProcesses(),) if job.cancel_requested else ()
+    return (WatchProcesses(pid, ticks), *_periodic(job), *cancel)
+
+
+def _ended(job: JobFacts, stimulus: Exited | ProcessesLost, now: float) -> Decision:
+    """The job's processes are gone: record how, free the devices."""
+    state = job.state
+    if not state.holds_devices:
+        return Decision()  # processes of a job that no longer holds devices: already settled
+    if job.activity.checkpoint is not None:
+        return Decision(activity=replace(job.activity, deferred_exit=stimulus))
+    release = (ReleaseDevices(), Reschedule())
+    if isinstance(stimulus, ProcessesLost):
+        if job.has_checkpoint and not job.cancel_requested:
+            reason = f"{stimulus.detail}; queued to resume from its last checkpoint"
+            return Decision(check_transition(job.job_id, state, JobState.PREEMPTED, reason, now), release)
+        target = JobState.CANCELLED if job.cancel_requested else JobState.FAILED
+        return Decision(check_transition(job.job_id, state, target, stimulus.detail, now), release)
+    code, sig, error = stimulus.exit_code, stimulus.signal, stimulus.error
+    how = error or describe_exit(code, sig)
+    if job.cancel_requested:
+        target, reason = JobState.CANCELLED, f"cancelled ({how})"
+    elif code == 0 and sig is None and not error:
+        target, reason = JobState.COMPLETED, how
+    else:
+        target, reason = JobState.FAILED, how
+    return Decision(check_transition(job.job_id, state, target, reason, now), release)
+
+
+def _checkpoint_over(job: JobFacts, succeeded: bool, text: str, now: float) -> Decision:
+    """The checkpoint under way ended: record it, then whatever it held back or leads to."""
+    take = job.activity.checkpoint
+    if take is None:
+        raise InvalidTransition(f"job {job.job_id} has no checkpoint under way")
+    activity = replace(job.activity, checkpoint=None, deferred_exit=None)
+    if succeeded and take.stop:
+        if take.hold:
+            target, reason = JobState.SUSPENDED, f"{text}; held until resumed"
+        else:
+            target, reason = JobState.PREEMPTED, f"{text}; queued to resume"
+        transition = check_transition(job.job_id, job.state, target, reason, now)
+        return Decision(transition, (ReleaseDevices(), Reschedule()), activity)
+    actions: list[Action] = [Note(text)]
+    if not succeeded and take.for_scheduler:
+        activity = replace(activity, preemption_backoff_until=now + PREEMPTION_BACKOFF_SECONDS)
+        actions.append(RescheduleAfter(PREEMPTION_BACKOFF_SECONDS))
+    if job.activity.deferred_exit is not None:
+        actions.append(Replay(job.activity.deferred_exit))
+        return Decision(actions=tuple(actions), activity=activity)
+    if take.periodic:
+        actions += _periodic(job)
+    actions.append(Reschedule())  # the job may be preempted again
+    return Decision(actions=tuple(actions), activity=activity)
 
 
 def decide(job: JobFacts, stimulus: Stimulus, now: float) -> Decision:
@@ -302,27 +435,43 @@ def decide(job: JobFacts, stimulus: Stimulus, now: float) -> Decision:
         case Started(devices=devices):
             listed = ",".join(str(d) for d in devices)
             where = f"device{'s' if len(devices) != 1 else ''} {listed}"
-            reason = (
-                f"resumed from its checkpoint on {where}" if job.has_checkpoint else f"started on {where}"
-            )
-            return Decision(check_transition(job.job_id, state, JobState.RUNNING, reason, now))
+            start: Action = RestoreProcesses() if job.has_checkpoint else LaunchProcesses()
+            if job.has_checkpoint:
+                reason = f"resumed from its checkpoint on {where}"
+            else:
+                reason = f"started on {where}"
+            transition = check_transition(job.job_id, state, JobState.RUNNING, reason, now)
+            return Decision(transition, (start,), Activity(launching=True))
+        case ProcessesRunning(pid=pid, start_ticks=ticks):
+            if not state.holds_devices:
+                raise InvalidTransition(f"job {job.job_id} is {state}; its processes cannot run")
+            started = replace(job.activity, launching=False)
+            return Decision(actions=_running(job, pid, ticks), activity=started)
+        case Restored(pid=pid, start_ticks=ticks, seq=seq, skipped=skipped, problem=problem):
+            if not state.holds_devices:
+                raise InvalidTransition(f"job {job.job_id} is {state}; its processes cannot run")
+            notes = [Note(f"checkpoint {s} not used: {why}") for s, why in skipped]
+            notes.append(Note(f"restored from checkpoint {seq}"))
+            actions = (*notes, *_running(job, pid, ticks))
+            if problem and not job.cancel_requested:
+                actions += (Note(problem), TerminateProcesses())
+            elif problem:
+                actions += (Note(problem),)
+            return Decision(actions=actions, activity=replace(job.activity, launching=False))
         case LaunchFailed(error=error):
             return Decision(
                 check_transition(job.job_id, state, JobState.FAILED, f"launch failed: {error}", now),
                 (ReleaseDevices(), Reschedule()),
+                Activity(),
             )
-        case Exited(exit_code=code, signal=sig, error=error):
-            how = error or describe_exit(code, sig)
-            if job.cancel_requested:
-                target, reason = JobState.CANCELLED, f"cancelled ({how})"
-            elif code == 0 and sig is None and not error:
-                target, reason = JobState.COMPLETED, how
-            else:
-                target, reason = JobState.FAILED, how
+        case RestoreFailed(error=error):
             return Decision(
-                check_transition(job.job_id, state, target, reason, now),
+                check_transition(job.job_id, state, JobState.FAILED, f"cannot resume: {error}", now),
                 (ReleaseDevices(), Reschedule()),
+                Activity(),
             )
+        case Exited() | ProcessesLost():
+            return _ended(job, stimulus, now)
         case CancelRequested(by=by):
             if state.is_terminal:
                 raise InvalidTransition(f"job {job.job_id} is already {state}")
@@ -334,26 +483,22 @@ def decide(job: JobFacts, stimulus: Stimulus, now: float) -> Decision:
                 check_transition(job.job_id, state, JobState.CANCELLED, f"cancelled by {by}", now),
                 (ReleaseDevices(), Reschedule()),
             )
-        case ProcessesLost(detail=detail):
-            if job.has_checkpoint and not job.cancel_requested:
-                reason = f"{detail}; queued to resume from its last checkpoint"
-                return Decision(
-                    check_transition(job.job_id, state, JobState.PREEMPTED, reason, now),
-                    (ReleaseDevices(), Reschedule()),
-                )
-            target = JobState.CANCELLED if job.cancel_requested else JobState.FAILED
-            return Decision(
-                check_transition(job.job_id, state, target, detail, now),
-                (ReleaseDevices(), Reschedule()),
-            )
         case PreemptRequested(by=by, hold=hold):
             if hold and state in (JobState.PENDING, JobState.PREEMPTED):
                 return Decision(check_transition(job.job_id, state, JobState.SUSPENDED, f"held by {by}", now))
-            _require_running(job, "suspended" if hold else "preempted")
+            _require_idle_running(job, "suspended" if hold else "preempted")
             verb = "suspend" if hold else "preempt"
-            return Decision(
-                actions=(Note(f"{verb} requested by {by}: checkpointing"), TakeCheckpoint(True, hold))
-            )
+            take = TakeCheckpoint(True, hold, f"{'suspended' if hold else 'preempted'} by {by}")
+            return _checkpointing(job, take, Note(f"{verb} requested by {by}: checkpointing"))
+        case PreemptionWanted():
+            try:
+                _require_idle_running(job, "preempted")
+            except InvalidTransition:
+                backoff = replace(job.activity, preemption_backoff_until=now + PREEMPTION_BACKOFF_SECONDS)
+                return Decision(actions=(RescheduleAfter(PREEMPTION_BACKOFF_SECONDS),), activity=backoff)
+            take = TakeCheckpoint(True, reason="preempted for a higher-priority job", for_scheduler=True)
+            by = "the scheduler (a higher-priority job needs its devices)"
+            return _checkpointing(job, take, Note(f"preempt requested by {by}: checkpointing"))
         case ResumeRequested(by=by):
             if state is not JobState.SUSPENDED:
                 raise InvalidTransition(f"job {job.job_id} is {state}; only a SUSPENDED job can be resumed")
@@ -362,28 +507,25 @@ def decide(job: JobFacts, stimulus: Stimulus, now: float) -> Decision:
                 check_transition(job.job_id, state, target, f"resumed by {by}; queued", now), (Reschedule(),)
             )
         case CheckpointRequested(by=by):
-            _require_running(job, "checkpointed")
-            return Decision(actions=(Note(f"checkpoint requested by {by}"), TakeCheckpoint(False)))
-        case Checkpointed(summary=summary, stopped=stopped, hold=hold):
-            if not stopped:
-                return Decision(actions=(Note(summary),))
-            if hold:
-                target, reason = JobState.SUSPENDED, f"{summary}; held until resumed"
-            else:
-                target, reason = JobState.PREEMPTED, f"{summary}; queued to resume"
-            return Decision(
-                check_transition(job.job_id, state, target, reason, now), (ReleaseDevices(), Reschedule())
-            )
+            _require_idle_running(job, "checkpointed")
+            take = TakeCheckpoint(False, reason=f"checkpoint by {by}")
+            return _checkpointing(job, take, Note(f"checkpoint requested by {by}"))
+        case PeriodicCheckpointDue():
+            if state is not JobState.RUNNING:
+                return Decision()
+            if not job.activity.idle or job.cancel_requested:
+                return Decision(actions=_periodic(job))
+            return _checkpointing(job, TakeCheckpoint(False, reason="periodic checkpoint", periodic=True))
+        case Checkpointed(summary=summary):
+            under_way = job.activity.checkpoint
+            reason = under_way.reason if under_way else "checkpoint"
+            return _checkpoint_over(job, True, f"{reason}: {summary}", now)
         case CheckpointFailed(error=error):
-            return Decision(actions=(Note(f"checkpoint failed, the job keeps running: {error}"),))
-        case RestoreFailed(error=error):
-            return Decision(
-                check_transition(job.job_id, state, JobState.FAILED, f"cannot resume: {error}", now),
-                (ReleaseDevices(), Reschedule()),
-            )
+            return _checkpoint_over(job, False, f"checkpoint failed, the job keeps running: {error}", now)
         case Requeued(detail=detail):
             return Decision(
                 check_transition(job.job_id, state, JobState.PENDING, detail, now),
                 (ReleaseDevices(), Reschedule()),
+                Activity(),
             )
     raise TypeError(f"unknown stimulus {stimulus!r}")

@@ -1,6 +1,11 @@
-"""A longer MLP run with a value read every step and bursts of asynchronous work between."""
+"""A longer MLP run with a value read every step and bursts of asynchronous work between.
+
+With --hold FILE it waits, before its final line, until FILE exists (a test's signal to end).
+"""
 
 import argparse
+import os
+import time
 
 import torch
 from _common import checksum
@@ -9,6 +14,7 @@ from torch import nn
 ap = argparse.ArgumentParser()
 ap.add_argument("--steps", type=int, default=60)
 ap.add_argument("--width", type=int, default=256)
+ap.add_argument("--hold", help="before the final line, wait until this file exists")
 args = ap.parse_args()
 device = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(10)
@@ -30,4 +36,6 @@ for step in range(args.steps):
         print(f"step {step} loss {loss.item():.8f} burst {acc.mean().item():.6f}", flush=True)
     else:
         print(f"step {step} loss {loss.item():.8f}", flush=True)
+while args.hold and not os.path.exists(args.hold):
+    time.sleep(0.05)
 print("final", checksum(model), flush=True)

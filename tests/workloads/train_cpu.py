@@ -1,8 +1,13 @@
 """An ordinary PyTorch training script (CPU): fixed seed, prints the loss every step and a checksum
-of the final weights. Tests run it unmodified, directly and under singularityd."""
+of the final weights. Tests run it unmodified, directly and under singularityd.
+
+With --hold FILE it waits, before the checksum, until FILE exists: a test that must find the job
+still running when it preempts or checkpoints it creates FILE only once it is done with it.
+"""
 
 import argparse
 import hashlib
+import os
 import time
 
 import torch
@@ -12,6 +17,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=300)
 parser.add_argument("--hidden", type=int, default=256)
 parser.add_argument("--sleep", type=float, default=0.0, help="seconds to idle after each step")
+parser.add_argument("--hold", help="before the checksum, wait until this file exists")
 args = parser.parse_args()
 
 torch.manual_seed(1234)
@@ -36,6 +42,9 @@ for step in range(args.steps):
     print(f"step {step} loss {loss.item():.10f}", flush=True)
     if args.sleep:
         time.sleep(args.sleep)
+
+while args.hold and not os.path.exists(args.hold):
+    time.sleep(0.05)
 
 digest = hashlib.sha256()
 for tensor in model.state_dict().values():

@@ -1,9 +1,11 @@
 """An ordinary data-parallel PyTorch script (torch.distributed, gloo, launched torchrun-style): each
 rank trains on its shard, gradients are all-reduced every step; every rank prints its loss per step
-and the final weight checksum."""
+and the final weight checksum. With --hold FILE every rank waits, before its checksum, until FILE
+exists (the test's signal that the job may end)."""
 
 import argparse
 import hashlib
+import os
 import time
 
 import torch
@@ -13,6 +15,7 @@ from torch import nn
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=150)
 parser.add_argument("--sleep", type=float, default=0.0)
+parser.add_argument("--hold", help="before the checksum, wait until this file exists")
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -36,6 +39,9 @@ for step in range(args.steps):
     print(f"rank {rank} step {step} loss {loss.item():.10f}", flush=True)
     if args.sleep:
         time.sleep(args.sleep)
+
+while args.hold and not os.path.exists(args.hold):
+    time.sleep(0.05)
 
 digest = hashlib.sha256()
 for tensor in model.state_dict().values():

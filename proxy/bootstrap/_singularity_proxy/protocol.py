@@ -45,6 +45,8 @@ Server -> job process:
     RESUME: null  go on
     GOODBYE: [module, qualname, message]  the server closes this connection, and why
 Daemon <-> server, on the control socket (proxy/control.py and the server's control.py):
+    each request is one marker byte sent with sendmsg, carrying the request's file descriptors
+    (save and load carry the device-state file; the others none), then the frame
     CONTROL_REQUEST: [name, *arguments]  name one of CONTROL_REQUESTS
     CONTROL_OK: result    CONTROL_FAILED: [exception type name, message]
 """
@@ -202,7 +204,7 @@ SERVED_NAMESPACES = ("aten", "prims")
 """Namespaces whose operators a server may run for a job (see the server's operators.py)."""
 
 # -- control channel ------------------------------------------------------------------------------
-CONTROL_REQUESTS = ("quiesce", "save", "release", "load", "resume", "status")
+CONTROL_REQUESTS = ("quiesce", "save", "release", "load", "resume", "status", "stop")
 
 DEVICE_INFO_KEYS = ("name", "total_memory", "major", "minor", "multi_processor_count", "kind", "index")
 """What WELCOME tells a job process about its device."""

@@ -1,8 +1,9 @@
 """The scheduling policy: priority then FIFO, gang allocation, no overcommit, preemption. Pure.
 
-The daemon passes the queue, the running jobs and the free devices; the policy returns which
-jobs start on which devices, which running jobs to preempt (checkpoint and stop) to make room
-for a higher-priority one, and, for every job left waiting, a reason a person can read.
+A round (singularityd.scheduling.round) passes the queue, the running jobs and the free devices;
+the policy returns which jobs start on which devices, which running jobs to preempt (checkpoint
+and stop) to make room for a higher-priority one, and, for every job left waiting, a reason a
+person can read.
 """
 
 from __future__ import annotations

@@ -1,0 +1,89 @@
+"""Job states and the transitions allowed between them: pure, no I/O."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class JobState(enum.StrEnum):
+    """The states a job passes through; the terminal ones never change again."""
+
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    SUSPENDED = "SUSPENDED"
+    PREEMPTED = "PREEMPTED"
+    MIGRATING = "MIGRATING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def is_terminal(self) -> bool:
+        """Whether the job has ended for good."""
+        return self in TERMINAL_STATES
+
+    @property
+    def is_queued(self) -> bool:
+        """Whether the scheduler may start (or resume) the job when devices free up."""
+        return self in QUEUED_STATES
+
+    @property
+    def holds_devices(self) -> bool:
+        """Whether the job's processes exist and own devices in this state."""
+        return self in (JobState.RUNNING, JobState.MIGRATING)
+
+
+TERMINAL_STATES = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED})
+QUEUED_STATES = frozenset({JobState.PENDING, JobState.PREEMPTED})
+
+ALLOWED_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.PENDING: frozenset({JobState.RUNNING, JobState.SUSPENDED, JobState.CANCELLED, JobState.FAILED}),
+    JobState.RUNNING: frozenset(
+        {
+            JobState.COMPLETED,
+            JobState.FAILED,
+            JobState.CANCELLED,
+            JobState.SUSPENDED,
+            JobState.PREEMPTED,
+            JobState.MIGRATING,
+            JobState.PENDING,
+        }
+    ),
+    JobState.SUSPENDED: frozenset(
+        {JobState.PENDING, JobState.PREEMPTED, JobState.CANCELLED, JobState.FAILED}
+    ),
+    JobState.PREEMPTED: frozenset(
+        {JobState.RUNNING, JobState.SUSPENDED, JobState.CANCELLED, JobState.FAILED}
+    ),
+    JobState.MIGRATING: frozenset(
+        {JobState.RUNNING, JobState.PREEMPTED, JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED}
+    ),
+    JobState.COMPLETED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+}
+
+
+class InvalidTransition(ValueError):
+    """A stimulus asked for a change the job's state does not allow."""
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One recorded change of a job's state, always with the reason for it."""
+
+    job_id: int
+    from_state: JobState | None
+    to_state: JobState
+    reason: str
+    at: float
+
+
+def check_transition(job_id: int, current: JobState, target: JobState, reason: str, at: float) -> Transition:
+    """Return the transition from `current` to `target`, or raise InvalidTransition."""
+    if target not in ALLOWED_TRANSITIONS[current]:
+        raise InvalidTransition(f"job {job_id} is {current}; it cannot become {target}")
+    if not reason:
+        raise ValueError("every transition needs a reason")
+    return Transition(job_id, current, target, reason, at)

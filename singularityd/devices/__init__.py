@@ -1,0 +1,1 @@
+"""The accelerators the daemon owns: the inventory (NVML or virtual) and the device proxies."""

@@ -1,0 +1,197 @@
+"""Starting a job: its launch spec (command, user, per-rank environment, files) and the launcher.
+
+The launcher (singularityd/jobs/launcher.py) runs as `python -S launcher.py SPEC.json`, forks the
+job's supervisor and exits at once; the supervisor is therefore not the daemon's child, and the
+daemon learns its host PID from the launcher's output. Where root cannot checkpoint another
+user's processes directly, their jobs run in a user namespace the daemon owns; whether that works
+here is tried once at start (`probe_user_namespaces`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pwd
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from singularityd.jobs import launcher
+from singularityd.jobs.paths import JobPaths
+from singularityd.store import JobRecord
+
+LAUNCHER = Path(launcher.__file__)
+
+
+class LaunchError(Exception):
+    """The job's processes could not be started; the message says why."""
+
+
+def prepare_job_dir(paths: JobPaths) -> None:
+    """Create the job's folders.
+
+    As root they belong to root (mode 0711), so the files root writes there (status, PID, the
+    logs it opens) cannot be swapped for links by the job's user; each log file is the user's
+    own, readable by them alone. In user mode everything is the user's, mode 0700.
+    """
+    paths.logs.mkdir(parents=True, exist_ok=True)
+    mode = 0o711 if os.geteuid() == 0 else 0o700
+    for folder in (paths.root, paths.logs):
+        if folder.is_symlink() or not folder.is_dir():
+            raise LaunchError(f"{folder} is not a directory")
+        os.chmod(folder, mode)
+        if os.geteuid() == 0:
+            os.chown(folder, 0, 0)
+
+
+def free_tcp_port() -> int:
+    """A TCP port on the loopback that is free now (for MASTER_PORT)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def rank_environments(
+    base: dict[str, str],
+    *,
+    job_id: int,
+    user: str,
+    ranks: int,
+    devices: tuple[int, ...],
+    device_env: Mapping[str, str],
+    master_port: int,
+) -> list[dict[str, str]]:
+    """The environment of each rank: the user's, plus what torchrun and singularityd provide.
+
+    USER and LOGNAME always name the job's real user, whatever the request carried.
+    USE_LIBUV defaults to 0: torch's libuv TCPStore creates an io_uring, which CRIU cannot dump.
+    `device_env` says how the job reaches its devices (the proxy client, or CUDA_VISIBLE_DEVICES).
+    """
+    identity = {"USER": user, "LOGNAME": user}
+    defaults: dict[str, str] = {}
+    try:
+        account = pwd.getpwnam(user)
+        defaults = {"HOME": account.pw_dir, "SHELL": account.pw_shell}
+    except KeyError:
+        pass
+    listed = ",".join(str(d) for d in devices)
+    environments = []
+    defaults["USE_LIBUV"] = "0"
+    for rank in range(ranks):
+        env = {**defaults, **base, **identity}
+        env.update(
+            {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "GROUP_RANK": "0",
+                "WORLD_SIZE": str(ranks),
+                "LOCAL_WORLD_SIZE": str(ranks),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(master_port),
+                "SING_JOB_ID": str(job_id),
+                "SING_DEVICES": listed,
+            }
+        )
+        env.update(device_env)
+        environments.append(env)
+    return environments
+
+
+def user_groups(user: str, gid: int) -> list[int]:
+    """The supplementary groups the user's jobs run with."""
+    try:
+        return os.getgrouplist(user, gid)
+    except OSError:
+        return [gid]
+
+
+def launch_spec(
+    job: JobRecord,
+    paths: JobPaths,
+    device_env: Mapping[str, str],
+    *,
+    pid_namespace: bool,
+    kill_grace_seconds: float,
+    user_namespace: bool = False,
+    network_namespace: bool = False,
+) -> dict[str, Any]:
+    """Create the job's folder and return what the launcher needs to start it.
+
+    `user_namespace` also puts the job in a user namespace owned by root (with its own mount
+    namespace and /proc); `network_namespace` gives it a network with only a loopback device.
+    """
+    spec = job.spec
+    prepare_job_dir(paths)
+    return {
+        "job_id": job.id,
+        "uid": spec.uid,
+        "gid": spec.gid,
+        "user": spec.user,
+        "groups": user_groups(spec.user, spec.gid),
+        "command": list(spec.command),
+        "cwd": spec.cwd,
+        "rank_envs": rank_environments(
+            spec.env,
+            job_id=job.id,
+            user=spec.user,
+            ranks=spec.ranks,
+            devices=job.devices,
+            device_env=device_env,
+            master_port=free_tcp_port(),
+        ),
+        "rank_logs": [str(paths.rank_log(r)) for r in range(spec.ranks)],
+        "supervisor_log": str(paths.supervisor_log),
+        "status_path": str(paths.status),
+        "pid_path": str(paths.pid),
+        "pid_namespace": pid_namespace,
+        "user_namespace": user_namespace,
+        "network_namespace": network_namespace,
+        "kill_grace_seconds": kill_grace_seconds,
+    }
+
+
+async def run_launcher(spec: dict[str, Any], paths: JobPaths) -> int:
+    """Start a job through the launcher; returns the supervisor's host PID."""
+    for stale in (paths.status, paths.pid):
+        stale.unlink(missing_ok=True)
+    paths.spec.unlink(missing_ok=True)
+    fd = os.open(paths.spec, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        json.dump(spec, handle)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-S",
+        str(LAUNCHER),
+        str(paths.spec),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await process.communicate()
+    if process.returncode != 0:
+        detail = err.decode(errors="replace").strip().splitlines()
+        raise LaunchError(detail[-1] if detail else f"launcher exited with {process.returncode}")
+    return int(out.decode().strip())
+
+
+def probe_user_namespaces() -> str:
+    """Try, once, to start an init in the namespaces a job would get; "" if it works, else why."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-S", str(LAUNCHER), launcher.PROBE_FLAG],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"the launcher did not run: {error}"
+    if done.returncode == 0:
+        return ""
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    return lines[-1] if lines else f"the trial exited with {done.returncode}"

@@ -1,0 +1,64 @@
+"""A submission as the API received it, and its validation into the spec that is stored."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from singularityd.errors import InvalidRequest, Unsatisfiable
+from singularityd.identity import Caller
+from singularityd.store import JobSpec
+
+MAX_PRIORITY = 1_000_000
+
+
+@dataclass(frozen=True)
+class SubmitArgs:
+    """A submission as the API received it, before validation."""
+
+    command: tuple[str, ...]
+    name: str
+    gpus: int
+    priority: int
+    ranks: int
+    cwd: str
+    env: dict[str, str]
+    checkpoint_interval: float | None = None
+
+
+def validated_spec(caller: Caller, args: SubmitArgs, total_devices: int) -> JobSpec:
+    """The job spec to store, or InvalidRequest / Unsatisfiable saying what is wrong."""
+    if not args.command or not args.command[0]:
+        raise InvalidRequest("empty command: give the program to run after --")
+    if args.gpus < 1:
+        raise InvalidRequest(f"--gpus must be at least 1, not {args.gpus}")
+    if args.ranks < 1:
+        raise InvalidRequest(f"--ranks must be at least 1, not {args.ranks}")
+    if abs(args.priority) > MAX_PRIORITY:
+        raise InvalidRequest(f"--priority must be between -{MAX_PRIORITY} and {MAX_PRIORITY}")
+    if args.gpus > total_devices:
+        raise Unsatisfiable(f"requested {args.gpus} devices but this machine has {total_devices}")
+    if not os.path.isabs(args.cwd):
+        raise InvalidRequest(f"working directory must be absolute: {args.cwd!r}")
+    if not os.path.isdir(args.cwd):
+        raise InvalidRequest(f"working directory {args.cwd} does not exist")
+    interval = args.checkpoint_interval
+    if interval is not None and not (math.isfinite(interval) and interval >= 0):
+        raise InvalidRequest(f"--checkpoint-every must be 0 or more seconds, not {interval:g}")
+    bad = [key for key in args.env if not key or "=" in key or "\0" in key]
+    if bad:
+        raise InvalidRequest(f"invalid environment variable name {bad[0]!r}")
+    return JobSpec(
+        name=args.name or os.path.basename(args.command[0]),
+        uid=caller.uid,
+        gid=caller.gid,
+        user=caller.user,
+        priority=args.priority,
+        gpus=args.gpus,
+        ranks=args.ranks,
+        command=args.command,
+        env=args.env,
+        cwd=args.cwd,
+        checkpoint_interval=interval,
+    )

@@ -1,0 +1,73 @@
+"""Long work on a job's processes (launch, restore, checkpoint), run by the daemon as tasks.
+
+Each returns the stimulus that reports its outcome instead of acting on it: the daemon feeds that
+stimulus to the state machine, which decides what the outcome means (as dask's workers report
+finished tasks back to their state machine).
+"""
+
+from __future__ import annotations
+
+from singularityd.checkpoint.coordinator import Checkpoints, CheckpointTaken, CheckpointTarget
+from singularityd.checkpoint.errors import CheckpointError
+from singularityd.core.jobs import (
+    Checkpointed,
+    CheckpointFailed,
+    LaunchFailed,
+    ProcessesRunning,
+    Restored,
+    RestoreFailed,
+    TakeCheckpoint,
+)
+from singularityd.devices.access import DeviceAccess, DeviceError
+from singularityd.devices.proxies import JobIdentity
+from singularityd.errors import StateConflict
+from singularityd.jobs.launch import LaunchError, user_groups
+from singularityd.jobs.processes import Processes
+from singularityd.store import JobRecord
+
+
+def identity(job: JobRecord) -> JobIdentity:
+    """Whom the job's device work runs as: its user, with the user's groups."""
+    return JobIdentity(job.spec.uid, job.spec.gid, tuple(user_groups(job.spec.user, job.spec.gid)))
+
+
+async def launch(
+    job: JobRecord, processes: Processes, devices: DeviceAccess
+) -> ProcessesRunning | LaunchFailed:
+    """Start the job's processes on its devices."""
+    try:
+        await devices.admit(job.id, identity(job), job.devices)
+        device_env = devices.environment(job.id, job.devices, job.spec.env.get("PYTHONPATH"))
+        process = await processes.launch(job, device_env)
+    except (LaunchError, DeviceError) as error:
+        return LaunchFailed(str(error))
+    return ProcessesRunning(process.pid, process.start_ticks)
+
+
+async def restore(
+    job: JobRecord, processes: Processes, checkpoints: Checkpoints, devices: DeviceAccess
+) -> Restored | RestoreFailed:
+    """Restore the job's processes from its newest good checkpoint onto its devices."""
+    try:
+        await devices.admit(job.id, identity(job), job.devices)
+        processes.forget_outcome(job.id)
+        restored = await checkpoints.restore(job.id, job.devices)
+    except (CheckpointError, DeviceError, OSError) as error:
+        return RestoreFailed(str(error))
+    process = processes.adopt_restored(job.id, restored.pid)
+    return Restored(process.pid, process.start_ticks, restored.seq, restored.skipped, restored.problem)
+
+
+async def checkpoint(
+    job: JobRecord, take: TakeCheckpoint, processes: Processes, checkpoints: Checkpoints
+) -> tuple[Checkpointed | CheckpointFailed, CheckpointTaken | StateConflict]:
+    """Checkpoint the job's processes; the stimulus, and what the request that asked receives."""
+    try:
+        if job.init_pid is None:
+            raise CheckpointError(f"job {job.id} is still starting")
+        logs = tuple(processes.paths(job.id).rewind_paths(job.spec.ranks))
+        target = CheckpointTarget(job.id, job.init_pid, job.spec.uid, job.spec.gid, job.devices, logs)
+        taken = await checkpoints.take(target, stop=take.stop, reason=take.reason)
+    except CheckpointError as error:
+        return CheckpointFailed(str(error)), StateConflict(f"checkpoint failed: {error}")
+    return Checkpointed(taken.summary, taken.image_bytes, taken.pause_s), taken

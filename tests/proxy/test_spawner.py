@@ -1,0 +1,112 @@
+"""The spawner starts proxy servers as the job's user, holding no capability, from a warm interpreter."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from singularity.proxy.spawner import SpawnerClient, SpawnError, SpawnRequest
+from tests.proxy.conftest import base_env, proxy_env, run_program
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (starts processes as another user)")
+
+NOBODY = pwd.getpwnam("nobody")
+
+
+def status_fields(pid: int) -> dict[str, str]:
+    """/proc/PID/status as a dict of its fields."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        fields[key] = value.strip()
+    return fields
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A folder under /tmp that every user can traverse (pytest's own tmp_path is root's alone)."""
+    folder = Path(tempfile.mkdtemp(prefix="sing-spawner-", dir="/tmp"))
+    os.chmod(folder, 0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def spawner() -> Iterator[SpawnerClient]:
+    client = SpawnerClient()
+    yield client
+    client.close()
+
+
+def start_server_as_nobody(spawner: SpawnerClient, folder: Path) -> tuple[int, Path]:
+    """A proxy server for one virtual device, started through the spawner as `nobody`."""
+    folder.mkdir(mode=0o700)
+    os.chown(folder, NOBODY.pw_uid, NOBODY.pw_gid)
+    path = folder / "dev-0.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    os.chown(path, NOBODY.pw_uid, NOBODY.pw_gid)
+    listener.listen(16)
+    try:
+        pid = spawner.spawn(
+            SpawnRequest(
+                module="singularity.proxy.server",
+                argv=[
+                    "--socket",
+                    str(path),
+                    "--listen-fd",
+                    "3",
+                    "--device-index",
+                    "0",
+                    "--memory-bytes",
+                    str(1 << 30),
+                    "--threads",
+                    "1",
+                ],
+                uid=NOBODY.pw_uid,
+                gid=NOBODY.pw_gid,
+                env={"OMP_NUM_THREADS": "1", "TMPDIR": str(folder)},
+                fds={3: listener.fileno()},
+                log_path=str(folder / "server.log"),
+            )
+        )
+    finally:
+        listener.close()
+    return pid, path
+
+
+def test_server_runs_as_the_user_with_no_capability(spawner: SpawnerClient, open_dir: Path) -> None:
+    started = time.monotonic()
+    pid, path = start_server_as_nobody(spawner, open_dir / "job")
+    try:
+        fields = status_fields(pid)
+        assert fields["Uid"].split() == [str(NOBODY.pw_uid)] * 4
+        assert fields["Gid"].split() == [str(NOBODY.pw_gid)] * 4
+        assert fields["Groups"] == ""
+        for capability_set in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+            assert int(fields[capability_set], 16) == 0, capability_set
+        assert fields["NoNewPrivs"] == "1"
+        assert os.stat(f"/proc/{pid}/fd").st_uid == 0, "not dumpable: the user cannot ptrace it"
+        env = proxy_env([path], "spawned")
+        result = run_program(["mlp.py"], env)
+        direct = run_program(["mlp.py"], base_env())
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == direct.stdout
+        print(f"spawned and served in {time.monotonic() - started:.2f}s")
+    finally:
+        os.kill(pid, 9)
+
+
+def test_bad_request_is_refused_and_spawner_lives_on(spawner: SpawnerClient, open_dir: Path) -> None:
+    with pytest.raises(SpawnError, match="between 3 and 4096"):
+        spawner.spawn(SpawnRequest("singularity.proxy.server", [], 65534, 65534, fds={1: 0}))
+    pid, _ = start_server_as_nobody(spawner, open_dir / "again")
+    os.kill(pid, 9)
