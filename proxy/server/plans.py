@@ -12,7 +12,7 @@ are decoded by the codec, its slot values are checked at each run.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -21,7 +21,17 @@ from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolErro
 
 if TYPE_CHECKING:
     from .operators import Served
-    from .session import Session
+
+
+class TensorHolder(Protocol):
+    """What a run needs of the session it runs in (session.Session): its tensors by handle."""
+
+    tensors: dict[int, torch.Tensor]
+
+    def tensor(self, handle: Any) -> torch.Tensor:
+        """The tensor held under `handle`; ProtocolError if none is."""
+        ...
+
 
 _SLOT_KINDS = frozenset((protocol.SLOT_TENSOR, protocol.SLOT_NUMBER, protocol.SLOT_HOST_TENSOR))
 _ARGS, _KWARGS = 0, 1
@@ -80,7 +90,7 @@ class Plan:
         return protocol.decode_tag(tree, ())
 
     def bind(
-        self, session: Session, values: Any, buffers: Sequence[Any], device: torch.device
+        self, session: TensorHolder, values: Any, buffers: Sequence[Any], device: torch.device
     ) -> tuple[list[Any], dict[str, Any], list[int]]:
         """Arguments for one run with these slot values, and the handles of its tensor inputs."""
         if type(values) is not list or len(values) != len(self.slots):

@@ -20,7 +20,6 @@ import torch
 
 from . import protocol
 from .devices import same_device_error
-from .tensor import HOST_ARGUMENT_BYTES, ProxyTensor
 
 _FLOAT = float
 _NAMES = protocol.torch_names()
@@ -28,6 +27,22 @@ _TORCH_VALUE_TAGS = _NAMES.encoders
 _TENSOR_SLOT = {protocol.TAG_SLOT: protocol.SLOT_TENSOR}
 _NUMBER_SLOT = {protocol.TAG_SLOT: protocol.SLOT_NUMBER}
 _HOST_SLOT = {protocol.TAG_SLOT: protocol.SLOT_HOST_TENSOR}
+
+
+class _NoStandIn:
+    """What `StandIn` is until tensor.py names the stand-in class (no argument is one)."""
+
+
+StandIn: type[Any] = _NoStandIn
+"""The stand-in class, `tensor.ProxyTensor`. tensor.py imports this module for its hot path and
+gives it the class when it loads (`use_stand_in_class`), so that this module does not import it
+back."""
+
+
+def use_stand_in_class(stand_in: type[torch.Tensor]) -> None:
+    """Encode instances of `stand_in` as references to server tensors."""
+    global StandIn
+    StandIn = stand_in
 
 
 class LargeHostTensor(Exception):
@@ -46,7 +61,7 @@ class Call:
     def __init__(self) -> None:
         self.signature: list[Any] = []
         self.values: list[Any] = []
-        self.inputs: list[ProxyTensor] = []
+        self.inputs: list[Any] = []  # stand-ins
         self.host_tensors: list[tuple[list[Any], memoryview]] = []
 
 
@@ -58,7 +73,7 @@ def encode_call(args: Sequence[Any], kwargs: dict[str, Any] | None) -> Call:
     inputs = call.inputs
     for arg in args:
         kind = type(arg)
-        if kind is ProxyTensor:
+        if kind is StandIn:
             inputs.append(arg)
             signature.append(arg._meta)
             values.append(arg._id)
@@ -87,7 +102,7 @@ def _encode_sequence(seq: Sequence[Any], call: Call, signature: list[Any]) -> No
     """Items of a list argument: stand-ins and host tensors are slots, other values signature."""
     for arg in seq:
         kind = type(arg)
-        if kind is ProxyTensor:
+        if kind is StandIn:
             call.inputs.append(arg)
             signature.append(arg._meta)
             call.values.append(arg._id)
@@ -108,7 +123,7 @@ def _encode_other(arg: Any, kind: type, call: Call, signature: list[Any]) -> Non
         signature.append(arg)
     elif kind is torch.device:
         signature.append(kind)
-    elif isinstance(arg, ProxyTensor):
+    elif isinstance(arg, StandIn):
         call.inputs.append(arg)
         signature.append(arg._meta)
         call.values.append(arg._id)
@@ -136,7 +151,7 @@ def _encode_host_tensor(arg: torch.Tensor, call: Call, signature: list[Any]) -> 
     host = arg.detach()
     if host.device.type != "cpu":
         raise same_device_error("cuda:0", str(host.device))
-    if host.numel() * host.element_size() > HOST_ARGUMENT_BYTES:
+    if host.numel() * host.element_size() > protocol.HOST_ARGUMENT_BYTES:
         raise LargeHostTensor
     signature.append(("cpu", tuple(host.shape), tuple(host.stride()), host.dtype))
     host, raw = protocol.tensor_to_raw(host)
@@ -161,7 +176,7 @@ def _plan_value(arg: Any, top: bool) -> Any:
         return arg
     if kind is float:
         return _NUMBER_SLOT if top else arg
-    if isinstance(arg, ProxyTensor):
+    if isinstance(arg, StandIn):
         return _TENSOR_SLOT
     if kind is list or kind is tuple or isinstance(arg, (list, tuple)):
         return [_plan_value(item, top=False) for item in arg]

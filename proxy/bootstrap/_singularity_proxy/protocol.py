@@ -80,6 +80,8 @@ MAX_BUFFERS = 4096
 """Most buffers in one frame from a job."""
 CHUNK_BYTES = 32 << 20
 """Most buffer bytes the client puts in one frame; larger tensors travel in chunks."""
+HOST_ARGUMENT_BYTES = CHUNK_BYTES // 4
+"""Host tensors larger than this reach the server as uploaded tensors, not inside the operation."""
 MAX_FRAME_BUFFER_BYTES = CHUNK_BYTES
 """Most buffer bytes a server reads in one frame from a job."""
 

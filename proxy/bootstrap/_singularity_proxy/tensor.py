@@ -272,7 +272,7 @@ def fill(stand_in: ProxyTensor, values: torch.Tensor) -> None:
         host.copy_(values)
     raw = protocol.storage_view(host)
     channel = stand_in._channel
-    if raw.nbytes > HOST_ARGUMENT_BYTES:
+    if raw.nbytes > protocol.HOST_ARGUMENT_BYTES:
         forward(torch.ops.aten.copy_.default, (stand_in, upload_to(channel, host)), None)
         return
     index = channel.attach([raw])
@@ -280,15 +280,13 @@ def fill(stand_in: ProxyTensor, values: torch.Tensor) -> None:
     channel.push([protocol.OP_FILL, stand_in._handle.id, *layout, index])
 
 
-HOST_ARGUMENT_BYTES = protocol.CHUNK_BYTES // 4
-"""Host tensors larger than this reach the server as uploaded tensors, not inside the operation."""
 _NAMES = protocol.torch_names()
 
 
 def _upload_large_host_tensors(value: Any, channel: Channel) -> Any:
     """`value` with every large host tensor in it replaced by a stand-in on the channel's device."""
     if isinstance(value, torch.Tensor) and not isinstance(value, ProxyTensor):
-        if value.numel() * value.element_size() > HOST_ARGUMENT_BYTES:
+        if value.numel() * value.element_size() > protocol.HOST_ARGUMENT_BYTES:
             return upload_to(channel, value)
         return value
     if isinstance(value, (list, tuple)):
@@ -515,4 +513,6 @@ def _repr(stand_in: ProxyTensor) -> str:
     return text
 
 
-from . import encoding  # noqa: E402 (it needs ProxyTensor from here)
+from . import encoding  # noqa: E402 (it is given ProxyTensor from here)
+
+encoding.use_stand_in_class(ProxyTensor)
