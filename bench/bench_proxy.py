@@ -2,8 +2,8 @@
 
 Run: .venv/bin/python bench/bench_proxy.py [--baseline REV]   (one intra-op thread everywhere;
 virtual device). With --baseline, the proxy (server and in-job client) of git revision REV is
-measured side by side with this tree's, each measure taken for both one after the other in the
-same run, so that the columns compare under the same machine load.
+measured side by side with this tree's: the runs of a measure alternate between the two, each
+first in turn, so that the columns compare under the same machine load.
 """
 
 from __future__ import annotations
@@ -77,8 +77,11 @@ sys.stdin.readline()
 
 RUNS = (
     ("ms-scale ops (MLP 1024 wide, batch 1024)", ["1024", "1024", "30"]),
-    ("small ops (MLP 64 wide, batch 32)", ["64", "32", "300"]),
+    ("small ops (MLP 64 wide, batch 32)", ["64", "32", "1500"]),
 )
+
+REPETITIONS = 4
+"""Runs of each kind per measure; the best is reported (the others lost time to other load)."""
 
 
 class Proxied:
@@ -153,10 +156,18 @@ def measure(proxies: list[Proxied], directory: Path) -> list[tuple[str, list[str
     rows.append(("client cost per op, add/relu 64x64 (median)", [f"{float(m):.1f} us" for m, _ in per_op]))
     rows.append(("client cost per op, add/relu 64x64 (p99)", [f"{float(p):.1f} us" for _, p in per_op]))
     for label, args in RUNS:
-        direct, direct_cpu = min(_timed(TRAIN, args, base_env()) for _ in range(3))
+        directs: list[tuple[float, float]] = []
+        runs: dict[str, list[tuple[float, float, float]]] = {p.label: [] for p in proxies}
+        for repetition in range(REPETITIONS):  # interleaved, each proxy first in turn
+            directs.append(_timed(TRAIN, args, base_env()))
+            for p in proxies if repetition % 2 == 0 else proxies[::-1]:
+                runs[p.label].append(_timed_proxied(args, p))
+        direct, direct_cpu = min(wall for wall, _ in directs), min(cpu for _, cpu in directs)
         values, cpu = [], []
         for p in proxies:
-            proxied, job_cpu, server_cpu = min(_timed_proxied(args, p) for _ in range(3))
+            proxied = min(wall for wall, _, _ in runs[p.label])
+            job_cpu = min(job for _, job, _ in runs[p.label])
+            server_cpu = min(server for _, _, server in runs[p.label])
             values.append(f"{proxied / direct:.3f} ({proxied:.2f} s / {direct:.2f} s)")
             cpu.append(f"{job_cpu / direct_cpu:.2f} + {server_cpu / direct_cpu:.2f}")
         rows.append((f"run time proxied/direct, {label}", values))
