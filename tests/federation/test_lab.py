@@ -310,3 +310,63 @@ def test_a_peer_down_or_vanishing_mid_move_leaves_the_job_running_here(lab: Lab)
     wait_until(lambda: not (a.holding(job) or {}).get("abort_pending"), timeout=60)
     assert (b.holding(job) or {}).get("phase") == "discarded"
     assert a.sing("cancel", str(job)).code == 0
+
+
+def owner_of(lab: Lab, job: int) -> Node:
+    """The node `sing ps --cluster` names for a job (asked of node-a), once it is listed once."""
+
+    def listed() -> str | None:
+        rows = [row for row in cluster_listing(lab.node("node-a")) if row["id"] == job]
+        return str(rows[0]["node"]) if len(rows) == 1 else None
+
+    return lab.node(wait_until(listed, timeout=120, interval=0.5))
+
+
+def test_submit_anywhere_starts_a_job_that_cannot_start_here_on_a_peer(lab: Lab) -> None:
+    a = lab.node("node-a")
+    blockers = [a.sing("submit", "--", "sleep", "600").out.strip() for _ in range(2)]
+    for blocker in blockers:
+        wait_state(a, int(blocker), "RUNNING")
+    here = a.sing("submit", "--here", "--", "sleep", "600")
+    anywhere = a.sing("submit", "--anywhere", "--", "sleep", "600")
+    assert here.code == 0 and anywhere.code == 0, (here, anywhere)
+    job = int(anywhere.out)
+    owner = owner_of(lab, job)
+    assert owner.name in ("node-b", "node-c")
+    wait_state(owner, job, "RUNNING")
+    assert a.job(job)["state"] == "MOVED"  # type: ignore[index]
+    assert wait_state(a, int(here.out), "PENDING")["pending_reason"]
+    assert 1_000_000 < job < 2_000_000, "its id comes from node-a's block, wherever it runs"
+    assert owner.sing("cancel", str(job)).code == 0
+    assert a.sing("cancel", here.out.strip(), *blockers).code == 0
+
+
+def test_drain_moves_every_job_away_and_undrain_takes_jobs_again(lab: Lab) -> None:
+    c = lab.node("node-c")
+    expected = direct_output("long_train.py", ["--steps", "80"])
+    release = lab.paths.root / "release-drain"
+    training = submit_train(c, release, 80)
+    sleeper = int(c.sing("submit", "--", "sleep", "600").out)
+    wait_state(c, training, "RUNNING")
+    wait_state(c, sleeper, "RUNNING")
+    wait_until(progressed(c, training, 10), timeout=120)
+    drained = c.sing("drain", timeout=600)
+    assert drained.code == 0, drained.err
+    moved = sorted(line.split()[1] for line in drained.out.splitlines())
+    assert moved == sorted([str(training), str(sleeper)]), drained.out
+    assert c.sing("ps", "-o", "json").json() == []
+    peers = lab.node("node-a").sing("peers", "-o", "json").json()["peers"]
+    wait_until(lambda: any(p["node"] == "node-c" and p["draining"] for p in peers) or None, timeout=1)
+    expect_refusal(c, ["submit", "--here", "--", "sleep", "1"], 6, "draining")
+    placed = c.sing("submit", "--anywhere", "--", "sleep", "600")
+    assert placed.code == 0, placed.err
+    assert owner_of(lab, int(placed.out)).name != "node-c"
+    assert c.sing("undrain").code == 0
+    local = c.sing("submit", "--here", "--", "sleep", "600")
+    wait_state(c, int(local.out), "RUNNING")
+    release.touch()
+    owner = owner_of(lab, training)
+    assert owner.sing("wait", str(training), timeout=300).code == 0
+    assert owner.sing("logs", str(training)).out == expected
+    for job in (sleeper, int(placed.out), int(local.out)):
+        assert owner_of(lab, job).sing("cancel", str(job)).code == 0
