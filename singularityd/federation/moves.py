@@ -43,7 +43,7 @@ from singularityd.core.jobs import (
 from singularityd.core.states import InvalidTransition, JobState
 from singularityd.daemon import Daemon
 from singularityd.errors import RequestError
-from singularityd.federation import jobfiles
+from singularityd.federation import jobfiles, netlock
 from singularityd.federation.facts import MoveFacts
 from singularityd.federation.handoff import INCOMING, Holding, transfer_refusal
 from singularityd.federation.holdings import StoredHoldings
@@ -254,8 +254,16 @@ class DaemonMoves:
         await asyncio.to_thread(self._delete_local_files, job_number)
 
     def _delete_local_files(self, job_id: int) -> None:
-        """Remove a job's checkpoints and folder from this node (it does not run here)."""
-        jobfiles.remove(self.images.job_dir(str(job_id)))
+        """Remove a job's checkpoints, the network lock of its last dump and its folder from this
+        node (it does not run here)."""
+        checkpoints = self.images.job_dir(str(job_id))
+        for table in netlock.lock_table_names(checkpoints) if checkpoints.is_dir() else []:
+            try:
+                if netlock.delete_inet_table(table):
+                    log.info("job %s: network lock %s of its last dump deleted", job_id, table)
+            except OSError as error:
+                log.warning("job %s: cannot delete network lock %s: %s", job_id, table, error)
+        jobfiles.remove(checkpoints)
         jobfiles.remove(self.daemon.processes.paths(job_id).root)
         for staged in (self.daemon.config.checkpoints / OUTGOING_DIR).glob(f"{job_id}@*"):
             jobfiles.remove(staged)
