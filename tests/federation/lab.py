@@ -15,12 +15,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import sqlite3
 import subprocess
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -299,3 +301,29 @@ def kill_jobs_of(node: Node) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def joined_lab(
+    names: tuple[str, ...],
+    network_prefix: str,
+    config: dict[str, Any],
+    accounts: Callable[[Path], dict[str, Path]] | None = None,
+) -> Iterator[Lab]:
+    """A lab of daemons named `names` in a fresh folder under /tmp, joined with the real verbs.
+
+    `accounts(folder)` may write other account databases there and name the nodes that see them.
+    The folder is deleted afterwards unless SING_KEEP_TEST_DIRS is set.
+    """
+    root = Path(tempfile.mkdtemp(prefix="sing-lab-", dir="/tmp"))
+    os.chmod(root, 0o755)
+    network = Network.create(names, prefix=network_prefix)
+    try:
+        passwd = accounts(root) if accounts is not None else None
+        with Lab.create(root / "lab", network, config, passwd=passwd) as made:
+            made.join_all()
+            yield made
+    finally:
+        network.close()
+        if not os.environ.get("SING_KEEP_TEST_DIRS"):
+            shutil.rmtree(root, ignore_errors=True)

@@ -11,7 +11,6 @@ import os
 import random
 import shutil
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,8 +21,7 @@ import pytest
 
 from singularityd.checkpoint import CheckpointUnavailable, locate_criu
 from tests.federation import netns
-from tests.federation.lab import Lab, Node
-from tests.federation.netns import Network
+from tests.federation.lab import Lab, Node, joined_lab
 from tests.helpers import OWNER, ensure_user, wait_until
 from tests.proxy.conftest import PYTHON
 from tests.test_daemon_proxy import JOB_OPTIONS, direct_output
@@ -50,14 +48,8 @@ def lab_problem() -> str:
     return ""
 
 
-@pytest.fixture(scope="module")
-def lab() -> Iterator[Lab]:
-    """node-a, node-b, node-c joined in a lab; node-c's accounts give sing-alice another uid."""
-    why = lab_problem()
-    if why:
-        pytest.skip(why)
-    root = Path(tempfile.mkdtemp(prefix="sing-lab-", dir="/tmp"))
-    os.chmod(root, 0o755)
+def other_uid_for_owner(root: Path) -> dict[str, Path]:
+    """An account database for node-c in which sing-alice has another uid."""
     ensure_user(OWNER)
     passwd = root / "passwd-c"
     lines = Path("/etc/passwd").read_text().splitlines()
@@ -69,16 +61,18 @@ def lab() -> Iterator[Lab]:
         )
         + "\n"
     )
-    network = Network.create(NODES, prefix=f"lab{os.getpid()}")
+    return {"node-c": passwd}
+
+
+@pytest.fixture(scope="module")
+def lab() -> Iterator[Lab]:
+    """node-a, node-b, node-c joined in a lab; node-c's accounts give sing-alice another uid."""
+    why = lab_problem()
+    if why:
+        pytest.skip(why)
     config = {"move_timeout_seconds": 60.0, "move_hold_seconds": 60.0}
-    try:
-        with Lab.create(root / "lab", network, config, passwd={"node-c": passwd}) as made:
-            made.join_all()
-            yield made
-    finally:
-        network.close()
-        if not os.environ.get("SING_KEEP_TEST_DIRS"):
-            shutil.rmtree(root, ignore_errors=True)
+    with joined_lab(NODES, f"lab{os.getpid()}", config, other_uid_for_owner) as made:
+        yield made
 
 
 def submit_train(node: Node, release: Path, steps: int = STEPS, *options: str) -> int:
