@@ -2,8 +2,9 @@
 
 Three daemons in a lab (lab.py). Each trial submits a fresh job (tests/programs/ticker.py, a hash
 chain in memory), starts `sing migrate` to a peer, waits until the source's or the target's stored
-hand-off record reaches the chosen phase, waits a random moment more, and then cuts the source's or
-the target's link for a while, SIGKILLs the source or the target daemon (started again after a
+hand-off record reaches the chosen step (prepare, stop = the final checkpoint, transfer, restore,
+commit), waits a random moment more, and then cuts the source's or the target's link for a while,
+SIGKILLs the source or the target daemon (started again after a
 while), or SIGSTOPs the source past every deadline of the move. Afterwards the job must run in
 exactly one place (the others know it as moved or not at all), and once told to stop its log must
 be exactly what an uninterrupted run of the same number of steps prints. A referee thread scans
@@ -159,6 +160,8 @@ class Trial:
     """The job ended FAILED (only allowed for KNOWN_LOSS)."""
     steps: int = 0
     seconds: float = 0.0
+    failure: str = ""
+    """What went wrong (a random run goes on after a failed trial and reports them all)."""
 
 
 @pytest.fixture(scope="module")
@@ -301,7 +304,7 @@ def trials(count: int, seed: int) -> list[Trial]:
 
 def summary(done: list[Trial]) -> str:
     """A table of outcomes by step and fault."""
-    rows: dict[tuple[str, str], list[int]] = collections.defaultdict(lambda: [0, 0, 0, 0, 0])
+    rows: dict[tuple[str, str], list[int]] = collections.defaultdict(lambda: [0, 0, 0, 0, 0, 0])
     for trial in done:
         row = rows[(trial.step, trial.fault)]
         row[0] += 1
@@ -309,10 +312,13 @@ def summary(done: list[Trial]) -> str:
         row[2] += trial.ended_on == trial.target and not trial.lost
         row[3] += trial.ended_on == trial.source and not trial.lost
         row[4] += trial.lost
-    lines = ["| step | fault | trials | fault during the step | runs on target | runs on source | lost |"]
-    lines.append("|---|---|---:|---:|---:|---:|---:|")
-    for (step, fault), (total, hit, on_target, on_source, lost) in sorted(rows.items()):
-        lines.append(f"| {step} | {fault} | {total} | {hit} | {on_target} | {on_source} | {lost} |")
+        row[5] += bool(trial.failure)
+    lines = [
+        "| step | fault | trials | fault during the step | runs on target | runs on source | lost | failed |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (step, fault), counts in sorted(rows.items()):
+        lines.append(f"| {step} | {fault} | " + " | ".join(str(count) for count in counts) + " |")
     return "\n".join(lines)
 
 
@@ -329,11 +335,21 @@ def test_faults_at_each_step_leave_one_exact_copy(fault_lab: Lab, referee: Refer
     done = []
     started = time.monotonic()
     for trial in planned:
-        done.append(run_trial(fault_lab, referee, trial, rng))
-        if count:
-            print(f"trial {trial}", flush=True)
+        if not count:
+            done.append(run_trial(fault_lab, referee, trial, rng))
+            continue
+        try:
+            done.append(run_trial(fault_lab, referee, trial, rng))
+        except AssertionError as error:
+            trial.failure = str(error).splitlines()[0][:300]
+            done.append(trial)
+            ensure_up(fault_lab)
+        print(f"trial {trial}", flush=True)
     print(f"\n{len(done)} trials in {time.monotonic() - started:.0f}s, referee samples {referee.samples}")
     print(summary(done))
+    failures = [trial for trial in done if trial.failure]
+    print(f"failed trials: {len(failures)}", *failures, sep="\n")
     assert referee.violations == []
+    assert not failures
     assert all(trial.ended_on for trial in done)
     assert all(not trial.lost for trial in done if (trial.step, trial.fault) != KNOWN_LOSS)
