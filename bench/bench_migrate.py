@@ -9,9 +9,10 @@ virtual device) and prints a wall-clock tick every 10 ms, each after a round tri
 `sing migrate` moves it from node-a to node-b. Reported per size:
 
 - downtime seen by the program: the longest gap between two ticks around the move;
-- downtime seen by the daemons: from the start of the final checkpoint's pause on the source to
-  the job RUNNING on the target, and its parts (pause = checkpoint and stop, transfer, restore
-  frozen, commit until running), from the jobs' events on both daemons;
+- downtime seen by the daemons: from the start of the final checkpoint on the source (the job's
+  device work is held from then on) to the job RUNNING on the target, and its parts (checkpoint:
+  device state saved, CRIU dump, job stopped, of which "pause" is CRIU's freeze; transfer; restore
+  frozen; commit until running), from the jobs' events on both daemons;
 - total: `sing migrate` from call to return;
 - checkpoint image size against the bytes the transfer sent;
 - the same files copied between the two namespaces over a plain TCP socket in the same run (no TLS,
@@ -59,7 +60,7 @@ print("done", state.sum().item(), flush=True)
 """
 
 RAW_RECEIVE = r"""
-import socket, sys
+import os, socket, sys
 server = socket.socket()
 server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 server.bind(("0.0.0.0", int(sys.argv[1])))
@@ -69,6 +70,8 @@ conn, _ = server.accept()
 with open(sys.argv[2], "wb") as out:
     while data := conn.recv(1 << 20):
         out.write(data)
+    out.flush()
+    os.fsync(out.fileno())
 conn.close()
 """
 RAW_SEND = r"""
@@ -89,7 +92,7 @@ RAW_PORT = 7099
 
 def raw_copy_seconds(lab: Lab, folder: Path) -> float:
     """Seconds to copy the files of `folder` from node-a to a file on node-b over a plain TCP socket
-    (read from disk, written to disk; no TLS, no checksums): what the link and disks allow."""
+    (read from disk, written and synced to disk as the transfer does; no TLS, no checksums)."""
     out = lab.paths.root / "raw-copy"
     receiver = lab.network.start(
         "node-b", [PYTHON, "-c", RAW_RECEIVE, str(RAW_PORT), str(out)], stdout=subprocess.PIPE
@@ -163,12 +166,13 @@ def measure(lab: Lab, mib: int, program: Path) -> dict[str, float]:
     transferred_at, _ = event_time(source_events, r"^checkpoint transferred")
     restored_at, _ = event_time(target_events, r"^restored frozen")
     running_at, _ = event_time(target_events, r"the job runs here")
-    pause_started = stopped_at - paused
+    checkpoint_started, _ = event_time(source_events, r"^move to node-b: checkpointing and stopping")
     raw = raw_copy_seconds(lab, b.state_dir / "checkpoints" / str(job))
     b.sing("cancel", str(job))
     return {
         "program_downtime": gap,
-        "daemon_downtime": running_at - pause_started,
+        "daemon_downtime": running_at - checkpoint_started,
+        "checkpoint": stopped_at - checkpoint_started,
         "pause": paused,
         "transfer": transferred_at - stopped_at,
         "restore": restored_at - transferred_at,
@@ -200,15 +204,16 @@ def main() -> None:
     load = os.getloadavg()[0]
     print(f"\n{datetime.now():%Y-%m-%d %H:%M}, load average {load:.1f}, {args.runs} run(s) per size")
     print(
-        "| device state | pre-copy | downtime (program) | downtime (daemons) | pause | transfer | restore "
-        "| commit | total | image | sent | raw socket copy of the image | transfer / raw copy |"
+        "| device state | pre-copy | downtime (program) | downtime (daemons) | checkpoint (pause) | transfer "
+        "| restore | commit | total | image | sent | raw socket copy of the image | transfer / raw copy |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mib, runs in results.items():
         m = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
         print(
             f"| {mib} MiB | none | {m['program_downtime']:.2f} s | {m['daemon_downtime']:.2f} s | "
-            f"{m['pause']:.2f} s | {m['transfer']:.2f} s | {m['restore']:.2f} s | {m['commit']:.2f} s | "
+            f"{m['checkpoint']:.2f} s ({m['pause']:.2f} s) | {m['transfer']:.2f} s | "
+            f"{m['restore']:.2f} s | {m['commit']:.2f} s | "
             f"{m['total']:.2f} s | {m['image'] / (1 << 20):.0f} MiB | {m['sent'] / (1 << 20):.0f} MiB | "
             f"{m['raw_copy']:.2f} s | {m['transfer'] / m['raw_copy']:.1f} |"
         )
