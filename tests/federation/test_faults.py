@@ -322,6 +322,7 @@ def summary(done: list[Trial]) -> str:
     return "\n".join(lines)
 
 
+@pytest.mark.timeout(900 + 120 * int(os.environ.get("SING_FAULT_TRIALS", "0")))
 def test_faults_at_each_step_leave_one_exact_copy(fault_lab: Lab, referee: Referee) -> None:
     count = int(os.environ.get("SING_FAULT_TRIALS", "0"))
     rng = random.Random(int(os.environ.get("SING_FAULT_SEED", "7")))
