@@ -18,7 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from textual.widgets import DataTable
 
+from singularity.cli.source import DaemonSource
+from singularity.cli.top.app import TopApp
+from singularity.cli.top.screens import PeerChoiceScreen
 from singularityd.checkpoint import CheckpointUnavailable, locate_criu
 from tests.federation import netns
 from tests.federation.lab import Lab, Node, joined_lab
@@ -364,3 +368,35 @@ def test_drain_moves_every_job_away_and_undrain_takes_jobs_again(lab: Lab) -> No
     assert owner.sing("logs", str(training)).out == expected
     for job in (sleeper, int(placed.out), int(local.out)):
         assert owner_of(lab, job).sing("cancel", str(job)).code == 0
+
+
+async def test_sing_top_shows_the_peers_and_migrates_a_job(lab: Lab) -> None:
+    """`sing top` on node-a: the peers pane lists node-b and node-c alive, and `m`, a peer, `y`
+    move the chosen job there."""
+    a, b = lab.node("node-a"), lab.node("node-b")
+    job = int(a.sing("submit", "--name", "top-move", "--", "sleep", "600").out)
+    wait_state(a, job, "RUNNING")
+    app = TopApp(DaemonSource(a.socket), refresh_seconds=0.2)
+    async with app.run_test(size=(150, 46)) as pilot:
+
+        async def until(predicate: Callable[[], Any], timeout: float = 120.0) -> Any:
+            deadline = time.monotonic() + timeout
+            while not (value := predicate()):
+                assert time.monotonic() < deadline, f"timed out waiting for {predicate}"
+                await pilot.pause(0.1)
+            return value
+
+        peers = app.query_one("#peers", DataTable)
+        await until(lambda: peers.display and {"peer:node-b", "peer:node-c"} <= {r.value for r in peers.rows})
+        assert str(peers.border_title).startswith("Peers of node-a")
+        await until(lambda: "alive" in str(peers.get_cell("peer:node-b", "state")))
+        await pilot.press("slash", *"top-move", "enter")
+        await until(lambda: app.selected == job)
+        await pilot.press("m")
+        assert isinstance(app.screen, PeerChoiceScreen)
+        number = 1 + [node for node, _ in app.screen.peers].index("node-b")
+        await pilot.press(str(number), "y")
+        await until(lambda: any(n == f"job {job}: moved to node-b" for n in app.notices), timeout=300)
+    wait_state(b, job, "RUNNING")
+    assert a.job(job)["state"] == "MOVED"  # type: ignore[index]
+    assert b.sing("cancel", str(job)).code == 0
