@@ -108,6 +108,7 @@ class ControlHandler:
                     session.parked_event.set()
                     for op_id, (namespace, name, overload) in state.ops.items():
                         session.define(op_id, namespace, name, overload)
+                    session.restore_plans(state.plans, server.device)
                     handles: list[int] = []
                     for handle, tensor in state.tensors.items():
                         session.add(handle, tensor)

@@ -325,10 +325,15 @@ class JobSave:
             else:
                 blobs.append((len(blobs), blob_of(tensor)))
                 tensors[str(handle)] = ["b", len(blobs) - 1]
+        plans = None
+        if session.plan_wire:
+            blobs.append((len(blobs), blob_of(session.plan_wire)))
+            plans = len(blobs) - 1
         return {
             "job_id": session.job_id,
             "rank": session.rank,
             "uid": session.uid,
+            "plans": plans,
             "ops": {str(k): list(v) for k, v in session.operator_names.items()},
             "peak": session.peak_bytes,
             "pending_error": session.pending_error,

@@ -33,7 +33,7 @@ import json
 import os
 import struct
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -63,6 +63,8 @@ class SavedSession:
     peak: int
     pending_error: list[str] | None
     tensors: dict[int, torch.Tensor]
+    plans: dict[Any, Any] = field(default_factory=dict)
+    """Plan id -> [op_id, args, kwargs] as the job sent it (Session.plan_wire)."""
 
 
 def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -106,10 +108,10 @@ def tensor_entry(tensor: torch.Tensor, storage_id: int) -> list[Any]:
     ]
 
 
-def blob_of(tensor: torch.Tensor) -> bytes:
-    """A tensor that is not plain (sparse, quantized, ...) as torch.save writes it."""
+def blob_of(value: Any) -> bytes:
+    """A tensor that is not plain (sparse, quantized, ...), or a session's plans, as torch.save writes it."""
     out = io.BytesIO()
-    torch.save(tensor, out)
+    torch.save(value, out)
     return out.getvalue()
 
 
@@ -253,6 +255,7 @@ def read_state(fd: int, device: torch.device) -> tuple[int, list[SavedSession]]:
                 int(state["peak"]),
                 state["pending_error"],
                 tensors,
+                blobs[int(state["plans"])] if state.get("plans") is not None else {},
             )
         )
     return int(index["device"]), sessions
@@ -273,6 +276,7 @@ def _read_legacy(fd: int, device: torch.device) -> tuple[int, list[SavedSession]
             int(state["peak"]),
             state["pending_error"],
             {int(h): t for h, t in state["tensors"].items()},
+            dict(state.get("plans") or {}),
         )
         for state in saved["sessions"]
     ]
