@@ -39,6 +39,8 @@ def layout(tensor: torch.Tensor) -> tuple[object, ...]:
 def assert_same_state(got: list[SavedSession], expected: list[SavedSession]) -> None:
     """Same sessions, handles, layouts, bytes of every storage, and the same storage sharing."""
     assert [(s.job_id, s.rank, s.ops) for s in got] == [(s.job_id, s.rank, s.ops) for s in expected]
+    assert [s.plans for s in got] == [s.plans for s in expected]
+    assert any(s.plans for s in expected), "the job's repeated operations were planned, and the plans saved"
     for mine, theirs in zip(got, expected, strict=True):
         assert mine.tensors.keys() == theirs.tensors.keys()
         shared_mine: dict[int, list[int]] = {}
