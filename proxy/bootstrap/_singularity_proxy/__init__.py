@@ -5,7 +5,9 @@ cuda:0..n-1; every operation on them runs in the device's proxy server. Modules,
 protocol (what both sides agree on), channel (connection, batching, parking), devices (the
 process's devices), tensor (stand-ins and dispatch), transfers, randomness, mode (the
 torch-function mode: placement, factories, device-mix checks), cuda_surface (torch.cuda and
-torch.accelerator) and serialization (torch.save / torch.load). See docs/proxy.md.
+torch.accelerator), serialization (torch.save / torch.load), collectives (collectives on
+stand-ins, run by the servers) and process_group (the "nccl" process group, DDP's buckets).
+See docs/proxy.md.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     """Install the client: the devices, the torch patches and the global mode."""
     import torch
 
-    from . import cuda_surface, serialization, tensor
+    from . import cuda_surface, process_group, serialization, tensor
     from .devices import DEVICES
     from .mode import DeviceMode
     from .randomness import RANDOM_OPS
@@ -52,6 +54,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     cuda_surface.patch_accelerator()
     cuda_surface.patch_autocast()
     serialization.install()
+    process_group.install()
     mode = DeviceMode()
     mode.__enter__()  # type: ignore[no-untyped-call,unused-ignore]
     _installed.append(mode)
