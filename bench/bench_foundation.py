@@ -13,13 +13,14 @@ Run: .venv/bin/python bench/bench_foundation.py [--jobs 1000] [--repeat 20]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -82,37 +83,48 @@ def describe(samples: list[float]) -> tuple[float, float]:
     return statistics.median(ordered) * 1e3, ordered[int(0.9 * (len(ordered) - 1))] * 1e3
 
 
-def main() -> None:
-    """Run both measurements and print a Markdown table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--jobs", type=int, default=1000)
-    parser.add_argument("--repeat", type=int, default=20)
-    args = parser.parse_args()
+@contextlib.contextmanager
+def one_device_daemon() -> Iterator[tuple[Daemon, pb_grpc.SingularityStub]]:
+    """A daemon with one virtual device in a temporary folder and a client stub; at the end its
+    jobs are killed and it stops."""
     with tempfile.TemporaryDirectory(prefix="sing-bench-", dir="/tmp") as root:
         daemon = Daemon(Path(root), virtual_devices=1)
         daemon.start()
         channel = grpc.insecure_channel(f"unix:{daemon.socket}")
-        stub = pb_grpc.SingularityStub(channel)
         try:
-            latency = submit_to_running(stub, daemon, args.repeat)
-            reference = direct_spawn(args.repeat)
-            fill_queue(stub, args.jobs)
-            env = {**os.environ, "SING_SOCKET": str(daemon.socket)}
-            ps = timed(
-                lambda: subprocess.run([SING, "ps"], env=env, capture_output=True, check=True), args.repeat
-            )
-            cli_start = timed(
-                lambda: subprocess.run([SING, "--help"], env=env, capture_output=True, check=True),
-                args.repeat,
-            )
-            rpc = timed(lambda: stub.ListJobs(pb.ListJobsRequest()), args.repeat)
-            listed = len(stub.ListJobs(pb.ListJobsRequest()).jobs)
+            yield daemon, pb_grpc.SingularityStub(channel)
         finally:
             channel.close()
-            stub = None
-            for job_dir in (daemon.state_dir / "jobs").glob("*/init.pid"):
-                subprocess.run(["kill", "-9", job_dir.read_text().split()[0]], capture_output=True)
+            for pid_file in (daemon.state_dir / "jobs").glob("*/init.pid"):
+                subprocess.run(["kill", "-9", pid_file.read_text().split()[0]], capture_output=True)
             daemon.stop()
+
+
+def bench_arguments(description: str) -> argparse.Namespace:
+    """--jobs (queued for the listing measurements) and --repeat (runs of each measurement)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--jobs", type=int, default=1000)
+    parser.add_argument("--repeat", type=int, default=20)
+    return parser.parse_args()
+
+
+def main() -> None:
+    """Run both measurements and print a Markdown table."""
+    args = bench_arguments(__doc__.splitlines()[0])
+    with one_device_daemon() as (daemon, stub):
+        latency = submit_to_running(stub, daemon, args.repeat)
+        reference = direct_spawn(args.repeat)
+        fill_queue(stub, args.jobs)
+        env = {**os.environ, "SING_SOCKET": str(daemon.socket)}
+        ps = timed(
+            lambda: subprocess.run([SING, "ps"], env=env, capture_output=True, check=True), args.repeat
+        )
+        cli_start = timed(
+            lambda: subprocess.run([SING, "--help"], env=env, capture_output=True, check=True),
+            args.repeat,
+        )
+        rpc = timed(lambda: stub.ListJobs(pb.ListJobsRequest()), args.repeat)
+        listed = len(stub.ListJobs(pb.ListJobsRequest()).jobs)
     rows = [
         ("submit-to-running (singularityd)", latency, None),
         ("spawn the same command directly (reference)", reference, None),

@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 
+from singularity.cli.config import settings
 from singularity.cli.errors import EXIT_UNAVAILABLE, CliError, exit_code_for_status
 from singularityd.api.v1 import singularity_pb2_grpc as pb_grpc
 
@@ -42,7 +43,8 @@ def _config_socket() -> Path | None:
 
 
 def resolve_socket(flag: str | None) -> Path:
-    """The socket to use: --socket, then SING_SOCKET, then the config file, then the defaults.
+    """The socket to use: --socket, then SING_SOCKET, then the user's sing.toml, then the daemon's
+    config file, then the defaults.
 
     The default is the system daemon's socket; a non-root user without one falls back to their
     own user-mode daemon's socket when it exists.
@@ -51,6 +53,8 @@ def resolve_socket(flag: str | None) -> Path:
         return Path(flag)
     if os.environ.get("SING_SOCKET"):
         return Path(os.environ["SING_SOCKET"])
+    if settings().socket:
+        return Path(str(settings().socket)).expanduser()
     configured = _config_socket()
     if configured is not None:
         return configured

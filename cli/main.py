@@ -9,13 +9,14 @@ import stat
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 import typer
 
 from singularity.cli import output
 from singularity.cli.client import connect, resolve_socket, rpc_error, unreachable_message
+from singularity.cli.config import settings
 from singularity.cli.errors import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -26,6 +27,9 @@ from singularity.cli.errors import (
     fail,
     warn,
 )
+from singularity.cli.progress import Progress
+from singularity.cli.source import LogFollower
+from singularityd import __version__
 from singularityd.api.v1 import singularity_pb2 as pb
 
 app = typer.Typer(
@@ -40,10 +44,44 @@ app = typer.Typer(
 SocketOption = typer.Option(None, "--socket", envvar="SING_SOCKET", help="Daemon socket.")
 
 
-def _output_format(value: str | None, allowed: tuple[str, ...]) -> str | None:
-    if value is not None and value not in allowed:
-        raise CliError(f"-o must be one of {', '.join(allowed)}, not {value!r}", EXIT_USAGE)
+OutputOption = typer.Option(
+    None, "--output", "-o", help="table (default), wide or json; default from sing.toml's `output`."
+)
+HeaderOption = typer.Option(
+    None, "--header/--no-header", help="Print or omit the header line (default from sing.toml, else print)."
+)
+
+
+def _output_format(value: str | None, allowed: tuple[str, ...]) -> str:
+    """The -o in force: the flag (checked), else sing.toml's `output` where this command has it."""
+    choices = ("table", *allowed)
+    if value is None:
+        configured = settings().output
+        return configured if configured in choices else "table"
+    if value not in choices:
+        raise CliError(f"-o must be one of {', '.join(choices)}, not {value!r}", EXIT_USAGE)
     return value
+
+
+def _header(flag: bool | None) -> bool:
+    """Whether to print header lines: the flag, else sing.toml's `no_header`."""
+    return flag if flag is not None else not settings().no_header
+
+
+def _version(value: bool) -> None:
+    """Print the version for --version and stop."""
+    if value:
+        print(f"sing {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(
+        False, "--version", "-V", is_eager=True, callback=_version, help="Print the version and exit."
+    ),
+) -> None:
+    """Submit and manage jobs on singularityd, the lab's preemptive GPU scheduler."""
 
 
 def _job_status(job: pb.Job) -> int:
@@ -56,6 +94,7 @@ def _job_status(job: pb.Job) -> int:
 
 
 def _parse_env(pairs: list[str]) -> dict[str, str]:
+    """KEY=VALUE pairs of --env as a dict."""
     env = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -67,14 +106,16 @@ def _parse_env(pairs: list[str]) -> dict[str, str]:
 
 def _wait_for(stub: Any, job_id: int) -> pb.Job:
     """Block until the job ends, riding out daemon restarts (the job survives them)."""
-    while True:
-        try:
-            job: pb.Job = stub.Wait(pb.JobRef(id=job_id))
-            return job
-        except grpc.RpcError as error:
-            if error.code() != grpc.StatusCode.UNAVAILABLE:
-                raise
-            time.sleep(1.0)
+    with Progress(f"waiting for job {job_id}") as progress:
+        while True:
+            try:
+                job: pb.Job = stub.Wait(pb.JobRef(id=job_id))
+                return job
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                progress.update(f"waiting for job {job_id} (the daemon is restarting)")
+                time.sleep(1.0)
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
@@ -90,9 +131,12 @@ def submit(
     checkpoint_every: float = typer.Option(
         None, "--checkpoint-every", help="Seconds between periodic checkpoints (0: none; default: daemon's)."
     ),
+    output_format: str = typer.Option(None, "--output", "-o", help="id (default) or json: the job queued."),
     socket: str = SocketOption,
 ) -> None:
     """Queue a program; prints its job id. The job runs as you, with your environment."""
+    if output_format not in (None, "id", "json"):
+        raise CliError(f"-o must be id or json, not {output_format!r}", EXIT_USAGE)
     if checkpoint_every is not None and not (math.isfinite(checkpoint_every) and checkpoint_every >= 0):
         raise CliError(f"--checkpoint-every must be 0 or more seconds, not {checkpoint_every:g}", EXIT_USAGE)
     if not command:
@@ -112,7 +156,7 @@ def submit(
         request.checkpoint_interval = checkpoint_every
     with connect(socket) as stub:
         job = stub.Submit(request).job
-        print(job.id, flush=True)
+        print(output.to_json(output.job_dict(job)) if output_format == "json" else job.id, flush=True)
         if wait:
             raise SystemExit(_job_status(_wait_for(stub, job.id)))
 
@@ -120,14 +164,15 @@ def submit(
 @app.command()
 def ps(
     all_jobs: bool = typer.Option(False, "--all", "-a", help="Include ended jobs."),
-    output_format: str = typer.Option(None, "--output", "-o", help="wide or json."),
-    no_header: bool = typer.Option(False, "--no-header", help="Omit the header line."),
+    output_format: str = OutputOption,
+    header: bool = HeaderOption,
     watch: bool = typer.Option(False, "--watch", "-w", help="After the list, print each change."),
     user: str = typer.Option("", "--user", "-u", help="Only this user's jobs."),
     socket: str = SocketOption,
 ) -> None:
     """List jobs (queued and running; -a for all)."""
     fmt = _output_format(output_format, ("wide", "json"))
+    with_header = _header(header)
     request = pb.ListJobsRequest(all=all_jobs, user=user)
     with connect(socket) as stub:
         if not watch:
@@ -135,7 +180,7 @@ def ps(
             if fmt == "json":
                 print(output.to_json([output.job_dict(j) for j in jobs]))
             else:
-                text = output.jobs_table(jobs, fmt == "wide", not no_header)
+                text = output.jobs_table(jobs, fmt == "wide", with_header)
                 if text:
                     print(text)
             return
@@ -145,8 +190,7 @@ def ps(
                     for job in update.jobs:
                         print(output.to_json(output.job_dict(job)).replace("\n", " "), flush=True)
                     continue
-                header = not no_header and not update.is_change
-                text = output.jobs_table(update.jobs, fmt == "wide", header)
+                text = output.jobs_table(update.jobs, fmt == "wide", with_header and not update.is_change)
                 if text:
                     print(text, flush=True)
         except KeyboardInterrupt:
@@ -156,38 +200,44 @@ def ps(
 @app.command()
 def show(
     job_id: int = typer.Argument(..., metavar="ID"),
-    output_format: str = typer.Option(None, "--output", "-o", help="json."),
+    output_format: str = OutputOption,
+    header: bool = HeaderOption,
     socket: str = SocketOption,
 ) -> None:
-    """Show a job: its spec, devices, usage, pending reason and event timeline."""
-    fmt = _output_format(output_format, ("json",))
+    """Show a job: its spec, devices, usage, checkpoints, pending reason and event timeline."""
+    fmt = _output_format(output_format, ("wide", "json"))
     with connect(socket) as stub:
         detail = stub.GetJob(pb.JobRef(id=job_id))
     if fmt == "json":
         print(output.to_json(output.job_detail_dict(detail)))
     else:
-        print(output.job_detail_text(detail))
+        print(output.job_detail_text(detail, wide=fmt == "wide", header=_header(header)))
 
 
 @app.command()
 def logs(
     job_id: int = typer.Argument(..., metavar="ID"),
-    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job ends."),
+    follow: bool = typer.Option(
+        False, "--follow", "-f", help="Keep printing until the job ends (through preemptions and restarts)."
+    ),
     tail: int = typer.Option(0, "--tail", help="Start with the last N lines."),
     rank: int = typer.Option(0, "--rank", help="Which rank's output."),
     socket: str = SocketOption,
 ) -> None:
-    """Print a job's output (stdout and stderr of one rank)."""
+    """Print a job's output (stdout and stderr of one rank), as the job wrote it."""
     if tail < 0:
         raise CliError(f"--tail must not be negative, not {tail}", EXIT_USAGE)
+    path = resolve_socket(socket)
+    if not path.exists():
+        raise CliError(unreachable_message(path), EXIT_UNAVAILABLE)
     out = sys.stdout.buffer
-    with connect(socket) as stub:
-        try:
-            for chunk in stub.StreamLogs(pb.LogsRequest(id=job_id, follow=follow, tail=tail, rank=rank)):
-                out.write(chunk.data)
-                out.flush()
-        except KeyboardInterrupt:
-            return
+    follower = LogFollower(path, job_id, rank, follow=follow, tail=tail)
+    try:
+        for data in follower:
+            out.write(data)
+            out.flush()
+    except KeyboardInterrupt:
+        follower.cancel()
 
 
 @app.command()
@@ -210,117 +260,220 @@ def cancel(
 @app.command()
 def preempt(job_id: int = typer.Argument(..., metavar="ID"), socket: str = SocketOption) -> None:
     """Checkpoint a running job and stop it; it resumes when the scheduler gives it devices."""
-    with connect(socket) as stub:
+    with connect(socket) as stub, Progress(f"preempting job {job_id} (checkpointing)"):
         stub.Preempt(pb.JobRef(id=job_id))
 
 
 @app.command()
 def suspend(job_id: int = typer.Argument(..., metavar="ID"), socket: str = SocketOption) -> None:
     """Checkpoint a running job and stop it (or hold a queued one) until `sing resume`."""
-    with connect(socket) as stub:
+    with connect(socket) as stub, Progress(f"suspending job {job_id} (checkpointing)"):
         stub.Suspend(pb.JobRef(id=job_id))
 
 
 @app.command()
-def resume(job_id: int = typer.Argument(..., metavar="ID"), socket: str = SocketOption) -> None:
+def resume(
+    job_id: int = typer.Argument(..., metavar="ID"),
+    wait: bool = typer.Option(
+        False, "--wait", "-W", help="Return once the job runs again (restored from its checkpoint)."
+    ),
+    socket: str = SocketOption,
+) -> None:
     """Put a suspended job back in the queue."""
     with connect(socket) as stub:
         stub.Resume(pb.JobRef(id=job_id))
+        if wait:
+            job = _wait_running(stub, job_id)
+            if job.state != "RUNNING":
+                raise CliError(f"job {job_id} ended ({job.state}: {job.reason}) before it ran again")
+
+
+def _wait_running(stub: Any, job_id: int) -> pb.Job:
+    """Block until the job's processes run (launched or restored) or it has ended."""
+    with Progress(f"job {job_id} queued") as progress:
+        for update in stub.WatchJobs(pb.ListJobsRequest(all=True)):
+            for job in update.jobs:
+                if job.id != job_id:
+                    continue
+                if (job.state == "RUNNING" and not job.starting) or job.ended_at:
+                    running: pb.Job = job
+                    return running
+                if job.starting:
+                    progress.update(
+                        f"restoring job {job_id}" if job.checkpoints else f"starting job {job_id}"
+                    )
+                else:
+                    progress.update(f"job {job_id} {job.state.lower()}: {job.pending_reason or job.reason}")
+    raise CliError("the daemon closed the stream", EXIT_UNAVAILABLE)
 
 
 @app.command()
-def checkpoint(job_id: int = typer.Argument(..., metavar="ID"), socket: str = SocketOption) -> None:
+def checkpoint(
+    job_id: int = typer.Argument(..., metavar="ID"),
+    output_format: str = typer.Option(None, "--output", "-o", help="json: the checkpoint as JSON."),
+    socket: str = SocketOption,
+) -> None:
     """Checkpoint a running job and let it keep running; prints the checkpoint taken."""
-    with connect(socket) as stub:
+    if output_format not in (None, "json"):
+        raise CliError(f"-o must be json, not {output_format!r}", EXIT_USAGE)
+    with connect(socket) as stub, Progress(f"checkpointing job {job_id}"):
         response = stub.Checkpoint(pb.JobRef(id=job_id))
-    print(output.checkpoint_text(response))
+    if output_format == "json":
+        print(output.to_json({"job": response.job.id, **output.checkpoint_dict(response.checkpoint)}))
+    else:
+        print(output.checkpoint_text(response))
 
 
 @app.command()
 def wait(
     job_id: int = typer.Argument(..., metavar="ID"),
+    output_format: str = typer.Option(None, "--output", "-o", help="json: print the ended job."),
     socket: str = SocketOption,
 ) -> None:
     """Wait for a job to end; exit with its status (its exit code, or 128 + signal)."""
+    if output_format not in (None, "json"):
+        raise CliError(f"-o must be json, not {output_format!r}", EXIT_USAGE)
     with connect(socket) as stub:
         job = _wait_for(stub, job_id)
+    if output_format == "json":
+        print(output.to_json(output.job_dict(job)))
     raise SystemExit(_job_status(job))
 
 
 @app.command()
 def devices(
-    output_format: str = typer.Option(None, "--output", "-o", help="json."),
+    output_format: str = OutputOption,
+    header: bool = HeaderOption,
     socket: str = SocketOption,
 ) -> None:
-    """List the devices the daemon owns and the jobs on them."""
-    fmt = _output_format(output_format, ("json",))
+    """List the devices the daemon owns, their proxies and the jobs on them."""
+    fmt = _output_format(output_format, ("wide", "json"))
     with connect(socket) as stub:
         found = stub.ListDevices(pb.ListDevicesRequest()).devices
     if fmt == "json":
         print(output.to_json([output.device_dict(d) for d in found]))
     else:
-        print(output.devices_table(found))
-
-
-def _check(ok: bool, label: str, detail: str) -> bool:
-    print(f"[{'ok' if ok else 'FAIL'}] {label}: {detail}")
-    return ok
+        text = output.devices_table(found, wide=fmt == "wide", header=_header(header))
+        if text:
+            print(text)
 
 
 @app.command()
-def doctor(socket: str = SocketOption) -> None:
-    """Check the set-up: daemon reachable, socket permissions, CRIU, NVML."""
-    path = resolve_socket(socket)
-    healthy = True
+def top(
+    all_jobs: bool = typer.Option(False, "--all", "-a", help="Include ended jobs."),
+    interval: float = typer.Option(
+        None,
+        "--interval",
+        "-n",
+        help="Seconds between refreshes (default: sing.toml's refresh_seconds, else 1).",
+    ),
+    socket: str = SocketOption,
+) -> None:
+    """A live view of devices and jobs, with actions (preempt, suspend, resume, cancel, checkpoint)."""
+    refresh = interval if interval is not None else settings().refresh_seconds
+    if not (math.isfinite(refresh) and refresh >= 0.1):
+        raise CliError(f"--interval must be at least 0.1 seconds, not {refresh:g}", EXIT_USAGE)
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise CliError("sing top needs a terminal (for scripts: sing ps -o json, sing ps -w)", EXIT_USAGE)
     try:
-        info = path.stat()
-        mode = info.st_mode
+        from singularity.cli.top.app import TopApp
+    except ImportError as error:
+        raise CliError(f"sing top needs textual ({error}): pip install 'singularityd[tui]'") from None
+    from singularity.cli.source import DaemonSource
+
+    source = DaemonSource(resolve_socket(socket))
+    try:
+        TopApp(source, refresh_seconds=refresh, all_jobs=all_jobs).run()
+    finally:
+        source.close()
+
+
+class _Checks:
+    """The findings of `sing doctor`, printed as they come (text) or at the end (JSON)."""
+
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
+        self.found: list[dict[str, str]] = []
+        self.healthy = True
+
+    def add(self, status: str, label: str, detail: str) -> bool:
+        """Record one finding ("ok", "FAIL" or "info"); whether it is not a failure."""
+        self.found.append({"check": label, "status": status, "detail": detail})
+        self.healthy &= status != "FAIL"
+        if not self.as_json:
+            print(f"[{status}] {label}: {detail}")
+        return status != "FAIL"
+
+    def check(self, ok: bool, label: str, detail: str) -> bool:
+        """An ok-or-FAIL finding."""
+        return self.add("ok" if ok else "FAIL", label, detail)
+
+    def finish(self, code: int | None = None) -> NoReturn:
+        """Print the JSON form if asked and exit: the given code, else 0 when healthy, else 1."""
+        if self.as_json:
+            print(output.to_json(self.found))
+        raise SystemExit(code if code is not None else EXIT_OK if self.healthy else EXIT_FAILURE)
+
+
+@app.command()
+def doctor(
+    output_format: str = typer.Option(None, "--output", "-o", help="json: the findings as JSON."),
+    socket: str = SocketOption,
+) -> None:
+    """Check the set-up: daemon reachable, socket permissions, CRIU, NVML."""
+    if output_format not in (None, "json"):
+        raise CliError(f"-o must be json, not {output_format!r}", EXIT_USAGE)
+    checks = _Checks(output_format == "json")
+    path = resolve_socket(socket)
+    try:
+        found = path.stat()
+        mode = found.st_mode
         try:
-            owner = pwd.getpwuid(info.st_uid).pw_name
+            owner = pwd.getpwuid(found.st_uid).pw_name
         except KeyError:
-            owner = str(info.st_uid)
+            owner = str(found.st_uid)
         usable = stat.S_ISSOCK(mode) and os.access(path, os.R_OK | os.W_OK)
-        healthy &= _check(
+        checks.check(
             usable,
             "socket",
             f"{path} ({stat.filemode(mode)}, owner {owner})" + ("" if usable else ": not usable by you"),
         )
     except FileNotFoundError:
-        _check(False, "socket", unreachable_message(path))
-        raise SystemExit(EXIT_UNAVAILABLE) from None
+        checks.check(False, "socket", unreachable_message(path))
+        checks.finish(EXIT_UNAVAILABLE)
     except OSError as error:
-        _check(False, "socket", f"{path}: {error.strerror}")
-        raise SystemExit(EXIT_UNAVAILABLE) from None
+        checks.check(False, "socket", f"{path}: {error.strerror}")
+        checks.finish(EXIT_UNAVAILABLE)
     try:
         with connect(socket) as stub:
             info = stub.GetDaemonInfo(pb.DaemonInfoRequest())
     except CliError as error:
-        _check(False, "daemon", error.message)
-        raise SystemExit(error.code) from None
-    _check(True, "daemon", f"singularityd {info.version} ({info.mode} mode), state in {info.state_dir}")
-    _check(
+        checks.check(False, "daemon", error.message)
+        checks.finish(error.code)
+    checks.check(True, "daemon", f"singularityd {info.version} ({info.mode} mode), state in {info.state_dir}")
+    checks.check(
         True,
         "identity",
         f"you are {info.caller_user} (uid {info.caller_uid})"
         + (", an admin" if info.caller_is_admin else ""),
     )
-    _check(True, "devices", f"{info.device_count} {info.device_kind} device(s)")
+    checks.check(True, "devices", f"{info.device_count} {info.device_kind} device(s)")
     nvml_ok = info.device_kind == "nvml" or not info.nvml_status.startswith("unavailable")
-    print(f"[{'ok' if nvml_ok else 'info'}] nvml: {info.nvml_status}")
+    checks.add("ok" if nvml_ok else "info", "nvml", info.nvml_status)
     criu_ok = not info.criu_unavailable_reason
-    healthy &= _check(
+    checks.check(
         criu_ok,
         "criu",
         f"CRIU {info.criu_version} at {info.criu_path}"
         if criu_ok
         else f"checkpoints unavailable: {info.criu_unavailable_reason}",
     )
-    healthy &= _check(
+    checks.check(
         info.pid_namespaces or info.mode == "user",
         "isolation",
         "jobs run in their own PID namespace" if info.pid_namespaces else "no PID namespaces (user mode)",
     )
-    raise SystemExit(EXIT_OK if healthy else EXIT_FAILURE)
+    checks.finish()
 
 
 def main() -> None:

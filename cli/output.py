@@ -63,6 +63,19 @@ def job_dict(job: pb.Job) -> dict[str, Any]:
         "checkpoint_interval": job.checkpoint_interval,
         "checkpoints": job.checkpoints,
         "checkpoint_bytes": job.checkpoint_bytes,
+        "last_checkpoint": checkpoint_dict(job.last_checkpoint) if job.HasField("last_checkpoint") else None,
+        "starting": job.starting,
+    }
+
+
+def checkpoint_dict(checkpoint: pb.CheckpointInfo) -> dict[str, Any]:
+    """A checkpoint as plain JSON-friendly data."""
+    return {
+        "seq": checkpoint.seq,
+        "created_at": checkpoint.created_at or None,
+        "bytes": checkpoint.bytes,
+        "complete": checkpoint.complete,
+        "pause_seconds": checkpoint.pause_seconds,
     }
 
 
@@ -79,6 +92,11 @@ def device_dict(device: pb.Device) -> dict[str, Any]:
             device.utilization_percent if device.HasField("utilization_percent") else None
         ),
         "jobs": list(device.jobs),
+        "proxy": device.proxy or None,
+        "sessions": [
+            {"job": x.job, "rank": x.rank, "bytes": x.bytes, "connected": x.connected}
+            for x in device.sessions
+        ],
     }
 
 
@@ -113,8 +131,16 @@ def devices_or_reason(job: pb.Job) -> str:
 JOB_HEADER = ("ID", "NAME", "USER", "STATE", "PRI", "GPUS", "TIME", "DEVICES(REASON)")
 WIDE_HEADER = (
     "ID", "NAME", "USER", "STATE", "PRI", "GPUS", "RANKS", "TIME", "CPU", "RSS", "EXIT",
-    "SUBMITTED", "COMMAND", "DEVICES(REASON)",
+    "SUBMITTED", "CKPTS", "CKPT-AGE", "CKPT-SIZE", "CKPT-PAUSE", "COMMAND", "DEVICES(REASON)",
 )  # fmt: skip
+
+
+def last_checkpoint_cells(job: pb.Job, now: float) -> list[str]:
+    """The age, size and pause of the job's newest checkpoint, '-' each when it has none."""
+    if not job.HasField("last_checkpoint"):
+        return ["-", "-", "-"]
+    last = job.last_checkpoint
+    return [duration(now - last.created_at), human_bytes(last.bytes), f"{last.pause_seconds:.2f}s"]
 
 
 def exit_text(job: pb.Job) -> str:
@@ -136,8 +162,8 @@ def job_row(job: pb.Job, wide: bool, now: float) -> list[str]:
     return [
         str(job.id), job.name, job.user, job.state, str(job.priority), str(job.gpus),
         str(job.ranks), duration(run_time(job, now)), f"{job.cpu_seconds:.1f}s",
-        human_bytes(job.rss_bytes), exit_text(job), timestamp(job.submitted_at),
-        " ".join(job.command), devices_or_reason(job),
+        human_bytes(job.rss_bytes), exit_text(job), timestamp(job.submitted_at), str(job.checkpoints),
+        *last_checkpoint_cells(job, now), " ".join(job.command), devices_or_reason(job),
     ]  # fmt: skip
 
 
@@ -149,8 +175,8 @@ def jobs_table(jobs: Sequence[pb.Job], wide: bool, header: bool) -> str:
     )
 
 
-def job_detail_text(detail: pb.JobDetail) -> str:
-    """`sing show`: the spec, devices, status, then the event timeline."""
+def job_detail_text(detail: pb.JobDetail, wide: bool = False, header: bool = True) -> str:
+    """`sing show`: the spec, devices, status, checkpoints (each one when wide), then the events."""
     job = detail.job
     now = time.time()
     lines = [
@@ -181,6 +207,17 @@ def job_detail_text(detail: pb.JobDetail) -> str:
     lines.append(
         f"Checkpoints: {job.checkpoints} kept, {human_bytes(job.checkpoint_bytes)} on disk ({interval})"
     )
+    if job.HasField("last_checkpoint"):
+        age, size, pause = last_checkpoint_cells(job, now)
+        lines.append(f"Last:       checkpoint {job.last_checkpoint.seq}, {age} ago, {size}, paused {pause}")
+    if wide and detail.checkpoint_list:
+        rows = [
+            [str(c.seq), timestamp(c.created_at), human_bytes(c.bytes), f"{c.pause_seconds:.2f}s",
+             "complete" if c.complete else "incomplete"]
+            for c in detail.checkpoint_list
+        ]  # fmt: skip
+        table_header = ("SEQ", "TAKEN", "SIZE", "PAUSE", "STATUS") if header else None
+        lines += ["  " + line for line in table(rows, table_header).splitlines()]
     if detail.log_path:
         lines.append(f"Log:        {detail.log_path}")
     if detail.env:
@@ -188,7 +225,9 @@ def job_detail_text(detail: pb.JobDetail) -> str:
     lines.append("")
     lines.append("Events:")
     rows = [[timestamp(e.at), _transition_text(e), e.reason] for e in detail.events]
-    lines += ["  " + line for line in table(rows, ("TIME", "STATE", "EVENT")).splitlines()]
+    lines += [
+        "  " + line for line in table(rows, ("TIME", "STATE", "EVENT") if header else None).splitlines()
+    ]
     return "\n".join(lines)
 
 
@@ -204,10 +243,7 @@ def job_detail_dict(detail: pb.JobDetail) -> dict[str, Any]:
     data = job_dict(detail.job)
     data["env"] = dict(detail.env) if detail.env else None
     data["log_path"] = detail.log_path or None
-    data["checkpoint_list"] = [
-        {"seq": c.seq, "created_at": c.created_at, "bytes": c.bytes, "complete": c.complete}
-        for c in detail.checkpoint_list
-    ]
+    data["checkpoint_list"] = [checkpoint_dict(c) for c in detail.checkpoint_list]
     data["events"] = [
         {"at": e.at, "from_state": e.from_state or None, "to_state": e.to_state, "reason": e.reason}
         for e in detail.events
@@ -224,12 +260,23 @@ def checkpoint_text(response: pb.CheckpointResponse) -> str:
     )
 
 
-def devices_table(devices: Sequence[pb.Device], header: bool = True) -> str:
-    """The `sing devices` table."""
+def sessions_text(device: pb.Device) -> str:
+    """'3/0:1.2G,3/1:0B': each job/rank session on the device with the memory it holds."""
+    return ",".join(f"{x.job}/{x.rank}:{human_bytes(x.bytes)}" for x in device.sessions) or "-"
+
+
+def devices_table(devices: Sequence[pb.Device], wide: bool = False, header: bool = True) -> str:
+    """The `sing devices` table (wide: with UUIDs, proxy health and each rank's session)."""
     rows = []
     for device in devices:
         util = f"{device.utilization_percent:.0f}%" if device.HasField("utilization_percent") else "-"
         memory = f"{human_bytes(device.memory_used)}/{human_bytes(device.memory_total)}"
         jobs = ",".join(str(j) for j in device.jobs) or "-"
-        rows.append([str(device.index), device.kind, device.name, memory, util, jobs])
-    return table(rows, ("INDEX", "KIND", "NAME", "MEMORY", "UTIL", "JOBS") if header else None)
+        row = [str(device.index), device.kind, device.name, memory, util, jobs]
+        if wide:
+            row += [device.uuid or "-", device.proxy or "-", sessions_text(device)]
+        rows.append(row)
+    columns = ["INDEX", "KIND", "NAME", "MEMORY", "UTIL", "JOBS"]
+    if wide:
+        columns += ["UUID", "PROXY", "SESSIONS"]
+    return table(rows, columns if header else None)

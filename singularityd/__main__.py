@@ -2,9 +2,10 @@
 
 Here the parts are chosen and connected: the store, the device inventory, how jobs reach their
 devices (the proxies, or directly), checkpoints (CRIU, or the reason there are none), the job
-processes, the daemon that drives them, the API that serves the daemon to users, and the
-observers (metrics, the spool directory). A changed config file (or SIGHUP) is read again and
-each live option handed to the part that uses it (`Running`).
+processes (in user namespaces of the daemon's where that lets CRIU checkpoint other users' jobs),
+the daemon that drives them, the API that serves the daemon to users, and the observers
+(metrics, the spool directory). A changed config file (or SIGHUP) is read again and each live
+option handed to the part that uses it (`Running`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from singularityd import __version__
 from singularityd.api.server import ApiServer
 from singularityd.checkpoint import Checkpointer, CheckpointUnavailable, Criu, ImageStore, locate_criu
 from singularityd.checkpoint.coordinator import Checkpoints, CriuStatus, JobCheckpoints, NoCheckpoints
+from singularityd.checkpoint.precheck import CAP_SYS_RESOURCE, have_capability
 from singularityd.config import (
     LIVE_OPTIONS,
     OPTIONS,
@@ -38,6 +40,7 @@ from singularityd.daemon import Daemon
 from singularityd.devices.access import DeviceAccess, DirectDevices, ProxiedDevices
 from singularityd.devices.inventory import Inventory, discover
 from singularityd.devices.proxies import JobProxies
+from singularityd.jobs.launch import probe_user_namespaces
 from singularityd.jobs.processes import HostProcesses
 from singularityd.observe.feed import ConfigReloaded
 from singularityd.observe.metrics import DeviceSampler, Metrics
@@ -88,16 +91,41 @@ async def checkpoints_for(config: Config, devices: DeviceAccess) -> Checkpoints:
     return JobCheckpoints(checkpointer, devices, CriuStatus(" ".join(info.argv), info.version_text, ""))
 
 
+async def job_user_namespaces(config: Config, checkpoints: Checkpoints) -> bool:
+    """Whether other users' jobs run in user namespaces the daemon owns.
+
+    Only a root daemon with CRIU that lacks CAP_SYS_RESOURCE needs them (CRIU cannot read another
+    user's limits without it), and only if `job_user_namespaces` is on and a trial launch works.
+    Otherwise the reason is kept for users whose jobs therefore cannot be checkpointed.
+    """
+    if config.user_mode or not isinstance(checkpoints, JobCheckpoints) or have_capability(CAP_SYS_RESOURCE):
+        return False
+    problem = "job_user_namespaces is off in the configuration"
+    if config.job_user_namespaces:
+        trial = await asyncio.to_thread(probe_user_namespaces)
+        problem = f"user namespaces do not work here: {trial}" if trial else ""
+    checkpoints.checkpointer.userns_problem = problem
+    if problem:
+        log.warning("other users' jobs cannot be checkpointed: %s", problem)
+    else:
+        log.info("root lacks CAP_SYS_RESOURCE: other users' jobs run in user namespaces")
+    return not problem
+
+
 async def build_daemon(config: Config) -> Daemon:
     """Take the state directory and connect the daemon's parts (nothing runs yet)."""
     store = Store(config.database)
     inventory = discover(config.devices, config.virtual_devices, config.virtual_device_memory_gib)
     log.info("%d %s device(s); NVML %s", len(inventory.devices), inventory.kind, inventory.nvml_status)
     devices = device_access(config, inventory)
-    processes = HostProcesses(
-        config.jobs_dir, pid_namespace=not config.user_mode, kill_grace_seconds=config.kill_grace_seconds
-    )
     checkpoints = await checkpoints_for(config, devices)
+    processes = HostProcesses(
+        config.jobs_dir,
+        pid_namespace=not config.user_mode,
+        kill_grace_seconds=config.kill_grace_seconds,
+        user_namespaces=await job_user_namespaces(config, checkpoints),
+        private_network=config.job_network == "private",
+    )
     return Daemon(config, store, inventory, processes, checkpoints, devices)
 
 

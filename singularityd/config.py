@@ -72,6 +72,8 @@ class Config:
     checkpoint_dir: Path | None = None
     device_proxy: bool = True
     proxy_threads: int = 1
+    job_user_namespaces: bool = True
+    job_network: str = "host"
     log_level: str = "info"
     metrics: bool = True
     metrics_address: str = "127.0.0.1"
@@ -135,6 +137,12 @@ OPTIONS: dict[str, str] = {
     "device state (default true); false gives jobs their GPUs directly (CUDA_VISIBLE_DEVICES).",
     "proxy_threads": "Intra-op CPU threads of each proxy server (default 1); a job's results match a "
     "direct CPU run with the same OMP_NUM_THREADS.",
+    "job_user_namespaces": "Where root lacks CAP_SYS_RESOURCE (some containers and VMs), run other "
+    "users' jobs in a user namespace owned by the daemon, so CRIU can checkpoint them (default true; "
+    "used only when a trial at start-up works).",
+    "job_network": "'host' (jobs share the machine's network, default) or 'private' (each job gets a "
+    "network namespace with only a loopback device: no outside network, but the TCP connections "
+    "between its ranks can be checkpointed even in a user namespace).",
     "log_level": "debug, info, warning or error (default info). Env SING_LOG_LEVEL.",
     "metrics": "Serve Prometheus metrics over HTTP at metrics_address:metrics_port/metrics (default true).",
     "metrics_address": "Address the metrics endpoint listens on (default 127.0.0.1: this machine only).",
@@ -192,6 +200,8 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         raise ConfigError(f"{source}: {name} = {value!r} is not a valid value") from error
     if name == "devices" and coerced not in ("auto", "nvml", "virtual"):
         raise ConfigError(f"{source}: devices must be 'auto', 'nvml' or 'virtual', not {coerced!r}")
+    if name == "job_network" and coerced not in ("host", "private"):
+        raise ConfigError(f"{source}: job_network must be 'host' or 'private', not {coerced!r}")
     if name in ("virtual_devices", "checkpoint_keep", "proxy_threads") and coerced < 1:
         raise ConfigError(f"{source}: {name} must be at least 1")
     if name == "log_level" and coerced not in LOG_LEVELS:

@@ -11,10 +11,11 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 from singularityd import __version__
-from singularityd.api.protocol import DaemonFacts, LiveFacts
+from singularityd.api.protocol import DaemonFacts, DeviceFacts, LiveFacts
 from singularityd.checkpoint.coordinator import CheckpointTaken, StoredCheckpoint
 from singularityd.core.jobs import (
     CancelRequested,
@@ -28,7 +29,6 @@ from singularityd.core.jobs import (
 )
 from singularityd.core.states import InvalidTransition
 from singularityd.daemon import Daemon
-from singularityd.devices.inventory import Device
 from singularityd.errors import InvalidRequest, PermissionDenied, StateConflict
 from singularityd.identity import Caller
 from singularityd.jobs.logs import read_log
@@ -73,14 +73,23 @@ class Requests:
         return self.daemon.store.events(job_id)
 
     def live(self, job: JobRecord) -> LiveFacts:
-        """Checkpoint settings and disk use, and live CPU and memory (recorded totals once ended)."""
-        checkpoints, checkpoint_bytes = self.daemon.checkpoints.usage(job.id)
+        """Checkpoint settings, disk use and the newest checkpoint; live CPU and memory (recorded
+        totals once ended); whether its processes are still being launched or restored."""
+        daemon = self.daemon
+        checkpoints, checkpoint_bytes = daemon.checkpoints.usage(job.id)
         usage = None
         if job.state.holds_devices and job.init_pid is not None:
-            usage = self.daemon.processes.usage(job.init_pid)
+            usage = daemon.processes.usage(job.init_pid)
         elif job.cpu_seconds is not None:
             usage = Usage(job.cpu_seconds, job.max_rss_bytes or 0)
-        return LiveFacts(self.daemon.checkpoint_interval(job), checkpoints, checkpoint_bytes, usage)
+        return LiveFacts(
+            daemon.checkpoint_interval(job),
+            checkpoints,
+            checkpoint_bytes,
+            usage,
+            last_checkpoint=daemon.checkpoints.latest(job.id),
+            starting=job.state.holds_devices and daemon.activity(job.id).launching,
+        )
 
     def checkpoints(self, job_id: int) -> list[StoredCheckpoint]:
         """The job's checkpoint folders, complete or not."""
@@ -91,9 +100,10 @@ class Requests:
         return self.daemon.processes.paths(job_id).rank_log(rank)
 
     def read_log(
-        self, caller: Caller, job_id: int, rank: int, follow: bool, tail: int
-    ) -> AsyncIterator[bytes]:
-        """A rank's log (its last `tail` lines), then new output while following; checked first."""
+        self, caller: Caller, job_id: int, rank: int, follow: bool, tail: int, offset: int
+    ) -> AsyncIterator[tuple[int, bytes]]:
+        """A rank's log from byte `offset` (else its last `tail` lines), then new output while
+        following; each chunk with its offset. The caller and rank are checked first."""
         job = self.owned_job(caller, job_id)
         if not 0 <= rank < job.spec.ranks:
             raise InvalidRequest(f"job {job.id} has ranks 0 to {job.spec.ranks - 1}, not {rank}")
@@ -101,12 +111,22 @@ class Requests:
         def ended() -> bool:
             return self.daemon.get_job(job_id).state.is_terminal
 
-        return read_log(self.log_path(job_id, rank), follow=follow, tail=tail, ended=ended)
+        return read_log(self.log_path(job_id, rank), follow=follow, tail=tail, offset=offset, ended=ended)
 
-    def devices(self) -> list[tuple[Device, list[int]]]:
-        """Each device with live memory use and utilisation (where reported), and its jobs."""
+    async def devices(self) -> list[DeviceFacts]:
+        """Each device with live memory use and utilisation (where reported), its jobs and its
+        proxy's health; a virtual device's memory use is what its proxy server holds."""
         busy = self.daemon.store.busy_devices()
-        return [(d, [busy[d.index]] if d.index in busy else []) for d in self.daemon.current_devices()]
+        devices = self.daemon.current_devices()
+        health = await asyncio.gather(
+            *(asyncio.to_thread(self.daemon.devices.health, device.index) for device in devices)
+        )
+        found = []
+        for device, proxy in zip(devices, health, strict=True):
+            if device.kind == "virtual" and proxy.allocated is not None:
+                device = replace(device, memory_used=proxy.allocated)
+            found.append(DeviceFacts(device, [busy[device.index]] if device.index in busy else [], proxy))
+        return found
 
     def subscribe(self) -> contextlib.AbstractContextManager[asyncio.Queue[int]]:
         """A queue of the ids of jobs that change while the context is open."""

@@ -14,7 +14,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from singularityd.checkpoint import CheckpointUnavailable, CriuInfo, locate_criu
 from singularityd.jobs.processes import process_start_ticks
+from tests.checkpoint_helpers import kill_tree
 from tests.helpers import Daemon, running_daemon
 
 requires_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (users, PID namespaces)")
@@ -61,3 +63,33 @@ def daemon(daemon_root: Path) -> Iterator[Daemon]:
     """A running daemon with 4 virtual devices."""
     with running_daemon(daemon_root) as started:
         yield started
+
+
+@pytest.fixture(scope="module")
+def criu_info() -> CriuInfo:
+    """The CRIU the checkpoint tests use (SINGULARITYD_TEST_CRIU, else found as the daemon would)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    try:
+        return locate_criu(os.environ.get("SINGULARITYD_TEST_CRIU", "auto"))
+    except CheckpointUnavailable as e:
+        pytest.skip(f"no usable CRIU: {e}")
+
+
+@pytest.fixture
+def work() -> Iterator[Path]:
+    """A scratch folder (in /dev/shm when there is one) that other test users can reach."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    d = Path(tempfile.mkdtemp(prefix="sing-ckpt-", dir=base))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def jobs() -> Iterator[list[int]]:
+    """Host PIDs of the job trees a test started; each is killed with its tree afterwards."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        kill_tree(pid)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import grp
 import json
 import os
@@ -20,6 +21,10 @@ from typing import Any
 
 import pytest
 
+from singularityd.checkpoint.precheck import CAP_SYS_RESOURCE, have_capability
+from singularityd.jobs.launch import probe_user_namespaces
+
+OWNER = "sing-alice"
 BIN = Path(sys.executable).parent
 SING = str(BIN / "sing")
 SINGULARITYD = str(BIN / "singularityd")
@@ -186,6 +191,20 @@ class Daemon:
         return int(result.out.strip())
 
 
+def submit_counter(daemon: Daemon, release: Path, *options: str) -> int:
+    """Submit a job printing 0, 1, 2... (one line every 20 ms) until `release` exists, then 'end'."""
+    script = (
+        "import os, time\n"
+        "i = 0\n"
+        f"while not os.path.exists({str(release)!r}):\n"
+        "    print(i, flush=True)\n"
+        "    i += 1\n"
+        "    time.sleep(0.02)\n"
+        "print('end', flush=True)\n"
+    )
+    return daemon.submit(sys.executable, "-c", script, options=["--name", "counter", *options])
+
+
 def python_for_user(user: str) -> list[str] | None:
     """A Python command line, with this project importable, that another user can run; or None.
 
@@ -290,3 +309,21 @@ def running_daemon(root: Path, **kwargs: Any) -> Iterator[Daemon]:
             except subprocess.TimeoutExpired:
                 daemon.process.kill()
                 daemon.process.wait()
+
+
+@functools.cache
+def user_namespace_problem() -> str | None:
+    """None where root can checkpoint other users' jobs directly (it holds CAP_SYS_RESOURCE); else
+    "" where it does so through user namespaces, or why it cannot."""
+    if have_capability(CAP_SYS_RESOURCE):
+        return None
+    return probe_user_namespaces()
+
+
+def other_user() -> str:
+    """A second (non-root) user whose jobs this machine can checkpoint; skips where none can be."""
+    problem = user_namespace_problem()
+    if problem:
+        pytest.skip(f"root lacks CAP_SYS_RESOURCE and user namespaces do not work: {problem}")
+    ensure_user(OWNER)
+    return OWNER

@@ -18,10 +18,9 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -43,13 +42,11 @@ from singularityd.checkpoint import (
 )
 from singularityd.checkpoint.criu import (
     FORK_RETRY_PATTERN,
-    ProcFacts,
     parse_stats,
     parse_version,
     privilege_problem,
     summarize_log,
     tcp_problem,
-    tree_problems,
 )
 from singularityd.checkpoint.manifest import (
     FileFact,
@@ -59,6 +56,7 @@ from singularityd.checkpoint.manifest import (
     plan_prune,
     structural_problems,
 )
+from singularityd.checkpoint.precheck import DaemonFacts, ProcFacts, tree_problems
 from singularityd.checkpoint.service import parse_sizes, post_dump_script
 from tests.checkpoint_helpers import (
     LaunchedJob,
@@ -293,21 +291,20 @@ def test_tree_problems() -> None:
         ("anon_inode:[io_uring]", "socket:[55]"),
         frozenset({55}),
     )
-    problems = tree_problems(
-        [init, rank], our_uid=0, our_gid=0, have_cap_sys_resource=False, tcp_problem_text="old CRIU"
-    )
+    lacking = DaemonFacts(uid=0, gid=0, have_cap_sys_resource=False, userns_problem="no user namespaces")
+    problems = tree_problems([init, rank], lacking, tcp_problem_text="old CRIU")
     text = "\n".join(problems)
     assert "must be root" not in text and "CRIU needs it to be root" in text
-    assert "CAP_SYS_RESOURCE" in text
+    assert "CAP_SYS_RESOURCE" in text and "(no user namespaces)" in text
     assert "io_uring" in text
     assert "TCP sockets: old CRIU" in text
     root_init = ProcFacts(10, "python", (0,) * 4, (0,) * 4, (10, 1))
-    assert (
-        tree_problems([root_init], our_uid=0, our_gid=0, have_cap_sys_resource=False, tcp_problem_text="")
-        == []
-    )
-    assert tree_problems([], our_uid=0, our_gid=0, have_cap_sys_resource=True, tcp_problem_text="") == [
-        "the job's root process does not exist"
+    assert tree_problems([root_init], lacking, tcp_problem_text="") == []
+    full = DaemonFacts(uid=0, gid=0, have_cap_sys_resource=True)
+    assert tree_problems([], full, tcp_problem_text="") == ["the job's root process does not exist"]
+    assert tree_problems([root_init, rank], full, tcp_problem_text="") == [
+        "process 11 (python) uses io_uring, which CRIU cannot checkpoint "
+        "(for torch.distributed set USE_LIBUV=0 so its TCPStore does not use libuv)"
     ]
 
 
@@ -326,33 +323,6 @@ def test_post_dump_script_records_sizes(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- real CRIU
-
-
-@pytest.fixture(scope="module")
-def criu_info() -> CriuInfo:
-    if not ROOT:
-        pytest.skip("needs root")
-    try:
-        return locate_criu(os.environ.get("SINGULARITYD_TEST_CRIU", "auto"))
-    except CheckpointUnavailable as e:
-        pytest.skip(f"no usable CRIU: {e}")
-
-
-@pytest.fixture
-def work() -> Iterator[Path]:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    d = Path(tempfile.mkdtemp(prefix="sing-ckpt-", dir=base))
-    d.chmod(0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def jobs() -> Iterator[list[int]]:
-    pids: list[int] = []
-    yield pids
-    for p in pids:
-        kill_tree(p)
 
 
 def _user(name: str) -> pwd.struct_passwd:

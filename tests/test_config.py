@@ -138,3 +138,13 @@ def test_reload_sorts_live_changes_from_those_needing_a_restart(tmp_path: Path) 
     path.write_text("checkpoint_keep = 5\nproxy_threads = 4\nlog_level = 'error'\nadmin_group = 'ops'\n")
     again = reload_config(change.config, source)
     assert again.applied == {} and again.need_restart == {"proxy_threads": (1, 4)}
+
+
+def test_job_network_must_be_host_or_private(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('job_network = "private"\njob_user_namespaces = false\n')
+    config = load_config(path, env={})
+    assert (config.job_network, config.job_user_namespaces) == ("private", False)
+    path.write_text('job_network = "bridge"\n')
+    with pytest.raises(ConfigError, match="job_network must be 'host' or 'private'"):
+        load_config(path, env={})

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 
 from tests.conftest import requires_root
-from tests.helpers import Daemon, ensure_user, running_daemon, wait_until
+from tests.helpers import Daemon, ensure_user, other_user, python_for_user, running_daemon, wait_until
 from tests.proxy.conftest import PROGRAMS, PYTHON, base_env
 from tests.proxy.test_corpus import CORPUS
 
@@ -109,6 +109,39 @@ def test_proxied_job_preempted_and_moved_is_exact(daemon_root: Path) -> None:
         reasons = [e["reason"] for e in daemon.job(job)["events"]]
         assert sum(r.startswith("restored from checkpoint") for r in reasons) == 6
         daemon.sing("cancel", str(blocker))
+
+
+@requires_root
+def test_another_users_proxied_job_preempted_is_exact(daemon_root: Path) -> None:
+    """A second user's job holding connections to the proxy (external to its namespaces) is
+    dumped, and restored with fresh connections, exactly; it runs in a user namespace where root
+    lacks CAP_SYS_RESOURCE."""
+    owner = other_user()
+    python = python_for_user(owner)
+    assert python is not None and python[1].startswith("PYTHONPATH=")
+    total = 300
+    args = ["--steps", str(total)]
+    expected = direct_output("long_train.py", args)
+    options = [*JOB_OPTIONS, "--env", python[1]]
+    release = daemon_root / "release"
+    with running_daemon(daemon_root, virtual_devices=1) as daemon:
+        job = daemon.submit(
+            python[-1], "long_train.py", *args, "--hold", str(release), options=options, user=owner
+        )
+        daemon.wait_state(job, "RUNNING")
+        seen = 0
+        for _ in range(2):
+            wait_until(functools.partial(progressed, daemon, job, seen + 20, total), timeout=120)
+            result = daemon.sing("preempt", str(job), user=owner)
+            assert result.code == 0, result.err
+            daemon.wait_state(job, "RUNNING")
+            seen = steps(daemon, job)
+        release.touch()
+        assert daemon.sing("wait", str(job), timeout=600).code == 0
+        assert daemon.sing("logs", str(job)).out == expected
+        folders = (daemon.state_dir / "checkpoints" / str(job)).glob("*/manifest.json")
+        manifests = [json.loads(path.read_text()) for path in folders]
+        assert manifests and all(m["extra"]["proxy_connections"] for m in manifests)
 
 
 def test_job_process_holds_no_device_state(daemon: Daemon) -> None:
@@ -214,3 +247,30 @@ def test_job_device_work_runs_with_the_users_privileges_only(daemon: Daemon) -> 
     daemon.wait_state(job, "CANCELLED")
     wait_until(functools.partial(ended, pid))
     assert not socket_path.parent.exists(), "the job's sockets and temporary files are gone with it"
+
+
+@requires_root
+def test_devices_show_proxy_sessions_and_jobs_their_last_checkpoint(daemon_root: Path) -> None:
+    """What `sing top` shows: a started proxy with each rank's session, the newest checkpoint and
+    the pause it cost the job."""
+    release = daemon_root / "release"
+    with running_daemon(daemon_root, virtual_devices=2) as daemon:
+        args = ["--steps", "10", "--hold", str(release)]
+        job = daemon.submit(PYTHON, "long_train.py", *args, options=JOB_OPTIONS)
+        device = daemon.wait_state(job, "RUNNING")["devices"][0]
+        wait_until(functools.partial(progressed, daemon, job, 9, 10), timeout=120)
+
+        listed = {d["index"]: d for d in daemon.sing("devices", "-o", "json").json()}
+        used, unused = listed[device], listed[1 - device]
+        assert used["proxy"] == "up" and used["jobs"] == [job]
+        assert [(s["job"], s["rank"], s["connected"]) for s in used["sessions"]] == [(job, 0, True)]
+        assert used["memory_used"] == used["sessions"][0]["bytes"] > 0, "a virtual device's use is its jobs'"
+        assert unused["proxy"] == "idle" and unused["sessions"] == [] and unused["memory_used"] == 0
+
+        assert daemon.job(job)["last_checkpoint"] is None
+        taken = daemon.sing("checkpoint", "-o", "json", str(job)).json()
+        assert taken.pop("job") == job and taken["complete"] and taken["pause_seconds"] > 0
+        assert daemon.job(job)["last_checkpoint"] == taken, "the pause measured when taken is kept"
+        assert daemon.job(job)["checkpoint_list"][-1] == taken
+        release.touch()
+        assert daemon.sing("wait", str(job), timeout=300).code == 0

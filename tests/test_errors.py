@@ -54,7 +54,7 @@ def test_empty_command(daemon: Daemon, args: list[str]) -> None:
 
 
 def test_bad_output_format(daemon: Daemon) -> None:
-    assert_one_line_error(daemon.sing("ps", "-o", "yaml"), 2, "-o must be one of wide, json")
+    assert_one_line_error(daemon.sing("ps", "-o", "yaml"), 2, "-o must be one of table, wide, json")
 
 
 def test_daemon_not_running(tmp_path: Path) -> None:

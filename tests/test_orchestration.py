@@ -28,6 +28,7 @@ from singularityd.config import Config
 from singularityd.core.jobs import PREEMPTION_BACKOFF_SECONDS, Activity
 from singularityd.core.states import JobState
 from singularityd.daemon import Daemon
+from singularityd.devices.access import DeviceHealth
 from singularityd.devices.inventory import Inventory, virtual_devices
 from singularityd.devices.proxies import JobIdentity, ProxyConnection
 from singularityd.errors import StateConflict
@@ -142,6 +143,9 @@ class FakeCheckpoints:
     def listing(self, job_id: int) -> list[StoredCheckpoint]:
         return []
 
+    def latest(self, job_id: int) -> StoredCheckpoint | None:
+        return None
+
     def hold(self) -> asyncio.Future[str]:
         """Make the next checkpoint wait; resolve with '' to complete it, or an error to fail it."""
         self.gate = asyncio.get_running_loop().create_future()
@@ -199,6 +203,9 @@ class FakeDevices:
         self, job_id: int, devices: Sequence[int], images: Path, connections: Sequence[Mapping[str, int]]
     ) -> tuple[dict[str, int], list[object]]:
         return {}, []
+
+    def health(self, device: int) -> DeviceHealth:
+        return DeviceHealth("")
 
 
 @dataclass

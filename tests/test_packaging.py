@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from singularityd.api.generate import generate
 from tests.helpers import REPO
@@ -20,14 +24,55 @@ def test_committed_stubs_match_the_proto(tmp_path: Path) -> None:
         assert fresh == committed, f"{name} is stale: run python -m singularityd.api.generate"
 
 
-def test_cli_never_imports_textual_or_torch() -> None:
-    code = (
-        "import sys, singularity.cli.main; "
-        "bad = [m for m in ('textual', 'torch', 'rich') if m in sys.modules]; "
-        "print(','.join(bad))"
+CLI_MAY_IMPORT_FROM_THE_DAEMON = {
+    "singularityd",
+    "singularityd.api",
+    "singularityd.api.v1",
+    "singularityd.api.v1.singularity_pb2",
+    "singularityd.api.v1.singularity_pb2_grpc",
+    "singularityd.units",
+}
+
+
+def imported_by(*args: str) -> set[str]:
+    """Every module a run of `sing ARGS` imports (from python -X importtime)."""
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "singularity.cli.main", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "SING_SOCKET": "/nonexistent/sing.sock"},
     )
+    modules = set()
+    for line in result.stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            modules.add(line.rsplit("|", 1)[1].strip())
+    assert "singularity.cli.client" in modules, result.stderr[-2000:]
+    return modules
+
+
+def heavy(modules: set[str]) -> list[str]:
+    """The modules `sing` must never load outside `sing top`: UI, torch, the daemon itself."""
+    return sorted(
+        m
+        for m in modules
+        if m.split(".")[0] in ("textual", "torch", "rich", "numpy")
+        or (m.startswith("singularityd") and m not in CLI_MAY_IMPORT_FROM_THE_DAEMON)
+    )
+
+
+@pytest.mark.parametrize(
+    "args", [["--version"], ["ps"], ["show", "1"], ["logs", "-f", "1"], ["top", "--help"]]
+)
+def test_cli_never_imports_textual_torch_or_the_daemon(args: list[str]) -> None:
+    assert heavy(imported_by(*args)) == []
+
+
+def test_top_imports_textual_but_not_torch_or_the_daemon() -> None:
+    code = "import sys, json, singularity.cli.top.app; print(json.dumps(sorted(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == ""
+    modules = set(json.loads(result.stdout))
+    assert "textual" in modules
+    assert [m for m in heavy(modules) if m.split(".")[0] not in ("textual", "rich")] == []
 
 
 def test_systemd_unit_keeps_jobs_through_restarts() -> None:

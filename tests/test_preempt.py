@@ -22,9 +22,20 @@ from typing import Any
 
 import pytest
 
-from singularityd.checkpoint.criu import have_capability
+from singularityd.checkpoint.namespaces import user_namespace_of
+from singularityd.checkpoint.precheck import CAP_SYS_RESOURCE, have_capability
 from tests.conftest import requires_root
-from tests.helpers import REPO, Daemon, ensure_user, running_daemon, wait_until
+from tests.helpers import (
+    OWNER,
+    REPO,
+    Daemon,
+    ensure_user,
+    other_user,
+    python_for_user,
+    running_daemon,
+    user_namespace_problem,
+    wait_until,
+)
 
 pytestmark = [requires_root, pytest.mark.slow]
 
@@ -33,8 +44,12 @@ STEPS = 300
 JOB_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def train_command(steps: int = STEPS, sleep: float = 0.01) -> list[str]:
-    return [sys.executable, str(SCRIPT), "--steps", str(steps), "--sleep", str(sleep)]
+def train_command(steps: int = STEPS, sleep: float = 0.01, user: str | None = None) -> list[str]:
+    """The training script's command line; for another user, a Python that user may run."""
+    python = [sys.executable] if user is None else python_for_user(user)
+    if python is None:
+        pytest.skip(f"no Python with this project importable by {user} here")
+    return [*python, str(SCRIPT), "--steps", str(steps), "--sleep", str(sleep)]
 
 
 @functools.cache
@@ -51,12 +66,35 @@ def release_file(daemon: Daemon) -> Path:
 
 
 def submit_training(
-    daemon: Daemon, *options: str, steps: int = STEPS, user: str | None = None, hold: Path | None = None
+    daemon: Daemon,
+    *options: str,
+    steps: int = STEPS,
+    user: str | None = None,
+    sleep: float = 0.01,
+    hold: Path | None = None,
 ) -> int:
-    """Submit the training script; with `hold` it cannot end before that file exists."""
+    """Submit the training script (as `user`); with `hold` it cannot end before that file exists."""
     env_options = [f"--env={key}={value}" for key, value in JOB_ENV.items()]
-    command = train_command(steps) + (["--hold", str(hold)] if hold else [])
+    command = train_command(steps, sleep, user=user) + (["--hold", str(hold)] if hold else [])
     return daemon.submit(*command, options=[*env_options, *options], user=user)
+
+
+def assert_runs_as_owner(daemon: Daemon, job_id: int) -> None:
+    """The job's ranks run as OWNER with no capabilities; where root lacks CAP_SYS_RESOURCE, its
+    init is root of an identity-mapped user namespace the daemon created."""
+    init, ranks = wait_until(lambda: supervisor_and_ranks(daemon, job_id))
+    for rank in ranks:
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{rank}/status").read_text().splitlines())
+        assert status["Uid"].split() == [str(ensure_user(OWNER).pw_uid)] * 4
+        assert status["CapEff"].strip() == "0000000000000000"
+    namespace = user_namespace_of(init)
+    if user_namespace_problem() is None:
+        assert namespace.ours
+        return
+    assert not namespace.ours and namespace.owned_by_us
+    assert Path(f"/proc/{init}/uid_map").read_text().split() == ["0", "0", "4294967295"]
+    assert Path(f"/proc/{init}/gid_map").read_text().split() == ["0", "0", "4294967295"]
+    assert all(user_namespace_of(rank).inode == namespace.inode for rank in ranks)
 
 
 def steps_done(daemon: Daemon, job_id: int) -> int:
@@ -161,10 +199,9 @@ def test_daemon_and_job_killed_resume_from_periodic_checkpoint(daemon_root: Path
         release = release_file(daemon)
         job = submit_training(daemon, "--checkpoint-every", "1.5", steps=200, hold=release)
         daemon.wait_state(job, "RUNNING")
-        wait_until(
-            lambda: sum("periodic checkpoint" in e["reason"] for e in events(daemon, job)) >= 2, timeout=120
-        )
-        assert steps_done(daemon, job) > 0
+        wait_progress(daemon, job, 0, steps=200)
+        taken = periodic_checkpoints(daemon, job)
+        wait_until(lambda: periodic_checkpoints(daemon, job) >= max(2, taken + 1), timeout=120)
         supervisor = daemon.supervisor_pid(job)
         daemon.stop(signal.SIGKILL)
         os.kill(supervisor, signal.SIGKILL)  # PID 1 of the job's namespace: every rank dies with it
@@ -177,6 +214,11 @@ def test_daemon_and_job_killed_resume_from_periodic_checkpoint(daemon_root: Path
         reasons = [e["reason"] for e in events(daemon, job)]
         assert any("queued to resume from its last checkpoint" in r for r in reasons), reasons
         assert daemon.sing("logs", str(job)).out == expected, "logs rewound to the checkpoint, then replayed"
+
+
+def periodic_checkpoints(daemon: Daemon, job_id: int) -> int:
+    """How many periodic checkpoints of the job its events record."""
+    return sum("periodic checkpoint" in e["reason"] for e in events(daemon, job_id))
 
 
 def process_gone(pid: int) -> bool:
@@ -216,18 +258,11 @@ def test_corrupt_newest_image_falls_back_to_previous(cr_daemon: Daemon) -> None:
     assert cr_daemon.sing("logs", str(job)).out == uninterrupted_output(150)
 
 
-CAP_SYS_RESOURCE = 24
-
-
 def test_images_are_private_to_the_job_owner(cr_daemon: Daemon) -> None:
-    """Images hold process memory: owned by the job's user, mode 0700, unreadable by others.
-
-    CRIU can dump another user's processes only with CAP_SYS_RESOURCE (to read their limits);
-    where the daemon lacks it (some containers), the job is root's and the check is the same.
-    """
+    """Images hold process memory: owned by the job's user, mode 0700, unreadable by others."""
     ensure_user("sing-bob")
-    owner = "sing-alice" if have_capability(CAP_SYS_RESOURCE) else None
-    owner_uid = ensure_user(owner).pw_uid if owner else 0
+    owner = other_user()
+    owner_uid = ensure_user(owner).pw_uid
     job = cr_daemon.submit("sh", "-c", "while true; do sleep 0.1; done", user=owner)
     cr_daemon.wait_state(job, "RUNNING")
     wait_until(lambda: (cr_daemon.state_dir / "jobs" / str(job) / "init.pid").exists())
@@ -244,10 +279,78 @@ def test_images_are_private_to_the_job_owner(cr_daemon: Daemon) -> None:
         ["ls", str(newest)], user="sing-bob", capture_output=True, cwd="/tmp", timeout=30
     )
     assert listing.returncode != 0
-    if owner:
-        mine = subprocess.run(["head", "-c", "1", str(image)], user=owner, capture_output=True, cwd="/tmp")
-        assert mine.returncode == 0
+    mine = subprocess.run(["head", "-c", "1", str(image)], user=owner, capture_output=True, cwd="/tmp")
+    assert mine.returncode == 0
     cr_daemon.sing("cancel", str(job))
+
+
+def test_another_users_job_preempted_and_resumed_exactly(cr_daemon: Daemon) -> None:
+    """A second user's PyTorch job: preempted, checkpointed in place, preempted again, by its owner."""
+    owner = other_user()
+    release = release_file(cr_daemon)
+    job = submit_training(cr_daemon, user=owner, steps=200, sleep=0.05, hold=release)
+    cr_daemon.wait_state(job, "RUNNING")
+    progress = wait_progress(cr_daemon, job, 5, steps=200)
+    assert_runs_as_owner(cr_daemon, job)
+    for operation in ("preempt", "checkpoint", "preempt"):
+        progress = wait_progress(cr_daemon, job, progress + 5, steps=200)
+        result = cr_daemon.sing(operation, str(job), user=owner)
+        assert result.code == 0, result.err
+        cr_daemon.wait_state(job, "RUNNING")
+        assert_runs_as_owner(cr_daemon, job)
+    release.touch()
+    assert cr_daemon.sing("wait", str(job), timeout=300).code == 0
+    assert cr_daemon.sing("logs", str(job), user=owner).out == uninterrupted_output(200)
+    reasons = [e["reason"] for e in events(cr_daemon, job)]
+    assert sum(r.startswith(f"preempted by {owner}: checkpoint") for r in reasons) == 2, reasons
+
+
+def test_another_users_job_suspended_and_resumed(cr_daemon: Daemon) -> None:
+    owner = other_user()
+    release = release_file(cr_daemon)
+    job = submit_training(cr_daemon, user=owner, steps=120, hold=release)
+    cr_daemon.wait_state(job, "RUNNING")
+    wait_progress(cr_daemon, job, 10, steps=120)
+    assert cr_daemon.sing("suspend", str(job), user=owner).code == 0
+    assert cr_daemon.job(job)["state"] == "SUSPENDED"
+    frozen = steps_done(cr_daemon, job)
+    time.sleep(1.0)
+    assert steps_done(cr_daemon, job) == frozen
+    again = cr_daemon.sing("resume", str(job), user=owner)
+    assert again.code == 0, again.err
+    cr_daemon.wait_state(job, "RUNNING")
+    release.touch()
+    assert cr_daemon.sing("wait", str(job), timeout=300).code == 0
+    assert cr_daemon.sing("logs", str(job)).out == uninterrupted_output(120)
+
+
+def test_other_users_jobs_refused_with_the_reason_without_user_namespaces(daemon_root: Path) -> None:
+    """Where root lacks CAP_SYS_RESOURCE and jobs get no user namespace, the refusal says why."""
+    if have_capability(CAP_SYS_RESOURCE):
+        pytest.skip("root holds CAP_SYS_RESOURCE here: other users' jobs need no user namespace")
+    owner = ensure_user(OWNER).pw_name
+    with running_daemon(daemon_root, config={"job_user_namespaces": False}) as daemon:
+        job = daemon.submit("sh", "-c", "while true; do sleep 0.1; done", user=owner)
+        daemon.wait_state(job, "RUNNING")
+        wait_until(lambda: (daemon.state_dir / "jobs" / str(job) / "init.pid").exists())
+        assert user_namespace_of(daemon.supervisor_pid(job)).ours
+        refused = daemon.sing("preempt", str(job), user=owner)
+        assert refused.code != 0
+        assert "CAP_SYS_RESOURCE" in refused.err and "job_user_namespaces is off" in refused.err
+        assert len(refused.err.strip().splitlines()) == 1
+        assert daemon.job(job)["state"] == "RUNNING"
+        daemon.sing("cancel", str(job))
+        daemon.wait_state(job, "CANCELLED")
+
+
+def supervisor_and_ranks(daemon: Daemon, job_id: int) -> tuple[int, list[int]] | None:
+    """The host PIDs of the job's running supervisor and of its ranks, once all are there."""
+    try:
+        init = daemon.supervisor_pid(job_id)
+        ranks = [int(p) for p in Path(f"/proc/{init}/task/{init}/children").read_text().split()]
+    except (OSError, ValueError, IndexError):
+        return None
+    return (init, ranks) if ranks and not process_gone(init) else None
 
 
 def test_bad_checkpoint_requests(cr_daemon: Daemon) -> None:
@@ -380,3 +483,37 @@ def test_a_client_giving_up_does_not_strand_the_checkpoint(cr_daemon: Daemon) ->
     release.touch()
     assert cr_daemon.sing("wait", str(job), timeout=300).code == 0
     assert cr_daemon.sing("logs", str(job)).out == uninterrupted_output(150)
+
+
+def test_another_users_two_rank_job_in_a_private_network(daemon_root: Path) -> None:
+    """With job_network = "private" the TCP connections between a second user's ranks are
+    checkpointed too (in the host's network a job's user namespace could not restore them)."""
+    owner = other_user()
+    steps = 100
+    expected = direct_ddp_outputs(steps)
+    python = python_for_user(owner)
+    assert python is not None
+    env_options = [f"--env={key}={value}" for key, value in JOB_ENV.items()]
+    with running_daemon(daemon_root, virtual_devices=2, config={"job_network": "private"}) as daemon:
+        release = release_file(daemon)
+        command = [*python, str(DDP_SCRIPT), "--steps", str(steps), "--sleep", "0.02", "--hold", str(release)]
+        job = daemon.submit(*command, options=[*env_options, "--ranks", "2"], user=owner)
+        daemon.wait_state(job, "RUNNING")
+        progress = 0
+        for _ in range(2):
+            progress = wait_progress(daemon, job, progress + 10, steps=steps)
+            result = daemon.sing("preempt", str(job), user=owner)
+            assert result.code == 0, result.err
+            daemon.wait_state(job, "RUNNING")
+            assert_runs_as_owner(daemon, job)
+        release.touch()
+        assert daemon.sing("wait", str(job), timeout=300).code == 0
+        outputs = [daemon.sing("logs", "--rank", str(rank), str(job)).out for rank in range(2)]
+    assert [without_name_lookup_warnings(output) for output in outputs] == expected
+
+
+def without_name_lookup_warnings(log: str) -> str:
+    """A rank's log less c10d's time-stamped warning that a peer's host name could not be looked
+    up, which a job with a loopback-only network gets once at start (no DNS server is reachable)."""
+    lines = log.splitlines(keepends=True)
+    return "".join(line for line in lines if not ("[c10d]" in line and "hostname" in line))

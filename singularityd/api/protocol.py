@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Protocol
 
 from singularityd.checkpoint.coordinator import CheckpointTaken, StoredCheckpoint
+from singularityd.devices.access import DeviceHealth
 from singularityd.devices.inventory import Device
 from singularityd.identity import Caller
 from singularityd.jobs.processes import Usage
@@ -23,12 +24,25 @@ from singularityd.store import EventRecord, JobRecord
 
 @dataclass(frozen=True)
 class LiveFacts:
-    """What a job listing shows beside the stored job: checkpoint settings and use, live usage."""
+    """What a job listing shows beside the stored job: checkpoint settings and use, the newest
+    checkpoint, live usage, and whether its processes are still being launched or restored."""
 
     checkpoint_interval: float
     checkpoints: int
     checkpoint_bytes: int
     usage: Usage | None
+    last_checkpoint: StoredCheckpoint | None = None
+    starting: bool = False
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """A device as a listing shows it: live memory and utilisation, the jobs holding it, and how
+    its proxy server is doing."""
+
+    device: Device
+    jobs: list[int]
+    health: DeviceHealth
 
 
 @dataclass(frozen=True)
@@ -74,12 +88,13 @@ class JobService(Protocol):
         """Where a rank's output is written."""
 
     def read_log(
-        self, caller: Caller, job_id: int, rank: int, follow: bool, tail: int
-    ) -> AsyncIterator[bytes]:
-        """A rank's log, then new output while following (checked before the first chunk)."""
+        self, caller: Caller, job_id: int, rank: int, follow: bool, tail: int, offset: int
+    ) -> AsyncIterator[tuple[int, bytes]]:
+        """A rank's log from byte `offset` (else its last `tail` lines), then new output while
+        following; each chunk with the offset it starts at (checked before the first chunk)."""
 
-    def devices(self) -> list[tuple[Device, list[int]]]:
-        """Each device and the jobs holding it."""
+    async def devices(self) -> list[DeviceFacts]:
+        """Each device, the jobs holding it and its proxy's health."""
 
     def subscribe(self) -> contextlib.AbstractContextManager[asyncio.Queue[int]]:
         """A queue of the ids of jobs that change while open."""

@@ -14,9 +14,10 @@ from typing import Any, TypeVar
 
 import grpc
 
-from singularityd.api.protocol import JobService
+from singularityd.api.protocol import DeviceFacts, JobService
 from singularityd.api.v1 import singularity_pb2 as pb
 from singularityd.api.v1 import singularity_pb2_grpc as pb_grpc
+from singularityd.checkpoint.coordinator import StoredCheckpoint
 from singularityd.errors import (
     InvalidRequest,
     NotFound,
@@ -50,8 +51,41 @@ def status_of(error: RequestError) -> grpc.StatusCode:
     return grpc.StatusCode.UNKNOWN
 
 
+def checkpoint_message(checkpoint: StoredCheckpoint) -> pb.CheckpointInfo:
+    """One of a job's checkpoints as an API message, with the pause taking it cost the job."""
+    return pb.CheckpointInfo(
+        seq=checkpoint.seq,
+        created_at=checkpoint.created_at,
+        bytes=checkpoint.image_bytes,
+        complete=checkpoint.complete,
+        pause_seconds=checkpoint.pause_s,
+    )
+
+
+def device_message(facts: DeviceFacts) -> pb.Device:
+    """A device as an API message: its memory and utilisation, holders, proxy health and sessions."""
+    device, health = facts.device, facts.health
+    message = pb.Device(
+        index=device.index,
+        kind=device.kind,
+        name=device.name,
+        uuid=device.uuid,
+        memory_total=device.memory_total,
+        memory_used=device.memory_used,
+        jobs=facts.jobs,
+        proxy=health.proxy,
+        sessions=[
+            pb.DeviceSession(job=s.job, rank=s.rank, bytes=s.bytes, connected=s.connected)
+            for s in health.sessions
+        ],
+    )
+    if device.utilization_percent is not None:
+        message.utilization_percent = device.utilization_percent
+    return message
+
+
 def job_message(job: JobRecord, jobs: JobService) -> pb.Job:
-    """A stored job as an API message, with live usage for running jobs."""
+    """A stored job as an API message, with live usage for running jobs and its newest checkpoint."""
     live = jobs.live(job)
     message = pb.Job(
         id=job.id,
@@ -74,7 +108,10 @@ def job_message(job: JobRecord, jobs: JobService) -> pb.Job:
         checkpoint_interval=live.checkpoint_interval,
         checkpoints=live.checkpoints,
         checkpoint_bytes=live.checkpoint_bytes,
+        starting=live.starting,
     )
+    if live.last_checkpoint is not None:
+        message.last_checkpoint.CopyFrom(checkpoint_message(live.last_checkpoint))
     if job.exit_code is not None:
         message.exit_code = job.exit_code
     if job.signal is not None:
@@ -168,10 +205,7 @@ class SingularityService(pb_grpc.SingularityServicer):  # type: ignore[misc]
                 for e in self.jobs.events(job.id)
             ],
         )
-        detail.checkpoint_list.extend(
-            pb.CheckpointInfo(seq=c.seq, created_at=c.created_at, bytes=c.image_bytes, complete=c.complete)
-            for c in self.jobs.checkpoints(job.id)
-        )
+        detail.checkpoint_list.extend(checkpoint_message(c) for c in self.jobs.checkpoints(job.id))
         if self.caller.may_act_on(job.spec.uid):
             detail.env.update(job.spec.env)
             detail.log_path = str(self.jobs.log_path(job.id, 0))
@@ -179,12 +213,14 @@ class SingularityService(pb_grpc.SingularityServicer):  # type: ignore[misc]
 
     async def StreamLogs(self, request: pb.LogsRequest, context: Any) -> AsyncIterator[pb.LogChunk]:
         try:
-            chunks = self.jobs.read_log(self.caller, request.id, request.rank, request.follow, request.tail)
+            chunks = self.jobs.read_log(
+                self.caller, request.id, request.rank, request.follow, request.tail, request.offset
+            )
         except RequestError as error:
             await context.abort(status_of(error), error.message)
             raise  # unreachable: abort raises
-        async for data in chunks:
-            yield pb.LogChunk(data=data)
+        async for offset, data in chunks:
+            yield pb.LogChunk(data=data, offset=offset)
 
     @_translating_errors
     async def Cancel(self, request: pb.CancelRequest, context: Any) -> pb.CancelResponse:
@@ -206,21 +242,7 @@ class SingularityService(pb_grpc.SingularityServicer):  # type: ignore[misc]
 
     @_translating_errors
     async def ListDevices(self, request: pb.ListDevicesRequest, context: Any) -> pb.ListDevicesResponse:
-        devices = []
-        for device, holders in self.jobs.devices():
-            message = pb.Device(
-                index=device.index,
-                kind=device.kind,
-                name=device.name,
-                uuid=device.uuid,
-                memory_total=device.memory_total,
-                memory_used=device.memory_used,
-                jobs=holders,
-            )
-            if device.utilization_percent is not None:
-                message.utilization_percent = device.utilization_percent
-            devices.append(message)
-        return pb.ListDevicesResponse(devices=devices)
+        return pb.ListDevicesResponse(devices=[device_message(d) for d in await self.jobs.devices()])
 
     @_translating_errors
     async def Preempt(self, request: pb.JobRef, context: Any) -> pb.Job:
@@ -240,7 +262,11 @@ class SingularityService(pb_grpc.SingularityServicer):  # type: ignore[misc]
         return pb.CheckpointResponse(
             job=job_message(job, self.jobs),
             checkpoint=pb.CheckpointInfo(
-                seq=taken.seq, created_at=taken.created_at, bytes=taken.image_bytes, complete=True
+                seq=taken.seq,
+                created_at=taken.created_at,
+                bytes=taken.image_bytes,
+                complete=True,
+                pause_seconds=taken.pause_s,
             ),
             pause_seconds=taken.pause_s,
         )

@@ -16,9 +16,7 @@ from singularityd.checkpoint.criu import (
     CriuOptions,
     DumpStats,
     RestoreOutcome,
-    dump_problems,
     locate_criu,
-    tree_pids,
 )
 from singularityd.checkpoint.errors import (
     CheckpointError,
@@ -27,6 +25,7 @@ from singularityd.checkpoint.errors import (
     NoValidCheckpoint,
 )
 from singularityd.checkpoint.manifest import FileRecord, Manifest, Skipped, Verdict
+from singularityd.checkpoint.precheck import dump_problems, tree_pids
 from singularityd.checkpoint.service import Checkpointer, CheckpointResult, RestoreResult
 from singularityd.checkpoint.store import ImageStore, JobUsage, rewind_files
 

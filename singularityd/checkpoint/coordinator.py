@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from singularityd.checkpoint.criu import tree_pids
 from singularityd.checkpoint.errors import CheckpointError
 from singularityd.checkpoint.manifest import IMAGES_DIR, MANIFEST_NAME, Manifest
+from singularityd.checkpoint.precheck import tree_pids
 from singularityd.checkpoint.service import Checkpointer, CheckpointResult
 from singularityd.devices.access import DeviceAccess, DeviceError
 from singularityd.units import human_bytes
@@ -61,12 +61,16 @@ class CheckpointTaken:
 
 @dataclass(frozen=True)
 class StoredCheckpoint:
-    """One of a job's checkpoint folders: complete (with a readable manifest) or not."""
+    """One of a job's checkpoint folders: complete (with a readable manifest) or not.
+
+    `pause_s` is how long taking it froze the job (0 when unknown or incomplete).
+    """
 
     seq: int
     created_at: float
     image_bytes: int
     complete: bool
+    pause_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,9 @@ class Checkpoints(Protocol):
     def listing(self, job_id: int) -> list[StoredCheckpoint]:
         """Each of the job's checkpoint folders, oldest first."""
 
+    def latest(self, job_id: int) -> StoredCheckpoint | None:
+        """The job's newest complete checkpoint, or None when it has none."""
+
     async def take(self, target: CheckpointTarget, *, stop: bool, reason: str) -> CheckpointTaken:
         """Checkpoint the job (stopping it when `stop`); CheckpointError says why it failed."""
 
@@ -144,6 +151,10 @@ class NoCheckpoints:
         """Nothing is listed."""
         return []
 
+    def latest(self, job_id: int) -> StoredCheckpoint | None:
+        """There is none."""
+        return None
+
     async def take(self, target: CheckpointTarget, *, stop: bool, reason: str) -> CheckpointTaken:
         """Always fails, saying why."""
         raise CheckpointError(f"checkpoints are unavailable here: {self.status.unavailable_reason}")
@@ -160,7 +171,8 @@ class JobCheckpoints:
     """Checkpoints with CRIU, coordinated with the job's devices.
 
     Only the daemon writes checkpoints, so a job's disk usage is computed once and kept until its
-    next checkpoint: listing many jobs does not walk their image folders.
+    next checkpoint, and a complete checkpoint's manifest (which never changes) is read once:
+    listing many jobs, each with its newest checkpoint, does not walk their image folders.
     """
 
     def __init__(self, checkpointer: Checkpointer, devices: DeviceAccess, status: CriuStatus) -> None:
@@ -169,6 +181,7 @@ class JobCheckpoints:
         self.devices = devices
         self.status = status
         self._usage: dict[int, tuple[int, int]] = {}
+        self._manifests: dict[int, dict[int, Manifest]] = {}
 
     @property
     def available(self) -> bool:
@@ -189,23 +202,47 @@ class JobCheckpoints:
             self._usage[job_id] = (usage.checkpoints, usage.bytes_on_disk)
         return self._usage[job_id]
 
+    def _manifest(self, job_id: int, seq: int) -> Manifest | None:
+        """The manifest of one of the job's checkpoints (read once), or None when incomplete."""
+        known = self._manifests.setdefault(job_id, {})
+        if seq not in known:
+            try:
+                known[seq] = self.images.read_manifest(str(job_id), seq)
+            except (CheckpointError, OSError, ValueError):
+                return None
+        return known[seq]
+
+    def _stored(self, job_id: int, seq: int) -> StoredCheckpoint:
+        """One checkpoint folder as listed: with its manifest's facts when complete."""
+        manifest = self._manifest(job_id, seq)
+        if manifest is None:
+            return StoredCheckpoint(seq, 0.0, 0, False)
+        return StoredCheckpoint(seq, manifest.created_at, manifest.total_bytes, True, manifest.pause_s)
+
     def listing(self, job_id: int) -> list[StoredCheckpoint]:
         """Each of the job's checkpoint folders, oldest first."""
-        found = []
-        for seq in self.images.seqs(str(job_id)):
-            try:
-                manifest = self.images.read_manifest(str(job_id), seq)
-            except (CheckpointError, OSError, ValueError):
-                found.append(StoredCheckpoint(seq, 0.0, 0, False))
-                continue
-            found.append(StoredCheckpoint(seq, manifest.created_at, manifest.total_bytes, True))
-        return found
+        return [self._stored(job_id, seq) for seq in self.images.seqs(str(job_id))]
+
+    def latest(self, job_id: int) -> StoredCheckpoint | None:
+        """The job's newest complete checkpoint, or None (no folder is read for a job without any)."""
+        if not self.usage(job_id)[0]:
+            return None
+        for seq in reversed(self.images.seqs(str(job_id))):
+            stored = self._stored(job_id, seq)
+            if stored.complete:
+                return stored
+        return None
+
+    def _forget_cached(self, job_id: int) -> None:
+        """Drop what is kept about the job's checkpoints: a new one is being taken, old ones pruned."""
+        self._usage.pop(job_id, None)
+        self._manifests.pop(job_id, None)
 
     async def take(self, target: CheckpointTarget, *, stop: bool, reason: str) -> CheckpointTaken:
         """Quiesce the job's devices and save their state, dump the tree, then release or resume."""
         job_id, devices = target.job_id, target.devices
         quiesced = False
-        self._usage.pop(job_id, None)
+        self._forget_cached(job_id)
         try:
             connections = await asyncio.to_thread(self.devices.connections, tree_pids(target.pid))
 
@@ -236,7 +273,7 @@ class JobCheckpoints:
                     await self.devices.resume(job_id, devices)
             raise error if isinstance(error, CheckpointError) else CheckpointError(str(error)) from None
         finally:
-            self._usage.pop(job_id, None)
+            self._forget_cached(job_id)
         if quiesced:
             finish = self.devices.release if stop else self.devices.resume
             try:

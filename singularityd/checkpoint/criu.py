@@ -1,9 +1,9 @@
-"""CRIU driver: find a usable CRIU, check a process tree before dumping it, dump, pre-dump, restore.
+"""CRIU driver: find a usable CRIU, dump, pre-dump, restore (checks before a dump: precheck.py).
 
 The methods that run CRIU are coroutines: CRIU runs as a child process through asyncio, so the
 daemon's event loop is never blocked. A dump that has started is never interrupted: cancelling the
 awaiting task waits for CRIU to finish first (a CRIU killed half-way could leave the job broken).
-`locate_criu` and `dump_problems` are plain functions (a few quick subprocesses and /proc reads);
+`locate_criu` is a plain function (a few quick subprocesses and /proc reads);
 call them once at start-up or through `asyncio.to_thread`.
 """
 
@@ -18,16 +18,16 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Awaitable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 from singularityd.checkpoint.errors import CheckpointUnavailable, CriuError
+from singularityd.checkpoint.namespaces import ExternalMounts, dump_mount_args, restore_argv_in_yard
 
 MIN_VERSION = (4, 0)
 TCP_FIXED_VERSION = (4, 2)
 KERNEL_RESTRICTS_PASSCRED = (6, 16)
-CAP_SYS_RESOURCE = 24
 FORK_RETRY_PATTERN = "Can't fork for"
 T = TypeVar("T")
 
@@ -216,133 +216,6 @@ def summarize_log(text: str) -> str:
     return "CRIU failed without an error line in its log"
 
 
-@dataclass(frozen=True)
-class ProcFacts:
-    """What /proc says about one process of a job's tree, for the pre-dump checks."""
-
-    pid: int
-    name: str
-    uids: tuple[int, ...]
-    gids: tuple[int, ...]
-    nspid: tuple[int, ...]
-    fd_targets: tuple[str, ...] = ()
-    tcp_inodes: frozenset[int] = field(default_factory=frozenset)
-
-
-def tree_problems(
-    procs: Sequence[ProcFacts],
-    *,
-    our_uid: int,
-    our_gid: int,
-    have_cap_sys_resource: bool,
-    tcp_problem_text: str,
-) -> list[str]:
-    """Reasons a tree cannot be dumped, found before CRIU freezes anything (pure)."""
-    problems: list[str] = []
-    if not procs:
-        return ["the job's root process does not exist"]
-    root = procs[0]
-    if len(root.nspid) > 1 and root.nspid[-1] == 1 and 0 not in root.uids[1:2]:
-        problems.append(
-            f"the job's PID-namespace init (pid {root.pid}) runs as uid {root.uids[1]}: "
-            "CRIU needs it to be root (only the ranks should drop privileges)"
-        )
-    if not have_cap_sys_resource:
-        foreign = [p for p in procs if any(u != our_uid for u in p.uids) or any(g != our_gid for g in p.gids)]
-        if foreign:
-            p = foreign[0]
-            problems.append(
-                f"process {p.pid} ({p.name}) runs as uid {p.uids[0]} and this daemon lacks "
-                "CAP_SYS_RESOURCE, without which CRIU cannot read another user's limits"
-            )
-    for p in procs:
-        if any("io_uring" in t for t in p.fd_targets):
-            problems.append(
-                f"process {p.pid} ({p.name}) uses io_uring, which CRIU cannot checkpoint "
-                "(for torch.distributed set USE_LIBUV=0 so its TCPStore does not use libuv)"
-            )
-            break
-    if tcp_problem_text:
-        for p in procs:
-            inodes = {int(t[8:-1]) for t in p.fd_targets if t.startswith("socket:[") and t.endswith("]")}
-            if inodes & p.tcp_inodes:
-                problems.append(f"process {p.pid} ({p.name}) has TCP sockets: {tcp_problem_text}")
-                break
-    return problems
-
-
-def tree_pids(root: int) -> list[int]:
-    """Host PIDs of a process and all its descendants, root first."""
-    out = [root]
-    i = 0
-    while i < len(out):
-        pid = out[i]
-        i += 1
-        with contextlib.suppress(OSError):
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with contextlib.suppress(OSError):
-                    children = Path(f"/proc/{pid}/task/{tid}/children").read_text().split()
-                    out.extend(int(c) for c in children if int(c) not in out)
-    return out
-
-
-def _tcp_inodes(pid: int) -> frozenset[int]:
-    inodes: set[int] = set()
-    for name in ("tcp", "tcp6"):
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]:
-                cols = line.split()
-                if len(cols) > 9 and cols[9].isdigit():
-                    inodes.add(int(cols[9]))
-    return frozenset(inodes)
-
-
-def read_proc_facts(pid: int, *, with_tcp: bool) -> ProcFacts | None:
-    """Facts about one process from /proc, or None when it is gone."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    fields: dict[str, str] = {}
-    for line in status.splitlines():
-        key, _, value = line.partition(":")
-        fields[key] = value.strip()
-    targets: list[str] = []
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
-    return ProcFacts(
-        pid=pid,
-        name=fields.get("Name", "?"),
-        uids=tuple(int(x) for x in fields.get("Uid", "0").split()),
-        gids=tuple(int(x) for x in fields.get("Gid", "0").split()),
-        nspid=tuple(int(x) for x in fields.get("NSpid", str(pid)).split()),
-        fd_targets=tuple(targets),
-        tcp_inodes=_tcp_inodes(pid) if with_tcp else frozenset(),
-    )
-
-
-def have_capability(cap: int) -> bool:
-    """Whether this process has capability number `cap` in its effective set."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("CapEff:"):
-            return bool(int(line.split()[1], 16) >> cap & 1)
-    return False
-
-
-def dump_problems(pid: int, info: CriuInfo) -> list[str]:
-    """Reasons the tree rooted at `pid` cannot be dumped, checked before CRIU touches it."""
-    facts = [read_proc_facts(p, with_tcp=bool(info.tcp_problem)) for p in tree_pids(pid)]
-    return tree_problems(
-        [f for f in facts if f is not None],
-        our_uid=os.getuid(),
-        our_gid=os.getgid(),
-        have_cap_sys_resource=have_capability(CAP_SYS_RESOURCE),
-        tcp_problem_text=info.tcp_problem,
-    )
-
-
 def _run_sync(argv: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         list(argv),
@@ -518,6 +391,7 @@ class Criu:
         track_mem: bool = False,
         external_unix_inodes: Sequence[int] = (),
         action_script: Path | None = None,
+        external_mounts: ExternalMounts | None = None,
     ) -> list[str]:
         """The CRIU command line of a dump (exposed so tests and logs can show it)."""
         argv = [*self.info.argv, "dump", "-t", str(pid), *self._common(image_dir, log_file)]
@@ -530,6 +404,7 @@ class Criu:
             argv += ["--prev-images-dir", parent_image_dir]
         for inode in external_unix_inodes:
             argv += ["--external", f"unix[{inode}]"]
+        argv += dump_mount_args(external_mounts or {})
         if self.options.ghost_limit_bytes is not None:
             argv += ["--ghost-limit", str(self.options.ghost_limit_bytes)]
         if action_script is not None:
@@ -547,13 +422,15 @@ class Criu:
         track_mem: bool = False,
         external_unix_inodes: Sequence[int] = (),
         action_script: Path | None = None,
+        external_mounts: ExternalMounts | None = None,
     ) -> DumpStats:
         """Dump the tree rooted at host PID `pid` into `image_dir` (which must exist).
 
         With `leave_running` the tree goes on after the dump, else CRIU kills it once the images
         are complete. On failure CRIU resumes the tree, and CriuError says why. `parent_image_dir`
         (relative to `image_dir`, e.g. "../pre-2") names the last pre-dump; `track_mem` keeps the
-        kernel's dirty tracking on for a later incremental dump.
+        kernel's dirty tracking on for a later incremental dump. `external_mounts` names the mounts
+        a job with its own mount namespace shares with the daemon (see checkpoint.namespaces).
         """
         if track_mem and not self.info.dirty_tracking:
             raise CheckpointUnavailable(self.info.dirty_tracking_reason)
@@ -566,6 +443,7 @@ class Criu:
             track_mem=track_mem,
             external_unix_inodes=external_unix_inodes,
             action_script=action_script,
+            external_mounts=external_mounts,
         )
         return await _run_dump(argv, log_file, f"dump of pid {pid}")
 
@@ -577,6 +455,7 @@ class Criu:
         log_file: Path,
         parent_image_dir: str | None = None,
         external_unix_inodes: Sequence[int] = (),
+        external_mounts: ExternalMounts | None = None,
     ) -> DumpStats:
         """Copy the tree's memory into `image_dir` while it keeps running, tracking what it dirties.
 
@@ -592,17 +471,30 @@ class Criu:
             argv += ["--prev-images-dir", parent_image_dir]
         for inode in external_unix_inodes:
             argv += ["--external", f"unix[{inode}]"]
+        argv += dump_mount_args(external_mounts or {})
         return await _run_dump(argv, log_file, f"pre-dump of pid {pid}")
 
     def restore_argv(
-        self, image_dir: Path, *, log_file: Path, pidfile: Path, inherit_fds: Mapping[str, int]
+        self,
+        image_dir: Path,
+        *,
+        log_file: Path,
+        pidfile: Path,
+        inherit_fds: Mapping[str, int],
+        external_mounts: ExternalMounts | None = None,
+        mount_yard: Path | None = None,
     ) -> list[str]:
-        """The CRIU command line of a restore."""
+        """The command line of a restore: CRIU, or CRIU in a mount yard for a job with its own mounts."""
         argv = [*self.info.argv, "restore", *self._common(image_dir, log_file)]
         argv += ["--restore-detached", "--pidfile", str(pidfile), *self._socket_args()]
         for key, fd in inherit_fds.items():
             argv += ["--inherit-fd", f"fd[{fd}]:{key}"]
-        return argv + list(self.options.extra_restore_args)
+        argv += list(self.options.extra_restore_args)
+        if external_mounts is None:
+            return argv
+        if mount_yard is None:
+            raise ValueError("a job with its own mount namespace is restored through a mount yard")
+        return restore_argv_in_yard(argv, external_mounts, mount_yard)
 
     async def restore(
         self,
@@ -611,16 +503,29 @@ class Criu:
         log_file: Path,
         pidfile: Path,
         inherit_fds: Mapping[str, int] | None = None,
+        external_mounts: ExternalMounts | None = None,
+        mount_yard: Path | None = None,
     ) -> RestoreOutcome:
         """Restore the tree in `image_dir` detached from CRIU; return its root's host PID.
 
         `inherit_fds` maps a resource as CRIU names it in the images (e.g. "socket:[12345]", an
         external Unix socket of the dump) to an fd open in this process that replaces it. A job
         dumped from its own PID namespace gets a new one, so its PIDs never clash with running
-        processes. "Can't fork for PID" (a dumped process not yet reaped) is retried briefly.
+        processes. "Can't fork for PID" (a dumped process not yet reaped) is retried briefly. A job
+        dumped with its own mount namespace (`external_mounts` not None, as recorded at the dump)
+        is restored through `mount_yard`, an empty directory of the daemon's.
         """
         fds = dict(inherit_fds or {})
-        argv = self.restore_argv(image_dir, log_file=log_file, pidfile=pidfile, inherit_fds=fds)
+        if mount_yard is not None:
+            mount_yard.mkdir(mode=0o700, exist_ok=True)
+        argv = self.restore_argv(
+            image_dir,
+            log_file=log_file,
+            pidfile=pidfile,
+            inherit_fds=fds,
+            external_mounts=external_mounts,
+            mount_yard=mount_yard,
+        )
         attempts = 0
         total = 0.0
         while True:

@@ -49,11 +49,18 @@ class Manifest:
     rewind_sizes: Mapping[str, int] = field(default_factory=dict)
     stats: Mapping[str, Any] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)
+    external_mounts: Mapping[str, str] | None = None
 
     @property
     def total_bytes(self) -> int:
         """Sum of the sizes of the checkpoint's files."""
         return sum(r.size for r in self.files.values())
+
+    @property
+    def pause_s(self) -> float:
+        """How long the final dump froze the job, as CRIU measured it (0 when not recorded)."""
+        dump = self.stats.get("dump", {})
+        return float(dump.get("frozen_us", 0)) / 1e6 if isinstance(dump, dict) else 0.0
 
     def to_json(self) -> str:
         """Serialise to the on-disk form (stable key order, so equal manifests are equal bytes)."""
@@ -68,6 +75,7 @@ class Manifest:
             "images_dir": self.images_dir,
             "pre_dumps": list(self.pre_dumps),
             "external_unix_inodes": list(self.external_unix_inodes),
+            "external_mounts": None if self.external_mounts is None else dict(self.external_mounts),
             "rewind_sizes": dict(self.rewind_sizes),
             "stats": dict(self.stats),
             "extra": dict(self.extra),
@@ -105,12 +113,22 @@ class Manifest:
                 images_dir=str(raw.get("images_dir", IMAGES_DIR)),
                 pre_dumps=tuple(str(p) for p in raw.get("pre_dumps", ())),
                 external_unix_inodes=tuple(int(i) for i in raw.get("external_unix_inodes", ())),
+                external_mounts=_external_mounts(raw.get("external_mounts")),
                 rewind_sizes={str(k): int(v) for k, v in raw.get("rewind_sizes", {}).items()},
                 stats=dict(raw.get("stats", {})),
                 extra=dict(raw.get("extra", {})),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ManifestError(f"manifest is missing or has a bad field: {e}") from e
+
+
+def _external_mounts(raw: Any) -> dict[str, str] | None:
+    """The manifest's external mounts (name -> mount point), or None for a job without its own."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ManifestError("external_mounts is not an object")
+    return {str(name): str(point) for name, point in raw.items()}
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,12 @@ from singularityd.checkpoint.criu import (
     Criu,
     DumpStats,
     RestoreOutcome,
-    dump_problems,
     run_to_completion,
-    tree_pids,
 )
 from singularityd.checkpoint.errors import CheckpointError, NoValidCheckpoint
 from singularityd.checkpoint.manifest import IMAGES_DIR, Manifest, Skipped, Verdict
+from singularityd.checkpoint.namespaces import ExternalMounts, read_external_mounts
+from singularityd.checkpoint.precheck import dump_problems, tree_pids
 from singularityd.checkpoint.store import (
     ImageStore,
     JobUsage,
@@ -110,6 +110,9 @@ class Checkpointer:
         self.store = store
         self.keep = max(1, keep)
         self.pre_copy = pre_copy
+        self.userns_problem = ""
+        """Why jobs do not run in user namespaces here ("" if they do or need not): told to users
+        whose jobs cannot be checkpointed for want of one."""
 
     async def checkpoint(
         self,
@@ -171,9 +174,13 @@ class Checkpointer:
     ) -> CheckpointResult:
         start = time.monotonic()
         info = self.criu.info
-        problems = await asyncio.to_thread(dump_problems, pid, info)
+        problems = await asyncio.to_thread(dump_problems, pid, info, self.userns_problem)
         if problems:
             raise CheckpointError(f"cannot checkpoint job {job_id}: {problems[0]}")
+        try:
+            mounts = await asyncio.to_thread(read_external_mounts, pid)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot checkpoint job {job_id}: {e}") from e
         wanted = self.pre_copy if pre_copy is None else pre_copy
         rounds = wanted if info.dirty_tracking else 0
         skipped = "" if rounds or not wanted else info.dirty_tracking_reason
@@ -193,6 +200,7 @@ class Checkpointer:
                     rounds,
                     leave_running,
                     external_unix_inodes,
+                    mounts,
                     rewind_paths,
                     before_final_dump,
                 )
@@ -212,6 +220,7 @@ class Checkpointer:
                     criu_version=info.version_text,
                     pre_dumps=[f"pre-{i}" for i in range(1, rounds + 1)],
                     external_unix_inodes=external_unix_inodes,
+                    external_mounts=mounts,
                     rewind_sizes=sizes,
                     stats=stats,
                     extra=extra,
@@ -246,6 +255,7 @@ class Checkpointer:
         rounds: int,
         leave_running: bool,
         external_unix_inodes: Sequence[int],
+        mounts: ExternalMounts | None,
         rewind_paths: Sequence[str],
         before_final_dump: Callable[[Path], Any] | None,
     ) -> tuple[list[DumpStats], DumpStats, dict[str, int]]:
@@ -263,6 +273,7 @@ class Checkpointer:
                     log_file=logs / f"pre-dump-{tag}-{i}.log",
                     parent_image_dir=parent,
                     external_unix_inodes=external_unix_inodes,
+                    external_mounts=mounts,
                 )
             )
             parent = f"../pre-{i}"
@@ -286,6 +297,7 @@ class Checkpointer:
                 track_mem=rounds > 0,
                 external_unix_inodes=external_unix_inodes,
                 action_script=script,
+                external_mounts=mounts,
             )
             sizes: dict[str, int] = {}
             if rewind_paths:
@@ -373,6 +385,8 @@ class Checkpointer:
                 log_file=logs / f"restore-{seq:08d}-{stamp}.log",
                 pidfile=logs / f"restore-{seq:08d}.pid",
                 inherit_fds=fds,
+                external_mounts=manifest.external_mounts,
+                mount_yard=None if manifest.external_mounts is None else logs / "mount-yard",
             )
         return RestoreResult(
             job_id=job_id,

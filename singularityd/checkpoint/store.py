@@ -229,6 +229,7 @@ class ImageStore:
         rewind_sizes: Mapping[str, int] | None = None,
         stats: Mapping[str, Any] | None = None,
         extra: Mapping[str, Any] | None = None,
+        external_mounts: Mapping[str, str] | None = None,
     ) -> Manifest:
         """Hash every file, write the manifest last (atomically), hand the directory to its owner."""
         path = pending.path
@@ -257,6 +258,7 @@ class ImageStore:
             links=links,
             pre_dumps=tuple(pre_dumps),
             external_unix_inodes=tuple(external_unix_inodes),
+            external_mounts=None if external_mounts is None else dict(external_mounts),
             rewind_sizes=dict(rewind_sizes or {}),
             stats=dict(stats or {}),
             extra=dict(extra or {}),

@@ -7,15 +7,57 @@ the rest of the daemon calls the same methods, and every failure arrives as one 
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from singularity.proxy.control import ControlError
 from singularityd.devices.proxies import JobIdentity, JobProxies, ProxyConnection, ProxyError, job_connections
 
 T = TypeVar("T")
+
+STATUS_TIMEOUT_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class DeviceSession:
+    """One job rank's session on a device: the device memory it holds, whether it is connected."""
+
+    job: int
+    rank: int
+    bytes: int
+    connected: bool
+
+
+@dataclass(frozen=True)
+class DeviceHealth:
+    """How the way to a device is doing, for people watching it (`sing top`, `sing devices`).
+
+    `proxy` is "up", "idle" (its server starts on a job's first use of the device), "down: <why>",
+    or "" where jobs use devices without proxies; `allocated` is the device memory the proxy
+    server holds for jobs (None when it is not known).
+    """
+
+    proxy: str
+    sessions: tuple[DeviceSession, ...] = ()
+    allocated: int | None = None
+
+
+def sessions_of(status: Mapping[str, Any]) -> tuple[DeviceSession, ...]:
+    """The sessions in a proxy server's status ("job/rank" keys), in job and rank order."""
+    sessions = []
+    for key, session in status.get("jobs", {}).items():
+        job, _, rank = str(key).partition("/")
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            sessions.append(
+                DeviceSession(
+                    int(job), int(rank), int(session.get("bytes", 0)), bool(session.get("connected"))
+                )
+            )
+    return tuple(sorted(sessions, key=lambda s: (s.job, s.rank)))
 
 
 class DeviceError(Exception):
@@ -61,6 +103,9 @@ class DeviceAccess(Protocol):
         self, job_id: int, devices: Sequence[int], images: Path, connections: Sequence[Mapping[str, int]]
     ) -> tuple[dict[str, int], list[socket.socket]]:
         """Load saved device state and open the connections restored processes will inherit."""
+
+    def health(self, device: int) -> DeviceHealth:
+        """How the way to this device is doing (blocks for at most a couple of seconds)."""
 
 
 def _translated(call: Callable[[], T]) -> T:
@@ -133,6 +178,15 @@ class ProxiedDevices:
         """Load the saved tensors into the servers and open the restored processes' connections."""
         return _translated(lambda: self.pool.reconnect(job_id, devices, images, connections))
 
+    def health(self, device: int) -> DeviceHealth:
+        """Idle while no job's server runs on it; then up, with its sessions, if the server answers."""
+        if not self.pool.serving(device):
+            return DeviceHealth("idle")
+        status = self.pool.status(device, STATUS_TIMEOUT_SECONDS)
+        if status is None:
+            return DeviceHealth("down: its proxy server does not answer")
+        return DeviceHealth("up", sessions_of(status), int(status.get("allocated", 0)))
+
 
 class DirectDevices:
     """Jobs use the devices themselves: no proxies, so no device state to save or restore."""
@@ -183,3 +237,7 @@ class DirectDevices:
         if connections:
             raise DeviceError("the job used device proxies, which are turned off in this daemon")
         return {}, []
+
+    def health(self, device: int) -> DeviceHealth:
+        """No proxy stands between jobs and the device."""
+        return DeviceHealth("")

@@ -238,6 +238,10 @@ class JobProxies:
         """Whether the job has a server for this device."""
         return (job_id, device) in self._watches
 
+    def serving(self, device: int) -> bool:
+        """Whether some job's server runs on this device."""
+        return any(index == device for _, index in self._watches)
+
     def jobs(self) -> set[int]:
         """The jobs that have servers."""
         return {job_id for job_id, _ in self._watches}
@@ -459,7 +463,7 @@ class JobProxies:
         server runs there or it does not answer. Blocking: call it from a thread, never the loop."""
         holders = [job_id for job_id, device in self._watches if device == index]
         if not holders:
-            return None
+            return None  # no job's server runs there
         try:
             with ProxyControl(self.control(holders[0], index), timeout=timeout) as proxy:
                 return proxy.status()

@@ -2,7 +2,9 @@
 
 The launcher (singularityd/jobs/launcher.py) runs as `python -S launcher.py SPEC.json`, forks the
 job's supervisor and exits at once; the supervisor is therefore not the daemon's child, and the
-daemon learns its host PID from the launcher's output.
+daemon learns its host PID from the launcher's output. Where root cannot checkpoint another
+user's processes directly, their jobs run in a user namespace the daemon owns; whether that works
+here is tried once at start (`probe_user_namespaces`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import os
 import pwd
 import socket
+import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -113,8 +116,14 @@ def launch_spec(
     *,
     pid_namespace: bool,
     kill_grace_seconds: float,
+    user_namespace: bool = False,
+    network_namespace: bool = False,
 ) -> dict[str, Any]:
-    """Create the job's folder and return what the launcher needs to start it."""
+    """Create the job's folder and return what the launcher needs to start it.
+
+    `user_namespace` also puts the job in a user namespace owned by root (with its own mount
+    namespace and /proc); `network_namespace` gives it a network with only a loopback device.
+    """
     spec = job.spec
     prepare_job_dir(paths)
     return {
@@ -139,6 +148,8 @@ def launch_spec(
         "status_path": str(paths.status),
         "pid_path": str(paths.pid),
         "pid_namespace": pid_namespace,
+        "user_namespace": user_namespace,
+        "network_namespace": network_namespace,
         "kill_grace_seconds": kill_grace_seconds,
     }
 
@@ -165,3 +176,22 @@ async def run_launcher(spec: dict[str, Any], paths: JobPaths) -> int:
         detail = err.decode(errors="replace").strip().splitlines()
         raise LaunchError(detail[-1] if detail else f"launcher exited with {process.returncode}")
     return int(out.decode().strip())
+
+
+def probe_user_namespaces() -> str:
+    """Try, once, to start an init in the namespaces a job would get; "" if it works, else why."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-S", str(LAUNCHER), launcher.PROBE_FLAG],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"the launcher did not run: {error}"
+    if done.returncode == 0:
+        return ""
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    return lines[-1] if lines else f"the trial exited with {done.returncode}"

@@ -1,4 +1,5 @@
-"""Reading a job's logs for `sing logs`: from the start or the last lines, then new output."""
+"""Reading a job's logs for `sing logs`: from the start, a byte offset or the last lines, then new
+output; each chunk comes with its offset, so a follower that lost its connection can go on."""
 
 from __future__ import annotations
 
@@ -12,18 +13,21 @@ FOLLOW_POLL_SECONDS = 0.2
 CHUNK = 64 * 1024
 
 
-async def read_log(path: Path, *, follow: bool, tail: int, ended: Callable[[], bool]) -> AsyncIterator[bytes]:
-    """The log from the start (or its last `tail` lines); if following, new output until `ended()`."""
-    offset = 0
-    if tail > 0 and path.exists():
+async def read_log(
+    path: Path, *, follow: bool, tail: int, offset: int, ended: Callable[[], bool]
+) -> AsyncIterator[tuple[int, bytes]]:
+    """The log from byte `offset` when it is positive, else its last `tail` lines, else the start;
+    if following, new output until `ended()`. Yields (offset of the chunk, chunk)."""
+    offset = max(offset, 0)
+    if offset == 0 and tail > 0 and path.exists():
         offset = await asyncio.to_thread(offset_of_last_lines, path, tail)
     while True:
         finished = ended() or not follow
         with contextlib.suppress(FileNotFoundError), path.open("rb") as handle:
             handle.seek(offset)
             while chunk := handle.read(CHUNK):
+                yield offset, chunk
                 offset += len(chunk)
-                yield chunk
         if finished:
             return
         await asyncio.sleep(FOLLOW_POLL_SECONDS)

@@ -207,12 +207,27 @@ class Processes(Protocol):
 
 
 class HostProcesses:
-    """Job processes on this host: started through the launcher, watched through pidfds."""
+    """Job processes on this host: started through the launcher, watched through pidfds.
 
-    def __init__(self, jobs_dir: Path, *, pid_namespace: bool, kill_grace_seconds: float) -> None:
+    With `user_namespaces` the jobs of users other than root run in user namespaces the daemon
+    owns (root's keep the plain launch); with `private_network` every job gets a network of its
+    own with only a loopback device.
+    """
+
+    def __init__(
+        self,
+        jobs_dir: Path,
+        *,
+        pid_namespace: bool,
+        kill_grace_seconds: float,
+        user_namespaces: bool = False,
+        private_network: bool = False,
+    ) -> None:
         self.jobs_dir = jobs_dir
         self.pid_namespace = pid_namespace
         self.kill_grace_seconds = kill_grace_seconds
+        self.user_namespaces = user_namespaces
+        self.private_network = private_network
 
     def paths(self, job_id: int) -> JobPaths:
         """The job's folder."""
@@ -229,6 +244,8 @@ class HostProcesses:
                 device_env,
                 pid_namespace=self.pid_namespace,
                 kill_grace_seconds=self.kill_grace_seconds,
+                user_namespace=self.user_namespaces and job.spec.uid != 0,
+                network_namespace=self.pid_namespace and self.private_network,
             )
             pid = await run_launcher(spec, paths)
         except OSError as error:

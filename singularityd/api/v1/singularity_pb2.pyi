@@ -40,7 +40,7 @@ class SubmitResponse(_message.Message):
     def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "user", "uid", "state", "reason", "pending_reason", "priority", "gpus", "ranks", "devices", "command", "submitted_at", "started_at", "ended_at", "exit_code", "signal", "cpu_seconds", "rss_bytes", "cwd", "attempt", "checkpoint_interval", "checkpoints", "checkpoint_bytes")
+    __slots__ = ("id", "name", "user", "uid", "state", "reason", "pending_reason", "priority", "gpus", "ranks", "devices", "command", "submitted_at", "started_at", "ended_at", "exit_code", "signal", "cpu_seconds", "rss_bytes", "cwd", "attempt", "checkpoint_interval", "checkpoints", "checkpoint_bytes", "last_checkpoint", "starting")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,8 @@ class Job(_message.Message):
     CHECKPOINT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    STARTING_FIELD_NUMBER: _ClassVar[int]
     id: int
     name: str
     user: str
@@ -89,7 +91,9 @@ class Job(_message.Message):
     checkpoint_interval: float
     checkpoints: int
     checkpoint_bytes: int
-    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., user: _Optional[str] = ..., uid: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., pending_reason: _Optional[str] = ..., priority: _Optional[int] = ..., gpus: _Optional[int] = ..., ranks: _Optional[int] = ..., devices: _Optional[_Iterable[int]] = ..., command: _Optional[_Iterable[str]] = ..., submitted_at: _Optional[float] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., cpu_seconds: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., cwd: _Optional[str] = ..., attempt: _Optional[int] = ..., checkpoint_interval: _Optional[float] = ..., checkpoints: _Optional[int] = ..., checkpoint_bytes: _Optional[int] = ...) -> None: ...
+    last_checkpoint: CheckpointInfo
+    starting: bool
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., user: _Optional[str] = ..., uid: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., pending_reason: _Optional[str] = ..., priority: _Optional[int] = ..., gpus: _Optional[int] = ..., ranks: _Optional[int] = ..., devices: _Optional[_Iterable[int]] = ..., command: _Optional[_Iterable[str]] = ..., submitted_at: _Optional[float] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., cpu_seconds: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., cwd: _Optional[str] = ..., attempt: _Optional[int] = ..., checkpoint_interval: _Optional[float] = ..., checkpoints: _Optional[int] = ..., checkpoint_bytes: _Optional[int] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., starting: _Optional[bool] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("at", "from_state", "to_state", "reason")
@@ -125,16 +129,18 @@ class JobDetail(_message.Message):
     def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ..., env: _Optional[_Mapping[str, str]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., log_path: _Optional[str] = ..., checkpoint_list: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("seq", "created_at", "bytes", "complete")
+    __slots__ = ("seq", "created_at", "bytes", "complete", "pause_seconds")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     created_at: float
     bytes: int
     complete: bool
-    def __init__(self, seq: _Optional[int] = ..., created_at: _Optional[float] = ..., bytes: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
+    pause_seconds: float
+    def __init__(self, seq: _Optional[int] = ..., created_at: _Optional[float] = ..., bytes: _Optional[int] = ..., complete: _Optional[bool] = ..., pause_seconds: _Optional[float] = ...) -> None: ...
 
 class CheckpointResponse(_message.Message):
     __slots__ = ("job", "checkpoint", "pause_seconds")
@@ -175,22 +181,26 @@ class JobUpdate(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ..., is_change: _Optional[bool] = ...) -> None: ...
 
 class LogsRequest(_message.Message):
-    __slots__ = ("id", "follow", "tail", "rank")
+    __slots__ = ("id", "follow", "tail", "rank", "offset")
     ID_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_FIELD_NUMBER: _ClassVar[int]
     TAIL_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     id: int
     follow: bool
     tail: int
     rank: int
-    def __init__(self, id: _Optional[int] = ..., follow: _Optional[bool] = ..., tail: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+    offset: int
+    def __init__(self, id: _Optional[int] = ..., follow: _Optional[bool] = ..., tail: _Optional[int] = ..., rank: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class LogChunk(_message.Message):
-    __slots__ = ("data",)
+    __slots__ = ("data", "offset")
     DATA_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     data: bytes
-    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+    offset: int
+    def __init__(self, data: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("ids",)
@@ -223,7 +233,7 @@ class ListDevicesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Device(_message.Message):
-    __slots__ = ("index", "kind", "name", "uuid", "memory_total", "memory_used", "utilization_percent", "jobs")
+    __slots__ = ("index", "kind", "name", "uuid", "memory_total", "memory_used", "utilization_percent", "jobs", "proxy", "sessions")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +242,8 @@ class Device(_message.Message):
     MEMORY_USED_FIELD_NUMBER: _ClassVar[int]
     UTILIZATION_PERCENT_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
+    PROXY_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
     index: int
     kind: str
     name: str
@@ -240,7 +252,21 @@ class Device(_message.Message):
     memory_used: int
     utilization_percent: float
     jobs: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, index: _Optional[int] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., uuid: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_used: _Optional[int] = ..., utilization_percent: _Optional[float] = ..., jobs: _Optional[_Iterable[int]] = ...) -> None: ...
+    proxy: str
+    sessions: _containers.RepeatedCompositeFieldContainer[DeviceSession]
+    def __init__(self, index: _Optional[int] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., uuid: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_used: _Optional[int] = ..., utilization_percent: _Optional[float] = ..., jobs: _Optional[_Iterable[int]] = ..., proxy: _Optional[str] = ..., sessions: _Optional[_Iterable[_Union[DeviceSession, _Mapping]]] = ...) -> None: ...
+
+class DeviceSession(_message.Message):
+    __slots__ = ("job", "rank", "bytes", "connected")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    job: int
+    rank: int
+    bytes: int
+    connected: bool
+    def __init__(self, job: _Optional[int] = ..., rank: _Optional[int] = ..., bytes: _Optional[int] = ..., connected: _Optional[bool] = ...) -> None: ...
 
 class ListDevicesResponse(_message.Message):
     __slots__ = ("devices",)

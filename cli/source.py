@@ -1,0 +1,229 @@
+"""What `sing top` reads and does, behind one small interface, and its implementation over the daemon.
+
+The app depends only on `DataSource`: `DaemonSource` is the real one (the same socket, channel
+and error mapping as every `sing` command); tests of the picture plug in a fixed source with a
+frozen clock. Every method blocks, so the app calls them from worker threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+
+from singularity.cli import output
+from singularity.cli.client import Connection, rpc_error, unreachable_message
+from singularity.cli.errors import EXIT_UNAVAILABLE, CliError
+from singularityd.api.v1 import singularity_pb2 as pb
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything the overview shows, read at one moment."""
+
+    info: pb.DaemonInfo
+    jobs: Sequence[pb.Job]
+    devices: Sequence[pb.Device]
+
+
+@dataclass(frozen=True)
+class JobAction:
+    """Something a person can do to a job, and whether this daemon can do it yet."""
+
+    name: str
+    key: str
+    explanation: str
+    unavailable: str = ""
+
+
+ACTIONS = (
+    JobAction("preempt", "p", "checkpoint it and stop it; it resumes when the scheduler gives it devices"),
+    JobAction("suspend", "s", "checkpoint it and stop it (or hold it if queued) until resumed"),
+    JobAction("resume", "r", "put a suspended job back in the queue"),
+    JobAction("checkpoint", "k", "checkpoint it and let it run on"),
+    JobAction("cancel", "c", "end it: SIGTERM, then SIGKILL"),
+    JobAction(
+        "resize", "z", "change how many devices it has", unavailable="the daemon cannot resize jobs yet"
+    ),
+    JobAction("migrate", "m", "move it to a peer", unavailable="the daemon has no peers to migrate to yet"),
+)
+
+
+class LogStream(Protocol):
+    """A rank's log as it grows; iterating blocks for new output until the job ends or cancel()."""
+
+    def __iter__(self) -> Iterator[bytes]: ...
+
+    def cancel(self) -> None:
+        """Stop following (from any thread); the iteration ends."""
+
+
+class DataSource(Protocol):
+    """The daemon as `sing top` sees it."""
+
+    def where(self) -> str:
+        """Where the data comes from, for the title."""
+
+    def now(self) -> float:
+        """The current time (a test's source freezes it)."""
+
+    def snapshot(self, all_jobs: bool) -> Snapshot:
+        """Daemon facts, jobs (ended ones too when all_jobs) and devices; CliError when unreachable."""
+
+    def job_detail(self, job_id: int) -> pb.JobDetail:
+        """One job with its checkpoints and event timeline."""
+
+    def follow_log(self, job_id: int, rank: int) -> LogStream:
+        """The rank's log from its start, following it through preemptions, restores and restarts."""
+
+    def act(self, action: str, job_id: int) -> str:
+        """Do one of ACTIONS to a job; a sentence saying what happened (CliError when refused)."""
+
+
+class LogFollower:
+    """A rank's log from a byte offset, reconnecting when the daemon restarts, until the job ends.
+
+    Each chunk says where it starts in the log, so after a lost connection the follower asks for
+    exactly the bytes after the last one it got: nothing is lost or repeated.
+    """
+
+    def __init__(
+        self,
+        socket_path: Path,
+        job_id: int,
+        rank: int = 0,
+        *,
+        follow: bool = True,
+        tail: int = 0,
+        retry_seconds: float = 1.0,
+    ) -> None:
+        self.socket_path = socket_path
+        self.request = pb.LogsRequest(id=job_id, rank=rank, follow=follow, tail=tail)
+        self.offset: int | None = None
+        self.retry_seconds = retry_seconds
+        self._cancelled = threading.Event()
+        self._call: Any = None
+
+    def cancel(self) -> None:
+        """Stop following; the iteration ends (safe from any thread)."""
+        self._cancelled.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
+
+    def __iter__(self) -> Iterator[bytes]:
+        self._first_contact()
+        while not self._cancelled.is_set():
+            connection = Connection(self.socket_path)
+            request = pb.LogsRequest()
+            request.CopyFrom(self.request)
+            if self.offset is not None:
+                request.offset = self.offset
+            try:
+                self._call = connection.stub.StreamLogs(request)
+                for chunk in self._call:
+                    self.offset = chunk.offset + len(chunk.data)
+                    yield chunk.data
+                return
+            except grpc.RpcError as error:
+                if self._cancelled.is_set():
+                    return
+                if error.code() not in RETRYABLE:
+                    raise rpc_error(error, self.socket_path) from None
+                self._cancelled.wait(self.retry_seconds)
+            finally:
+                self._call = None
+                connection.close()
+
+    def _first_contact(self) -> None:
+        """Fail at once when the daemon cannot be reached or has no such job (later, it is retried)."""
+        connection = Connection(self.socket_path)
+        try:
+            connection.stub.GetJob(pb.JobRef(id=self.request.id))
+        except grpc.RpcError as error:
+            raise rpc_error(error, self.socket_path) from None
+        finally:
+            connection.close()
+
+
+class DaemonSource:
+    """The real daemon over its socket; reconnects with a fresh channel after it was unreachable."""
+
+    def __init__(self, socket_path: Path) -> None:
+        self.socket_path = socket_path
+        self._connection: Connection | None = None
+        self._lock = threading.Lock()
+
+    def where(self) -> str:
+        """The socket path."""
+        return str(self.socket_path)
+
+    def now(self) -> float:
+        """Wall-clock time."""
+        return time.time()
+
+    def close(self) -> None:
+        """Close the channel."""
+        with self._lock:
+            if self._connection is not None:
+                self._connection.close()
+                self._connection = None
+
+    def _stub(self) -> Any:
+        """The stub of the current channel, opening one when there is none."""
+        with self._lock:
+            if self._connection is None:
+                if not self.socket_path.exists():
+                    raise CliError(unreachable_message(self.socket_path), EXIT_UNAVAILABLE)
+                self._connection = Connection(self.socket_path)
+            return self._connection.stub
+
+    def _call(self, method: str, request: Any) -> Any:
+        """Call one unary RPC; a CliError when it fails (and a fresh channel next time if unreachable)."""
+        stub = self._stub()
+        try:
+            return getattr(stub, method)(request)
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.UNAVAILABLE:
+                self.close()
+            raise rpc_error(error, self.socket_path) from None
+
+    def snapshot(self, all_jobs: bool) -> Snapshot:
+        """Daemon facts, jobs and devices, in three calls."""
+        info = self._call("GetDaemonInfo", pb.DaemonInfoRequest())
+        jobs = self._call("ListJobs", pb.ListJobsRequest(all=all_jobs)).jobs
+        devices = self._call("ListDevices", pb.ListDevicesRequest()).devices
+        return Snapshot(info=info, jobs=list(jobs), devices=list(devices))
+
+    def job_detail(self, job_id: int) -> pb.JobDetail:
+        """GetJob."""
+        detail: pb.JobDetail = self._call("GetJob", pb.JobRef(id=job_id))
+        return detail
+
+    def follow_log(self, job_id: int, rank: int) -> LogFollower:
+        """A follower on its own channel, so cancelling it leaves the others alone."""
+        return LogFollower(self.socket_path, job_id, rank)
+
+    def act(self, action: str, job_id: int) -> str:
+        """Call the action's RPC and say what happened."""
+        ref = pb.JobRef(id=job_id)
+        if action == "checkpoint":
+            return output.checkpoint_text(self._call("Checkpoint", ref))
+        if action == "cancel":
+            result = self._call("Cancel", pb.CancelRequest(ids=[job_id])).results[0]
+            if not result.ok:
+                raise CliError(result.error)
+            return f"job {job_id}: cancel requested ({result.state})"
+        methods = {"preempt": "Preempt", "suspend": "Suspend", "resume": "Resume"}
+        if action not in methods:
+            known = next((a for a in ACTIONS if a.name == action), None)
+            raise CliError(known.unavailable if known and known.unavailable else f"unknown action {action!r}")
+        job = self._call(methods[action], ref)
+        return f"job {job_id}: {job.state}" + (f" ({job.reason})" if job.reason else "")

@@ -1,0 +1,1 @@
+"""`sing top`, the terminal view of singularityd; the only part of `sing` that imports textual."""

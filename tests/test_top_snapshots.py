@@ -1,0 +1,108 @@
+"""SVG snapshots of `sing top` over fixed data with a frozen clock (pytest-textual-snapshot).
+
+Refresh them after an intended change with `pytest tests/test_top_snapshots.py --snapshot-update`
+and look at the pictures (the report names them) before committing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from textual.pilot import Pilot
+from textual.widgets import Input
+
+from singularity.cli.top.app import TopApp
+from tests.top_data import FixedSource
+
+SIZE = (150, 46)
+Compare = Callable[..., bool]
+
+
+@pytest.fixture(autouse=True)
+def utc() -> Iterator[None]:
+    """Times of day print the same everywhere."""
+    before = os.environ.get("TZ")
+    os.environ["TZ"] = "UTC"
+    time.tzset()
+    yield
+    if before is None:
+        del os.environ["TZ"]
+    else:
+        os.environ["TZ"] = before
+    time.tzset()
+
+
+def app(**options: Any) -> TopApp:
+    """The app over the fixed data, refreshing only when something asks it to."""
+    return TopApp(FixedSource(**options), refresh_seconds=3600)
+
+
+async def settled(pilot: Pilot[None]) -> None:
+    """Wait until the data, the chosen job's detail and its log have arrived (however slow the machine)."""
+    top = pilot.app
+    assert isinstance(top, TopApp)
+    top.query_one("#filter", Input).cursor_blink = False
+    for _ in range(600):
+        if top.reachable is False:
+            break
+        if top.refreshes and top.selected is not None and top.log_ended == top.selected:
+            detail = top._detail
+            if detail is not None and detail.job.id == top.selected:
+                break
+        await pilot.pause(0.05)
+    else:
+        raise AssertionError("sing top did not settle")
+    await pilot.pause()
+
+
+def test_overview(snap_compare: Compare) -> None:
+    """Devices with bars and ranks, jobs in colour with reasons and checkpoints, the chosen job."""
+    assert snap_compare(app(), terminal_size=SIZE, run_before=settled)
+
+
+def test_log_tab(snap_compare: Compare) -> None:
+    assert snap_compare(app(), terminal_size=SIZE, run_before=settled, press=["4"])
+
+
+def test_events_tab(snap_compare: Compare) -> None:
+    assert snap_compare(app(), terminal_size=SIZE, run_before=settled, press=["3"])
+
+
+def test_checkpoints_tab(snap_compare: Compare) -> None:
+    assert snap_compare(app(), terminal_size=SIZE, run_before=settled, press=["2"])
+
+
+def test_sorted_by_priority_and_filtered(snap_compare: Compare) -> None:
+    """`o` four times sorts by PRI, `O` reverses, `/alice` filters."""
+    keys = ["o", "o", "o", "o", "O", "slash", "a", "l", "i", "c", "e", "enter"]
+    assert snap_compare(app(), terminal_size=SIZE, run_before=settled, press=keys)
+
+
+def test_with_ended_jobs(snap_compare: Compare) -> None:
+    async def show_all(pilot: Pilot[None]) -> None:
+        """Settle, then show ended jobs too and wait for that refresh."""
+        await settled(pilot)
+        top = pilot.app
+        assert isinstance(top, TopApp)
+        before = top.refreshes
+        await pilot.press("a")
+        while top.refreshes == before:
+            await pilot.pause(0.05)
+
+    assert snap_compare(app(), terminal_size=SIZE, run_before=show_all)
+
+
+def test_confirmation(snap_compare: Compare) -> None:
+    assert snap_compare(app(), terminal_size=SIZE, run_before=settled, press=["p"])
+
+
+def test_help(snap_compare: Compare) -> None:
+    assert snap_compare(app(), terminal_size=SIZE, run_before=settled, press=["question_mark"])
+
+
+def test_daemon_unreachable(snap_compare: Compare) -> None:
+    assert snap_compare(app(reachable=False), terminal_size=SIZE, run_before=settled)
