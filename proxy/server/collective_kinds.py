@@ -14,7 +14,7 @@ than its share.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,7 +33,8 @@ def write(target: torch.Tensor, values: torch.Tensor) -> None:
     """Put these values (in order) into a member's tensor, whatever its layout."""
     if values.numel() != target.numel():
         raise RuntimeError(
-            f"proxy: mismatched collective: {values.numel()} elements arrived for a tensor of {target.numel()}"
+            f"proxy: mismatched collective: {values.numel()} elements arrived "
+            f"for a tensor of {target.numel()}"
         )
     with torch.no_grad():
         target.copy_(values.reshape(target.shape))
@@ -78,7 +79,7 @@ _COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
 
 
 def exchange(
-    x: Exchange, offers: dict[Key, tuple[Sequence[int], torch.Tensor]], needs: set[Key]
+    x: Exchange, offers: Mapping[Any, tuple[Sequence[int], torch.Tensor]], needs: set[Any]
 ) -> dict[Key, torch.Tensor]:
     """Send each offered part to the servers listed with it; every needed part, local or received."""
     for key, (servers, tensor) in offers.items():
@@ -117,8 +118,8 @@ def allreduce(x: Exchange) -> None:
             fold([parts[("a", i, position, rank)] for rank in range(x.size)], x.op, x.factor, x.size)
             for i in range(count)
         ]
-    offers = {("b", i, position): (servers, folded[i]) for i in range(count)}
-    chunks = exchange(x, offers, {("b", i, j) for i in range(count) for j in range(len(servers))})
+    shares = {("b", i, position): (servers, folded[i]) for i in range(count)}
+    chunks = exchange(x, shares, {("b", i, j) for i in range(count) for j in range(len(servers))})
     with x.device_lock:
         for i in range(count):
             whole = torch.cat([chunks[("b", i, j)] for j in range(len(servers))])
@@ -236,7 +237,8 @@ def reduce_scatter(x: Exchange) -> None:
         piece = x.params[rank]["outputs"][i].numel()
         if inputs.numel() != piece * x.size:
             raise RuntimeError(
-                f"proxy: reduce_scatter input of {inputs.numel()} elements for outputs of {piece} and {x.size} ranks"
+                f"proxy: reduce_scatter input of {inputs.numel()} elements "
+                f"for outputs of {piece} and {x.size} ranks"
             )
         return flat(inputs)[piece * target : piece * (target + 1)]
 

@@ -204,7 +204,8 @@ class Collectives:
         used = {table[r] for r in members if r in table}
         lost = used & self.lost if len(table) >= len(members) else self.lost
         if lost:
-            return f"proxy: the server of cuda:{min(lost)} of job {job} is gone; collective {seq} cannot complete"
+            server = f"the server of cuda:{min(lost)} of job {job}"
+            return f"proxy: {server} is gone; collective {seq} cannot complete"
         return ""
 
     # -- running a collective ----------------------------------------------------------------------
@@ -345,8 +346,8 @@ class Collectives:
         with self.cond:
             for key in [k for k in self.instances if k[0] == job]:
                 del self.instances[key]
-            for key in [k for k in self.placements if k[0] == job]:
-                del self.placements[key]
+            for place in [k for k in self.placements if k[0] == job]:
+                del self.placements[place]
             self.gone.pop(job, None)
 
 

@@ -1,8 +1,8 @@
 """Runs a session's operations and answers its requests, in order, one at a time on the device.
 
 The session's thread (runner.py) hands it the plain operations of a frame; collectives run
-elsewhere (collectives.py). Operations in a batch are not answered: the first failure is kept in the session and
-reported at its next request, the way CUDA reports asynchronous errors at the next sync.
+elsewhere (collectives.py). Operations in a batch are not answered: the first failure is kept in
+the session and reported at its next request, the way CUDA reports asynchronous errors at the next sync.
 Everything in a batch comes from the job and is checked before use: a malformed operation,
 a handle the session does not hold, a layout reaching outside its bytes or an allocation
 past the device's capacity fails that operation only.
@@ -248,6 +248,12 @@ class Executor:
             _, handle, dtype, shape, stride, index = _operation(op, 6)
             values = protocol.tensor_from_raw(dtype, shape, stride, protocol.buffer_at(buffers, index))
             session.tensor(handle).copy_(values)
+        elif kind == protocol.OP_RESIZE_STORAGE:
+            _, handle, nbytes = _operation(op, 3)
+            storage = session.tensor(handle).untyped_storage()
+            session.check_room(max(0, protocol.integer(nbytes) - storage.nbytes()))
+            storage.resize_(nbytes)
+            session.recount(handle)
         elif kind == protocol.OP_FACTORY:
             _, handle, name, args, kwargs = _operation(op, 5)
             if name not in _FACTORIES:

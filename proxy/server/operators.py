@@ -254,7 +254,7 @@ def resolve(namespace: str, name: str, overload: str) -> Any:
 
 
 def collective_kind(operator: str) -> str:
-    """The kind of collective a served c10d operator ('c10d::allreduce_') is; RefusedOperator if not served."""
+    """The kind of collective a served c10d operator ('c10d::allreduce_') is; else RefusedOperator."""
     kind = COLLECTIVES.get(operator)
     if kind is not None:
         return kind

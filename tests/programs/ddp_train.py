@@ -32,6 +32,7 @@ parser.add_argument(
 parser.add_argument("--bucket-view", action="store_true", help="gradient_as_bucket_view")
 parser.add_argument("--sleep", type=float, default=0.0)
 parser.add_argument("--hold", help="before the checksum, wait until this file exists")
+parser.add_argument("--crash", help="RANK:STEP: that rank dies (exit 3) as it starts that step")
 args = parser.parse_args()
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -78,7 +79,11 @@ generator = torch.Generator().manual_seed(77 + rank)
 inputs = torch.randn(256, 32, generator=generator)
 labels = torch.randint(0, 4, (256,), generator=generator)
 
+crash_rank, _, crash_step = (args.crash or "-1:-1").partition(":")
 for step in range(args.steps):
+    if rank == int(crash_rank) and step == int(crash_step):
+        print(f"rank {rank} crashes at step {step}", flush=True)
+        os._exit(3)
     optimizer.zero_grad()
     use_side = not args.unused or step % 2 == 0
     total = 0.0

@@ -18,6 +18,7 @@ import torch.distributed._functional_collectives as funcol
 parser = argparse.ArgumentParser()
 parser.add_argument("--backend", default="")
 parser.add_argument("--device", default="cuda", help="cuda, or cpu for a direct run with gloo")
+parser.add_argument("--mix", action="store_true", help="gather a host tensor into device tensors")
 args = parser.parse_args()
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -30,6 +31,8 @@ if args.device == "cuda":
 else:
     backend, device = "gloo", torch.device("cpu")
 dist.init_process_group(backend)
+if args.mix:
+    dist.all_gather([torch.empty(3, device=device) for _ in range(world)], torch.ones(3))
 
 
 def show(name: str, tensor: torch.Tensor) -> None:

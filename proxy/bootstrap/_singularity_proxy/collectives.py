@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives  # noqa: F401 (defines _c10d_functional::_wrap_tensor_autograd)
 
 from . import protocol
 from .devices import DEVICES
@@ -75,7 +74,7 @@ def completed_work(result: Any) -> Any:
     """A Work that is already complete, whose future holds `result` (DDP reads `value()[0]`)."""
     future: torch.futures.Future[Any] = torch.futures.Future()
     future.set_result(result)
-    return torch._C._distributed_c10d._create_work_from_future(future)
+    return torch._C._distributed_c10d._create_work_from_future(future)  # type: ignore[attr-defined]
 
 
 def stand_ins(value: Any) -> Iterator[torch.Tensor]:
@@ -98,9 +97,9 @@ def reduce_name(op: Any) -> tuple[str, float]:
     factor = 1.0
     code = op
     if isinstance(op, torch.ScriptObject):
-        code = op.op()
+        code = op.op()  # type: ignore[attr-defined]
     elif isinstance(op, dist.ReduceOp):
-        code = op.op
+        code = op.op  # type: ignore[attr-defined]
         if code == dist.ReduceOp.PREMUL_SUM:
             factor = float(op.factor)
     if hasattr(code, "value"):
@@ -114,13 +113,12 @@ def issue(group: Any, operator: str, *, wait: bool = False, **spec: Any) -> None
     `spec` holds `tensors`, `inputs`, `outputs` (stand-ins, or lists of them) and options
     (protocol.COLLECTIVE_SPEC); with `wait`, return only once the collective has completed.
     """
-    tensors = [t for key in ("tensors", "inputs", "outputs") for t in stand_ins(spec.get(key, []))]
+    tensors: list[Any] = [t for key in ("tensors", "inputs", "outputs") for t in stand_ins(spec.get(key, []))]
     channel = tensors[0]._channel if tensors else DEVICES.channel(GROUPS.device.get(GROUPS.key(group)))
     for tensor in tensors:
         if tensor._channel is not channel:
-            raise ValueError(
-                f"Expected all tensors of a collective on one device, but found {channel.device} and {tensor.device}"
-            )
+            found = f"{channel.device} and {tensor.device}"
+            raise ValueError(f"Expected all tensors of a collective on one device, but found {found}")
     key = GROUPS.key(group)
     known = GROUPS.device.setdefault(key, channel.index)
     if known != channel.index:
@@ -295,7 +293,7 @@ C10D_OPS: dict[Any, SpecialHandler] = {
 
 # -- functional collectives (_c10d_functional) on stand-ins --------------------------------------
 def _resolve(name: str) -> Any:
-    return torch._C._distributed_c10d._resolve_process_group(name)
+    return torch._C._distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
 
 
 def _new(like: torch.Tensor, rows: int) -> Any:
@@ -385,23 +383,42 @@ def _no_op(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return None
 
 
-_FUNCTIONAL = torch.ops._c10d_functional
-FUNCTIONAL_OPS: dict[Any, SpecialHandler] = {
-    _FUNCTIONAL.all_reduce.default: _functional_all_reduce,
-    _FUNCTIONAL.all_reduce_.default: _functional_all_reduce,
-    _FUNCTIONAL.all_reduce_coalesced.default: _functional_all_reduce_coalesced,
-    _FUNCTIONAL.all_reduce_coalesced_.default: _functional_all_reduce_coalesced,
-    _FUNCTIONAL.all_gather_into_tensor.default: _functional_all_gather,
-    _FUNCTIONAL.all_gather_into_tensor_out.default: _functional_all_gather,
-    _FUNCTIONAL.all_gather_into_tensor_coalesced.default: _functional_all_gather_coalesced,
-    _FUNCTIONAL.reduce_scatter_tensor.default: _functional_reduce_scatter,
-    _FUNCTIONAL.reduce_scatter_tensor_out.default: _functional_reduce_scatter,
-    _FUNCTIONAL.reduce_scatter_tensor_coalesced.default: _functional_reduce_scatter_coalesced,
-    _FUNCTIONAL.all_to_all_single.default: _functional_all_to_all,
-    _FUNCTIONAL.broadcast.default: _functional_broadcast,
-    _FUNCTIONAL.broadcast_.default: _functional_broadcast,
-    _FUNCTIONAL.wait_tensor.default: _wait_tensor,
-    _FUNCTIONAL._wrap_tensor_autograd.default: _wait_tensor,
-    torch.ops.aten.record_stream.default: _no_op,
+FUNCTIONAL_OPS: dict[str, SpecialHandler] = {
+    "all_reduce": _functional_all_reduce,
+    "all_reduce_": _functional_all_reduce,
+    "all_reduce_coalesced": _functional_all_reduce_coalesced,
+    "all_reduce_coalesced_": _functional_all_reduce_coalesced,
+    "all_gather_into_tensor": _functional_all_gather,
+    "all_gather_into_tensor_out": _functional_all_gather,
+    "all_gather_into_tensor_coalesced": _functional_all_gather_coalesced,
+    "reduce_scatter_tensor": _functional_reduce_scatter,
+    "reduce_scatter_tensor_out": _functional_reduce_scatter,
+    "reduce_scatter_tensor_coalesced": _functional_reduce_scatter_coalesced,
+    "all_to_all_single": _functional_all_to_all,
+    "broadcast": _functional_broadcast,
+    "broadcast_": _functional_broadcast,
+    "wait_tensor": _wait_tensor,
+    "_wrap_tensor_autograd": _wait_tensor,
 }
-"""Functional collectives on stand-ins (and `record_stream`, which has no meaning here)."""
+"""Functional collectives on stand-ins, by operator name (the namespace is `_c10d_functional`)."""
+
+
+def functional_op(func: Any) -> SpecialHandler | None:
+    """The handler of a `_c10d_functional` operator (those not served raise at the server)."""
+    return FUNCTIONAL_OPS.get(func._opname)
+
+
+def python_kernel(func: Any) -> SpecialHandler:
+    """Run a library's own Python kernel (FSDP's copy-in, chunk-cat) on stand-ins, op by op."""
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+    def run(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        return func.redispatch(keys, *args, **kwargs)
+
+    return run
+
+
+NAMESPACES: dict[str, Any] = {"_c10d_functional": functional_op, "fsdp": python_kernel}
+"""Namespaces whose operators on stand-ins the client carries out (tensor.namespace_ops)."""
+SPECIAL_OPS: dict[Any, SpecialHandler] = {**C10D_OPS, torch.ops.aten.record_stream.default: _no_op}
+"""c10d operators, and `record_stream` (streams have no meaning here)."""

@@ -189,6 +189,47 @@ def _factory(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return out
 
 
+def _backward(tensors: Any, gradient: Any, retain_graph: Any, create_graph: bool, inputs: Any) -> None:
+    """What torch.autograd.backward does, from inside the mode's handler (the engine then keeps the
+    mode active in backward hooks and autograd functions, where FSDP and DDP make tensors)."""
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs or ())
+    grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(gradient, len(tensors)), is_grads_batched=False)
+    retain = create_graph if retain_graph is None else retain_graph
+    _engine_run_backward(
+        tensors, grads, retain, create_graph, inputs, allow_unreachable=True, accumulate_grad=True
+    )
+
+
+def _tensor_backward(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    options = dict(zip(("gradient", "retain_graph", "create_graph", "inputs"), args[1:], strict=False))
+    options.update(kwargs)
+    _backward(args[0], options.get("gradient"), options.get("retain_graph"),
+              bool(options.get("create_graph", False)), options.get("inputs"))  # fmt: skip
+
+
+def _autograd_backward(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    names = ("tensors", "grad_tensors", "retain_graph", "create_graph", "grad_variables", "inputs")
+    options = dict(zip(names, args, strict=False))
+    options.update(kwargs)
+    gradient = (
+        options.get("grad_tensors")
+        if options.get("grad_tensors") is not None
+        else options.get("grad_variables")
+    )
+    _backward(options["tensors"], gradient, options.get("retain_graph"),
+              bool(options.get("create_graph", False)), options.get("inputs"))  # fmt: skip
+
+
+_IN_MODE: dict[Any, Callable[[Any, Sequence[Any], dict[str, Any]], Any]] = {
+    _Tensor.backward: _tensor_backward,
+    torch.autograd.backward: _autograd_backward,
+}
+"""Calls that run with the mode active again (a mode is off while its handler runs)."""
+
 _METHODS: dict[Any, Callable[[Any, Sequence[Any], dict[str, Any]], Any]] = {
     _Tensor.to: _to,
     _Tensor.cuda: _cuda,
@@ -241,6 +282,10 @@ class DeviceMode(TorchFunctionMode):
     """Routes device placement (factories, .to, .cuda, .cpu) to the proxied devices."""
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        again = _IN_MODE.get(func)
+        if again is not None:
+            with self:
+                return again(func, args, kwargs or {})
         handler = _METHODS.get(func)
         if handler is not None:
             return handler(func, args, kwargs or {})

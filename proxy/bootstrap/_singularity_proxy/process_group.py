@@ -1,4 +1,5 @@
 # mypy: disable-error-code="no-untyped-call,no-untyped-def,unused-ignore,override,misc"
+# mypy: disable-error-code="attr-defined,assignment,call-arg,name-defined,method-assign"
 """The "nccl" of a job on proxied devices: a process group whose collectives the proxies run.
 
 `init_process_group("nccl")` (and "cuda:nccl,cpu:gloo", the accelerator's default backend,
@@ -29,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import collectives
 from .collectives import GROUPS, check_same_kind, completed_work, issue, on_host, reduce_name, stand_ins
 from .devices import DEVICES
-from .tensor import ProxyTensor, new_stand_in, special_ops
+from .tensor import ProxyTensor, namespace_ops, new_stand_in, special_ops
 
 NCCL_VERSION = (2, 21, 5)
 """What `torch.cuda.nccl.version()` answers (the c10d logger asks on every failing call)."""
@@ -263,7 +264,8 @@ class ProxyGroup(dist.ProcessGroup):
         return self._run(
             "c10d::alltoall_base_",
             lambda: self._host.alltoall_base(output, input, output_splits, input_splits, opts),
-            [output], outputs=[output], inputs=[input], output_splits=output_splits, input_splits=input_splits,
+            [output], outputs=[output], inputs=[input],
+            output_splits=output_splits, input_splits=input_splits,
         )  # fmt: skip
 
     alltoall_base = all_to_all_single
@@ -389,8 +391,8 @@ def install() -> None:
     torch.cuda.nccl.version = lambda: NCCL_VERSION
     torch.cuda.nccl.is_available = lambda tensors: True
     dist.Reducer = ProxyReducer
-    special_ops.update(collectives.C10D_OPS)
-    special_ops.update(collectives.FUNCTIONAL_OPS)
+    special_ops.update(collectives.SPECIAL_OPS)
+    namespace_ops.update(collectives.NAMESPACES)
 
     helper = c10d._new_process_group_helper
 
@@ -403,15 +405,6 @@ def install() -> None:
             _creating.backend = previous
 
     c10d._new_process_group_helper = new_process_group_helper
-
-    config_init = c10d.BackendConfig.__init__
-
-    def backend_config(self: Any, backend: Any) -> None:
-        config_init(self, backend)
-        if str(backend) == dist.Backend.UNDEFINED:  # a bare init_process_group(): the accelerator's
-            self.device_backend_map = {"cuda": dist.Backend(dist.Backend.NCCL)}
-
-    c10d.BackendConfig.__init__ = backend_config
 
     destroy = c10d.destroy_process_group
 

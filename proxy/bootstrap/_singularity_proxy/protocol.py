@@ -150,6 +150,9 @@ OP_ALLOCATE = 6
 """[OP_ALLOCATE, handle, dtype, shape, stride]: a new uninitialised tensor (filled by OP_WRITE)."""
 OP_WRITE = 7
 """[OP_WRITE, handle, byte offset, buffer]: write bytes into the tensor's storage."""
+OP_RESIZE_STORAGE = 10
+"""[OP_RESIZE_STORAGE, handle, bytes]: resize the storage under the tensor (its views see it), as
+FSDP frees and re-allocates its unsharded parameters (`untyped_storage().resize_(n)`)."""
 OP_GROUP = 8
 """[OP_GROUP, group, rank, members]: the process takes part, as global rank `rank`, in the
 process group named `group`, whose members are these global ranks in group-rank order."""

@@ -27,6 +27,9 @@ SpecialHandler = Callable[[Any, Sequence[Any], dict[str, Any]], Any]
 special_ops: dict[Any, SpecialHandler] = {}
 """Operators the client carries out itself (random numbers, copies across devices); filled by
 the modules that own them when the client is installed."""
+namespace_ops: dict[str, Callable[[Any], SpecialHandler | None]] = {}
+"""Per namespace, what finds the handler of an operator that exists only once a library is
+imported (collectives, FSDP's own operators); a handler found is kept in `special_ops`."""
 
 
 class TensorHandle:
@@ -79,6 +82,9 @@ class ProxyTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return _repr(self)
 
+    def untyped_storage(self) -> Any:  # type: ignore[override]
+        return ProxyStorage(self)
+
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         if id(self) in memo:
             return memo[id(self)]
@@ -92,6 +98,31 @@ class ProxyTensor(torch.Tensor):
             new.grad = self.grad.__deepcopy__(memo)  # type: ignore[operator]
         memo[id(self)] = new
         return new
+
+
+class ProxyStorage:
+    """What `untyped_storage()` gives for a stand-in: its size, and resizing (FSDP frees and
+    re-allocates the storage of its unsharded parameters this way)."""
+
+    def __init__(self, stand_in: ProxyTensor) -> None:
+        self.stand_in = stand_in
+
+    def size(self) -> int:
+        """Bytes of the storage (as last resized here, else what the stand-in's layout spans)."""
+        resized = getattr(self.stand_in, "_storage_bytes", None)
+        if resized is not None:
+            return int(resized)
+        shape, stride, offset, dtype = self.stand_in._meta
+        return int(protocol.storage_extent(shape, stride, offset) * dtype.itemsize)
+
+    nbytes = size
+
+    def resize_(self, nbytes: int) -> ProxyStorage:
+        """Resize the storage on the device (the tensor keeps its shape; its views share the storage)."""
+        stand_in = self.stand_in
+        stand_in._channel.push([protocol.OP_RESIZE_STORAGE, stand_in._handle.id, int(nbytes)])
+        stand_in._storage_bytes = int(nbytes)  # type: ignore[attr-defined]
+        return self
 
 
 def new_stand_in(channel: Channel, handle: int, meta: tuple[Any, ...]) -> ProxyTensor:
@@ -377,6 +408,10 @@ def _value_dependent(func: Any, args: Sequence[Any]) -> bool:
 def dispatch(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> Any:
     """Carry out one aten operation on stand-ins (most are forwarded to the proxy server)."""
     special = special_ops.get(func)
+    if special is None and func.namespace in namespace_ops:
+        special = namespace_ops[func.namespace](func)
+        if special is not None:
+            special_ops[func] = special
     if special is not None:
         return special(func, args, kwargs or {})
     return forward(func, args, kwargs)

@@ -1,0 +1,136 @@
+"""Multi-rank jobs on proxied devices, through the real daemon: collectives and a consistent cut.
+
+The ranks' collectives on device tensors are carried out by the job's proxy servers. A 2-rank
+DDP run must print exactly what the same program prints run directly on the CPU with gloo; a
+4-rank run preempted and resumed at random moments exactly what an uninterrupted one prints;
+a rank that dies fails the job with its reason, never a hang.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from tests.conftest import requires_root
+from tests.helpers import Daemon, running_daemon, wait_until
+from tests.proxy.conftest import PROGRAMS, PYTHON, base_env
+
+JOB_OPTIONS = ["--env", "OMP_NUM_THREADS=1", "--cwd", str(PROGRAMS)]
+
+
+def direct_ranks(program: str, args: Sequence[str], ranks: int, timeout: float = 300) -> list[str]:
+    """Each rank's stdout when the program runs directly on the CPU, torchrun-style, without singularityd."""
+    port = 20000 + os.getpid() % 20000
+    processes = []
+    for rank in range(ranks):
+        env = base_env()
+        env.update(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), USE_LIBUV="0",
+        )  # fmt: skip
+        processes.append(
+            subprocess.Popen(
+                [PYTHON, program, *args], cwd=PROGRAMS, env=env, stdout=subprocess.PIPE, text=True
+            )
+        )
+    outputs = [process.communicate(timeout=timeout)[0] for process in processes]
+    assert [process.returncode for process in processes] == [0] * ranks, outputs
+    return outputs
+
+
+def rank_logs(daemon: Daemon, job: int, ranks: int) -> list[str]:
+    """What each rank of the job printed (stdout and stderr)."""
+    return [daemon.sing("logs", "--rank", str(rank), str(job)).out for rank in range(ranks)]
+
+
+def printed(logs: Sequence[str], word: str = "rank ") -> list[str]:
+    """Each rank's log less torch's warnings on stderr (the lines that do not start with `word`)."""
+    return ["".join(line for line in log.splitlines(keepends=True) if line.startswith(word)) for log in logs]
+
+
+def run_job(daemon: Daemon, program: str, args: Sequence[str], ranks: int, gpus: int) -> list[str]:
+    """Submit a job, wait for it to succeed, and return each rank's printed lines."""
+    options = [*JOB_OPTIONS, "--ranks", str(ranks), "--gpus", str(gpus)]
+    job = daemon.submit(PYTHON, program, *args, options=options)
+    result = daemon.sing("wait", str(job), timeout=600)
+    logs = rank_logs(daemon, job, ranks)
+    assert result.code == 0, logs
+    return printed(logs)
+
+
+def test_ddp_two_ranks_equal_direct_gloo(daemon: Daemon) -> None:
+    """2 ranks on 2 devices, and 2 ranks sharing 1 device (comm hook, no_sync, unused parameters,
+    gradients as bucket views) print exactly what the direct gloo run prints."""
+    plain = ["--steps", "12"]
+    options = [*plain, "--hook", "allreduce", "--accumulate", "2", "--unused", "--bucket-view"]
+    assert run_job(daemon, "ddp_train.py", plain, ranks=2, gpus=2) == direct_ranks(
+        "ddp_train.py", [*plain, "--device", "cpu"], 2
+    )
+    assert run_job(daemon, "ddp_train.py", options, ranks=2, gpus=1) == direct_ranks(
+        "ddp_train.py", [*options, "--device", "cpu"], 2
+    )
+
+
+def steps_done(daemon: Daemon, job: int, ranks: int) -> int:
+    """The fewest steps any rank of the job has printed so far."""
+    logs = [daemon.state_dir / "jobs" / str(job) / "logs" / f"rank-{rank}.log" for rank in range(ranks)]
+    return min(log.read_text().count(" step ") if log.exists() else 0 for log in logs)
+
+
+def trained_beyond(daemon: Daemon, job: int, ranks: int, beyond: int) -> bool:
+    """Whether every rank of the job printed more than `beyond` steps."""
+    return steps_done(daemon, job, ranks) > beyond
+
+
+@requires_root
+def test_ddp_four_ranks_preempted_five_times_is_exact(daemon_root: Path) -> None:
+    """4 ranks on 4 devices, preempted and resumed 5 times at random moments (collectives in
+    flight), print exactly what an uninterrupted run prints, every rank."""
+    total, ranks = 120, 4
+    args = ["--steps", str(total), "--hook", "allreduce"]
+    options = [*JOB_OPTIONS, "--ranks", str(ranks), "--gpus", str(ranks)]
+    rng = random.Random(10)
+    release = daemon_root / "release"
+    with running_daemon(daemon_root, virtual_devices=ranks) as daemon:
+        expected = run_job(daemon, "ddp_train.py", args, ranks=ranks, gpus=ranks)
+        job = daemon.submit(PYTHON, "ddp_train.py", *args, "--hold", str(release), options=options)
+        daemon.wait_state(job, "RUNNING")
+        seen = 0
+        for _ in range(5):
+            beyond = min(seen, total - 1)
+            wait_until(functools.partial(trained_beyond, daemon, job, ranks, beyond), timeout=300)
+            time.sleep(rng.uniform(0.0, 0.5))
+            result = daemon.sing("preempt", str(job), timeout=300)
+            assert result.code == 0, result.err
+            daemon.wait_state(job, "RUNNING", timeout=300)
+            seen = steps_done(daemon, job, ranks)
+        assert seen < total, "the job was still training when preempted the last time"
+        release.touch()
+        assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, ranks)
+        assert printed(rank_logs(daemon, job, ranks)) == expected
+        reasons = [e["reason"] for e in daemon.job(job)["events"]]
+        assert sum(r.startswith("restored from checkpoint") for r in reasons) == 5
+
+
+def test_a_crashing_rank_fails_the_job(daemon: Daemon) -> None:
+    """Rank 1 dies mid-training: the job fails with its exit code and reason, no rank hangs."""
+    options = [*JOB_OPTIONS, "--ranks", "2", "--gpus", "2"]
+    job = daemon.submit(PYTHON, "ddp_train.py", "--steps", "1000", "--crash", "1:3", options=options)
+    assert daemon.sing("wait", str(job), timeout=300).code == 3
+    shown = daemon.job(job)
+    assert shown["state"] == "FAILED"
+    assert shown["events"][-1]["reason"] == "rank 1 exited with code 3; the other ranks were stopped"
+    assert "rank 1 crashes at step 3" in rank_logs(daemon, job, 2)[1]
+
+
+def test_host_and_device_tensors_in_one_collective(daemon: Daemon) -> None:
+    """Gathering a host tensor into device tensors fails with the error torch's NCCL gives."""
+    options = [*JOB_OPTIONS, "--ranks", "2", "--gpus", "1"]
+    job = daemon.submit(PYTHON, "raw_collectives.py", "--mix", options=options)
+    assert daemon.sing("wait", str(job), timeout=300).code == 1
+    assert "Tensors must be CUDA and dense" in rank_logs(daemon, job, 2)[0]
