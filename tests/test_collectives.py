@@ -48,19 +48,29 @@ def rank_logs(daemon: Daemon, job: int, ranks: int) -> list[str]:
     return [daemon.sing("logs", "--rank", str(rank), str(job)).out for rank in range(ranks)]
 
 
-def printed(logs: Sequence[str], word: str = "rank ") -> list[str]:
-    """Each rank's log less torch's warnings on stderr (the lines that do not start with `word`)."""
-    return ["".join(line for line in log.splitlines(keepends=True) if line.startswith(word)) for log in logs]
+def printed(logs: Sequence[str], keep: str | tuple[str, ...] = "rank ") -> list[str]:
+    """Each rank's log less torch's warnings on stderr: only the lines that start with `keep`."""
+    return ["".join(line for line in log.splitlines(keepends=True) if line.startswith(keep)) for log in logs]
+
+
+def submit(daemon: Daemon, program: str, args: Sequence[str], ranks: int, gpus: int) -> int:
+    """Submit the program as a job of `ranks` ranks on `gpus` devices."""
+    return daemon.submit(
+        PYTHON, program, *args, options=[*JOB_OPTIONS, "--ranks", str(ranks), "--gpus", str(gpus)]
+    )
+
+
+def succeeded(daemon: Daemon, job: int, ranks: int) -> list[str]:
+    """Wait for the job to succeed; each rank's log."""
+    result = daemon.sing("wait", str(job), timeout=900)
+    logs = rank_logs(daemon, job, ranks)
+    assert result.code == 0, logs
+    return logs
 
 
 def run_job(daemon: Daemon, program: str, args: Sequence[str], ranks: int, gpus: int) -> list[str]:
     """Submit a job, wait for it to succeed, and return each rank's printed lines."""
-    options = [*JOB_OPTIONS, "--ranks", str(ranks), "--gpus", str(gpus)]
-    job = daemon.submit(PYTHON, program, *args, options=options)
-    result = daemon.sing("wait", str(job), timeout=600)
-    logs = rank_logs(daemon, job, ranks)
-    assert result.code == 0, logs
-    return printed(logs)
+    return printed(succeeded(daemon, submit(daemon, program, args, ranks, gpus), ranks))
 
 
 def test_ddp_two_ranks_equal_direct_gloo(daemon: Daemon) -> None:
@@ -134,3 +144,69 @@ def test_host_and_device_tensors_in_one_collective(daemon: Daemon) -> None:
     job = daemon.submit(PYTHON, "raw_collectives.py", "--mix", options=options)
     assert daemon.sing("wait", str(job), timeout=300).code == 1
     assert "Tensors must be CUDA and dense" in rank_logs(daemon, job, 2)[0]
+
+
+def direct_alone(program: str, args: Sequence[str]) -> str:
+    """The program's stdout run directly on the CPU as one process without torchrun's environment."""
+    done = subprocess.run(
+        [PYTHON, program, *args], cwd=PROGRAMS, env=base_env(), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def without(lines: str, *words: str) -> str:
+    """The lines that contain none of `words`."""
+    return "".join(line for line in lines.splitlines(keepends=True) if not any(w in line for w in words))
+
+
+def test_programs_run_unmodified_with_1_2_and_4_ranks(daemon: Daemon) -> None:
+    """A pytorch/examples-style DDP demo (the accelerator's default backend), a nanoGPT-style
+    trainer (nccl because RANK is set), FSDP2 and every raw collective run as jobs of 1, 2 and 4
+    ranks; with 1 and 2 ranks they print what the same program prints directly on the CPU."""
+    nano = ["--max_iters=6", "--eval_interval=3"]
+    jobs = {
+        ("example", 1): submit(daemon, "ddp_example.py", [], 1, 1),
+        ("example", 2): submit(daemon, "ddp_example.py", [], 2, 2),
+        ("example", 4): submit(daemon, "ddp_example.py", [], 4, 4),
+        ("nano", 1): submit(daemon, "nanogpt_style.py", nano, 1, 1),
+        ("nano", 2): submit(daemon, "nanogpt_style.py", nano, 2, 2),
+        ("nano", 4): submit(daemon, "nanogpt_style.py", nano, 4, 2),
+        ("fsdp", 2): submit(daemon, "fsdp_train.py", ["--steps", "3"], 2, 2),
+        ("fsdp", 4): submit(daemon, "fsdp_train.py", ["--steps", "3"], 4, 4),
+        ("raw", 2): submit(daemon, "raw_collectives.py", [], 2, 1),
+        ("raw", 4): submit(daemon, "raw_collectives.py", ["--backend", "gloo"], 4, 2),
+    }
+    example_ranks = tuple(f"rank {r} " for r in range(4))
+    for ranks in (1, 2):
+        direct = printed(direct_ranks("ddp_example.py", ["--cpu"], ranks), example_ranks)
+        logs = succeeded(daemon, jobs[("example", ranks)], ranks)
+        assert printed(logs, example_ranks) == direct
+        assert all("backend=nccl" in log for log in logs)
+    example = printed(succeeded(daemon, jobs[("example", 4)], 4), example_ranks)
+    assert len({log.splitlines()[-1].split()[-1] for log in example}) == 1, (
+        "every rank ends with the same weights"
+    )
+
+    kept = ("step ", "iter ", "done ")
+    assert printed(succeeded(daemon, jobs[("nano", 1)], 1), kept) == [
+        direct_alone("nanogpt_style.py", [*nano, "--device=cpu"])
+    ]
+    for ranks in (2, 4):
+        master = printed(succeeded(daemon, jobs[("nano", ranks)], ranks), kept)[0]
+        assert f"done in {ranks} process(es)" in master
+
+    assert printed(succeeded(daemon, jobs[("fsdp", 2)], 2)) == direct_ranks(
+        "fsdp_train.py", ["--steps", "3", "--device", "cpu"], 2
+    )
+    fsdp = printed(succeeded(daemon, jobs[("fsdp", 4)], 4))
+    assert len({log.splitlines()[-1].split()[-1] for log in fsdp}) == 1
+
+    direct = direct_ranks("raw_collectives.py", ["--device", "cpu"], 2)
+    proxied = printed(succeeded(daemon, jobs[("raw", 2)], 2))
+    assert [without(log, "all_reduce_avg", "backend=") for log in proxied] == [
+        without(log, "backend=") for log in direct
+    ]
+    assert all(f"rank {r} done backend=nccl" in log for r, log in enumerate(proxied))
+    four = printed(succeeded(daemon, jobs[("raw", 4)], 4))
+    assert all(f"rank {r} done backend=gloo" in log for r, log in enumerate(four))

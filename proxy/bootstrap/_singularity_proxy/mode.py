@@ -44,12 +44,22 @@ def _from_torch_internals() -> bool:
     return False
 
 
+def _as_device(value: Any) -> Any:
+    """A device index (an int, as in `tensor.to(1)`) as the cuda device it names; else the value."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return torch.device("cuda", value)
+    return value
+
+
 def _to(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """`Tensor.to`: stand-ins for cuda targets, host copies for the program's cpu targets."""
     self = args[0]
     options = dict(kwargs)
     copy = bool(options.pop("copy", False))
-    device, dtype, _non_blocking, memory_format = torch._C._nn._parse_to(*args[1:], **options)
+    targets = [_as_device(arg) for arg in args[1:]]  # an int is an accelerator's index
+    if "device" in options:
+        options["device"] = _as_device(options["device"])
+    device, dtype, _non_blocking, memory_format = torch._C._nn._parse_to(*targets, **options)
     is_stand_in = isinstance(self, ProxyTensor)
     if device is None or device.type not in ("cuda", "cpu"):
         return func(*args, **kwargs)
