@@ -4,6 +4,11 @@ Each figure is measured beside a reference taken in the same run on the same mac
 ratio is the result (these machines are shared and noisy):
 - submit-to-running: from the Submit call until the job's first instruction runs, against
   spawning the same command directly with subprocess;
+- first device result: in a job that imports torch, from the end of the import until the first
+  result computed on its proxied device (the job's own proxy server, forked for it at admission,
+  must be up and connected), against the import itself, timed by the job. torch imports
+  torch.distributed.tensor at the first operation on any tensor subclass, the proxy's stand-ins
+  included; the job imports it beforehand so that this cost, torch's, is shown on its own line;
 - `sing ps` with 1,000 queued jobs: the whole CLI invocation, against `sing --help` (the cost
   of starting the CLI at all), and the ListJobs RPC alone from a warm client.
 
@@ -33,6 +38,12 @@ from singularityd.api.v1 import singularity_pb2_grpc as pb_grpc  # noqa: E402
 from tests.helpers import SING, Daemon  # noqa: E402
 
 STAMP = "date +%s.%N"
+FIRST_DEVICE_RESULT = (
+    "import time; started = time.perf_counter(); import torch; imported = time.perf_counter(); "
+    "import torch.distributed.tensor; subclass_ready = time.perf_counter(); "
+    "torch.ones(4, device='cuda').add(1).sum().item(); done = time.perf_counter(); "
+    "print(imported - started, subclass_ready - imported, done - subclass_ready)"
+)
 
 
 def timed(action: Callable[[], object], repeat: int) -> list[float]:
@@ -67,6 +78,29 @@ def direct_spawn(repeat: int) -> list[float]:
         out = subprocess.run(["sh", "-c", STAMP], capture_output=True, text=True, check=True).stdout
         samples.append(float(out.split()[0]) - started)
     return samples
+
+
+def first_device_result(
+    stub: pb_grpc.SingularityStub, daemon: Daemon, repeat: int
+) -> tuple[list[float], list[float], list[float]]:
+    """Seconds each proxied job took, by its own clock, to import torch, to import what torch loads
+    at the first operation on a tensor subclass, and then to get its first result from its device."""
+    imports, subclass_imports, firsts = [], [], []
+    for _ in range(repeat):
+        job = stub.Submit(
+            pb.SubmitRequest(
+                command=[sys.executable, "-c", FIRST_DEVICE_RESULT],
+                cwd="/tmp",
+                env={"PATH": os.environ["PATH"]},
+            )
+        ).job
+        stub.Wait(pb.JobRef(id=job.id))
+        log = daemon.state_dir / "jobs" / str(job.id) / "logs" / "rank-0.log"
+        imported, subclass_ready, first = (float(field) for field in log.read_text().split()[-3:])
+        imports.append(imported)
+        subclass_imports.append(subclass_ready)
+        firsts.append(first)
+    return imports, subclass_imports, firsts
 
 
 def fill_queue(stub: pb_grpc.SingularityStub, count: int) -> None:
@@ -114,6 +148,7 @@ def main() -> None:
     with one_device_daemon() as (daemon, stub):
         latency = submit_to_running(stub, daemon, args.repeat)
         reference = direct_spawn(args.repeat)
+        torch_import, dtensor_import, first_result = first_device_result(stub, daemon, args.repeat)
         fill_queue(stub, args.jobs)
         env = {**os.environ, "SING_SOCKET": str(daemon.socket)}
         ps = timed(
@@ -128,6 +163,9 @@ def main() -> None:
     rows = [
         ("submit-to-running (singularityd)", latency, None),
         ("spawn the same command directly (reference)", reference, None),
+        ("first device result after `import torch`, in the job", first_result, None),
+        ("`import torch`, in the same jobs (reference)", torch_import, None),
+        ("`import torch.distributed.tensor` after it, in the same jobs", dtensor_import, None),
         (f"`sing ps`, {listed} jobs queued", ps, None),
         ("`sing --help` (CLI start, reference)", cli_start, None),
         (f"ListJobs RPC alone, {listed} jobs", rpc, None),
@@ -140,6 +178,10 @@ def main() -> None:
     print()
     print(
         f"submit-to-running / direct spawn: {statistics.median(latency) / statistics.median(reference):.1f}x"
+    )
+    print(
+        "first device result / import torch: "
+        f"{statistics.median(first_result) / statistics.median(torch_import):.2f}x"
     )
     print(
         f"`sing ps` ({listed} jobs) / CLI start: {statistics.median(ps) / statistics.median(cli_start):.2f}x"
