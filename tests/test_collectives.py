@@ -16,6 +16,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import requires_root
 from tests.helpers import Daemon, running_daemon, wait_until
 from tests.proxy.conftest import PROGRAMS, PYTHON, base_env
@@ -98,6 +100,7 @@ def trained_beyond(daemon: Daemon, job: int, ranks: int, beyond: int) -> bool:
 
 
 @requires_root
+@pytest.mark.timeout(1200)
 def test_ddp_four_ranks_preempted_five_times_is_exact(daemon_root: Path) -> None:
     """4 ranks on 4 devices, preempted and resumed 5 times at random moments (collectives in
     flight), print exactly what an uninterrupted run prints, every rank."""
@@ -160,6 +163,7 @@ def without(lines: str, *words: str) -> str:
     return "".join(line for line in lines.splitlines(keepends=True) if not any(w in line for w in words))
 
 
+@pytest.mark.timeout(1500)
 def test_programs_run_unmodified_with_1_2_and_4_ranks(daemon: Daemon) -> None:
     """A pytorch/examples-style DDP demo (the accelerator's default backend), a nanoGPT-style
     trainer (nccl because RANK is set), FSDP2 and every raw collective run as jobs of 1, 2 and 4
