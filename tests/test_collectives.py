@@ -175,7 +175,7 @@ def test_programs_run_unmodified_with_1_2_and_4_ranks(daemon: Daemon) -> None:
         ("example", 4): submit(daemon, "ddp_example.py", [], 4, 4),
         ("nano", 1): submit(daemon, "nanogpt_style.py", nano, 1, 1),
         ("nano", 2): submit(daemon, "nanogpt_style.py", nano, 2, 2),
-        ("nano", 4): submit(daemon, "nanogpt_style.py", nano, 4, 2),
+        ("nano", 4): submit(daemon, "nanogpt_style.py", nano, 4, 4),
         ("fsdp", 2): submit(daemon, "fsdp_train.py", ["--steps", "3"], 2, 2),
         ("fsdp", 4): submit(daemon, "fsdp_train.py", ["--steps", "3"], 4, 4),
         ("raw", 2): submit(daemon, "raw_collectives.py", [], 2, 1),
