@@ -15,9 +15,6 @@ the other in the same run, so that their columns compare under the same machine 
 from __future__ import annotations
 
 import argparse
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from singularity.proxy.control import ProxyControl, cut_reached  # noqa: E402
-from tests.proxy.conftest import base_env, proxy_env  # noqa: E402
+from tests.proxy.conftest import start_linked_servers, start_ranks, stop_server  # noqa: E402
 
 ALLREDUCE = r"""
 import os, sys, time, torch
@@ -89,95 +86,55 @@ dist.destroy_process_group()
 """
 
 
-def start_servers(directory: Path, count: int) -> list[subprocess.Popen[bytes]]:
-    """Proxy servers for `count` devices, linked pairwise as the daemon links a job's servers."""
-    links: dict[tuple[int, int], socket.socket] = {}
-    for i in range(count):
-        for j in range(i + 1, count):
-            links[(i, j)], links[(j, i)] = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    servers = []
-    for i in range(count):
-        peers = {j: sock for (a, j), sock in links.items() if a == i}
-        command = [
-            PY, "-m", "singularity.proxy.server", "--socket", str(directory / f"dev{i}.sock"),
-            "--device-index", str(i), "--memory-bytes", str(4 << 30), "--threads", "1",
-        ]  # fmt: skip
-        if peers:
-            command += ["--peer-fds", ",".join(f"{j}:{sock.fileno()}" for j, sock in peers.items())]
-        servers.append(
-            subprocess.Popen(
-                command,
-                env=base_env(),
-                cwd=REPO,
-                pass_fds=[s.fileno() for s in peers.values()],
-                stdin=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        )
-    for sock in links.values():
-        sock.close()
-    for i in range(count):
-        while not Path(f"{directory / f'dev{i}.sock'}.ctl").exists():
-            time.sleep(0.05)
-    return servers
+JOB = "job"
+"""The job id the ranks give (tests.proxy.conftest.proxy_env)."""
 
 
-def start_ranks(
-    code: str, args: Sequence[str], ranks: int, sockets: Sequence[Path] | None, extra: dict[str, str]
-) -> list[subprocess.Popen[str]]:
-    """The ranks of a torchrun-style program (proxied on `sockets`, else directly on the CPU)."""
-    port = str(20000 + (os.getpid() + int(time.monotonic() * 1000)) % 20000)
-    processes = []
-    for rank in range(ranks):
-        env = proxy_env(sockets, job_id="bench", rank=rank) if sockets else base_env()
-        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), USE_LIBUV="0")
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra)
-        processes.append(
-            subprocess.Popen([PY, "-c", code, *args], env=env, stdout=subprocess.PIPE, text=True, cwd=REPO)
-        )
-    return processes
+def _folder(directory: Path) -> Path:
+    """A new folder for one run's sockets."""
+    folder = directory / f"run-{time.monotonic_ns()}"
+    folder.mkdir()
+    return folder
 
 
 def run_ranks(code: str, args: Sequence[str], ranks: int, devices: int, directory: Path) -> str:
     """Rank 0's output of a program run to the end (devices=0: directly with gloo)."""
-    servers = start_servers(directory, devices) if devices else []
+    servers = start_linked_servers(_folder(directory), devices, 4 << 30) if devices else []
     try:
-        sockets = [directory / f"dev{i}.sock" for i in range(devices)] if devices else None
-        processes = start_ranks(code, args, ranks, sockets, {})
+        processes = start_ranks(["-c", code, *args], ranks, [s.socket for s in servers] or None)
         outputs = [p.communicate(timeout=1800)[0] for p in processes]
         assert all(p.returncode == 0 for p in processes), "a rank failed"
         return outputs[0]
     finally:
         for server in servers:
-            server.terminate()
-            server.wait()
+            stop_server(server)
 
 
 def cut_latency(directory: Path, rounds: int) -> tuple[float, float, float]:
     """Median seconds of quiesce, of settling to a consistent cut, of resume: 2-rank DDP, 2 devices."""
-    servers = start_servers(directory, 2)
+    servers = start_linked_servers(_folder(directory), 2)
     hold = directory / "hold"
-    sockets = [directory / f"dev{i}.sock" for i in range(2)]
-    processes = start_ranks(DDP_STEP, ["cuda", "20"], 2, sockets, {"HOLD": str(hold)})
+    sockets = [s.socket for s in servers]
+    processes = start_ranks(["-c", DDP_STEP, "cuda", "20"], 2, sockets, HOLD=str(hold))
     quiesce, settle, resume = [], [], []
     try:
         assert processes[0].stdout is not None
         processes[0].stdout.readline()  # timed steps done: the job now trains until `hold`
-        controls = [ProxyControl(Path(f"{s}.ctl")) for s in sockets]
+        controls = [ProxyControl(s.control) for s in servers]
         for _ in range(rounds):
             t0 = time.perf_counter()
             for control in controls:
-                control.quiesce("bench")
+                control.quiesce(JOB)
             t1 = time.perf_counter()
             previous = None
             while True:
-                current = {i: control.settle("bench") for i, control in enumerate(controls)}
+                current = {i: control.settle(JOB) for i, control in enumerate(controls)}
                 if cut_reached(previous, current):
                     break
                 previous = current
             t2 = time.perf_counter()
             for control in controls:
-                control.resume("bench")
+                control.resume(JOB)
             t3 = time.perf_counter()
             quiesce.append(t1 - t0)
             settle.append(t2 - t1)
@@ -190,8 +147,7 @@ def cut_latency(directory: Path, rounds: int) -> tuple[float, float, float]:
         for process in processes:
             process.communicate(timeout=300)
         for server in servers:
-            server.terminate()
-            server.wait()
+            stop_server(server)
     return _median(quiesce), _median(settle), _median(resume)
 
 
