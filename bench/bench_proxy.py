@@ -2,13 +2,14 @@
 
 Run: .venv/bin/python bench/bench_proxy.py [--baseline REV]   (one intra-op thread everywhere;
 virtual device). With --baseline, the proxy (server and in-job client) of git revision REV is
-measured side by side with this tree's, each measure taken for both one after the other in the
-same run, so that the columns compare under the same machine load.
+measured side by side with this tree's: the runs of a measure alternate between the two, each
+first in turn, so that the columns compare under the same machine load.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -53,13 +54,13 @@ def step():
     opt.zero_grad(); loss.backward(); opt.step()
     return loss
 step().item()
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 for i in range(steps):
     loss = step()
     if i % 10 == 9:
         loss.item()
 loss.item()
-print(time.perf_counter() - t0)
+print(time.perf_counter() - t0, time.process_time() - c0)
 """
 
 CKPT = r"""
@@ -76,8 +77,11 @@ sys.stdin.readline()
 
 RUNS = (
     ("ms-scale ops (MLP 1024 wide, batch 1024)", ["1024", "1024", "30"]),
-    ("small ops (MLP 64 wide, batch 32)", ["64", "32", "300"]),
+    ("small ops (MLP 64 wide, batch 32)", ["64", "32", "1500"]),
 )
+
+REPETITIONS = 4
+"""Runs of each kind per measure; the best is reported (the others lost time to other load)."""
 
 
 class Proxied:
@@ -98,6 +102,25 @@ def _run(code: str, args: list[str], env: dict[str, str]) -> str:
         [PY, "-c", code, *args], env=env, capture_output=True, text=True, timeout=600, check=True
     )
     return r.stdout.strip()
+
+
+def _timed(code: str, args: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) the training loop of a run took, as it measured them."""
+    wall, cpu = _run(code, args, env).split()
+    return float(wall), float(cpu)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU time a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _timed_proxied(args: list[str], proxy: Proxied) -> tuple[float, float, float]:
+    """(wall, job CPU, server CPU) seconds of a proxied run; the server's over the whole job."""
+    before = _cpu_seconds(proxy.server.proc.pid)
+    wall, cpu = _timed(TRAIN, args, proxy.env())
+    return wall, cpu, _cpu_seconds(proxy.server.proc.pid) - before
 
 
 def _checkpoint_ratio(proxy: Proxied, directory: Path) -> str:
@@ -133,12 +156,22 @@ def measure(proxies: list[Proxied], directory: Path) -> list[tuple[str, list[str
     rows.append(("client cost per op, add/relu 64x64 (median)", [f"{float(m):.1f} us" for m, _ in per_op]))
     rows.append(("client cost per op, add/relu 64x64 (p99)", [f"{float(p):.1f} us" for _, p in per_op]))
     for label, args in RUNS:
-        direct = min(float(_run(TRAIN, args, base_env())) for _ in range(2))
-        values = []
+        directs: list[tuple[float, float]] = []
+        runs: dict[str, list[tuple[float, float, float]]] = {p.label: [] for p in proxies}
+        for repetition in range(REPETITIONS):  # interleaved, each proxy first in turn
+            directs.append(_timed(TRAIN, args, base_env()))
+            for p in proxies if repetition % 2 == 0 else proxies[::-1]:
+                runs[p.label].append(_timed_proxied(args, p))
+        direct, direct_cpu = min(wall for wall, _ in directs), min(cpu for _, cpu in directs)
+        values, cpu = [], []
         for p in proxies:
-            proxied = min(float(_run(TRAIN, args, p.env())) for _ in range(2))
+            proxied = min(wall for wall, _, _ in runs[p.label])
+            job_cpu = min(job for _, job, _ in runs[p.label])
+            server_cpu = min(server for _, _, server in runs[p.label])
             values.append(f"{proxied / direct:.3f} ({proxied:.2f} s / {direct:.2f} s)")
+            cpu.append(f"{job_cpu / direct_cpu:.2f} + {server_cpu / direct_cpu:.2f}")
         rows.append((f"run time proxied/direct, {label}", values))
+        rows.append((f"CPU time job + server / direct, {label}", cpu))
     # the control protocol is this tree's, so the checkpoint is measured on this tree only
     rows.append(
         (

@@ -48,13 +48,15 @@ torch.manual_seed(0)
 m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)).cuda()
 opt = torch.optim.SGD(m.parameters(), lr=1e-4)
 x = torch.randn(32, 64).cuda()
-for i in range(60):
+for i in range(int(sys.argv[2])):
     loss = m(x).pow(2).mean()
     opt.zero_grad(); loss.backward(); opt.step()
     if i % 10 == 9:
         loss.item()
-json.dump(log[len(log) // 3:], open(sys.argv[1], "w"))
+json.dump(log, open(sys.argv[1], "w"))
 """
+"""A small-op training run (the MLP of bench_proxy.py) for argv[2] steps, writing every frame the
+job sent to argv[1] (also used by bench_server.py)."""
 
 NAMES = protocol.torch_names()
 
@@ -64,11 +66,12 @@ def record_messages(directory: Path) -> list[tuple[int, str, list[bytes]]]:
     server = start_server(directory, "wire")
     out = directory / "messages.json"
     try:
-        command = [sys.executable, "-c", RECORD, str(out)]
+        command = [sys.executable, "-c", RECORD, str(out), "60"]
         subprocess.run(command, env=proxy_env([server.socket], "wire"), check=True, timeout=600)
     finally:
         stop_server(server)
     recorded = json.loads(out.read_text())
+    recorded = recorded[len(recorded) // 3 :]  # the steady state
     return [(kind, body, [base64.b64decode(b) for b in data]) for kind, body, data in recorded]
 
 
@@ -147,6 +150,8 @@ def _walk_ops(ops: list[Any], resolve: Callable[[Any], Any]) -> None:
             [resolve(arg) for arg in op[3]]
             if op[4]:
                 {k: resolve(v) for k, v in op[4].items()}
+        elif op[0] == protocol.OP_RUN:  # slot values: handles and numbers
+            [resolve(value) for value in op[3]]
 
 
 def measure(messages: list[tuple[int, str, list[bytes]]]) -> list[tuple[str, float, float, float]]:

@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 import grpc
 import typer
 
-from singularity.cli import output
+from singularity.cli import cluster, output
 from singularity.cli.client import connect, resolve_socket, rpc_error, unreachable_message
 from singularity.cli.config import settings
 from singularity.cli.errors import (
@@ -132,6 +132,11 @@ def submit(
         None, "--checkpoint-every", help="Seconds between periodic checkpoints (0: none; default: daemon's)."
     ),
     output_format: str = typer.Option(None, "--output", "-o", help="id (default) or json: the job queued."),
+    anywhere: bool = typer.Option(
+        None,
+        "--anywhere/--here",
+        help="Let a job that cannot start here start on a peer with room (default: the daemon's setting).",
+    ),
     socket: str = SocketOption,
 ) -> None:
     """Queue a program; prints its job id. The job runs as you, with your environment."""
@@ -154,6 +159,8 @@ def submit(
     )
     if checkpoint_every is not None:
         request.checkpoint_interval = checkpoint_every
+    if anywhere is not None:
+        request.anywhere = anywhere
     with connect(socket) as stub:
         job = stub.Submit(request).job
         print(output.to_json(output.job_dict(job)) if output_format == "json" else job.id, flush=True)
@@ -168,12 +175,27 @@ def ps(
     header: bool = HeaderOption,
     watch: bool = typer.Option(False, "--watch", "-w", help="After the list, print each change."),
     user: str = typer.Option("", "--user", "-u", help="Only this user's jobs."),
+    cluster_wide: bool = typer.Option(False, "--cluster", "-c", help="The jobs of every node of the lab."),
     socket: str = SocketOption,
 ) -> None:
-    """List jobs (queued and running; -a for all)."""
+    """List jobs (queued and running; -a for all; --cluster for every node's)."""
     fmt = _output_format(output_format, ("wide", "json"))
     with_header = _header(header)
     request = pb.ListJobsRequest(all=all_jobs, user=user)
+    if cluster_wide:
+        if watch:
+            raise CliError("--watch lists this node's jobs only; leave out --cluster", EXIT_USAGE)
+        with connect(socket) as stub:
+            listing = stub.ListClusterJobs(request)
+        for node in listing.unreachable:
+            warn(f"{node} did not answer; its jobs are not listed")
+        if fmt == "json":
+            print(output.to_json([output.job_dict(j) for j in listing.jobs]))
+        else:
+            text = output.jobs_table(listing.jobs, fmt == "wide", with_header, nodes=True)
+            if text:
+                print(text)
+        return
     with connect(socket) as stub:
         if not watch:
             jobs = stub.ListJobs(request).jobs
@@ -474,6 +496,9 @@ def doctor(
         "jobs run in their own PID namespace" if info.pid_namespaces else "no PID namespaces (user mode)",
     )
     checks.finish()
+
+
+cluster.register(app)
 
 
 def main() -> None:

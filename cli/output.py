@@ -65,7 +65,28 @@ def job_dict(job: pb.Job) -> dict[str, Any]:
         "checkpoint_bytes": job.checkpoint_bytes,
         "last_checkpoint": checkpoint_dict(job.last_checkpoint) if job.HasField("last_checkpoint") else None,
         "starting": job.starting,
+        "node": job.node or None,
+        "move": move_dict(job.move) if job.HasField("move") else None,
     }
+
+
+def move_dict(move: pb.MoveInfo) -> dict[str, Any]:
+    """A job's move to a peer as plain JSON-friendly data."""
+    return {
+        "peer": move.peer,
+        "phase": move.phase,
+        "moved": move.moved,
+        "total": move.total,
+        "sent": move.sent,
+    }
+
+
+def move_text(peer: str, phase: str, moved: int, total: int) -> str:
+    """'sending to node-b: 45% (450.0 MiB of 1.0 GiB)', or the phase alone before bytes flow."""
+    text = f"{phase} to {peer}" if phase != "done" else f"moved to {peer}"
+    if total and phase == "sending":
+        text += f": {100 * moved // total}% ({human_bytes(moved)} of {human_bytes(total)})"
+    return text
 
 
 def checkpoint_dict(checkpoint: pb.CheckpointInfo) -> dict[str, Any]:
@@ -167,12 +188,12 @@ def job_row(job: pb.Job, wide: bool, now: float) -> list[str]:
     ]  # fmt: skip
 
 
-def jobs_table(jobs: Sequence[pb.Job], wide: bool, header: bool) -> str:
-    """The `sing ps` table."""
+def jobs_table(jobs: Sequence[pb.Job], wide: bool, header: bool, nodes: bool = False) -> str:
+    """The `sing ps` table (with each job's node first for `sing ps --cluster`)."""
     now = time.time()
-    return table(
-        [job_row(j, wide, now) for j in jobs], (WIDE_HEADER if wide else JOB_HEADER) if header else None
-    )
+    rows = [([j.node] if nodes else []) + job_row(j, wide, now) for j in jobs]
+    names = WIDE_HEADER if wide else JOB_HEADER
+    return table(rows, ((("NODE",) if nodes else ()) + names) if header else None)
 
 
 def job_detail_text(detail: pb.JobDetail, wide: bool = False, header: bool = True) -> str:
@@ -187,6 +208,9 @@ def job_detail_text(detail: pb.JobDetail, wide: bool = False, header: bool = Tru
     ]
     if job.pending_reason:
         lines.append(f"Pending:    {job.pending_reason}")
+    if job.HasField("move"):
+        move = job.move
+        lines.append(f"Moving:     {move_text(move.peer, move.phase, move.moved, move.total)}")
     lines += [
         f"Command:    {' '.join(job.command)}",
         f"Directory:  {job.cwd}",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,6 +31,7 @@ class Snapshot:
     info: pb.DaemonInfo
     jobs: Sequence[pb.Job]
     devices: Sequence[pb.Device]
+    peers: pb.ListPeersResponse = field(default_factory=pb.ListPeersResponse)
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ ACTIONS = (
     JobAction(
         "resize", "z", "change how many devices it has", unavailable="the daemon cannot resize jobs yet"
     ),
-    JobAction("migrate", "m", "move it to a peer", unavailable="the daemon has no peers to migrate to yet"),
+    JobAction("migrate", "m", "checkpoint it here, move it to the peer and resume it there"),
 )
 
 
@@ -83,8 +84,9 @@ class DataSource(Protocol):
     def follow_log(self, job_id: int, rank: int) -> LogStream:
         """The rank's log from its start, following it through preemptions, restores and restarts."""
 
-    def act(self, action: str, job_id: int) -> str:
-        """Do one of ACTIONS to a job; a sentence saying what happened (CliError when refused)."""
+    def act(self, action: str, job_id: int, target: str = "") -> str:
+        """Do one of ACTIONS to a job (migrate: to the peer named by target); a sentence saying what
+        happened (CliError when refused)."""
 
 
 class LogFollower:
@@ -196,11 +198,12 @@ class DaemonSource:
             raise rpc_error(error, self.socket_path) from None
 
     def snapshot(self, all_jobs: bool) -> Snapshot:
-        """Daemon facts, jobs and devices, in three calls."""
+        """Daemon facts, jobs, devices and peers, in four calls."""
         info = self._call("GetDaemonInfo", pb.DaemonInfoRequest())
         jobs = self._call("ListJobs", pb.ListJobsRequest(all=all_jobs)).jobs
         devices = self._call("ListDevices", pb.ListDevicesRequest()).devices
-        return Snapshot(info=info, jobs=list(jobs), devices=list(devices))
+        peers = self._call("ListPeers", pb.ListPeersRequest())
+        return Snapshot(info=info, jobs=list(jobs), devices=list(devices), peers=peers)
 
     def job_detail(self, job_id: int) -> pb.JobDetail:
         """GetJob."""
@@ -211,9 +214,11 @@ class DaemonSource:
         """A follower on its own channel, so cancelling it leaves the others alone."""
         return LogFollower(self.socket_path, job_id, rank)
 
-    def act(self, action: str, job_id: int) -> str:
+    def act(self, action: str, job_id: int, target: str = "") -> str:
         """Call the action's RPC and say what happened."""
         ref = pb.JobRef(id=job_id)
+        if action == "migrate":
+            return self._migrate(job_id, target)
         if action == "checkpoint":
             return output.checkpoint_text(self._call("Checkpoint", ref))
         if action == "cancel":
@@ -227,3 +232,14 @@ class DaemonSource:
             raise CliError(known.unavailable if known and known.unavailable else f"unknown action {action!r}")
         job = self._call(methods[action], ref)
         return f"job {job_id}: {job.state}" + (f" ({job.reason})" if job.reason else "")
+
+    def _migrate(self, job_id: int, peer: str) -> str:
+        """Follow the move to its end; what came of it."""
+        stub = self._stub()
+        try:
+            ended = [m for m in stub.Migrate(pb.MigrateRequest(id=job_id, to=peer)) if m.done]
+        except grpc.RpcError as error:
+            raise rpc_error(error, self.socket_path) from None
+        if not ended or not ended[-1].ok:
+            raise CliError(ended[-1].detail if ended else "the move ended without a result")
+        return f"job {job_id}: moved to {ended[-1].peer}"

@@ -3,8 +3,9 @@
 Here the parts are chosen and connected: the store, the device inventory, how jobs reach their
 devices (the proxies, or directly), checkpoints (CRIU, or the reason there are none), the job
 processes (in user namespaces of the daemon's where that lets CRIU checkpoint other users' jobs),
-the daemon that drives them, the API that serves the daemon to users, and the observers
-(metrics, the spool directory). A changed config file (or SIGHUP) is read again and each live
+the daemon that drives them, its federation with peer daemons (active once the node is in a lab
+cluster), the API that serves the daemon to users, and the observers (metrics, the spool
+directory). A changed config file (or SIGHUP) is read again and each live
 option handed to the part that uses it (`Running`).
 """
 
@@ -40,6 +41,7 @@ from singularityd.daemon import Daemon
 from singularityd.devices.access import DeviceAccess, DirectDevices, ProxiedDevices
 from singularityd.devices.inventory import Inventory, discover
 from singularityd.devices.proxies import JobProxies
+from singularityd.federation.service import Federation
 from singularityd.jobs.launch import probe_user_namespaces
 from singularityd.jobs.processes import HostProcesses
 from singularityd.observe.feed import ConfigReloaded
@@ -248,10 +250,12 @@ async def serve(source: ConfigSource, config: Config) -> None:
     lock = prepare_state(config)
     try:
         daemon = await build_daemon(config)
-        requests = Requests(daemon)
+        federation = Federation(daemon, config)
+        requests = Requests(daemon, federation=federation)
         api = ApiServer(requests, config)
         running = Running(source, daemon, api, requests)
         await daemon.start()
+        await federation.start()
         await api.start()
         running.start()
         log.info("singularityd %s listening on %s", __version__, config.socket)
@@ -266,6 +270,7 @@ async def serve(source: ConfigSource, config: Config) -> None:
         notify_systemd("STOPPING=1")
         running.stop()
         await api.stop()
+        await federation.stop()
         await daemon.stop()
     finally:
         lock.close()

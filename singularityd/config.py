@@ -8,11 +8,14 @@ user it works in user mode, under that user's XDG directories.
 from __future__ import annotations
 
 import os
+import socket
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
+
+from singularityd.federation.membership import parse_seed
 
 SYSTEM_CONFIG = Path("/etc/singularity/singularityd.toml")
 SYSTEM_SOCKET = Path("/run/singularity/sing.sock")
@@ -80,6 +83,18 @@ class Config:
     metrics_port: int = 9470
     spool: bool = True
     spool_dir: Path | None = None
+    node_name: str = ""
+    cluster_dir: Path | None = None
+    peer_address: str = "0.0.0.0"
+    peer_port: int = 7070
+    join_port: int = 7071
+    peer_advertise: str = ""
+    peers: tuple[str, ...] = ()
+    submit_anywhere: bool = False
+    heartbeat_seconds: float = 2.0
+    peer_keepalive_seconds: float = 20.0
+    move_timeout_seconds: float = 600.0
+    move_hold_seconds: float = 900.0
 
     @property
     def user_mode(self) -> bool:
@@ -105,6 +120,22 @@ class Config:
     def spool_folder(self) -> Path:
         """Where job files are dropped: spool_dir, else <state_dir>/spool."""
         return self.spool_dir or self.state_dir / "spool"
+
+    @property
+    def cluster_folder(self) -> Path:
+        """The node's lab PKI (CA certificate, its key and certificate): cluster_dir, else
+        <state_dir>/cluster."""
+        return self.cluster_dir or self.state_dir / "cluster"
+
+    @property
+    def host_name(self) -> str:
+        """This machine's name as a node name: node_name, else the host name (first label, lower case)."""
+        return self.node_name or socket.gethostname().split(".")[0].lower()
+
+    @property
+    def advertised_address(self) -> str:
+        """Where peers reach this node: peer_advertise, else the host name and peer_port."""
+        return self.peer_advertise or f"{socket.gethostname()}:{self.peer_port}"
 
     @property
     def internal_socket_dir(self) -> Path:
@@ -150,6 +181,30 @@ OPTIONS: dict[str, str] = {
     "spool": "Watch spool_dir for job files and submit each as its file's owner (default true).",
     "spool_dir": "Folder watched for job files (default <state_dir>/spool, created mode 1733 like "
     "cron's crontabs: anyone may drop a file, nobody else may list, replace or remove it).",
+    "node_name": "This machine's name in a lab cluster, used by `sing cluster init/join` (default: the "
+    "host name); once joined, the node's certificate names it.",
+    "cluster_dir": "The node's lab PKI: CA certificate, node key and certificate, join tokens on the "
+    "CA node (default <state_dir>/cluster, root only). Federation runs only once it holds a "
+    "certificate (`sing cluster init` or `join`).",
+    "peer_address": "Address the peer service (mutual TLS) and, on the CA node, the join service "
+    "listen on (default 0.0.0.0).",
+    "peer_port": "TCP port of the peer service (default 7070).",
+    "join_port": "TCP port of the join service on the CA node (default 7071; server-only TLS, join "
+    "tokens required).",
+    "peer_advertise": "host:port peers use to reach this node, told in heartbeats (default: the host "
+    "name and peer_port).",
+    "peers": "Seed peers, each 'node@host:port' (a TOML list, or comma-separated in SING_PEERS); "
+    "contacted whatever happens, so the cluster heals after a partition.",
+    "submit_anywhere": "Whether `sing submit` lets a job that cannot start here start on a peer with room "
+    "by default (default false; --anywhere/--here per job).",
+    "heartbeat_seconds": "Seconds between heartbeats to each peer (default 2); a peer turns suspect "
+    "after 3 missed and dead after 10.",
+    "peer_keepalive_seconds": "gRPC keepalive ping interval on peer connections (default 20; a ping "
+    "unanswered for half of it drops the connection).",
+    "move_timeout_seconds": "A move not committed in this time is aborted and the job resumed here "
+    "(default 600).",
+    "move_hold_seconds": "How long a node holds a job restored frozen for a move whose commit does not "
+    "come before discarding it (default 900).",
 }
 
 LIVE_OPTIONS = frozenset(
@@ -166,6 +221,7 @@ LIVE_OPTIONS = frozenset(
         "metrics_port",
         "spool",
         "spool_dir",
+        "submit_anywhere",
     }
 )
 """Options a running daemon takes from its reloaded config file; every other one needs a restart."""
@@ -178,16 +234,19 @@ ENV_NAMES: dict[str, str] = {
     "devices": "SING_DEVICES",
     "virtual_devices": "SING_VIRTUAL_DEVICES",
     "log_level": "SING_LOG_LEVEL",
+    "peers": "SING_PEERS",
 }
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:
     """Turn a raw value from a file, env or flag into the field's type, or raise ConfigError."""
-    paths = ("socket", "state_dir", "checkpoint_dir", "spool_dir")
+    paths = ("socket", "state_dir", "checkpoint_dir", "spool_dir", "cluster_dir")
     kinds: dict[str, type] = {f.name: type(f.default) for f in fields(Config) if f.name not in paths}
     try:
         if name in paths:
             return Path(str(value)).expanduser()
+        if name == "peers":
+            return _seeds(value, source)
         kind = kinds[name]
         if kind is int and isinstance(value, bool):
             raise TypeError
@@ -206,8 +265,13 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         raise ConfigError(f"{source}: {name} must be at least 1")
     if name == "log_level" and coerced not in LOG_LEVELS:
         raise ConfigError(f"{source}: log_level must be one of {', '.join(LOG_LEVELS)}, not {coerced!r}")
-    if name == "metrics_port" and not 0 <= coerced <= 65535:
-        raise ConfigError(f"{source}: metrics_port must be between 0 and 65535")
+    if name in ("metrics_port", "peer_port", "join_port") and not 0 <= coerced <= 65535:
+        raise ConfigError(f"{source}: {name} must be between 0 and 65535")
+    if (
+        name in ("heartbeat_seconds", "peer_keepalive_seconds", "move_timeout_seconds", "move_hold_seconds")
+        and not coerced > 0
+    ):
+        raise ConfigError(f"{source}: {name} must be more than 0")
     if name == "checkpoint_pre_copy" and coerced < 0:
         raise ConfigError(f"{source}: {name} must not be negative")
     if (
@@ -216,6 +280,22 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     ):
         raise ConfigError(f"{source}: {name} must not be negative")
     return coerced
+
+
+def _seeds(value: Any, source: str) -> tuple[str, ...]:
+    """Seed peers from a TOML list or a comma-separated string, each checked as node@host:port."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(item, str) for item in items):
+        raise ConfigError(f"{source}: peers must be a list of 'node@host:port' strings")
+    seeds = []
+    for item in items:
+        if not item.strip():
+            continue
+        try:
+            seeds.append(str(parse_seed(item)))
+        except ValueError as error:
+            raise ConfigError(f"{source}: {error}") from None
+    return tuple(seeds)
 
 
 def read_config_file(path: Path) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from singularityd.core.jobs import (
     Action,
     Activity,
     ArmPeriodicCheckpoint,
+    Arrived,
     Decision,
     Exited,
     JobFacts,
@@ -89,6 +90,8 @@ class Daemon:
         self.clock = clock
         self.started_at = clock()
         self.feed = ChangeFeed()
+        self.holding_queue = ""
+        """Why the scheduler starts no queued job here ('' when it may), e.g. the node is draining."""
         self.records: dict[int, JobRuntime] = {}
         self._schedule_requested = False
         self._timers: set[asyncio.TimerHandle] = set()
@@ -137,8 +140,12 @@ class Daemon:
     # Recovery
 
     async def recover(self) -> None:
-        """Re-adopt jobs whose processes still run; settle those that ended while we were down."""
-        for job in self.store.list_jobs(states=(JobState.RUNNING, JobState.MIGRATING)):
+        """Re-adopt jobs whose processes still run; settle those that ended while we were down.
+
+        MIGRATING jobs are left to the hand-off records (singularityd.federation), which alone
+        know whether such a job runs here, elsewhere, or nowhere yet.
+        """
+        for job in self.store.list_jobs(states=(JobState.RUNNING,)):
             process: ProcessId | None = None
             if job.init_pid is not None and job.init_start_ticks is not None:
                 process = ProcessId(job.init_pid, job.init_start_ticks)
@@ -223,7 +230,7 @@ class Daemon:
         ended = stimulus if isinstance(stimulus, Exited) else None
         self.store.record_transition(
             transition,
-            devices=stimulus.devices if isinstance(stimulus, Started) else None,
+            devices=stimulus.devices if isinstance(stimulus, Started | Arrived) else None,
             exit_code=ended.exit_code if ended else None,
             signal=ended.signal if ended else None,
             cpu_seconds=ended.cpu_seconds if ended else None,
@@ -371,6 +378,9 @@ class Daemon:
         began = time.perf_counter()
         view = self.cluster_view()
         if not view.queued:
+            return
+        if self.holding_queue:
+            self.store.set_pending_reasons({job.job_id: self.holding_queue for job in view.queued})
             return
         plan = plan_round(view)
         for job_id, devices in plan.starts:

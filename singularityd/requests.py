@@ -30,6 +30,8 @@ from singularityd.core.jobs import (
 from singularityd.core.states import InvalidTransition
 from singularityd.daemon import Daemon
 from singularityd.errors import InvalidRequest, PermissionDenied, StateConflict
+from singularityd.federation.facts import ClusterJobs, JoinInfo, MoveReport, PeersView
+from singularityd.federation.service import Federation
 from singularityd.identity import Caller
 from singularityd.jobs.logs import read_log
 from singularityd.jobs.processes import Usage
@@ -45,9 +47,15 @@ LAUNCH_WAIT_SECONDS = 120.0
 class Requests:
     """The requests the API serves, carried out by the daemon for a kernel-proven caller."""
 
-    def __init__(self, daemon: Daemon, launch_wait_seconds: float = LAUNCH_WAIT_SECONDS) -> None:
+    def __init__(
+        self,
+        daemon: Daemon,
+        launch_wait_seconds: float = LAUNCH_WAIT_SECONDS,
+        federation: Federation | None = None,
+    ) -> None:
         self.daemon = daemon
         self.launch_wait_seconds = launch_wait_seconds
+        self.federation = federation or Federation(daemon, daemon.config)
 
     # Reading
 
@@ -89,6 +97,7 @@ class Requests:
             usage,
             last_checkpoint=daemon.checkpoints.latest(job.id),
             starting=job.state.holds_devices and daemon.activity(job.id).launching,
+            move=self.federation.move_facts(job.id),
         )
 
     def checkpoints(self, job_id: int) -> list[StoredCheckpoint]:
@@ -163,9 +172,18 @@ class Requests:
 
     # Acting
 
-    def submit(self, caller: Caller, args: SubmitArgs) -> JobRecord:
-        """Validate and queue a job that will run as the caller."""
-        daemon = self.daemon
+    def submit(self, caller: Caller, args: SubmitArgs, anywhere: bool | None = None) -> JobRecord:
+        """Validate and queue a job that will run as the caller.
+
+        `anywhere` (None: the daemon's submit_anywhere) lets a job that cannot start here start on a
+        peer with room. A draining node takes a job only to place it on a peer.
+        """
+        daemon, federation = self.daemon, self.federation
+        elsewhere = daemon.config.submit_anywhere if anywhere is None else anywhere
+        if federation.draining and not (elsewhere and federation.active):
+            raise StateConflict(
+                "this node is draining and takes no new jobs (--anywhere places one on a peer)"
+            )
         spec = validated_spec(caller, args, len(daemon.inventory.devices))
         job = daemon.store.create_job(spec, daemon.clock(), f"submitted by {caller.user}")
         command = " ".join(args.command)
@@ -173,6 +191,8 @@ class Requests:
         daemon.feed.report(JobSubmitted(job.id, spec.user))
         daemon.feed.publish(job.id)
         daemon.request_schedule()
+        if elsewhere:
+            federation.place_elsewhere(job.id)
         return job
 
     def _apply_now(self, job_id: int, stimulus: Stimulus) -> Decision:
@@ -218,3 +238,49 @@ class Requests:
         await self._apply_once_started(job_id, CheckpointRequested(caller.user))
         taken = await self.daemon.checkpoint_outcome(job_id)
         return self.daemon.get_job(job_id), taken
+
+    # Lab clusters
+
+    def _require_admin(self, caller: Caller, what: str) -> None:
+        if not caller.is_admin:
+            group = self.daemon.config.admin_group
+            raise PermissionDenied(f"only root and members of {group} may {what}")
+
+    async def cluster_init(self, caller: Caller, node_name: str, cluster_name: str) -> JoinInfo:
+        """Make a lab CA here and certify this node (admins)."""
+        self._require_admin(caller, "make a lab")
+        return await self.federation.init(node_name, cluster_name)
+
+    async def cluster_token(self, caller: Caller) -> JoinInfo:
+        """A fresh join token (admins, on the node that made the lab CA)."""
+        self._require_admin(caller, "make join tokens")
+        return await self.federation.new_token()
+
+    async def cluster_join(
+        self, caller: Caller, address: str, token: str, fingerprint: str, node_name: str
+    ) -> tuple[str, int, str]:
+        """Join the lab whose CA node's join service is at `address` (admins)."""
+        self._require_admin(caller, "join a lab")
+        return await self.federation.join(address, token, fingerprint, node_name)
+
+    def peers(self) -> PeersView:
+        """This node's peers as heartbeats describe them."""
+        return self.federation.peers()
+
+    def migrate(self, caller: Caller, job_id: int, peer: str) -> AsyncIterator[MoveReport]:
+        """Move one of the caller's running jobs to `peer`."""
+        return self.federation.migrate(self.owned_job(caller, job_id), peer)
+
+    def drain(self, caller: Caller) -> AsyncIterator[MoveReport]:
+        """Refuse new jobs and move every job away (admins)."""
+        self._require_admin(caller, "drain this node")
+        return self.federation.drain()
+
+    def undrain(self, caller: Caller) -> None:
+        """Take jobs again (admins)."""
+        self._require_admin(caller, "undrain this node")
+        self.federation.undrain()
+
+    async def cluster_jobs(self, include_finished: bool) -> ClusterJobs:
+        """The jobs of this node and of every peer that answers."""
+        return await self.federation.cluster_jobs(include_finished)

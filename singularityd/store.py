@@ -13,9 +13,11 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from singularityd.core.states import JobState, Transition
 from singularityd.errors import StoreUnwritable
+from singularityd.federation.pki import job_id_block
 
 SCHEMA_VERSION = 1
 
@@ -64,7 +66,20 @@ CREATE TABLE IF NOT EXISTS device_assignments (
     job_id INTEGER NOT NULL REFERENCES jobs (id),
     assigned_at REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS holdings (job_id TEXT PRIMARY KEY, holding TEXT NOT NULL);
 """
+# holdings: this node's record of each job's ownership between peers (singularityd.federation).
+
+LISTED_STATES = tuple(state.value for state in JobState if state.is_listed)
+IMPORTED_COLUMNS = frozenset(
+    {
+        "id", "name", "uid", "gid", "user", "priority", "gpus", "ranks", "command", "env", "cwd",
+        "submitted_at", "started_at", "ended_at", "exit_code", "signal", "cpu_seconds",
+        "max_rss_bytes", "attempt", "checkpoint_interval",
+    }
+)  # fmt: skip
+"""Columns that travel with a job to a peer (its state, pending reason, cancel flag and processes
+describe it on one node only)."""
 
 
 class StoreError(Exception):
@@ -123,10 +138,15 @@ class EventRecord:
 
 
 class Store:
-    """The SQLite state store; one instance per daemon, used from the daemon's event loop."""
+    """The SQLite state store; one instance per daemon, used from the daemon's event loop.
+
+    `node_number` chooses the block new job ids come from (see federation.pki.job_id_block), so
+    ids stay unique across a lab cluster; 0 for a daemon in none.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.node_number = 0
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             # Specs hold every user's environment: the database is the daemon's alone (its -wal
@@ -179,12 +199,18 @@ class Store:
 
     def create_job(self, spec: JobSpec, at: float, reason: str) -> JobRecord:
         """Insert a new PENDING job and its first event; returns the stored record."""
+        first, last = job_id_block(self.node_number)
         with self._transaction() as db:
-            cursor = db.execute(
-                """INSERT INTO jobs (name, uid, gid, user, priority, gpus, ranks, command, env, cwd,
+            newest = db.execute("SELECT MAX(id) FROM jobs WHERE id BETWEEN ? AND ?", (first, last)).fetchone()
+            job_id = max(first, int(newest[0] or 0) + 1)
+            if job_id > last:
+                raise StoreUnwritable(f"this node has given out every job id of its block ({first}-{last})")
+            db.execute(
+                """INSERT INTO jobs (id, name, uid, gid, user, priority, gpus, ranks, command, env, cwd,
                                      checkpoint_interval, state, reason, pending_reason, submitted_at)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
                 (
+                    job_id,
                     spec.name,
                     spec.uid,
                     spec.gid,
@@ -202,7 +228,6 @@ class Store:
                     at,
                 ),
             )
-            job_id = int(cursor.lastrowid or 0)
             db.execute(
                 "INSERT INTO events (job_id, at, from_state, to_state, reason) VALUES (?, ?, NULL, ?, ?)",
                 (job_id, at, JobState.PENDING.value, reason),
@@ -229,9 +254,8 @@ class Store:
         elif include_finished:
             rows = self._db.execute("SELECT * FROM jobs ORDER BY id")
         else:
-            rows = self._db.execute(
-                "SELECT * FROM jobs WHERE state NOT IN ('COMPLETED', 'FAILED', 'CANCELLED') ORDER BY id"
-            )
+            marks = ",".join("?" * len(LISTED_STATES))
+            rows = self._db.execute(f"SELECT * FROM jobs WHERE state IN ({marks}) ORDER BY id", LISTED_STATES)
         fetched = rows.fetchall()
         devices = self._devices_of([int(r["id"]) for r in fetched]) if fetched else {}
         return [self._record(row, devices.get(int(row["id"]), ())) for row in fetched]
@@ -303,7 +327,8 @@ class Store:
     ) -> None:
         """Write a state change and its event atomically, with what the new state implies.
 
-        Entering RUNNING assigns `devices` and counts an attempt; leaving the device-holding
+        Entering RUNNING assigns `devices` and counts an attempt; entering MIGRATING assigns the
+        devices given (reserved for a job arriving from a peer) or none; leaving the device-holding
         states releases them; a terminal state records the end time and the exit status.
         """
         target = transition.to_state
@@ -328,6 +353,12 @@ class Store:
                     " init_pid = NULL, init_start_ticks = NULL WHERE id = ?",
                     (transition.at, transition.job_id),
                 )
+                db.execute("DELETE FROM device_assignments WHERE job_id = ?", (transition.job_id,))
+                db.executemany(
+                    "INSERT INTO device_assignments (device_index, job_id, assigned_at) VALUES (?, ?, ?)",
+                    [(d, transition.job_id, transition.at) for d in devices or ()],
+                )
+            elif target is JobState.MIGRATING:
                 db.execute("DELETE FROM device_assignments WHERE job_id = ?", (transition.job_id,))
                 db.executemany(
                     "INSERT INTO device_assignments (device_index, job_id, assigned_at) VALUES (?, ?, ?)",
@@ -399,3 +430,112 @@ class Store:
         """Device index -> the job holding it."""
         rows = self._db.execute("SELECT device_index, job_id FROM device_assignments")
         return {int(row["device_index"]): int(row["job_id"]) for row in rows}
+
+    # Jobs moving between peer daemons
+
+    def export_job(self, job_id: int) -> dict[str, Any]:
+        """The job's row and event log as JSON-ready data, to travel with it to a peer."""
+        row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if row is None:
+            raise KeyError(job_id)
+        record = {key: row[key] for key in sorted(IMPORTED_COLUMNS)}
+        events = self._db.execute(
+            "SELECT at, from_state, to_state, reason FROM events WHERE job_id = ? ORDER BY id", (job_id,)
+        )
+        return {"job": record, "events": [dict(event) for event in events]}
+
+    def import_job(
+        self,
+        exported: dict[str, Any],
+        reason: str,
+        at: float,
+        devices: tuple[int, ...] = (),
+        notes: Iterable[tuple[float, str]] = (),
+    ) -> JobRecord:
+        """Take a job arriving from a peer: its row replaces any record of it here (a job that
+        comes back); it is MIGRATING with `devices` reserved. Its event log is the one it brought
+        merged, in time order, with what this node logged of it before (its own notes of an
+        earlier stay), then the `notes` of this arrival and `reason`."""
+        record = {key: value for key, value in exported["job"].items() if key in IMPORTED_COLUMNS}
+        job_id = int(record["id"])
+        previous = self.get(job_id)
+        before = previous.state.value if previous is not None else None
+        migrating = JobState.MIGRATING.value
+        record.update(state=migrating, reason=reason, pending_reason="", cancel_requested=0)
+        columns = sorted(record)
+        brought = [
+            (float(e["at"]), e["from_state"], str(e["to_state"]), str(e["reason"]))
+            for e in exported.get("events", [])
+        ]
+        known = set(brought)
+        kept = [
+            event
+            for e in self.events(job_id)
+            if (event := (e.at, e.from_state.value if e.from_state else None, e.to_state.value, e.reason))
+            not in known
+        ]
+        history = sorted(brought + kept, key=lambda e: e[0])
+        history += [(when, migrating, migrating, text) for when, text in notes]
+        history.append((at, before, migrating, reason))
+        with self._transaction() as db:
+            db.execute("DELETE FROM device_assignments WHERE job_id = ?", (job_id,))
+            db.execute("DELETE FROM events WHERE job_id = ?", (job_id,))
+            db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+            db.execute(
+                f"INSERT INTO jobs ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",
+                [record[c] for c in columns],
+            )
+            db.executemany(
+                "INSERT INTO events (job_id, at, from_state, to_state, reason) VALUES (?, ?, ?, ?, ?)",
+                [(job_id, *event) for event in history],
+            )
+            db.executemany(
+                "INSERT INTO device_assignments (device_index, job_id, assigned_at) VALUES (?, ?, ?)",
+                [(d, job_id, at) for d in devices],
+            )
+        job = self.get(job_id)
+        assert job is not None
+        return job
+
+    # Holdings (singularityd.federation.holdings) and small settings
+
+    def load_holding(self, job_id: str) -> str | None:
+        """One job's stored holding (JSON), if any."""
+        row = self._db.execute("SELECT holding FROM holdings WHERE job_id = ?", (job_id,)).fetchone()
+        return str(row["holding"]) if row is not None else None
+
+    def save_holding(self, job_id: str, holding: str) -> None:
+        """Store a job's holding (JSON) before anything acts on it, synced to disk (a lost holding
+        after a power cut could let two nodes run the job, or none)."""
+        self._db.execute("PRAGMA synchronous=FULL")
+        try:
+            with self._transaction() as db:
+                db.execute(
+                    "INSERT INTO holdings (job_id, holding) VALUES (?, ?)"
+                    " ON CONFLICT (job_id) DO UPDATE SET holding = excluded.holding",
+                    (job_id, holding),
+                )
+        finally:
+            self._db.execute("PRAGMA synchronous=NORMAL")
+
+    def all_holdings(self) -> list[str]:
+        """Every stored holding (JSON)."""
+        rows = self._db.execute("SELECT holding FROM holdings ORDER BY job_id")
+        return [str(row["holding"]) for row in rows]
+
+    def setting(self, key: str) -> str | None:
+        """A small daemon setting kept across restarts (such as draining), if set."""
+        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (f"setting:{key}",)).fetchone()
+        return str(row["value"]) if row is not None else None
+
+    def set_setting(self, key: str, value: str | None) -> None:
+        """Keep (or with None, drop) a small daemon setting across restarts."""
+        with self._transaction() as db:
+            if value is None:
+                db.execute("DELETE FROM meta WHERE key = ?", (f"setting:{key}",))
+            else:
+                db.execute(
+                    "INSERT INTO meta (key, value) VALUES (?, ?)"
+                    " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                    (f"setting:{key}", value),
+                )

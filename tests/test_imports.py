@@ -19,8 +19,9 @@ PACKAGES = {"singularityd": "singularityd", "cli": "singularity.cli", "proxy": "
 # The in-job client's folder is put on the job's PYTHONPATH, so it imports itself top-level.
 IN_JOB_CLIENT = ("_singularity_proxy", "singularity.proxy.bootstrap._singularity_proxy")
 # The user API, the CLI, the proxy's control client, and the peer transport of the federation
-# (its second network API: the mTLS peer service, its channels, the join and transfer streams).
-# The federation's decisions (membership, hand-off, hosting checks, PKI) stay free of gRPC.
+# (its second network API: the mTLS peer service, its channels, the join and transfer streams, and
+# the daemon's federation that serves them). The federation's decisions (membership, hand-off,
+# hosting checks, PKI) and the daemon's side of a move (moves, jobfiles, holdings) stay free of it.
 GRPC_ALLOWED = (
     "singularityd.api",
     "singularity.cli",
@@ -32,6 +33,7 @@ GRPC_ALLOWED = (
     "singularityd.federation.transfer_grpc",
     "singularityd.federation.heartbeat",
     "singularityd.federation.driver",
+    "singularityd.federation.service",
 )
 
 

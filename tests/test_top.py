@@ -146,6 +146,11 @@ async def test_actions_ask_first(daemon: Daemon) -> None:
         assert not isinstance(app.screen, ConfirmScreen)
         assert "resize: the daemon cannot resize jobs yet" in app.notices
 
+        await pilot.press("m")
+        assert not isinstance(app.screen, ConfirmScreen)
+        assert "migrate: this daemon is in no cluster (sing cluster init / join)" in app.notices
+        assert not app.query_one("#peers", DataTable).display, "no peers pane outside a cluster"
+
         await pilot.press("r", "y")
         refusal = await until(pilot, lambda: [n for n in app.notices if n.startswith(f"resume job {job}:")])
         assert "RUNNING" in refusal[0], "the daemon's refusal is shown"

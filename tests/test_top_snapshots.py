@@ -16,6 +16,7 @@ from textual.pilot import Pilot
 from textual.widgets import Input
 
 from singularity.cli.top.app import TopApp
+from singularity.cli.top.screens import ConfirmScreen, PeerChoiceScreen
 from tests.top_data import FixedSource
 
 SIZE = (150, 46)
@@ -106,3 +107,35 @@ def test_help(snap_compare: Compare) -> None:
 
 def test_daemon_unreachable(snap_compare: Compare) -> None:
     assert snap_compare(app(reachable=False), terminal_size=SIZE, run_before=settled)
+
+
+def test_peers_pane(snap_compare: Compare) -> None:
+    """In a cluster: the peers pane with states, free devices and last contact."""
+    assert snap_compare(app(peers=True), terminal_size=SIZE, run_before=settled)
+
+
+def test_migration_asks_which_peer(snap_compare: Compare) -> None:
+    """`m` offers only the peers alive, not draining and with room for the job."""
+    assert snap_compare(app(peers=True), terminal_size=SIZE, run_before=settled, press=["m"])
+
+
+async def test_migration_goes_to_the_chosen_peer_after_a_confirmation() -> None:
+    source = FixedSource(peers=True)
+    top = TopApp(source, refresh_seconds=3600)
+    async with top.run_test(size=SIZE) as pilot:
+        await settled(pilot)
+        chosen = top.selected
+        await pilot.press("m")
+        assert isinstance(top.screen, PeerChoiceScreen)
+        assert [node for node, _ in top.screen.peers] == ["node-b"], "node-c is draining, node-d dead"
+        await pilot.press("escape")
+        assert not isinstance(top.screen, PeerChoiceScreen) and source.actions == []
+        await pilot.press("m", "1")
+        assert isinstance(top.screen, ConfirmScreen)
+        assert top.screen.question.endswith("to node-b?")
+        await pilot.press("y")
+        for _ in range(200):
+            if source.actions:
+                break
+            await pilot.pause(0.05)
+        assert source.actions == [("migrate", chosen, "node-b")]

@@ -106,6 +106,19 @@ DEVICES = [
     _device(3, 0.0, 9.0, [(22, 0, 9.0, False)]),
 ]
 
+PEERS = pb.ListPeersResponse(
+    node="node-a",
+    node_number=1,
+    peers=[
+        pb.Peer(node="node-b", address="10.77.0.2:9471", state="alive", devices=4, free=3, version="0.1.0",
+                last_contact=NOW - 1.5),
+        pb.Peer(node="node-c", address="10.77.0.3:9471", state="alive", devices=2, free=0, version="0.1.0",
+                last_contact=NOW - 0.8, draining=True),
+        pb.Peer(node="node-d", address="10.77.0.4:9471", state="dead", devices=8, free=8, version="0.1.0",
+                last_contact=NOW - 312, error="connection refused"),
+    ],
+)  # fmt: skip
+
 INFO = pb.DaemonInfo(
     version="0.1.0",
     mode="system",
@@ -148,9 +161,10 @@ class FixedLog:
 class FixedSource:
     """The DataSource of the snapshot tests: the data above, the clock stopped at NOW."""
 
-    def __init__(self, *, reachable: bool = True) -> None:
+    def __init__(self, *, reachable: bool = True, peers: bool = False) -> None:
         self.reachable = reachable
-        self.actions: list[tuple[str, int]] = []
+        self.peers = PEERS if peers else pb.ListPeersResponse()
+        self.actions: list[tuple[str, int, str]] = []
 
     def where(self) -> str:
         """A socket path that is the same everywhere."""
@@ -167,7 +181,8 @@ class FixedSource:
                 "cannot reach singularityd at /run/singularity/sing.sock (nothing is listening)",
                 EXIT_UNAVAILABLE,
             )
-        return Snapshot(info=INFO, jobs=[*(ENDED if all_jobs else []), *JOBS], devices=DEVICES)
+        jobs = [*(ENDED if all_jobs else []), *JOBS]
+        return Snapshot(info=INFO, jobs=jobs, devices=DEVICES, peers=self.peers)
 
     def job_detail(self, job_id: int) -> pb.JobDetail:
         """Every job has the same timeline and checkpoints, under its own header."""
@@ -183,7 +198,7 @@ class FixedSource:
         """The same training log for every job."""
         return FixedLog(LOG)
 
-    def act(self, action: str, job_id: int) -> str:
+    def act(self, action: str, job_id: int, target: str = "") -> str:
         """Record the action; say it happened."""
-        self.actions.append((action, job_id))
+        self.actions.append((action, job_id, target))
         return f"job {job_id}: {action} done"

@@ -27,7 +27,7 @@ from singularity.cli.errors import CliError
 from singularity.cli.output import duration
 from singularity.cli.source import ACTIONS, DataSource, LogStream, Snapshot
 from singularity.cli.top import view
-from singularity.cli.top.screens import ConfirmScreen, HelpScreen
+from singularity.cli.top.screens import ConfirmScreen, HelpScreen, PeerChoiceScreen
 from singularityd.api.v1 import singularity_pb2 as pb
 
 ACTION_BY_NAME = {action.name: action for action in ACTIONS}
@@ -104,17 +104,21 @@ class TopApp(App[None]):
     #banner.notice { display: block; background: $warning; color: $text; }
     #title { height: 1; padding: 0 1; background: $panel; }
     #devices { height: auto; max-height: 12; border: round $primary-darken-2; }
+    #peers { height: auto; max-height: 8; border: round $primary-darken-2; display: none; }
+    #peers.shown { display: block; }
     #jobs { height: 1fr; min-height: 6; border: round $primary-darken-2; }
     #devices:focus, #jobs:focus { border: round $accent; }
     #filter { display: none; }
     #filter.shown { display: block; }
     #detail { height: 45%; }
     #overview { padding: 0 1; }
-    ConfirmScreen, HelpScreen { align: center middle; }
+    ConfirmScreen, HelpScreen, PeerChoiceScreen { align: center middle; }
     #dialog { width: 64; height: auto; border: thick $error; background: $surface; padding: 1 2; }
     #explanation { margin: 1 0; }
     #buttons { height: auto; align: center middle; }
     #buttons Button { margin: 0 2; }
+    #choices { height: auto; margin: 1 0; }
+    #choices Button { width: 100%; margin: 0 0 1 0; }
     #help { width: 110; height: auto; max-height: 90%; border: thick $primary; background: $surface;
             padding: 1 2; }
     """
@@ -141,6 +145,7 @@ class TopApp(App[None]):
         self.all_jobs = all_jobs
         self.jobs: dict[int, pb.Job] = {}
         self.devices: list[pb.Device] = []
+        self.peers = pb.ListPeersResponse()
         self.selected: int | None = None
         self.sort_key = "id"
         self.sort_reverse = False
@@ -167,6 +172,9 @@ class TopApp(App[None]):
         devices: DataTable[Any] = DataTable(id="devices", cursor_type="none")
         devices.border_title = "Devices"
         yield devices
+        peers: DataTable[Any] = DataTable(id="peers", cursor_type="none")
+        peers.border_title = "Peers"
+        yield peers
         jobs: DataTable[Any] = DataTable(id="jobs", cursor_type="row")
         jobs.border_title = "Jobs"
         yield jobs
@@ -189,6 +197,9 @@ class TopApp(App[None]):
         devices = self.query_one("#devices", DataTable)
         for key, label, width in view.DEVICE_COLUMNS:
             devices.add_column(label, key=key, width=width)
+        peers = self.query_one("#peers", DataTable)
+        for key, label, width in view.PEER_COLUMNS:
+            peers.add_column(label, key=key, width=width)
         jobs = self.query_one("#jobs", DataTable)
         for column in view.JOB_COLUMNS:
             jobs.add_column(column.label, key=column.key, width=column.width)
@@ -240,10 +251,10 @@ class TopApp(App[None]):
         except CliError as error:
             self.post_message(LogEnded(job_id, error.message))
 
-    def _run_action(self, name: str, job_id: int) -> None:
+    def _run_action(self, name: str, job_id: int, target: str = "") -> None:
         """Thread: do an action on a job, post what came of it and wake the refresh."""
         try:
-            self.post_message(ActionDone(self.source.act(name, job_id), True))
+            self.post_message(ActionDone(self.source.act(name, job_id, target), True))
         except CliError as error:
             self.post_message(ActionDone(f"{name} job {job_id}: {error.message}", False))
         self._wake.set()
@@ -266,10 +277,12 @@ class TopApp(App[None]):
         now = self.source.now()
         self.jobs = {job.id: job for job in message.snapshot.jobs}
         self.devices = list(message.snapshot.devices)
+        self.peers = message.snapshot.peers
         self.query_one("#title", Static).update(
             view.title_text(info, self.source.where(), list(self.jobs.values()), now)
         )
         self._sync_devices()
+        self._sync_peers(now)
         self._sync_jobs(now)
         if message.detail is not None and message.detail.job.id == self.selected:
             self._show_detail(message.detail, now)
@@ -312,6 +325,19 @@ class TopApp(App[None]):
             cells = view.device_cells(device, self.jobs)
             self._put_row(table, key, cells, [c[0] for c in view.DEVICE_COLUMNS])
         wanted = {f"dev{d.index}" for d in self.devices}
+        for row in [str(r.value) for r in table.rows if r.value not in wanted]:
+            table.remove_row(row)
+            self._cells.pop(row, None)
+
+    def _sync_peers(self, now: float) -> None:
+        """Show the peers pane while this node is in a cluster, its rows in line with the last refresh."""
+        table = self.query_one("#peers", DataTable)
+        table.set_class(bool(self.peers.node), "shown")
+        table.border_title = view.peers_title(self.peers) if self.peers.node else "Peers"
+        columns = [column[0] for column in view.PEER_COLUMNS]
+        for peer in self.peers.peers:
+            self._put_row(table, f"peer:{peer.node}", view.peer_cells(peer, now), columns)
+        wanted = {f"peer:{p.node}" for p in self.peers.peers}
         for row in [str(r.value) for r in table.rows if r.value not in wanted]:
             table.remove_row(row)
             self._cells.pop(row, None)
@@ -546,14 +572,41 @@ class TopApp(App[None]):
         if action.unavailable:
             self._announce(f"{name}: {action.unavailable}", "error")
             return
-        question = f"{name.capitalize()} job {job.id} ({job.name}, {job.state})?"
+        if name == "migrate":
+            self._choose_peer(job)
+            return
+        self._confirm(name, job)
+
+    def _confirm(self, name: str, job: pb.Job, target: str = "") -> None:
+        """Ask once, then run the action (migrate: to the target peer) in a worker."""
+        action = ACTION_BY_NAME[name]
+        where = f" to {target}" if target else ""
+        question = f"{name.capitalize()} job {job.id} ({job.name}, {job.state}){where}?"
         detail = f"This will {action.explanation}."
 
         def answered(yes: bool | None) -> None:
             """Run the action once the user said yes."""
             if yes:
-                self._announce(f"{name}: job {job.id}…")
-                work = partial(self._run_action, name, job.id)
+                self._announce(f"{name}: job {job.id}{where}…")
+                work = partial(self._run_action, name, job.id, target)
                 self.run_worker(work, thread=True, group="actions", exit_on_error=False)
 
         self.push_screen(ConfirmScreen(question, detail), callback=answered)
+
+    def _choose_peer(self, job: pb.Job) -> None:
+        """Ask which peer to move the job to (those alive with room for it), then confirm."""
+        if not self.peers.node:
+            self._announce("migrate: this daemon is in no cluster (sing cluster init / join)", "error")
+            return
+        targets = view.migration_targets(self.peers, job.gpus)
+        if not targets:
+            self._announce(f"migrate: no peer is alive with {job.gpus} free device(s)", "error")
+            return
+        choices = [(p.node, f"{p.free}/{p.devices} devices free, {p.address}") for p in targets]
+
+        def chosen(peer: str | None) -> None:
+            """Confirm the move to the chosen peer."""
+            if peer:
+                self._confirm("migrate", job, peer)
+
+        self.push_screen(PeerChoiceScreen(f"Move job {job.id} ({job.name}) to which peer?", choices), chosen)

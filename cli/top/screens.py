@@ -1,8 +1,9 @@
-"""The modal screens of `sing top`: the confirmation before an action, and the help."""
+"""The modal screens of `sing top`: the choice of a peer, the confirmation before an action, and
+the help."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -48,6 +49,45 @@ class ConfirmScreen(ModalScreen[bool]):
     def action_answer(self, answer: bool) -> None:
         """A key answers."""
         self.dismiss(answer)
+
+
+class PeerChoiceScreen(ModalScreen[str | None]):
+    """Asks which peer to move a job to; dismissed with the peer's node name, or None (Escape)."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, question: str, peers: list[tuple[str, str]]) -> None:
+        super().__init__()
+        self.question = question
+        self.peers = peers
+
+    def compose(self) -> ComposeResult:
+        """The question and one button per peer (its name and what it has free), then Cancel."""
+        with Vertical(id="dialog"):
+            yield Static(Text(self.question, style="bold"), id="question")
+            with Vertical(id="choices"):
+                for number, (node, label) in enumerate(self.peers, start=1):
+                    yield Button(f"{number}. {node}: {label}", id=f"peer-{number}", name=node)
+            with Horizontal(id="buttons"):
+                yield Button("Cancel (Esc)", variant="primary", id="cancel")
+
+    def on_mount(self) -> None:
+        """Cancel is focused, so Enter alone moves nothing."""
+        self.query_one("#cancel", Button).focus()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        """A click (or Enter) on a peer chooses it; on Cancel, nothing."""
+        self.dismiss(event.button.name if event.button.id != "cancel" else None)
+
+    def on_key(self, event: Any) -> None:
+        """A digit chooses the peer of that number."""
+        if event.character and event.character.isdigit() and 1 <= int(event.character) <= len(self.peers):
+            event.stop()
+            self.dismiss(self.peers[int(event.character) - 1][0])
+
+    def action_cancel(self) -> None:
+        """Escape: no peer."""
+        self.dismiss(None)
 
 
 def help_text() -> Text:

@@ -207,6 +207,39 @@ def device_cells(device: pb.Device, jobs: dict[int, pb.Job]) -> tuple[str | Text
     )
 
 
+PEER_COLUMNS = (("node", "NODE", None), ("address", "ADDRESS", None), ("state", "STATE", 16),
+                ("free", "FREE DEVICES", 20), ("version", "VERSION", None), ("contact", "LAST CONTACT", 14),
+                ("error", "ERROR", None))  # fmt: skip
+PEER_STATE_STYLES = {"alive": "green", "suspect": "yellow", "dead": "bold red"}
+
+
+def peer_cells(peer: pb.Peer, now: float) -> tuple[str | Text, ...]:
+    """One row of the peers table: its state in colour, its free devices as a bar, its last contact."""
+    state = Text(peer.state, style=PEER_STATE_STYLES.get(peer.state, ""))
+    if peer.draining:
+        state.append(", draining", style="magenta")
+    used = (peer.devices - peer.free) / peer.devices if peer.devices else None
+    return (
+        peer.node,
+        peer.address,
+        state,
+        bar(used, f"{peer.free}/{peer.devices} free"),
+        peer.version or "-",
+        f"{duration(now - peer.last_contact)} ago" if peer.last_contact else "never",
+        _short(peer.error, 60),
+    )
+
+
+def peers_title(peers: pb.ListPeersResponse) -> str:
+    """The peers pane's title: this node's name and number, and whether it is draining."""
+    return f"Peers of {peers.node} (node {peers.node_number}{', draining' if peers.draining else ''})"
+
+
+def migration_targets(peers: pb.ListPeersResponse, devices_needed: int) -> list[pb.Peer]:
+    """Peers a job can be moved to now: alive, not draining, with the devices it needs free."""
+    return [p for p in peers.peers if p.state == "alive" and not p.draining and p.free >= devices_needed]
+
+
 def title_text(info: pb.DaemonInfo, where: str, jobs: Sequence[pb.Job], now: float) -> Text:
     """The top line: the daemon, where it is, its uptime and the jobs by state."""
     text = Text(f"singularityd {info.version}", style="bold")

@@ -92,6 +92,7 @@ class ControlHandler:
                         "uid": session.uid,
                         "tensors": session.tensors,
                         "ops": session.operator_names,
+                        "plans": session.plan_wire,
                         "peak": session.peak_bytes,
                         "pending_error": session.pending_error,
                         "queue": runner.saved_queue(),
@@ -138,6 +139,7 @@ class ControlHandler:
                     session.parked_event.set()
                     for op_id, (namespace, name, overload) in state["ops"].items():
                         session.define(op_id, namespace, name, overload)
+                    session.restore_plans(state.get("plans", {}), server.device)
                     handles: list[int] = []
                     for handle, tensor in state["tensors"].items():
                         session.add(int(handle), tensor)

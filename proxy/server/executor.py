@@ -22,7 +22,7 @@ import torch
 from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
 
-from .session import DeviceMemory, Session
+from .session import DeviceMemory, Session, sparse_parts
 
 _FACTORIES = frozenset(protocol.SERVER_FACTORIES)
 _HOST_ALLOCATION_FAILED = re.compile(
@@ -35,9 +35,22 @@ def template_new_bytes(template: Any) -> list[int]:
     """Bytes of new storage of each new tensor in an output template."""
     if template[0] == protocol.TEMPLATE_TENSOR:
         return [template[5]]
+    if template[0] == protocol.TEMPLATE_SPARSE:
+        return [template[4]]
     if template[0] in (protocol.TEMPLATE_LIST, protocol.TEMPLATE_TUPLE):
         return [nbytes for item in template[1] for nbytes in template_new_bytes(item)]
     return []
+
+
+def _raw(tensor: torch.Tensor) -> list[Any]:
+    """[dtype, shape, stride, bytes] of a tensor's values, as REQ_FETCH answers them."""
+    host, raw = protocol.tensor_to_raw(tensor)
+    return [_NAMES.dtype_names[host.dtype], list(host.shape), list(host.stride()), raw]
+
+
+def _layout(tensor: torch.Tensor) -> list[Any]:
+    """[shape, stride, storage offset] of a tensor, as templates carry them."""
+    return [list(tensor.shape), list(tensor.stride()), tensor.storage_offset()]
 
 
 def _meta_growth(operator: Any, args: list[Any], kwargs: dict[str, Any]) -> int:
@@ -138,14 +151,11 @@ class Executor:
             session.claim_handle(handle)
             nbytes = session.add(handle, output)
             new_handles.append(handle)
-            return [
-                protocol.TEMPLATE_TENSOR,
-                list(output.shape),
-                list(output.stride()),
-                output.storage_offset(),
-                _NAMES.dtype_names[output.dtype],
-                nbytes,
-            ]
+            dtype = _NAMES.dtype_names[output.dtype]
+            if output.layout != torch.strided:
+                layout = str(output.layout).removeprefix("torch.")
+                return [protocol.TEMPLATE_SPARSE, layout, list(output.shape), dtype, nbytes]
+            return [protocol.TEMPLATE_TENSOR, *_layout(output), dtype, nbytes]
         if isinstance(output, list):
             items = [self._template(session, o, inputs, next_handle, new_handles) for o in output]
             return [protocol.TEMPLATE_LIST, items]
@@ -165,10 +175,17 @@ class Executor:
         served = session.operator(op_id)
         inputs: list[int] = []
         decoded_args, decoded_kwargs = self._decode_all(session, args, kwargs, inputs, buffers)
+        return self._execute(session, served, decoded_args, decoded_kwargs, inputs, first_handle)
+
+    def _execute(
+        self, session: Session, served: Any, args: list[Any], kwargs: dict[str, Any], inputs: list[int],
+        first_handle: Any,
+    ) -> Any:  # fmt: skip
+        """Run a served operator on decoded arguments; its output template (new tensors held)."""
         if served.size_argument is not None:
-            self._check_planned(session, served, decoded_args, decoded_kwargs)
+            self._check_planned(session, served, args, kwargs)
         try:
-            output = served.operator(*decoded_args, **decoded_kwargs)
+            output = served.operator(*args, **kwargs)
         except RuntimeError as e:
             raise self._as_out_of_memory(session, e) from None
         new_handles: list[int] = []
@@ -180,11 +197,62 @@ class Executor:
             raise
         if new_handles:
             session.check_capacity(new_handles, sum(template_new_bytes(template)))
+        if served.reshapes_input and template[0] == protocol.TEMPLATE_ALIAS:
+            template = [protocol.TEMPLATE_RESHAPED, template[1], *_layout(output)]
+        if served.rebinds_input:
+            for handle in set(inputs):
+                session.rebind(handle)
         if served.grows_inputs:
             growth = sum(session.recount(handle) for handle in set(inputs))
             if growth > 0:
                 session.check_capacity([], growth)
         return template
+
+    def _run_plan(self, session: Session, op: list[Any], buffers: Sequence[Any], answer: bool) -> Any:
+        """Run a plan ([kind, plan_id, first handle, values]); its output template if `answer`."""
+        _, plan_id, first_handle, values = _operation(op, 4)
+        plan = session.planned(plan_id)
+        args, kwargs, inputs = plan.bind(session, values, buffers, self.device)
+        if answer or plan.general:
+            return self._execute(session, plan.served, args, kwargs, inputs, first_handle)
+        if plan.served.size_argument is not None:
+            self._check_planned(session, plan.served, args, kwargs)
+        try:
+            output = plan.call(*args, **kwargs)
+        except RuntimeError as e:
+            raise self._as_out_of_memory(session, e) from None
+        new_handles: list[int] = []
+        added = self._keep(session, output, inputs, [protocol.integer(first_handle)], new_handles)
+        if added:
+            session.check_capacity(new_handles, added)
+        return None
+
+    def _keep(
+        self, session: Session, output: Any, inputs: list[int], next_handle: list[int], new_handles: list[int]
+    ) -> int:
+        """Hold an output's new tensors under the next handles (as `_template` does); bytes added."""
+        if type(output) is torch.Tensor:
+            tensors = session.tensors
+            for handle in inputs:
+                if output is tensors[handle]:
+                    return 0
+            handle = next_handle[0]
+            next_handle[0] = handle + 1
+            session.claim_handle(handle)
+            new_handles.append(handle)
+            return session.add(handle, output)
+        if type(output) is tuple or type(output) is list:
+            added = 0
+            try:
+                for item in output:
+                    added += self._keep(session, item, inputs, next_handle, new_handles)
+            except BaseException:
+                for handle in new_handles:
+                    session.free(handle)
+                new_handles.clear()
+                raise
+            return added
+        return 0
 
     def _as_out_of_memory(self, session: Session, error: RuntimeError) -> RuntimeError:
         """CUDA's out-of-memory error for a failure of the host allocator (virtual device), else `error`."""
@@ -223,8 +291,13 @@ class Executor:
         if type(op) is not list or not op:
             raise ProtocolError(f"malformed operation {str(op)[:100]}")
         kind = op[0]
-        if kind == protocol.OP_CALL:
+        if kind == protocol.OP_RUN:
+            self._run_plan(session, op, buffers, answer=False)
+        elif kind == protocol.OP_CALL:
             self._call(session, op, buffers)
+        elif kind == protocol.OP_PLAN:
+            _, plan_id, op_id, args, kwargs = _operation(op, 5)
+            session.plan(plan_id, op_id, args, kwargs, self.device)
         elif kind == protocol.OP_FREE:
             for handle in protocol.integers(_operation(op, 2)[1], most=1 << 20):
                 session.free(handle)
@@ -306,11 +379,20 @@ class Executor:
         if type(request) is not list or not request:
             raise ProtocolError(f"malformed request {str(request)[:100]}")
         kind = request[0]
+        if kind == protocol.REQ_RUN:
+            return self._run_plan(session, request, buffers, answer=True)
         if kind == protocol.REQ_CALL:
             return self._call(session, request, buffers)
         if kind == protocol.REQ_FETCH:
-            host, raw = protocol.tensor_to_raw(session.tensor(_operation(request, 2)[1]))
-            return [_NAMES.dtype_names[host.dtype], list(host.shape), list(host.stride()), raw]
+            tensor = session.tensor(_operation(request, 2)[1])
+            if tensor.layout == torch.strided:
+                return _raw(tensor)
+            return {
+                "layout": str(tensor.layout).removeprefix("torch."),
+                "shape": list(tensor.shape),
+                "coalesced": tensor.layout == torch.sparse_coo and tensor.is_coalesced(),
+                "parts": [_raw(part) for part in sparse_parts(tensor)],
+            }
         if kind == protocol.REQ_SYNC:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

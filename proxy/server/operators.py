@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 
-SERVED_NAMESPACES = frozenset({"aten", "prims"})
+from singularity.proxy.bootstrap._singularity_proxy import protocol
+
+SERVED_NAMESPACES = frozenset(protocol.SERVED_NAMESPACES)
 """Namespaces of the tensor operators the server runs."""
 
 COLLECTIVE_NAMESPACES = frozenset({"c10d"})
@@ -271,6 +273,10 @@ class Served:
     """Position of a `size` argument that sets how much the operator allocates (None: none)."""
     grows_inputs: bool
     """Whether it may enlarge a tensor it was given (out= arguments, resize_, set_)."""
+    reshapes_input: bool
+    """Whether it changes the shape, stride or offset of a tensor it was given (an in-place view)."""
+    rebinds_input: bool
+    """Whether it may give a tensor it was given another storage (set_)."""
 
 
 def serve(namespace: str, name: str, overload: str) -> Served:
@@ -284,4 +290,5 @@ def serve(namespace: str, name: str, overload: str) -> Served:
     grows = bool(written) and (
         name in ("resize_", "resize_as_", "set_") or any(a.name == "out" for a in written)
     )
-    return Served(operator, size_argument, grows)
+    reshapes = torch.Tag.inplace_view in operator.tags
+    return Served(operator, size_argument, grows, reshapes, name == "set_")

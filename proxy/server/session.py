@@ -20,6 +20,7 @@ from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
 
 from . import operators
+from .plans import Plan
 
 _SIOCOUTQ = 0x5411
 
@@ -55,6 +56,29 @@ def allocator_bytes(count: float) -> str:
         if count >= size:
             return f"{count / size:.2f} {unit}"
     return f"{int(count)} bytes"
+
+
+_SPARSE_PARTS = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
+"""The dense components of a sparse tensor, by layout, as its methods' names."""
+
+
+def sparse_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The dense tensors a sparse tensor is made of (indices, values); [] for a strided tensor."""
+    names = _SPARSE_PARTS.get(tensor.layout, ())
+    return [getattr(tensor, name)() for name in names]
+
+
+def storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages holding a tensor's data: its own, or its components' if it is sparse."""
+    if tensor.layout == torch.strided:
+        return [tensor.untyped_storage()]
+    return [part.untyped_storage() for part in sparse_parts(tensor)]
 
 
 class Connection:
@@ -110,8 +134,9 @@ class Session:
         self.uid = uid
         self.memory = memory
         self.tensors: dict[int, torch.Tensor] = {}
-        self.storage_of: dict[int, int] = {}
-        """Handle -> identity of its storage (views share their base's)."""
+        self.storage_of: dict[int, tuple[int, ...]] = {}
+        """Handle -> identities of its storages (views share their base's; a sparse tensor has
+        one per component)."""
         self.storages: dict[int, list[int]] = {}
         """Storage identity -> [bytes, number of handles using it]."""
         self.operators: dict[int, operators.Served] = {}
@@ -120,6 +145,11 @@ class Session:
         """Operator id -> (namespace, name, overload), as saved in checkpoints."""
         self.refused: dict[int, operators.RefusedOperator] = {}
         """Operator id -> why the server refused to define it."""
+        self.plans: dict[int, Plan] = {}
+        """Plan id -> a call planned by the job (see plans.py)."""
+        self.plan_wire: dict[int, list[Any]] = {}
+        """Plan id -> [op_id, args, kwargs] as the job sent it, as saved in checkpoints."""
+        self.plan_leaves = 0
         self.held_bytes = 0
         self.peak_bytes = 0
         self.pending_error: list[str] | None = None
@@ -171,6 +201,32 @@ class Session:
             raise ProtocolError(f"operator {op_id!r} was not defined")
         return found
 
+    def plan(self, plan_id: Any, op_id: Any, args: Any, kwargs: Any, device: torch.device) -> None:
+        """Let `plan_id` stand for a call of operator `op_id` with these arguments (slots marked)."""
+        protocol.integer(plan_id, 0, protocol.PLAN_LIMIT - 1)
+        old = self.plans.pop(plan_id, None)
+        self.plan_wire.pop(plan_id, None)
+        if old is not None:
+            self.plan_leaves -= old.leaves
+        made = Plan(self.operator(op_id), args, kwargs, device)
+        if self.plan_leaves + made.leaves > protocol.PLAN_LEAVES:
+            raise ProtocolError("the session's plans are too large")
+        self.plan_leaves += made.leaves
+        self.plans[plan_id] = made
+        self.plan_wire[plan_id] = [op_id, args, kwargs]
+
+    def planned(self, plan_id: Any) -> Plan:
+        """The plan `plan_id` stands for; ProtocolError if there is none."""
+        found = self.plans.get(plan_id) if type(plan_id) is int else None
+        if found is None:
+            raise ProtocolError(f"plan {plan_id!r} was not made")
+        return found
+
+    def restore_plans(self, saved: dict[Any, Any], device: torch.device) -> None:
+        """Make again the plans of a checkpoint (`plan_wire` of the saved session)."""
+        for plan_id, (op_id, args, kwargs) in saved.items():
+            self.plan(int(plan_id), op_id, args, kwargs, device)
+
     # -- errors reported at the next request ------------------------------------------------------
     def fail(self, error: BaseException) -> None:
         """Remember the first failure of an operation since the last answer."""
@@ -191,45 +247,58 @@ class Session:
 
     def add(self, handle: int, tensor: torch.Tensor) -> int:
         """Hold `tensor` under `handle`; the bytes of new storage this takes."""
-        storage = tensor.untyped_storage()
-        key = storage._cdata  # the storage itself: stays the same when it is resized
         self.tensors[handle] = tensor
-        self.storage_of[handle] = key
-        entry = self.storages.get(key)
-        if entry is not None:
-            entry[1] += 1
-            return 0
-        nbytes = storage.nbytes()
-        self.storages[key] = [nbytes, 1]
-        self.held_bytes += nbytes
-        self.memory.used += nbytes
+        keys = []
+        added = 0
+        for storage in storages(tensor):
+            key = storage._cdata  # the storage itself: stays the same when it is resized
+            keys.append(key)
+            entry = self.storages.get(key)
+            if entry is not None:
+                entry[1] += 1
+                continue
+            nbytes = storage.nbytes()
+            self.storages[key] = [nbytes, 1]
+            added += nbytes
+        self.storage_of[handle] = tuple(keys)
+        self.held_bytes += added
+        self.memory.used += added
         if self.held_bytes > self.peak_bytes:
             self.peak_bytes = self.held_bytes
-        return nbytes
+        return added
 
     def recount(self, handle: int) -> int:
         """Count a tensor's storage again after an operation that may have resized it; the growth."""
-        entry = self.storages[self.storage_of[handle]]
-        nbytes = self.tensors[handle].untyped_storage().nbytes()
-        growth = nbytes - entry[0]
-        if growth:
+        growth = 0
+        for key, storage in zip(self.storage_of[handle], storages(self.tensors[handle]), strict=False):
+            entry = self.storages[key]
+            nbytes = storage.nbytes()
+            growth += nbytes - entry[0]
             entry[0] = nbytes
+        if growth:
             self.held_bytes += growth
             self.memory.used += growth
             self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         return growth
 
+    def rebind(self, handle: int) -> None:
+        """Count a tensor under its current storage, after an operation that may have replaced it."""
+        tensor = self.tensors[handle]
+        if tuple(storage._cdata for storage in storages(tensor)) != self.storage_of[handle]:
+            self.free(handle)
+            self.add(handle, tensor)
+
     def free(self, handle: int) -> None:
-        """Drop the tensor under `handle` (its storage when no other handle uses it)."""
+        """Drop the tensor under `handle` (its storages when no other handle uses them)."""
         if self.tensors.pop(handle, None) is None:
             return
-        key = self.storage_of.pop(handle)
-        entry = self.storages[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self.storages[key]
-            self.held_bytes -= entry[0]
-            self.memory.used -= entry[0]
+        for key in self.storage_of.pop(handle):
+            entry = self.storages[key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self.storages[key]
+                self.held_bytes -= entry[0]
+                self.memory.used -= entry[0]
 
     def free_all(self) -> None:
         """Drop every tensor of the session."""

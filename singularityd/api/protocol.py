@@ -16,6 +16,7 @@ from typing import Protocol
 from singularityd.checkpoint.coordinator import CheckpointTaken, StoredCheckpoint
 from singularityd.devices.access import DeviceHealth
 from singularityd.devices.inventory import Device
+from singularityd.federation.facts import ClusterJobs, JoinInfo, MoveFacts, MoveReport, PeersView
 from singularityd.identity import Caller
 from singularityd.jobs.processes import Usage
 from singularityd.jobs.submission import SubmitArgs
@@ -33,6 +34,7 @@ class LiveFacts:
     usage: Usage | None
     last_checkpoint: StoredCheckpoint | None = None
     starting: bool = False
+    move: MoveFacts | None = None
 
 
 @dataclass(frozen=True)
@@ -105,8 +107,8 @@ class JobService(Protocol):
     def info(self) -> DaemonFacts:
         """The daemon's own facts."""
 
-    def submit(self, caller: Caller, args: SubmitArgs) -> JobRecord:
-        """Queue a job for the caller."""
+    def submit(self, caller: Caller, args: SubmitArgs, anywhere: bool | None = None) -> JobRecord:
+        """Queue a job for the caller (anywhere: a peer with room may run it; None: the default)."""
 
     def cancel(self, caller: Caller, job_id: int) -> JobRecord:
         """Cancel a job."""
@@ -119,3 +121,29 @@ class JobService(Protocol):
 
     async def checkpoint(self, caller: Caller, job_id: int) -> tuple[JobRecord, CheckpointTaken]:
         """Checkpoint a job in place."""
+
+    async def cluster_init(self, caller: Caller, node_name: str, cluster_name: str) -> JoinInfo:
+        """Make a lab CA here (admins)."""
+
+    async def cluster_token(self, caller: Caller) -> JoinInfo:
+        """A fresh join token (admins, on the CA node)."""
+
+    async def cluster_join(
+        self, caller: Caller, address: str, token: str, fingerprint: str, node_name: str
+    ) -> tuple[str, int, str]:
+        """Join a lab (admins): this node's name and number, and the CA node."""
+
+    def peers(self) -> PeersView:
+        """This node's peers."""
+
+    def migrate(self, caller: Caller, job_id: int, peer: str) -> AsyncIterator[MoveReport]:
+        """Move a job to a peer; its progress, then how it ended (refusals before the first)."""
+
+    def drain(self, caller: Caller) -> AsyncIterator[MoveReport]:
+        """Refuse new jobs and move every job away (admins)."""
+
+    def undrain(self, caller: Caller) -> None:
+        """Take jobs again (admins)."""
+
+    async def cluster_jobs(self, include_finished: bool) -> ClusterJobs:
+        """The jobs of every node of the lab that answers."""

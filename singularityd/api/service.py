@@ -27,6 +27,8 @@ from singularityd.errors import (
     StoreUnwritable,
     Unsatisfiable,
 )
+from singularityd.federation.facts import JoinInfo, MoveReport, listing_fields
+from singularityd.federation.v1 import peer_pb2
 from singularityd.identity import Caller
 from singularityd.jobs.submission import SubmitArgs
 from singularityd.store import JobRecord
@@ -88,23 +90,7 @@ def job_message(job: JobRecord, jobs: JobService) -> pb.Job:
     """A stored job as an API message, with live usage for running jobs and its newest checkpoint."""
     live = jobs.live(job)
     message = pb.Job(
-        id=job.id,
-        name=job.spec.name,
-        user=job.spec.user,
-        uid=job.spec.uid,
-        state=job.state.value,
-        reason=job.reason,
-        pending_reason=job.pending_reason if job.state.is_queued else "",
-        priority=job.spec.priority,
-        gpus=job.spec.gpus,
-        ranks=job.spec.ranks,
-        devices=list(job.devices),
-        command=list(job.spec.command),
-        submitted_at=job.submitted_at,
-        started_at=job.started_at or 0.0,
-        ended_at=job.ended_at or 0.0,
-        cwd=job.spec.cwd,
-        attempt=job.attempt,
+        **listing_fields(job),
         checkpoint_interval=live.checkpoint_interval,
         checkpoints=live.checkpoints,
         checkpoint_bytes=live.checkpoint_bytes,
@@ -112,6 +98,11 @@ def job_message(job: JobRecord, jobs: JobService) -> pb.Job:
     )
     if live.last_checkpoint is not None:
         message.last_checkpoint.CopyFrom(checkpoint_message(live.last_checkpoint))
+    if live.move is not None:
+        move = live.move
+        message.move.CopyFrom(
+            pb.MoveInfo(peer=move.peer, phase=move.phase, moved=move.moved, total=move.total, sent=move.sent)
+        )
     if job.exit_code is not None:
         message.exit_code = job.exit_code
     if job.signal is not None:
@@ -120,6 +111,39 @@ def job_message(job: JobRecord, jobs: JobService) -> pb.Job:
         message.cpu_seconds = live.usage.cpu_seconds
         message.rss_bytes = live.usage.rss_bytes
     return message
+
+
+def peer_job_message(node: str, job: peer_pb2.PeerJob) -> pb.Job:
+    """A job a peer described (`sing ps --cluster`), as an API message naming its node."""
+    message = pb.Job(node=node)
+    message.MergeFromString(job.SerializeToString())
+    return message
+
+
+def join_info_message(info: JoinInfo) -> pb.ClusterJoinInfo:
+    """What a joining node needs, as an API message."""
+    return pb.ClusterJoinInfo(
+        node_name=info.node_name,
+        token=info.token,
+        ca_fingerprint=info.ca_fingerprint,
+        join_address=info.join_address,
+        token_expires_at=info.token_expires_at,
+        node_number=info.node_number,
+    )
+
+
+def move_message(report: MoveReport) -> pb.MoveProgress:
+    """One step of a move, as an API message."""
+    return pb.MoveProgress(
+        id=report.job_id,
+        peer=report.peer,
+        phase=report.phase,
+        moved=report.moved,
+        total=report.total,
+        done=report.done,
+        ok=report.ok,
+        detail=report.detail,
+    )
 
 
 def _translating_errors(
@@ -161,6 +185,7 @@ class SingularityService(pb_grpc.SingularityServicer):  # type: ignore[misc]
                     request.checkpoint_interval if request.HasField("checkpoint_interval") else None
                 ),
             ),
+            request.anywhere if request.HasField("anywhere") else None,
         )
         return pb.SubmitResponse(job=job_message(job, self.jobs))
 
@@ -270,6 +295,88 @@ class SingularityService(pb_grpc.SingularityServicer):  # type: ignore[misc]
             ),
             pause_seconds=taken.pause_s,
         )
+
+    @_translating_errors
+    async def ClusterInit(self, request: pb.ClusterInitRequest, context: Any) -> pb.ClusterJoinInfo:
+        info = await self.jobs.cluster_init(self.caller, request.node_name, request.cluster_name)
+        return join_info_message(info)
+
+    @_translating_errors
+    async def ClusterToken(self, request: pb.ClusterTokenRequest, context: Any) -> pb.ClusterJoinInfo:
+        return join_info_message(await self.jobs.cluster_token(self.caller))
+
+    @_translating_errors
+    async def ClusterJoin(self, request: pb.ClusterJoinRequest, context: Any) -> pb.ClusterJoinResponse:
+        node, number, ca_node = await self.jobs.cluster_join(
+            self.caller, request.address, request.token, request.ca_fingerprint, request.node_name
+        )
+        return pb.ClusterJoinResponse(node_name=node, node_number=number, ca_node=ca_node)
+
+    @_translating_errors
+    async def ListPeers(self, request: pb.ListPeersRequest, context: Any) -> pb.ListPeersResponse:
+        view = self.jobs.peers()
+        return pb.ListPeersResponse(
+            node=view.node,
+            node_number=view.number,
+            draining=view.draining,
+            peers=[
+                pb.Peer(
+                    node=row.node,
+                    address=row.address,
+                    state=str(row.state),
+                    devices=row.devices,
+                    free=row.free,
+                    version=row.version,
+                    last_contact=row.last_contact or 0.0,
+                    draining=row.draining,
+                    error=row.error,
+                )
+                for row in view.peers
+            ],
+        )
+
+    async def _stream_moves(
+        self, start: Callable[[], AsyncIterator[MoveReport]], context: Any, *, single: bool
+    ) -> AsyncIterator[pb.MoveProgress]:
+        """Stream moves' progress; a refusal ends it with its status, and so does the failure of a
+        `single` move (`sing migrate`), after its last message."""
+        try:
+            async for report in start():
+                message = move_message(report)
+                if single and report.done and not report.ok:
+                    why = f"job {report.job_id} did not move to {report.peer}: {report.detail}"
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
+                yield message
+        except RequestError as error:
+            await context.abort(status_of(error), error.message)
+
+    async def Migrate(self, request: pb.MigrateRequest, context: Any) -> AsyncIterator[pb.MoveProgress]:
+        def start() -> AsyncIterator[MoveReport]:
+            return self.jobs.migrate(self.caller, request.id, request.to)
+
+        async for message in self._stream_moves(start, context, single=True):
+            yield message
+
+    async def Drain(self, request: pb.DrainRequest, context: Any) -> AsyncIterator[pb.MoveProgress]:
+        async for message in self._stream_moves(lambda: self.jobs.drain(self.caller), context, single=False):
+            yield message
+
+    @_translating_errors
+    async def Undrain(self, request: pb.DrainRequest, context: Any) -> pb.DrainResponse:
+        self.jobs.undrain(self.caller)
+        return pb.DrainResponse(draining=False)
+
+    @_translating_errors
+    async def ListClusterJobs(self, request: pb.ListJobsRequest, context: Any) -> pb.ListClusterJobsResponse:
+        listing = await self.jobs.cluster_jobs(request.all)
+        node = self.jobs.peers().node
+        jobs = [job_message(job, self.jobs) for job in listing.local]
+        for message in jobs:
+            message.node = node
+        jobs += [peer_job_message(peer, job) for peer, job in listing.remote]
+        jobs = [j for j in jobs if not request.user or j.user == request.user]
+        jobs.sort(key=lambda j: j.id)
+        return pb.ListClusterJobsResponse(jobs=jobs, unreachable=listing.unreachable)
 
     @_translating_errors
     async def GetDaemonInfo(self, request: pb.DaemonInfoRequest, context: Any) -> pb.DaemonInfo:

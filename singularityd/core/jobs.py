@@ -150,6 +150,38 @@ class RestoreFailed:
     error: str
 
 
+@dataclass(frozen=True)
+class MoveStopRequested:
+    """A hand-off to `peer` needs the job stopped with a complete final checkpoint (or queued
+    jobs just set aside)."""
+
+    peer: str
+
+
+@dataclass(frozen=True)
+class Arrived:
+    """The job's processes, restored here frozen for a move, were let run on `devices`."""
+
+    pid: int
+    start_ticks: int
+    devices: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class MoveAbandoned:
+    """The job, set aside for a move, stays here: queued to resume from its checkpoint (or start)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class MovedAway:
+    """The job lives on another node now, or a copy that was arriving here was given up."""
+
+    reason: str
+
+
 Stimulus = (
     Started
     | ProcessesRunning
@@ -167,6 +199,10 @@ Stimulus = (
     | Checkpointed
     | CheckpointFailed
     | RestoreFailed
+    | MoveStopRequested
+    | Arrived
+    | MoveAbandoned
+    | MovedAway
 )
 
 
@@ -222,9 +258,10 @@ class RescheduleAfter:
 class TakeCheckpoint:
     """Checkpoint the job's processes; report Checkpointed or CheckpointFailed.
 
-    `stop`: the processes end with the dump (hold: keep the job off the queue afterwards).
-    `reason` starts the event that records the checkpoint. `periodic` and `for_scheduler` say who
-    asked, which decides what a failure or success leads to.
+    `stop`: the processes end with the dump (hold: keep the job off the queue afterwards;
+    for_move: set it aside as MIGRATING for a hand-off to a peer). `reason` starts the event that
+    records the checkpoint. `periodic` and `for_scheduler` say who asked, which decides what a
+    failure or success leads to.
     """
 
     stop: bool
@@ -232,6 +269,7 @@ class TakeCheckpoint:
     reason: str = "checkpoint"
     periodic: bool = False
     for_scheduler: bool = False
+    for_move: bool = False
 
 
 @dataclass(frozen=True)
@@ -409,7 +447,9 @@ def _checkpoint_over(job: JobFacts, succeeded: bool, text: str, now: float) -> D
         raise InvalidTransition(f"job {job.job_id} has no checkpoint under way")
     activity = replace(job.activity, checkpoint=None, deferred_exit=None)
     if succeeded and take.stop:
-        if take.hold:
+        if take.for_move:
+            target, reason = JobState.MIGRATING, f"{text}; its checkpoint is on the way"
+        elif take.hold:
             target, reason = JobState.SUSPENDED, f"{text}; held until resumed"
         else:
             target, reason = JobState.PREEMPTED, f"{text}; queued to resume"
@@ -426,6 +466,56 @@ def _checkpoint_over(job: JobFacts, succeeded: bool, text: str, now: float) -> D
         actions += _periodic(job)
     actions.append(Reschedule())  # the job may be preempted again
     return Decision(actions=tuple(actions), activity=activity)
+
+
+def _require_here(job: JobFacts, verb: str) -> None:
+    """Refuse a request on a job that a hand-off is moving, or that lives on another node."""
+    if job.state is JobState.MIGRATING:
+        raise InvalidTransition(f"job {job.job_id} is moving between nodes; it can be {verb} once it has")
+    if job.state is JobState.MOVED:
+        raise InvalidTransition(f"job {job.job_id} lives on another node now; ask that node")
+
+
+def _moving(
+    job: JobFacts, stimulus: MoveStopRequested | Arrived | MoveAbandoned | MovedAway, now: float
+) -> Decision:
+    """A hand-off between peer daemons acting on the job (see singularityd.federation.handoff)."""
+    state = job.state
+    match stimulus:
+        case MoveStopRequested(peer=peer):
+            if state is JobState.MIGRATING:
+                return Decision()
+            if state in (JobState.PENDING, JobState.PREEMPTED, JobState.SUSPENDED):
+                reason = f"set aside to move to {peer}"
+                return Decision(check_transition(job.job_id, state, JobState.MIGRATING, reason, now))
+            if state is not JobState.RUNNING:
+                raise InvalidTransition(f"job {job.job_id} is {state}; it cannot move")
+            _require_idle_running(job, "moved")
+            take = TakeCheckpoint(True, reason=f"stopped to move to {peer}", for_move=True)
+            return _checkpointing(job, take, Note(f"move to {peer}: checkpointing and stopping"))
+        case Arrived(pid=pid, start_ticks=ticks, reason=reason):
+            if state is not JobState.MIGRATING:
+                return Decision()
+            transition = check_transition(job.job_id, state, JobState.RUNNING, reason, now)
+            return Decision(transition, _running(job, pid, ticks), Activity())
+        case MoveAbandoned(reason=reason):
+            if state is not JobState.MIGRATING:
+                return Decision()
+            target = JobState.PREEMPTED if job.has_checkpoint else JobState.PENDING
+            return Decision(
+                check_transition(job.job_id, state, target, reason, now),
+                (ReleaseDevices(), Reschedule()),
+                Activity(),
+            )
+        case MovedAway(reason=reason):
+            if state is JobState.MOVED:
+                return Decision()
+            return Decision(
+                check_transition(job.job_id, state, JobState.MOVED, reason, now),
+                (ReleaseDevices(), Reschedule()),
+                Activity(),
+            )
+    raise TypeError(f"unknown stimulus {stimulus!r}")
 
 
 def decide(job: JobFacts, stimulus: Stimulus, now: float) -> Decision:
@@ -475,6 +565,7 @@ def decide(job: JobFacts, stimulus: Stimulus, now: float) -> Decision:
         case CancelRequested(by=by):
             if state.is_terminal:
                 raise InvalidTransition(f"job {job.job_id} is already {state}")
+            _require_here(job, "cancelled")
             if state.holds_devices:
                 if job.cancel_requested:
                     return Decision(actions=(TerminateProcesses(),))
@@ -522,6 +613,8 @@ def decide(job: JobFacts, stimulus: Stimulus, now: float) -> Decision:
             return _checkpoint_over(job, True, f"{reason}: {summary}", now)
         case CheckpointFailed(error=error):
             return _checkpoint_over(job, False, f"checkpoint failed, the job keeps running: {error}", now)
+        case MoveStopRequested() | Arrived() | MoveAbandoned() | MovedAway():
+            return _moving(job, stimulus, now)
         case Requeued(detail=detail):
             return Decision(
                 check_transition(job.job_id, state, JobState.PENDING, detail, now),

@@ -7,13 +7,21 @@ from dataclasses import dataclass
 
 
 class JobState(enum.StrEnum):
-    """The states a job passes through; the terminal ones never change again."""
+    """The states a job passes through; the terminal ones never change again.
+
+    MIGRATING: a hand-off between peer daemons decides where the job runs. On the source it is
+    stopped with its final checkpoint on the way to the target (no processes, no devices); on the
+    target its devices are reserved and, once restored, its processes are held frozen until the
+    commit. MOVED: the job lives on another node now; this node keeps its record (a job that
+    comes back takes it up again) but never runs it.
+    """
 
     PENDING = "PENDING"
     RUNNING = "RUNNING"
     SUSPENDED = "SUSPENDED"
     PREEMPTED = "PREEMPTED"
     MIGRATING = "MIGRATING"
+    MOVED = "MOVED"
     COMPLETED = "COMPLETED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
@@ -30,15 +38,22 @@ class JobState(enum.StrEnum):
 
     @property
     def holds_devices(self) -> bool:
-        """Whether the job's processes exist and own devices in this state."""
+        """Whether the job may own devices in this state (RUNNING; MIGRATING where reserved)."""
         return self in (JobState.RUNNING, JobState.MIGRATING)
+
+    @property
+    def is_listed(self) -> bool:
+        """Whether a listing of live jobs shows it (not ended, not living on another node)."""
+        return not self.is_terminal and self is not JobState.MOVED
 
 
 TERMINAL_STATES = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED})
 QUEUED_STATES = frozenset({JobState.PENDING, JobState.PREEMPTED})
 
 ALLOWED_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
-    JobState.PENDING: frozenset({JobState.RUNNING, JobState.SUSPENDED, JobState.CANCELLED, JobState.FAILED}),
+    JobState.PENDING: frozenset(
+        {JobState.RUNNING, JobState.SUSPENDED, JobState.CANCELLED, JobState.FAILED, JobState.MIGRATING}
+    ),
     JobState.RUNNING: frozenset(
         {
             JobState.COMPLETED,
@@ -51,14 +66,23 @@ ALLOWED_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
         }
     ),
     JobState.SUSPENDED: frozenset(
-        {JobState.PENDING, JobState.PREEMPTED, JobState.CANCELLED, JobState.FAILED}
+        {JobState.PENDING, JobState.PREEMPTED, JobState.CANCELLED, JobState.FAILED, JobState.MIGRATING}
     ),
     JobState.PREEMPTED: frozenset(
-        {JobState.RUNNING, JobState.SUSPENDED, JobState.CANCELLED, JobState.FAILED}
+        {JobState.RUNNING, JobState.SUSPENDED, JobState.CANCELLED, JobState.FAILED, JobState.MIGRATING}
     ),
     JobState.MIGRATING: frozenset(
-        {JobState.RUNNING, JobState.PREEMPTED, JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED}
+        {
+            JobState.RUNNING,
+            JobState.PENDING,
+            JobState.PREEMPTED,
+            JobState.MOVED,
+            JobState.COMPLETED,
+            JobState.FAILED,
+            JobState.CANCELLED,
+        }
     ),
+    JobState.MOVED: frozenset({JobState.MIGRATING}),
     JobState.COMPLETED: frozenset(),
     JobState.FAILED: frozenset(),
     JobState.CANCELLED: frozenset(),

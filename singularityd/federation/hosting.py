@@ -34,6 +34,7 @@ class MoveSpec:
     ranks: int
     checkpoint_bytes: int
     cwd_entries: tuple[str, ...] = ()
+    jobs_dir: str = ""
 
     def to_json(self) -> bytes:
         """The PREPARE request's spec_json."""
@@ -53,6 +54,7 @@ class MoveSpec:
                 ranks=int(raw["ranks"]),
                 checkpoint_bytes=int(raw["checkpoint_bytes"]),
                 cwd_entries=tuple(str(e) for e in raw.get("cwd_entries", ())),
+                jobs_dir=str(raw.get("jobs_dir", "")),
             )
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"malformed move spec: {e}") from e
@@ -68,7 +70,11 @@ def probe_cwd(cwd: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class HostFacts:
-    """What this machine offers, gathered for one spec."""
+    """What this machine offers, gathered for one spec.
+
+    The daemon adds what only it knows: `draining`, `free_devices` (None: not checked), its own
+    `jobs_dir`, and `id_taken` (why the job's id is not free here, '' when it is).
+    """
 
     user_uid: int | None
     cwd_is_dir: bool
@@ -77,6 +83,9 @@ class HostFacts:
     free_disk_bytes: int
     checkpoints_available: bool
     draining: bool = False
+    free_devices: int | None = None
+    jobs_dir: str = ""
+    id_taken: str = ""
 
 
 def gather_host_facts(
@@ -104,6 +113,8 @@ def hosting_problem(spec: MoveSpec, facts: HostFacts) -> str:
     """Why this machine cannot take the job (one line), or '' when it can."""
     if facts.draining:
         return "this node is draining and takes no jobs"
+    if facts.id_taken:
+        return facts.id_taken
     if not facts.checkpoints_available:
         return "checkpoints are unavailable on this node, so it cannot restore the job"
     if facts.user_uid is None:
@@ -115,8 +126,15 @@ def hosting_problem(spec: MoveSpec, facts: HostFacts) -> str:
     if facts.cwd_entries_missing:
         shown = ", ".join(facts.cwd_entries_missing[:3])
         return f"{spec.cwd} on this node is not the job's working directory: it lacks {shown}"
+    if spec.jobs_dir and facts.jobs_dir and spec.jobs_dir != facts.jobs_dir:
+        return (
+            f"this node keeps jobs in {facts.jobs_dir}, not {spec.jobs_dir}: every node must keep "
+            "them at the same path (the same state_dir)"
+        )
     if spec.gpus > facts.devices:
         return f"the job needs {spec.gpus} devices; this node has {facts.devices}"
+    if facts.free_devices is not None and spec.gpus > facts.free_devices:
+        return f"no room: the job needs {spec.gpus} devices; {facts.free_devices} of {facts.devices} are free"
     if facts.free_disk_bytes < spec.checkpoint_bytes + DISK_MARGIN_BYTES:
         need, free = human_bytes(spec.checkpoint_bytes), human_bytes(facts.free_disk_bytes)
         return f"not enough disk for the checkpoint ({need}; {free} free)"

@@ -44,9 +44,10 @@ class JoinError(RuntimeError):
 class JoinService(pb_grpc.JoinServicer):  # type: ignore[misc]
     """Signs certificate requests that come with a valid join token (CA node only)."""
 
-    def __init__(self, pki: Pki, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, pki: Pki, clock: Callable[[], float] = time.time, peer_address: str = "") -> None:
         self.pki = pki
         self.clock = clock
+        self.peer_address = peer_address
 
     async def Join(
         self, request: pb.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -62,13 +63,18 @@ class JoinService(pb_grpc.JoinServicer):  # type: ignore[misc]
             raise AssertionError("unreachable") from e
         name = node_name_of(x509.load_pem_x509_certificate(cert))
         log.info("certified node %s (join from %s)", name, context.peer())
-        return pb.JoinReply(certificate_pem=cert, ca_pem=ca)
+        return pb.JoinReply(certificate_pem=cert, ca_pem=ca, peer_address=self.peer_address)
 
 
-async def start_join_server(pki: Pki, identity: NodeIdentity, bind: str) -> tuple[grpc.aio.Server, int]:
-    """Serve Join on `bind` with this node's certificate (chain includes the CA); return server and port."""
+async def start_join_server(
+    pki: Pki, identity: NodeIdentity, bind: str, peer_address: str = ""
+) -> tuple[grpc.aio.Server, int]:
+    """Serve Join on `bind` with this node's certificate (chain includes the CA); return server and port.
+
+    `peer_address` (where this node's peer service listens) is told to every node that joins.
+    """
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_JoinServicer_to_server(JoinService(pki), server)
+    pb_grpc.add_JoinServicer_to_server(JoinService(pki, peer_address=peer_address), server)
     credentials = grpc.ssl_server_credentials(
         [(identity.key_pem, identity.cert_pem + identity.ca_pem)],
         root_certificates=None,
@@ -129,7 +135,10 @@ def discover_ca(address: str, expected_fingerprint: str, timeout_s: float = 10.0
 async def join(
     pki: Pki, node_name: str, address: str, token: str, ca_fingerprint: str, *, timeout_s: float = 10.0
 ) -> NodeIdentity:
-    """Get this node certified by the CA node at `address`; the private key never leaves this node."""
+    """Get this node certified by the CA node at `address`; the private key never leaves this node.
+
+    The CA node's peer address, when it tells one, is remembered as a seed (`Pki.remembered_peers`).
+    """
     ca_pem, ca_node = await asyncio.to_thread(discover_ca, address, ca_fingerprint, timeout_s)
     csr = await asyncio.to_thread(pki.join_request, node_name)
     credentials = grpc.ssl_channel_credentials(root_certificates=ca_pem)
@@ -143,6 +152,8 @@ async def join(
             raise JoinError(f"the CA node refused the join: {e.details()}") from e
     try:
         await asyncio.to_thread(pki.install, reply.certificate_pem, reply.ca_pem, ca_fingerprint, node_name)
+        if reply.peer_address:
+            await asyncio.to_thread(pki.remember_peer, ca_node, reply.peer_address)
         return await asyncio.to_thread(pki.identity, time.time())
     except PkiError as e:
         raise JoinError(str(e)) from e

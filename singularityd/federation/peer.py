@@ -1,7 +1,7 @@
 """The peer gRPC server (mutual TLS, node-name check, health checking, keepalive) and channels to peers.
 
-The server only adapts the Peer service to three handlers the daemon supplies (heartbeats,
-hand-off steps, transfers); each handler gets the caller's node name as proven by its
+The server only adapts the Peer service to the handlers the daemon supplies (heartbeats,
+hand-off steps, transfers, job listings); each handler gets the caller's node name as proven by its
 certificate, never as a field of the request. The standard gRPC health service runs beside it.
 """
 
@@ -76,6 +76,14 @@ class TransferHandler(Protocol):
         ...
 
 
+class JobsHandler(Protocol):
+    """Lists the jobs this node owns, for a peer's `sing ps --cluster`."""
+
+    async def list_jobs(self, node: str, request: pb.ListPeerJobsRequest) -> pb.ListPeerJobsReply:
+        """The jobs owned here (ended ones too when asked)."""
+        ...
+
+
 @dataclass
 class PeerService(pb_grpc.PeerServicer):  # type: ignore[misc]
     """The Peer service: identifies the caller, then hands the request to the daemon's handler."""
@@ -83,6 +91,7 @@ class PeerService(pb_grpc.PeerServicer):  # type: ignore[misc]
     heartbeats: HeartbeatHandler | None = None
     handoffs: HandoffHandler | None = None
     transfers: TransferHandler | None = None
+    jobs: JobsHandler | None = None
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Context) -> pb.HeartbeatReply:
         """See HeartbeatHandler."""
@@ -108,6 +117,11 @@ class PeerService(pb_grpc.PeerServicer):  # type: ignore[misc]
         """See TransferHandler.finish."""
         handler = await _require(self.transfers, context)
         return await _call(context, lambda node: handler.finish(node, request))
+
+    async def ListJobs(self, request: pb.ListPeerJobsRequest, context: Context) -> pb.ListPeerJobsReply:
+        """See JobsHandler."""
+        handler = await _require(self.jobs, context)
+        return await _call(context, lambda node: handler.list_jobs(node, request))
 
 
 async def _require(handler: H | None, context: Context) -> H:

@@ -7,12 +7,20 @@ A PKI directory (0700, every file 0600) holds:
     node.key      this node's private key: generated here, it never leaves the node
     node.crt      this node's certificate: CN and DNS SAN name the node, signed by the CA
     tokens.json   join tokens the CA node accepts: id -> sha256 of the secret, expiry
-    issued.json   node names the CA has certified: name -> serial, expiry, key fingerprint
+    issued.json   node names the CA has certified: name -> serial, expiry, key fingerprint, number
+    numbers.json  the next node number to give (numbers are never given twice)
+    peers.json    peers learnt at join (the CA node's peer address): node -> host:port
 
 The flow follows kubeadm: `init` makes the CA and prints a join token with the CA's fingerprint;
 a joining node makes its key, checks the CA's fingerprint, and sends a CSR with the token (see
 `join`); the CA node signs it with `sign_request`. Everything here is library code with no
 network I/O, so `sing cluster init/join` can reach it through the daemon.
+
+Every node also gets a number from the CA (1 for the CA node, then 2, 3, ... in the order nodes
+first join; a name that joins again with its key keeps its number). The certificate carries it
+(the subject's serialNumber), so a node learns its number from its own certificate; the daemon
+allocates job ids from the node's block of numbers (see `job_id_block`), which keeps ids unique
+across the lab without any coordination.
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ CA_DAYS = 3650
 NODE_DAYS = 365
 TOKEN_TTL_S = 24 * 3600.0
 CLOCK_SKEW_S = 300.0
+JOB_ID_BLOCK = 1_000_000
+"""Job ids of node number n are n * JOB_ID_BLOCK + 1 .. (n + 1) * JOB_ID_BLOCK - 1."""
 
 PrivateKey = ec.EllipticCurvePrivateKey
 
@@ -97,6 +107,19 @@ class NodeIdentity:
     cert_pem: bytes
     ca_pem: bytes
     not_after: float
+    number: int = 0
+
+
+def job_id_block(number: int) -> tuple[int, int]:
+    """The job ids a node with this number allocates: [first, last] (number 0: a lone daemon's)."""
+    if number <= 0:
+        return 1, JOB_ID_BLOCK - 1
+    return number * JOB_ID_BLOCK + 1, (number + 1) * JOB_ID_BLOCK - 1
+
+
+def node_of_job(job_id: int) -> int:
+    """The number of the node whose block a job id comes from (0: a lone daemon's, not unique)."""
+    return job_id // JOB_ID_BLOCK
 
 
 def check_node_name(name: str) -> str:
@@ -154,6 +177,14 @@ def node_name_of(item: x509.Certificate | x509.CertificateSigningRequest) -> str
     return value if isinstance(value, str) else value.decode()
 
 
+def node_number_of(cert: x509.Certificate) -> int:
+    """The node number the CA gave (the subject's serialNumber), or 0 when it carries none."""
+    values = cert.subject.get_attributes_for_oid(NameOID.SERIAL_NUMBER)
+    value = values[0].value if values else ""
+    text = value if isinstance(value, str) else value.decode()
+    return int(text) if text.isdigit() else 0
+
+
 def public_key_fingerprint(key: ec.EllipticCurvePublicKey) -> str:
     """SHA-256 of the key's SubjectPublicKeyInfo, to recognise the same key across certificates."""
     spki = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
@@ -206,9 +237,13 @@ def issue_certificate(
     node_name: str,
     not_before: float,
     not_after: float,
+    number: int = 0,
 ) -> x509.Certificate:
-    """A node certificate: CN and DNS SAN `node_name`, usable as TLS server and client."""
+    """A node certificate: CN and DNS SAN `node_name` (serialNumber its number), for TLS server and client."""
     check_node_name(node_name)
+    subject = [x509.NameAttribute(NameOID.COMMON_NAME, node_name)]
+    if number > 0:
+        subject.append(x509.NameAttribute(NameOID.SERIAL_NUMBER, str(number)))
     usage = x509.KeyUsage(
         digital_signature=True,
         content_commitment=False,
@@ -222,7 +257,7 @@ def issue_certificate(
     )
     return (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_name)]))
+        .subject_name(x509.Name(subject))
         .issuer_name(ca_cert.subject)
         .public_key(public_key)
         .serial_number(x509.random_serial_number())
@@ -397,16 +432,34 @@ class Pki:
         node_days: int,
     ) -> bytes:
         not_after = min(now + node_days * 86400.0, ca_cert.not_valid_after_utc.timestamp())
-        cert = issue_certificate(ca_key, ca_cert, public_key, node_name, now - CLOCK_SKEW_S, not_after)
         with self._lock:
             issued = self._read_json("issued.json")
+            number = self._node_number(issued, node_name)
+            cert = issue_certificate(
+                ca_key, ca_cert, public_key, node_name, now - CLOCK_SKEW_S, not_after, number
+            )
             issued[node_name] = {
                 "serial": format(cert.serial_number, "x"),
                 "not_after": not_after,
                 "key_sha256": public_key_fingerprint(public_key),
+                "number": number,
             }
             self._write_json("issued.json", issued)
         return cert_to_pem(cert)
+
+    def _node_number(self, issued: dict[str, Any], node_name: str) -> int:
+        """The node's number: the one it was given before, else the next never given (numbers.json).
+
+        Numbers of forgotten nodes are never given again, so job ids from an old node's block
+        cannot collide with a newcomer's.
+        """
+        previous = issued.get(node_name)
+        if previous is not None and int(previous.get("number", 0)) > 0:
+            return int(previous["number"])
+        given = [int(entry.get("number", 0)) for entry in issued.values()]
+        number = max([int(self._read_json("numbers.json").get("next", 1)), *(n + 1 for n in given)])
+        self._write_json("numbers.json", {"next": number + 1})
+        return number
 
     def _check_token(self, token_text: str, now: float) -> None:
         token = JoinToken.parse(token_text)
@@ -468,6 +521,17 @@ class Pki:
         write_private(self.ca_cert_path, ca_pem)
         write_private(self.node_cert_path, cert_pem)
 
+    def remember_peer(self, node_name: str, address: str) -> None:
+        """Keep a peer's address as a seed (the CA node's, learnt when joining)."""
+        with self._lock:
+            peers = self._read_json("peers.json")
+            peers[check_node_name(node_name)] = address
+            self._write_json("peers.json", peers)
+
+    def remembered_peers(self) -> dict[str, str]:
+        """Seeds learnt when joining: node -> host:port."""
+        return {str(k): str(v) for k, v in self._read_json("peers.json").items()}
+
     def identity(self, now: float) -> NodeIdentity:
         """This node's key, certificate and CA, or PkiError saying what is missing or wrong."""
         for path in (self.ca_cert_path, self.node_key_path, self.node_cert_path):
@@ -484,7 +548,7 @@ class Pki:
         not_after = cert.not_valid_after_utc.timestamp()
         if not_after <= now:
             raise PkiError(f"this node's certificate expired at {_when(not_after)}")
-        return NodeIdentity(node_name_of(cert), key_pem, cert_pem, ca_pem, not_after)
+        return NodeIdentity(node_name_of(cert), key_pem, cert_pem, ca_pem, not_after, node_number_of(cert))
 
 
 def _ec_public_key(cert: x509.Certificate) -> ec.EllipticCurvePublicKey:

@@ -2,8 +2,9 @@
 
 While a victim job trains (tests/programs/mlp.py, over and over) on a proxy server, hypothesis
 drives an attacker through that server: garbage bytes, frames of every kind with arbitrary
-JSON bodies and buffers, and operations with wrong handles, names, layouts and sizes. Every
-victim run must print exactly what a direct CPU run prints, and the server must stay up.
+JSON bodies and buffers, and operations (plans and their runs too) with wrong handles, names,
+layouts and sizes. Every victim run must print exactly what a direct CPU run prints, and the
+server must stay up.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ sizes = st.lists(
 dtypes = st.sampled_from(["float32", "int64", "bool", "complex128", "qint8", "nope"]) | texts
 arguments = st.lists(json_values | handles.map(lambda h: {"handle": h}), max_size=4)
 kwargs = st.none() | st.dictionaries(texts, json_values, max_size=2)
+slots = st.sampled_from([protocol.SLOT_TENSOR, protocol.SLOT_NUMBER, protocol.SLOT_HOST_TENSOR]) | texts
+plan_arguments = st.lists(json_values | slots.map(lambda kind: {"slot": kind}), max_size=4)
+slot_values = st.lists(handles | numbers | json_values, max_size=4)
+plan_ids = st.integers(min_value=0, max_value=3) | handles
 op_ids = st.integers(min_value=1, max_value=9) | handles
 factories = st.sampled_from(protocol.SERVER_FACTORIES) | texts
 operations = st.one_of(
@@ -63,6 +68,8 @@ operations = st.one_of(
         arguments,
         kwargs,
     ),
+    st.tuples(st.just(protocol.OP_PLAN), plan_ids, op_ids, plan_arguments, kwargs),
+    st.tuples(st.just(protocol.OP_RUN), plan_ids, handles, slot_values),
     st.lists(json_values, max_size=4).map(tuple),
 ).map(list)
 requests = (
@@ -71,6 +78,7 @@ requests = (
         st.tuples(st.just(protocol.REQ_FETCH), handles),
         st.tuples(st.sampled_from([protocol.REQ_SYNC, 99])),
         st.tuples(st.just(protocol.REQ_MEMORY), texts | st.sampled_from(protocol.MEMORY_QUERIES)),
+        st.tuples(st.just(protocol.REQ_RUN), plan_ids, handles, slot_values),
     ).map(list)
     | json_values
 )

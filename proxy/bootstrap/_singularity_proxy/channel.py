@@ -18,7 +18,7 @@ import torch
 
 from . import protocol
 
-BATCH_OPS = 64
+BATCH_OPS = 128
 """Queued operations are sent once this many are waiting (or at the next request)."""
 
 
@@ -52,8 +52,12 @@ class Channel:
         self.next_handle = 1
         self.op_ids: dict[Any, int] = {}
         """The id each operator was defined under on the server."""
-        self.templates: dict[Any, tuple[Any, int, int]] = {}
-        """Output template, new tensor count and new bytes, per operation signature."""
+        self.calls: dict[Any, list[Any]] = {}
+        """Per operation signature: [plan id, output template (None until known), new tensor
+        count, new bytes] (see encoding.py)."""
+        self.next_plan = 0
+        self.plan_leaves = 0
+        """Values (list items, dict entries) the plans since the last restart hold, as the server counts."""
         self._answer: protocol.Frame | None = None
         self._answered = threading.Event()
         self._failure: BaseException | None = None
@@ -176,11 +180,40 @@ class Channel:
             self.pending.append([protocol.OP_DEFINE, op_id, func.namespace, func._opname, func._overloadname])
         return op_id
 
+    def plan(self, key: Any, func: Any, args: list[Any], kwargs: dict[str, Any] | None) -> list[Any]:
+        """Plan a call of a new signature (queued OP_PLAN); its entry in `calls`.
+
+        Plan ids are taken in order up to PLAN_LIMIT, or until the plans hold half of what a
+        server keeps (PLAN_LEAVES); then every plan is forgotten and ids are planned again from
+        0 (the server replaces a plan planned again).
+        """
+        leaves = _leaves(args) + _leaves(kwargs)
+        if self.next_plan >= protocol.PLAN_LIMIT or self.plan_leaves + leaves > protocol.PLAN_LEAVES // 2:
+            self.calls.clear()
+            self.next_plan = self.plan_leaves = 0
+        self.plan_leaves += leaves
+        plan_id = self.next_plan
+        self.next_plan = plan_id + 1
+        op_id = self.op_id(func)
+        self.pending.append([protocol.OP_PLAN, plan_id, op_id, args, kwargs])
+        entry = [plan_id, None, 0, 0]
+        self.calls[key] = entry
+        return entry
+
     def new_handle(self, count: int = 1) -> int:
         """The first of `count` fresh tensor handles."""
         first = self.next_handle
         self.next_handle = first + count
         return first
+
+
+def _leaves(tree: Any) -> int:
+    """Values in a plan's wire form, counted as the server counts them (plans.Plan._decode)."""
+    if type(tree) is list:
+        return 1 + sum(_leaves(item) for item in tree)
+    if type(tree) is dict and protocol.TAG_SLOT not in tree:
+        return 1 + sum(_leaves(item) for item in tree.values())
+    return 1
 
 
 def rebuild_error(module: str, qualname: str, message: str) -> BaseException:

@@ -10,15 +10,18 @@ C++ device is the host, torch itself would not notice).
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable, Sequence
+from types import CodeType, FunctionType
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, handle_torch_function
 
 from . import protocol
 from .devices import DEVICES, device_index, same_device_error
-from .tensor import ProxyTensor, download, encode_arguments, new_stand_in
+from .encoding import wire_arguments
+from .tensor import ProxyTensor, download, new_stand_in
 from .transfers import to_device, to_host, upload
 
 _Tensor = torch.Tensor
@@ -158,6 +161,10 @@ def _is_pinned(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return False
 
 
+def _untouched(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    return func(*args, **kwargs)
+
+
 _SERVER_FACTORIES = {getattr(torch, name) for name in protocol.SERVER_FACTORIES}
 
 
@@ -175,8 +182,8 @@ def _factory(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         meta = func(*args, **options)
         channel = DEVICES.channel(index)
         handle = channel.new_handle()
-        encoded = encode_arguments(args, {**options, "device": channel.device})  # the server's device
-        op = [protocol.OP_FACTORY, handle, func.__name__, encoded.args, encoded.kwargs]
+        wire_args, wire_kwargs = wire_arguments(args, {**options, "device": channel.device})  # the server's
+        op = [protocol.OP_FACTORY, handle, func.__name__, wire_args, wire_kwargs]
         nbytes = meta.numel() * meta.element_size()
         if nbytes >= channel.sync_bytes:
             channel.pending.append(op)
@@ -249,6 +256,7 @@ _METHODS: dict[Any, Callable[[Any, Sequence[Any], dict[str, Any]], Any]] = {
     _Tensor.new_tensor: _new_tensor,
     _Tensor.pin_memory: _pin_memory,
     _Tensor.is_pinned: _is_pinned,
+    _Tensor.type: _untouched,
 }
 
 _MIXING_ALLOWED = {
@@ -267,19 +275,26 @@ _MIXING_ALLOWED = {
 def _check_devices(args: Sequence[Any]) -> None:
     """Raise what CUDA raises when one call mixes cuda tensors and (non-scalar) host tensors."""
     device = host = None
+    channels_differ = False
     for arg in args:
         kind = type(arg)
-        if kind is list or kind is tuple:
+        if kind is ProxyTensor:
+            if device is None:
+                device = arg
+            elif arg._channel is not device._channel:
+                channels_differ = True
+        elif kind is list or kind is tuple:
             for item in arg:
                 if isinstance(item, ProxyTensor):
                     device = item if device is None else device
                 elif isinstance(item, torch.Tensor) and item.dim() > 0:
                     host = item if host is None else host
-        elif kind is ProxyTensor:
-            device = arg if device is None else device
-        elif isinstance(arg, torch.Tensor) and arg.dim() > 0 and not isinstance(arg, ProxyTensor):
-            host = arg if host is None else host
-    if device is None or _from_torch_internals():
+        elif isinstance(arg, torch.Tensor) and arg.dim() > 0:
+            if isinstance(arg, ProxyTensor):
+                device = arg if device is None else device
+            else:
+                host = arg if host is None else host
+    if device is None or (host is None and not channels_differ) or _from_torch_internals():
         return
     for arg in args:
         if isinstance(arg, ProxyTensor) and arg._channel is not device._channel:
@@ -288,14 +303,167 @@ def _check_devices(args: Sequence[Any]) -> None:
         raise same_device_error(str(device.device), str(host.device))
 
 
+_MAKES_TENSORS = frozenset(
+    {
+        "device", "cuda", "to", "tensor", "as_tensor", "from_numpy", "empty", "empty_strided",
+        "zeros", "ones", "full", "arange", "range", "linspace", "logspace", "eye", "rand", "randn",
+        "randint", "randperm", "normal", "scalar_tensor", "tril_indices", "triu_indices",
+        "new_tensor", "new_empty", "new_zeros", "new_ones", "new_full", "get_default_device",
+    }
+)  # fmt: skip
+"""Names whose use in a Python function may make a tensor on a device named there."""
+_mode_needed: dict[Any, bool] = {}
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 (an empty cell raises)
+    except ValueError:
+        return False
+    return True
+
+
+def _needs_mode(func: FunctionType, depth: int = 0) -> bool:
+    """Whether a torch Python function may make tensors on the devices (then it runs with the mode).
+
+    It does if its code, or that of a function it calls from its own module or its closure,
+    names a factory, `device`, `.to` or `.cuda`; F.relu, which only calls torch.relu, does not.
+    """
+    found = _mode_needed.get(func)
+    if found is not None:
+        return found
+    _mode_needed[func] = False  # recursion guard
+    codes = [func.__code__]
+    names: set[str] = set()
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes += [c for c in code.co_consts if isinstance(c, CodeType)]
+    found = not _MAKES_TENSORS.isdisjoint(names)
+    if not found and depth < 3:
+        module = func.__globals__
+        called = [module.get(name) for name in names]
+        called += [cell.cell_contents for cell in func.__closure__ or () if _filled(cell)]
+        found = any(type(f) is FunctionType and _needs_mode(f, depth + 1) for f in called)
+    _mode_needed[func] = found
+    return found
+
+
+def _never(*args: Any) -> bool:
+    return False
+
+
+_CHECKS_SKIPPED = {
+    "has_torch_function": _never,
+    "has_torch_function_unary": _never,
+    "has_torch_function_variadic": _never,
+}
+_bodies: dict[Any, FunctionType] = {}
+
+
+def _body(func: FunctionType) -> FunctionType:
+    """A copy of one of torch's Python functions that skips its own torch-function check.
+
+    torch leaves a torch-function mode while the mode handles a call, so the torch calls a
+    Python function makes (`torch.rand(..., device=x.device)` in fractional_max_pool2d,
+    `torch.tensor(..., device=...)` in unravel_index) would bypass this mode and reach CUDA,
+    which a CPU build lacks. The copy runs with the mode entered again; its own check, which
+    would hand the call back to the mode forever, is answered "no".
+    """
+    body = _bodies.get(func)
+    if body is None:
+        namespace = {**func.__globals__, **_CHECKS_SKIPPED}
+        body = FunctionType(func.__code__, namespace, func.__name__, func.__defaults__, func.__closure__)
+        body.__kwdefaults__ = func.__kwdefaults__
+        _bodies[func] = body
+    return body
+
+
+def _checking_function(frame: Any) -> FunctionType | None:
+    """The function that called handle_torch_function from `frame` (handle_torch_function's frame)."""
+    if frame.f_code is not handle_torch_function.__code__ or frame.f_back is None:
+        return None
+    caller = frame.f_back
+    found = caller.f_globals.get(caller.f_code.co_name)
+    if type(found) is FunctionType and found.__code__ is caller.f_code:
+        return found
+    return None
+
+
+class _Entering(threading.local):
+    """The Python function whose body the mode is about to run (per thread)."""
+
+    func: Any = None
+    checker_tried = False
+
+
+def _on_device_of(args: Sequence[Any], result: Any) -> Any:
+    """`result` with host tensors uploaded, if every tensor argument was a stand-in.
+
+    torch's C++ composites make some results with their input's options (`at::zeros(...,
+    input.options())` in matrix_rank of an empty matrix), and a stand-in's options name the
+    host; on a GPU such a result is on the device.
+    """
+    found = [a for a in _tensor_arguments(args)]
+    if not found or not all(isinstance(a, ProxyTensor) for a in found):
+        return result
+    index = found[0]._channel.index
+
+    def place(value: Any) -> Any:
+        if isinstance(value, ProxyTensor) or not isinstance(value, _Tensor):
+            if isinstance(value, (list, tuple)) and not isinstance(value, _Tensor):
+                return type(value)(place(item) for item in value)
+            return value
+        return to_device(value, index) if value.device.type == "cpu" else value
+
+    return place(result)
+
+
+def _tensor_arguments(args: Sequence[Any]) -> list[Any]:
+    """The tensors among arguments (and in lists and tuples of them)."""
+    found = []
+    for arg in args:
+        if isinstance(arg, _Tensor):
+            found.append(arg)
+        elif type(arg) is list or type(arg) is tuple:
+            found += _tensor_arguments(arg)
+    return found
+
+
 class DeviceMode(TorchFunctionMode):
     """Routes device placement (factories, .to, .cuda, .cpu) to the proxied devices."""
 
-    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
-        again = _IN_MODE.get(func)
-        if again is not None:
+    def __init__(self) -> None:
+        super().__init__()
+        self._entering = _Entering()
+
+    def _run_body(self, func: FunctionType, args: Sequence[Any], kwargs: dict[str, Any], again: bool) -> Any:
+        """Run a torch Python function with this mode active for the calls it makes.
+
+        `again`: the body of `func` handed the call back at once, because the function that
+        checks is not `func` itself (`F.fractional_max_pool2d` dispatches to a function that
+        checks): that function, the caller of handle_torch_function, runs instead.
+        """
+        run = func
+        if again:
+            checker = None if self._entering.checker_tried else _checking_function(sys._getframe(2))
+            if checker is None:  # no way to its body with the mode active: run it as torch does
+                return func(*args, **kwargs)
+            run = checker
+        self._entering.func = func
+        self._entering.checker_tried = again
+        try:
             with self:
-                return again(func, args, kwargs or {})
+                return _body(run)(*args, **kwargs)
+        finally:
+            self._entering.func = None
+            self._entering.checker_tried = False
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        inside = _IN_MODE.get(func)
+        if inside is not None:
+            with self:
+                return inside(func, args, kwargs or {})
         handler = _METHODS.get(func)
         if handler is not None:
             return handler(func, args, kwargs or {})
@@ -305,6 +473,17 @@ class DeviceMode(TorchFunctionMode):
                 return _factory(func, args, kwargs)
         if len(args) > 1 and func not in _MIXING_ALLOWED:
             _check_devices(args)
-        if kwargs:
-            return func(*args, **kwargs)
-        return func(*args)
+        if type(func) is FunctionType and _needs_mode(func):
+            entering = self._entering
+            again = entering.func is func
+            if not again:
+                entering.checker_tried = False
+            result = self._run_body(func, args, kwargs or {}, again)
+        elif kwargs:
+            result = func(*args, **kwargs)
+        else:
+            result = func(*args)
+        kind = type(result)
+        if kind is ProxyTensor or not (kind is _Tensor or kind is tuple or kind is list):
+            return result
+        return _on_device_of(args, result)

@@ -21,7 +21,8 @@ one-key object, a *tag* (see `encode_value`): {"tuple": [...]}, {"bytes": i} (th
 buffer), {"complex": [re, im]}, {"dtype": "float32"}, {"layout": "strided"},
 {"memory_format": "channels_last"}, {"dict": {...}}; operation arguments also use
 {"handle": n} (a tensor the job holds on the server), {"tensor": [dtype, shape, stride, i]}
-(a host tensor whose storage is buffer i) and DEVICE_MARKER (the server's own device).
+(a host tensor whose storage is buffer i), DEVICE_MARKER (the server's own device) and, in
+plans, {"slot": kind} (a value each run of the plan gives).
 Frames from a job are bounded (MAX_BODY_BYTES, MAX_BUFFERS, MAX_FRAME_BUFFER_BYTES);
 larger uploads travel in chunks (OP_ALLOCATE, then OP_WRITE).
 
@@ -82,11 +83,13 @@ FRAME_HEADER = struct.Struct("<BxHI")
 BUFFER_LENGTH = struct.Struct("<Q")
 
 MAX_BODY_BYTES = 16 << 20
-"""Largest JSON body a server reads from a job (a batch of 64 operations is a few KiB)."""
+"""Largest JSON body a server reads from a job (a batch of 128 operations is a few KiB)."""
 MAX_BUFFERS = 4096
 """Most buffers in one frame from a job."""
 CHUNK_BYTES = 32 << 20
 """Most buffer bytes the client puts in one frame; larger tensors travel in chunks."""
+HOST_ARGUMENT_BYTES = CHUNK_BYTES // 4
+"""Host tensors larger than this reach the server as uploaded tensors, not inside the operation."""
 MAX_FRAME_BUFFER_BYTES = CHUNK_BYTES
 """Most buffer bytes a server reads in one frame from a job."""
 
@@ -150,13 +153,21 @@ OP_ALLOCATE = 6
 """[OP_ALLOCATE, handle, dtype, shape, stride]: a new uninitialised tensor (filled by OP_WRITE)."""
 OP_WRITE = 7
 """[OP_WRITE, handle, byte offset, buffer]: write bytes into the tensor's storage."""
-OP_RESIZE_STORAGE = 10
+OP_PLAN = 8
+"""[OP_PLAN, plan_id, op_id, args, kwargs]: plan_id stands from now on for a call of a defined
+operator with these arguments, in which {"slot": kind} marks a value each run gives (SLOT_*),
+in order: positional arguments depth first, then keyword arguments. A plan_id may be planned
+again (it then stands for the new call). The server decodes the arguments once."""
+OP_RUN = 9
+"""[OP_RUN, plan_id, first_output_handle, values]: run a plan with these slot values; new output
+tensors get consecutive handles from first_output_handle on, as with OP_CALL."""
+OP_RESIZE_STORAGE = 12
 """[OP_RESIZE_STORAGE, handle, bytes]: resize the storage under the tensor (its views see it), as
 FSDP frees and re-allocates its unsharded parameters (`untyped_storage().resize_(n)`)."""
-OP_GROUP = 8
+OP_GROUP = 10
 """[OP_GROUP, group, rank, members]: the process takes part, as global rank `rank`, in the
 process group named `group`, whose members are these global ranks in group-rank order."""
-OP_COLLECTIVE = 9
+OP_COLLECTIVE = 11
 """[OP_COLLECTIVE, group, seq, operator, spec]: the process's collective number `seq` in the
 group: `operator` names the c10d operator it stands for (one the server serves, see
 server/operators.py COLLECTIVES) and `spec` its tensors and options (see COLLECTIVE_SPEC).
@@ -166,12 +177,28 @@ It runs in order with the operations around it, once every member has reached it
 REQ_CALL = 0
 """[REQ_CALL, op_id, first_output_handle, args, kwargs] -> the output template."""
 REQ_FETCH = 1
-"""[REQ_FETCH, handle] -> [dtype, shape, stride, bytes]: the tensor's values."""
+"""[REQ_FETCH, handle] -> [dtype, shape, stride, bytes]: the tensor's values; for a sparse
+tensor {"layout": name, "shape": [...], "coalesced": bool, "parts": [[dtype, shape, stride,
+bytes], ...]}, its dense components (indices and values)."""
 REQ_SYNC = 2
 """[REQ_SYNC] -> null once everything sent before it has run."""
 REQ_MEMORY = 3
 """[REQ_MEMORY, what] -> the session's memory figure `what`, one of MEMORY_QUERIES."""
-REQ_COLLECTIVE = 4
+REQ_RUN = 4
+"""[REQ_RUN, plan_id, first_output_handle, values] -> the output template (OP_RUN, answered)."""
+
+SLOT_TENSOR = "T"
+"""A plan slot for a tensor the job holds: its value is the handle."""
+SLOT_NUMBER = "F"
+"""A plan slot for a Python float (or int) the operation takes: its value is the number."""
+SLOT_HOST_TENSOR = "H"
+"""A plan slot for a host tensor: its value is [dtype, shape, stride, buffer]."""
+PLAN_LIMIT = 1 << 16
+"""Plan ids are below this; a client plans an id again rather than using more."""
+PLAN_LEAVES = 1 << 21
+"""Most values (list items, dict entries) all of a session's plans may hold together; a client
+plans ids again from 0 once its plans hold half of this."""
+REQ_COLLECTIVE = 5
 """[REQ_COLLECTIVE, group, seq, operator, spec] -> null once the collective has completed
 (as OP_COLLECTIVE; for a barrier and whatever the program waits for)."""
 
@@ -203,6 +230,12 @@ TEMPLATE_TENSOR = "T"
 which takes the next handle (the client keeps [T, (shape, stride, offset, dtype), bytes])."""
 TEMPLATE_ALIAS = "A"
 """[TEMPLATE_ALIAS, i]: the operation returned its i-th tensor input itself."""
+TEMPLATE_SPARSE = "S"
+"""[TEMPLATE_SPARSE, layout, shape, dtype, bytes of new storage]: a new sparse tensor (COO,
+CSR, CSC, BSR or BSC), which takes the next handle."""
+TEMPLATE_RESHAPED = "R"
+"""[TEMPLATE_RESHAPED, i, shape, stride, storage_offset]: the operation changed its i-th tensor
+input's shape, stride or offset in place (squeeze_, transpose_, resize_, set_, ...) and returned it."""
 TEMPLATE_LIST = "L"
 """[TEMPLATE_LIST, [template, ...]]."""
 TEMPLATE_TUPLE = "U"
@@ -211,6 +244,10 @@ TEMPLATE_NONE = "N"
 """[TEMPLATE_NONE]."""
 TEMPLATE_VALUE = "V"
 """[TEMPLATE_VALUE, value]: a plain value (number, bool, string; anything else as its repr)."""
+
+# -- operators ----------------------------------------------------------------------------------
+SERVED_NAMESPACES = ("aten", "prims")
+"""Namespaces whose operators a server may run for a job (see the server's operators.py)."""
 
 # -- control channel ------------------------------------------------------------------------------
 CONTROL_REQUESTS = ("quiesce", "settle", "save", "release", "load", "resume", "status", "stop")
@@ -234,6 +271,7 @@ TAG_DTYPE = "dtype"
 TAG_LAYOUT = "layout"
 TAG_MEMORY_FORMAT = "memory_format"
 TAG_DICT = "dict"
+TAG_SLOT = "slot"
 
 DEVICE_MARKER = {TAG_DEVICE: "proxied"}
 """Stands for "the server's own device" wherever a torch.device appears in arguments."""

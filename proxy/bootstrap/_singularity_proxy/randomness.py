@@ -86,6 +86,41 @@ def _draw_and_upload(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> 
     return upload(func(*host_args, **host_kwargs), index)
 
 
+def _on_host(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """Any other random operator (`rrelu_with_noise`, `_standard_gamma`, `binomial`): run on host copies.
+
+    The inputs are downloaded, the operator draws with the job's generator, tensors it wrote
+    are filled back into their stand-ins and new tensors are uploaded.
+    """
+    index = next(a for a in (*args, *kwargs.values()) if isinstance(a, ProxyTensor))._channel.index
+    host_args, host_kwargs = _host_arguments(args, kwargs, shapes_only=False)
+    output = func(*host_args, **host_kwargs)
+    schema = func._schema
+    written: dict[int, ProxyTensor] = {}
+    for position, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        stand_in = args[position] if position < len(args) else kwargs.get(argument.name)
+        host = host_args[position] if position < len(args) else host_kwargs.get(argument.name)
+        if isinstance(stand_in, ProxyTensor):
+            fill(stand_in, host)
+            written[id(host)] = stand_in
+
+    def place(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return written.get(id(value)) or upload(value, index)
+        if isinstance(value, (list, tuple)):
+            return type(value)(place(item) for item in value)
+        return value
+
+    return place(output)
+
+
+def host_random_handler(func: Any) -> SpecialHandler | None:
+    """The handler of a random operator not listed here (None for an operator that is not random)."""
+    return _on_host if torch.Tag.nondeterministic_seeded in func.tags else None
+
+
 RANDOM_OPS: dict[Any, SpecialHandler] = {func: _fill_in_place for func in _FILL_IN_PLACE}
 RANDOM_OPS.update({func: _draw_and_upload for func in _SHAPED_LIKE | _FROM_VALUES})
 """Random operators, carried out by the client."""

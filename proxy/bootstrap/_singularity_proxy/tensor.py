@@ -11,6 +11,7 @@ server once, so shapes, strides and error messages are the real kernel's.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,22 +25,41 @@ HOST = torch.device("cpu")
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 SpecialHandler = Callable[[Any, Sequence[Any], dict[str, Any]], Any]
-special_ops: dict[Any, SpecialHandler] = {}
+special_ops: dict[Any, SpecialHandler] = {
+    torch.ops.prim.layout.default: lambda f, a, k: _layout_of(f, a, k),
+    torch.ops.aten.detach.default: lambda f, a, k: _detach(f, a, k),
+}
 """Operators the client carries out itself (random numbers, copies across devices); filled by
 the modules that own them when the client is installed."""
 namespace_ops: dict[str, Callable[[Any], SpecialHandler | None]] = {}
 """Per namespace, what finds the handler of an operator that exists only once a library is
-imported (collectives, FSDP's own operators); a handler found is kept in `special_ops`."""
+imported (collectives, FSDP's own operators); asked by the first of `special_rules`."""
+special_rules: list[Callable[[Any], SpecialHandler | None]] = [
+    lambda func: namespace_ops[func.namespace](func) if func.namespace in namespace_ops else None,
+    lambda func: custom_op_handler(func),
+    lambda func: in_place_view_handler(func),
+]
+"""Rules giving the handler of an operator not in special_ops (None: forwarded), asked once per
+operator (random operators by their tag)."""
+_routes: dict[int, SpecialHandler | None] = {}
+_UNROUTED: Any = object()
+"""id(operator) -> its handler, or None for forwarded operators (filled on first use)."""
 
 
 class TensorHandle:
-    """Owns one server-side tensor id; queues its release when the stand-in dies."""
+    """Owns one server-side tensor id; queues its release when the last stand-in using it dies.
 
-    __slots__ = ("channel", "id")
+    Stand-ins of `detach` share their source's handle (the server tensor is the same); such a
+    handle is `shared`, and an in-place view operation (t_, resize_, ...) on a stand-in with a
+    shared handle first gives it a handle of its own.
+    """
+
+    __slots__ = ("channel", "id", "shared")
 
     def __init__(self, channel: Channel, handle: int) -> None:
         self.channel = channel
         self.id = handle
+        self.shared = False
 
     def __del__(self) -> None:
         try:  # noqa: SIM105 (hot path: no context manager)
@@ -52,7 +72,7 @@ class ProxyTensor(torch.Tensor):
     """A tensor on a proxied cuda device: metadata here, data in the proxy server."""
 
     _handle: TensorHandle
-    _wire_ref: dict[str, int]  # how the handle travels in arguments
+    _id: int  # the handle's number, as it travels
     _meta: tuple[Any, ...]  # (shape, stride, storage offset, dtype): part of operation signatures
     _channel: Channel
 
@@ -62,6 +82,9 @@ class ProxyTensor(torch.Tensor):
     def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
     ) -> Any:
+        route = _routes.get(id(func), _UNROUTED)  # `dispatch`, inlined: this runs for every operation
+        if route is None:
+            return forward(func, args, kwargs)
         return dispatch(func, args, kwargs)
 
     @property  # type: ignore[misc]
@@ -129,18 +152,113 @@ def new_stand_in(channel: Channel, handle: int, meta: tuple[Any, ...]) -> ProxyT
     """The stand-in for server tensor `handle`, with meta (shape, stride, storage offset, dtype)."""
     tensor = _make_wrapper(ProxyTensor, meta[0], meta[1], meta[2], None, meta[3], torch.strided, HOST)
     tensor._handle = TensorHandle(channel, handle)
-    tensor._wire_ref = {protocol.TAG_HANDLE: handle}
+    tensor._id = handle
     tensor._meta = meta
     tensor._channel = channel
     return tensor  # type: ignore[no-any-return]
+
+
+def _detach(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`detach`: a stand-in of the same server tensor (nothing is sent)."""
+    source = args[0]
+    if source.layout != torch.strided:
+        return forward(func, args, kwargs)
+    meta = source._meta
+    tensor = _make_wrapper(ProxyTensor, meta[0], meta[1], meta[2], None, meta[3], torch.strided, HOST)
+    handle = source._handle
+    handle.shared = True
+    tensor._handle = handle
+    tensor._id = handle.id
+    tensor._meta = meta
+    tensor._channel = source._channel
+    return tensor
+
+
+def _in_place_view(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """An operation changing its input's shape or strides in place: on a handle of its own."""
+    target = args[0]
+    if target._handle.shared:
+        own = forward(torch.ops.aten.alias.default, (target,), None)
+        target._handle = own._handle
+        target._id = own._id
+    return forward(func, args, kwargs)
+
+
+def in_place_view_handler(func: Any) -> SpecialHandler | None:
+    """The handler of operators that change their input's shape or strides in place."""
+    return _in_place_view if torch.Tag.inplace_view in func.tags else None
+
+
+def new_sparse_stand_in(channel: Channel, handle: int, meta: tuple[Any, ...]) -> ProxyTensor:
+    """The stand-in for sparse server tensor `handle`, with meta (shape, layout, 0, dtype).
+
+    Its layout is answered through dispatch (`prim.layout`): torch keeps a compressed sparse
+    layout (CSR, CSC, BSR, BSC) only in its own sparse tensor class.
+    """
+    tensor = _make_wrapper(
+        ProxyTensor, meta[0], dtype=meta[3], layout=meta[1], device=HOST, dispatch_layout=True
+    )
+    tensor._handle = TensorHandle(channel, handle)
+    tensor._id = handle
+    tensor._meta = meta
+    tensor._channel = channel
+    return tensor  # type: ignore[no-any-return]
+
+
+def _layout_of(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`prim.layout` of a sparse stand-in."""
+    return args[0]._meta[1]
 
 
 # -- values between the host and the server ------------------------------------------------------
 def download(stand_in: torch.Tensor) -> Any:
     """A new host tensor with a stand-in's values (waits for the device)."""
     assert isinstance(stand_in, ProxyTensor)
-    dtype, shape, stride, raw = stand_in._channel.request([protocol.REQ_FETCH, stand_in._handle.id])
-    return protocol.tensor_from_raw(dtype, shape, stride, raw)
+    answer = stand_in._channel.request([protocol.REQ_FETCH, stand_in._handle.id])
+    if type(answer) is dict:
+        return _sparse_from_parts(answer)
+    return protocol.tensor_from_raw(*answer)
+
+
+def _sparse_from_parts(answer: dict[str, Any]) -> torch.Tensor:
+    """A host sparse tensor from the components REQ_FETCH sent."""
+    parts = [protocol.tensor_from_raw(*part) for part in answer["parts"]]
+    layout = _NAMES.layouts[answer["layout"]]
+    if layout == torch.sparse_coo:
+        indices, values = parts
+        return torch.sparse_coo_tensor(indices, values, answer["shape"], is_coalesced=answer["coalesced"])
+    compressed, plain, values = parts
+    return torch.sparse_compressed_tensor(compressed, plain, values, answer["shape"], layout=layout)
+
+
+_SPARSE_FACTORIES = {
+    torch.sparse_coo: torch.ops.aten.sparse_coo_tensor.indices_size,
+    torch.sparse_csr: torch.ops.aten.sparse_compressed_tensor.comp_plain_value_size,
+    torch.sparse_csc: torch.ops.aten.sparse_compressed_tensor.comp_plain_value_size,
+    torch.sparse_bsr: torch.ops.aten.sparse_compressed_tensor.comp_plain_value_size,
+    torch.sparse_bsc: torch.ops.aten.sparse_compressed_tensor.comp_plain_value_size,
+}
+
+
+def _upload_sparse(channel: Channel, tensor: torch.Tensor) -> ProxyTensor:
+    """A sparse stand-in with a host sparse tensor's values: its components are uploaded and
+    the server builds the tensor from them, checking its indices."""
+    layout = tensor.layout
+    if layout == torch.sparse_coo:
+        parts = [tensor._indices(), tensor._values()]
+        options: dict[str, Any] = {"is_coalesced": tensor.is_coalesced()}
+    else:
+        compressed, plain = (
+            (tensor.crow_indices(), tensor.col_indices())
+            if layout in (torch.sparse_csr, torch.sparse_bsr)
+            else (tensor.ccol_indices(), tensor.row_indices())
+        )
+        parts = [compressed, plain, tensor.values()]
+        options = {"layout": layout}
+    stand_ins = [upload_to(channel, part) for part in parts]
+    options.update(dtype=tensor.dtype, device=channel.device)
+    result: ProxyTensor = forward(_SPARSE_FACTORIES[layout], (*stand_ins, list(tensor.shape)), options)
+    return result
 
 
 def upload_to(channel: Channel, tensor: torch.Tensor) -> ProxyTensor:
@@ -150,6 +268,8 @@ def upload_to(channel: Channel, tensor: torch.Tensor) -> ProxyTensor:
     and written chunk by chunk (OP_WRITE), one frame each. Uploads of `sync_bytes` or more
     wait for the server, so that running out of device memory shows at the call.
     """
+    if tensor.layout != torch.strided:
+        return _upload_sparse(channel, tensor)
     with torch.no_grad():
         host, raw = protocol.tensor_to_raw(tensor.detach())
     handle = channel.new_handle()
@@ -184,7 +304,7 @@ def fill(stand_in: ProxyTensor, values: torch.Tensor) -> None:
         host.copy_(values)
     raw = protocol.storage_view(host)
     channel = stand_in._channel
-    if raw.nbytes > HOST_ARGUMENT_BYTES:
+    if raw.nbytes > protocol.HOST_ARGUMENT_BYTES:
         forward(torch.ops.aten.copy_.default, (stand_in, upload_to(channel, host)), None)
         return
     index = channel.attach([raw])
@@ -192,141 +312,13 @@ def fill(stand_in: ProxyTensor, values: torch.Tensor) -> None:
     channel.push([protocol.OP_FILL, stand_in._handle.id, *layout, index])
 
 
-# -- encoding of arguments -----------------------------------------------------------------------
-# The encoders turn arguments into their JSON-ready wire form (protocol.py) and append to
-# `signature` what the output template depends on (stand-ins' metadata, plain values, the
-# float-ness of Python scalars). Host tensors travel as buffers, listed in `host_tensors` as
-# (tag payload, bytes): the payload's last element becomes the buffer's index in the frame.
-_FLOAT = float
 _NAMES = protocol.torch_names()
-_TORCH_VALUE_TAGS = _NAMES.encoders
-HOST_ARGUMENT_BYTES = protocol.CHUNK_BYTES // 4
-"""Host tensors larger than this reach the server as uploaded tensors, not inside the operation."""
-
-
-class _LargeHostTensor(Exception):
-    """A host tensor argument too large to travel inside an operation."""
-
-
-class Encoded:
-    """An operation's arguments as they travel, its signature, stand-ins and host tensors."""
-
-    __slots__ = ("args", "host_tensors", "inputs", "kwargs", "signature")
-
-    def __init__(self) -> None:
-        self.args: list[Any] = []
-        self.kwargs: dict[str, Any] | None = None
-        self.signature: list[Any] = []
-        self.inputs: list[ProxyTensor] = []
-        self.host_tensors: list[tuple[list[Any], memoryview]] = []
-
-
-def _encode_sequence(seq: Sequence[Any], signature: list[Any], encoded: Encoded) -> list[Any]:
-    out: list[Any] = []
-    for arg in seq:
-        kind = type(arg)
-        if kind is ProxyTensor:
-            encoded.inputs.append(arg)
-            signature.append(arg._meta)
-            out.append(arg._wire_ref)
-        elif kind is int or kind is float or kind is str or arg is None:
-            signature.append(arg)
-            out.append(arg)
-        else:
-            out.append(_encode_other(arg, kind, signature, encoded))
-    return out
-
-
-def _encode_other(arg: Any, kind: type, signature: list[Any], encoded: Encoded) -> Any:
-    if kind is list or kind is tuple or isinstance(arg, (list, tuple)):  # torch.Size is a tuple
-        nested: list[Any] = []
-        out = _encode_sequence(arg, nested, encoded)
-        signature.append(tuple(nested))
-        return out
-    if kind is bool:
-        signature.append((bool, arg))
-        return arg
-    tag = _TORCH_VALUE_TAGS.get(kind)
-    if tag is not None:
-        signature.append(arg)
-        return tag(arg)
-    if isinstance(arg, ProxyTensor):
-        encoded.inputs.append(arg)
-        signature.append(arg._meta)
-        return arg._wire_ref
-    if isinstance(arg, torch.Tensor):
-        return _encode_host_tensor(arg, signature, encoded)
-    if kind is torch.device:
-        signature.append(kind)
-        return protocol.DEVICE_MARKER
-    if kind is complex:
-        signature.append(arg)
-        return {protocol.TAG_COMPLEX: [arg.real, arg.imag]}
-    for plain in (bool, int, float, str):  # subclasses of the plain types travel as those
-        if isinstance(arg, plain):
-            return _encode_sequence([plain(arg)], signature, encoded)[0]
-    raise TypeError(f"proxy: an argument of type {kind.__qualname__} cannot be sent to the device")
-
-
-def _encode_host_tensor(arg: torch.Tensor, signature: list[Any], encoded: Encoded) -> Any:
-    """A host tensor reaching an operation on stand-ins.
-
-    It is a scalar, or one that torch's C++ made with the stand-in's (host) options: mixing
-    by the program is caught in the torch-function mode, as the device would catch it.
-    """
-    host = arg.detach()
-    if host.device.type != "cpu":
-        raise same_device_error("cuda:0", str(host.device))
-    if host.numel() * host.element_size() > HOST_ARGUMENT_BYTES:
-        raise _LargeHostTensor
-    signature.append(("cpu", tuple(host.shape), tuple(host.stride()), host.dtype))
-    host, raw = protocol.tensor_to_raw(host)
-    payload = [_NAMES.dtype_names[host.dtype], list(host.shape), list(host.stride()), -1]
-    encoded.host_tensors.append((payload, raw))
-    return {protocol.TAG_HOST_TENSOR: payload}
-
-
-def encode_arguments(args: Sequence[Any], kwargs: dict[str, Any] | None) -> Encoded:
-    """Arguments and keyword arguments as they travel, with the operation's signature."""
-    encoded = Encoded()
-    signature = encoded.signature
-    inputs = encoded.inputs
-    wire_args = encoded.args
-    for arg in args:
-        kind = type(arg)
-        if kind is ProxyTensor:
-            inputs.append(arg)
-            signature.append(arg._meta)
-            wire_args.append(arg._wire_ref)
-        elif kind is int or kind is str or arg is None:
-            signature.append(arg)
-            wire_args.append(arg)
-        elif kind is float:
-            signature.append(_FLOAT)
-            wire_args.append(arg)
-        else:
-            wire_args.append(_encode_other(arg, kind, signature, encoded))
-    if kwargs:
-        wire_kwargs: dict[str, Any] = {}
-        for name, value in kwargs.items():
-            signature.append(name)
-            kind = type(value)
-            if kind is float:
-                signature.append(_FLOAT)
-                wire_kwargs[name] = value
-            elif kind is int or kind is str or value is None:
-                signature.append(value)
-                wire_kwargs[name] = value
-            else:
-                wire_kwargs[name] = _encode_other(value, kind, signature, encoded)
-        encoded.kwargs = wire_kwargs
-    return encoded
 
 
 def _upload_large_host_tensors(value: Any, channel: Channel) -> Any:
     """`value` with every large host tensor in it replaced by a stand-in on the channel's device."""
     if isinstance(value, torch.Tensor) and not isinstance(value, ProxyTensor):
-        if value.numel() * value.element_size() > HOST_ARGUMENT_BYTES:
+        if value.numel() * value.element_size() > protocol.HOST_ARGUMENT_BYTES:
             return upload_to(channel, value)
         return value
     if isinstance(value, (list, tuple)):
@@ -355,13 +347,19 @@ def _parse_template(tree: Any) -> Any:
         return (tag, (tuple(shape), tuple(stride), offset, _NAMES.dtype(dtype)), nbytes)
     if tag in (protocol.TEMPLATE_LIST, protocol.TEMPLATE_TUPLE):
         return (tag, [_parse_template(item) for item in tree[1]])
+    if tag == protocol.TEMPLATE_SPARSE:
+        _, layout, shape, dtype, nbytes = tree
+        return (tag, (tuple(shape), _NAMES.layouts[layout], 0, _NAMES.dtype(dtype)), nbytes)
+    if tag == protocol.TEMPLATE_RESHAPED:
+        _, position, shape, stride, offset = tree
+        return (tag, position, (tuple(shape), tuple(stride), offset))
     return tuple(tree)
 
 
 def _count_new(template: Any) -> tuple[int, int, bool]:
     """Number of new tensors, bytes of new storage, and whether a plain value is returned."""
     tag = template[0]
-    if tag == protocol.TEMPLATE_TENSOR:
+    if tag == protocol.TEMPLATE_TENSOR or tag == protocol.TEMPLATE_SPARSE:
         return 1, template[2], False
     if tag in (protocol.TEMPLATE_LIST, protocol.TEMPLATE_TUPLE):
         count = nbytes = 0
@@ -384,8 +382,14 @@ def _build(template: Any, channel: Channel, inputs: list[ProxyTensor], next_hand
         handle = next_handle[0]
         next_handle[0] = handle + 1
         return new_stand_in(channel, handle, template[1])
+    if tag == protocol.TEMPLATE_SPARSE:
+        handle = next_handle[0]
+        next_handle[0] = handle + 1
+        return new_sparse_stand_in(channel, handle, template[1])
     if tag == protocol.TEMPLATE_ALIAS:
         return inputs[template[1]]
+    if tag == protocol.TEMPLATE_RESHAPED:
+        return _reshape(inputs[template[1]], *template[2])
     if tag == protocol.TEMPLATE_LIST:
         return [_build(item, channel, inputs, next_handle) for item in template[1]]
     if tag == protocol.TEMPLATE_TUPLE:
@@ -393,6 +397,24 @@ def _build(template: Any, channel: Channel, inputs: list[ProxyTensor], next_hand
     if tag == protocol.TEMPLATE_VALUE:
         return template[1]
     return None
+
+
+def _reshape(stand_in: ProxyTensor, shape: Any, stride: Any, offset: int) -> ProxyTensor:
+    """Give a stand-in the shape, stride and offset an in-place view operation gave its tensor.
+
+    The stand-in's C++ metadata is set the way torch sets a wrapper subclass's for in-place
+    views (`return_and_correct_aliasing`): `set_` with dispatch off and the meta kernels on,
+    which allocates nothing.
+    """
+    with torch._C._DisableTorchDispatch():
+        meta_before = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            stand_in.set_(torch.Tensor.untyped_storage(stand_in), offset, shape, stride)  # C++ storage
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta_before)
+    stand_in._meta = (shape, stride, offset, stand_in._meta[3])
+    return stand_in
 
 
 def _value_dependent(func: Any, args: Sequence[Any]) -> bool:
@@ -405,55 +427,98 @@ def _value_dependent(func: Any, args: Sequence[Any]) -> bool:
     return False
 
 
+def custom_op_handler(func: Any) -> SpecialHandler | None:
+    """For a Python custom operator of a namespace the server does not serve (torch's own
+    `torch_nn::` operators), a handler running its implementation here: the operations it
+    makes reach the server. None for any other operator."""
+    if func.namespace in protocol.SERVED_NAMESPACES:
+        return None
+    from torch._library.custom_ops import OPDEFS
+
+    definition = OPDEFS.get(f"{func.namespace}::{func._opname}")
+    if definition is None:
+        return None
+    implementations = definition._backend_fns
+    implementation = implementations.get("cpu") or implementations.get(None)  # the host's choice
+    if implementation is None:
+        return None
+
+    def run(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        with device_mode_active():  # it makes tensors with device=input.device
+            return implementation(*args, **kwargs)
+
+    return run
+
+
+device_mode: list[Any] = []
+"""The torch-function mode placing tensors on the proxied devices, once installed (mode.py)."""
+
+
+def device_mode_active() -> Any:
+    """A context in which the device mode is active (entered unless it is on the mode stack)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    if not device_mode or device_mode[0] in _get_current_function_mode_stack():
+        return contextlib.nullcontext()
+    return device_mode[0]
+
+
 def dispatch(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> Any:
     """Carry out one aten operation on stand-ins (most are forwarded to the proxy server)."""
-    special = special_ops.get(func)
-    if special is None and func.namespace in namespace_ops:
-        special = namespace_ops[func.namespace](func)
-        if special is not None:
-            special_ops[func] = special
-    if special is not None:
-        return special(func, args, kwargs or {})
-    return forward(func, args, kwargs)
+    try:
+        route = _routes[id(func)]  # operators live as long as torch: their ids stay theirs
+    except KeyError:
+        route = special_ops.get(func)
+        if route is None:
+            route = next((found for rule in special_rules if (found := rule(func)) is not None), None)
+        _routes[id(func)] = route
+    if route is None:
+        return forward(func, args, kwargs)
+    return route(func, args, kwargs or {})
 
 
 def forward(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> Any:
-    """Send one aten operation to the server; its outputs as stand-ins."""
+    """Send one aten operation to the server; its outputs as stand-ins.
+
+    A call whose signature was seen before runs its plan (OP_RUN) and is answered from the
+    cached template at once; a new signature is planned (OP_PLAN) and asks for its template.
+    """
     try:
-        encoded = encode_arguments(args, kwargs)
-    except _LargeHostTensor:
+        call = encoding.encode_call(args, kwargs)
+    except encoding.LargeHostTensor:
         target = _first_stand_in([*args, *(kwargs or {}).values()])
         assert target is not None
         args = _upload_large_host_tensors(list(args), target._channel)
         kwargs = {k: _upload_large_host_tensors(v, target._channel) for k, v in (kwargs or {}).items()}
-        encoded = encode_arguments(args, kwargs)
-    inputs = encoded.inputs
+        call = encoding.encode_call(args, kwargs)
+    inputs = call.inputs
     channel = inputs[0]._channel
     for stand_in in inputs:
         if stand_in._channel is not channel:
             raise same_device_error(str(channel.device), str(stand_in._channel.device))
-    if encoded.host_tensors:
-        first = channel.attach([raw for _, raw in encoded.host_tensors])
-        for position, (payload, _raw) in enumerate(encoded.host_tensors):
+    if call.host_tensors:
+        first = channel.attach([raw for _, raw in call.host_tensors])
+        for position, (payload, _raw) in enumerate(call.host_tensors):
             payload[3] = first + position
-    key = (func, tuple(encoded.signature))
-    cached = channel.templates.get(key)
-    if cached is not None:
-        template, count, nbytes = cached
-        if nbytes < channel.sync_bytes:
-            first = channel.new_handle(count)
-            channel.push([protocol.OP_CALL, channel.op_id(func), first, encoded.args, encoded.kwargs])
+    key = (id(func), tuple(call.signature))
+    known = channel.calls.get(key)
+    if known is None:
+        known = channel.plan(key, func, *encoding.plan_arguments(args, kwargs))
+    else:
+        template = known[1]
+        if template is not None and known[3] < channel.sync_bytes:
+            first = channel.new_handle(known[2])
+            channel.push([protocol.OP_RUN, known[0], first, call.values])
             if template[0] == protocol.TEMPLATE_TENSOR:
                 return new_stand_in(channel, first, template[1])
             return _build(template, channel, inputs, [first])
-    op_id = channel.op_id(func)
     first = channel.next_handle
-    reply = channel.request([protocol.REQ_CALL, op_id, first, encoded.args, encoded.kwargs])
+    reply = channel.request([protocol.REQ_RUN, known[0], first, call.values])
     template = _parse_template(reply)
     count, nbytes, has_value = _count_new(template)
     channel.next_handle = first + count
     if not has_value and not _value_dependent(func, args):
-        channel.templates[key] = (template, count, nbytes)
+        known[1:] = [template, count, nbytes]
     return _build(template, channel, inputs, [first])
 
 
@@ -464,6 +529,8 @@ def _repr(stand_in: ProxyTensor) -> str:
 
     with torch.no_grad():
         host = download(stand_in)
+    if host.layout != torch.strided:  # torch prints the components, then the device before the size
+        return repr(host).replace("size=", f"device='{stand_in.device}', size=", 1)
     contents = "[]" if host.numel() == 0 else _tensor_str._tensor_str(host, len("tensor("))
     name = ProxyTensor.__name__
     ProxyTensor.__name__ = "tensor"
@@ -476,3 +543,8 @@ def _repr(stand_in: ProxyTensor) -> str:
             text = text[len("Parameter(") : -1]
         return "Parameter containing:\n" + text
     return text
+
+
+from . import encoding  # noqa: E402 (it is given ProxyTensor from here)
+
+encoding.use_stand_in_class(ProxyTensor)

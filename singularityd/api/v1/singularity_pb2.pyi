@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("command", "name", "gpus", "priority", "ranks", "cwd", "env", "checkpoint_interval")
+    __slots__ = ("command", "name", "gpus", "priority", "ranks", "cwd", "env", "checkpoint_interval", "anywhere")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class SubmitRequest(_message.Message):
     CWD_FIELD_NUMBER: _ClassVar[int]
     ENV_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    ANYWHERE_FIELD_NUMBER: _ClassVar[int]
     command: _containers.RepeatedScalarFieldContainer[str]
     name: str
     gpus: int
@@ -31,7 +32,8 @@ class SubmitRequest(_message.Message):
     cwd: str
     env: _containers.ScalarMap[str, str]
     checkpoint_interval: float
-    def __init__(self, command: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., gpus: _Optional[int] = ..., priority: _Optional[int] = ..., ranks: _Optional[int] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., checkpoint_interval: _Optional[float] = ...) -> None: ...
+    anywhere: bool
+    def __init__(self, command: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., gpus: _Optional[int] = ..., priority: _Optional[int] = ..., ranks: _Optional[int] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., checkpoint_interval: _Optional[float] = ..., anywhere: _Optional[bool] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("job",)
@@ -40,7 +42,7 @@ class SubmitResponse(_message.Message):
     def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "user", "uid", "state", "reason", "pending_reason", "priority", "gpus", "ranks", "devices", "command", "submitted_at", "started_at", "ended_at", "exit_code", "signal", "cpu_seconds", "rss_bytes", "cwd", "attempt", "checkpoint_interval", "checkpoints", "checkpoint_bytes", "last_checkpoint", "starting")
+    __slots__ = ("id", "name", "user", "uid", "state", "reason", "pending_reason", "priority", "gpus", "ranks", "devices", "command", "submitted_at", "started_at", "ended_at", "exit_code", "signal", "cpu_seconds", "rss_bytes", "cwd", "attempt", "checkpoint_interval", "checkpoints", "checkpoint_bytes", "last_checkpoint", "starting", "node", "move")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +69,8 @@ class Job(_message.Message):
     CHECKPOINT_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     STARTING_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    MOVE_FIELD_NUMBER: _ClassVar[int]
     id: int
     name: str
     user: str
@@ -93,7 +97,23 @@ class Job(_message.Message):
     checkpoint_bytes: int
     last_checkpoint: CheckpointInfo
     starting: bool
-    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., user: _Optional[str] = ..., uid: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., pending_reason: _Optional[str] = ..., priority: _Optional[int] = ..., gpus: _Optional[int] = ..., ranks: _Optional[int] = ..., devices: _Optional[_Iterable[int]] = ..., command: _Optional[_Iterable[str]] = ..., submitted_at: _Optional[float] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., cpu_seconds: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., cwd: _Optional[str] = ..., attempt: _Optional[int] = ..., checkpoint_interval: _Optional[float] = ..., checkpoints: _Optional[int] = ..., checkpoint_bytes: _Optional[int] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., starting: _Optional[bool] = ...) -> None: ...
+    node: str
+    move: MoveInfo
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., user: _Optional[str] = ..., uid: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., pending_reason: _Optional[str] = ..., priority: _Optional[int] = ..., gpus: _Optional[int] = ..., ranks: _Optional[int] = ..., devices: _Optional[_Iterable[int]] = ..., command: _Optional[_Iterable[str]] = ..., submitted_at: _Optional[float] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., cpu_seconds: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., cwd: _Optional[str] = ..., attempt: _Optional[int] = ..., checkpoint_interval: _Optional[float] = ..., checkpoints: _Optional[int] = ..., checkpoint_bytes: _Optional[int] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., starting: _Optional[bool] = ..., node: _Optional[str] = ..., move: _Optional[_Union[MoveInfo, _Mapping]] = ...) -> None: ...
+
+class MoveInfo(_message.Message):
+    __slots__ = ("peer", "phase", "moved", "total", "sent")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SENT_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    phase: str
+    moved: int
+    total: int
+    sent: int
+    def __init__(self, peer: _Optional[str] = ..., phase: _Optional[str] = ..., moved: _Optional[int] = ..., total: _Optional[int] = ..., sent: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("at", "from_state", "to_state", "reason")
@@ -273,6 +293,140 @@ class ListDevicesResponse(_message.Message):
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     devices: _containers.RepeatedCompositeFieldContainer[Device]
     def __init__(self, devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ...) -> None: ...
+
+class ClusterInitRequest(_message.Message):
+    __slots__ = ("node_name", "cluster_name")
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_NAME_FIELD_NUMBER: _ClassVar[int]
+    node_name: str
+    cluster_name: str
+    def __init__(self, node_name: _Optional[str] = ..., cluster_name: _Optional[str] = ...) -> None: ...
+
+class ClusterTokenRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClusterJoinInfo(_message.Message):
+    __slots__ = ("node_name", "token", "ca_fingerprint", "join_address", "token_expires_at", "node_number")
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CA_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    JOIN_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    NODE_NUMBER_FIELD_NUMBER: _ClassVar[int]
+    node_name: str
+    token: str
+    ca_fingerprint: str
+    join_address: str
+    token_expires_at: float
+    node_number: int
+    def __init__(self, node_name: _Optional[str] = ..., token: _Optional[str] = ..., ca_fingerprint: _Optional[str] = ..., join_address: _Optional[str] = ..., token_expires_at: _Optional[float] = ..., node_number: _Optional[int] = ...) -> None: ...
+
+class ClusterJoinRequest(_message.Message):
+    __slots__ = ("address", "token", "ca_fingerprint", "node_name")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CA_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    token: str
+    ca_fingerprint: str
+    node_name: str
+    def __init__(self, address: _Optional[str] = ..., token: _Optional[str] = ..., ca_fingerprint: _Optional[str] = ..., node_name: _Optional[str] = ...) -> None: ...
+
+class ClusterJoinResponse(_message.Message):
+    __slots__ = ("node_name", "node_number", "ca_node")
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    NODE_NUMBER_FIELD_NUMBER: _ClassVar[int]
+    CA_NODE_FIELD_NUMBER: _ClassVar[int]
+    node_name: str
+    node_number: int
+    ca_node: str
+    def __init__(self, node_name: _Optional[str] = ..., node_number: _Optional[int] = ..., ca_node: _Optional[str] = ...) -> None: ...
+
+class ListPeersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Peer(_message.Message):
+    __slots__ = ("node", "address", "state", "devices", "free", "version", "last_contact", "draining", "error")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_CONTACT_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    address: str
+    state: str
+    devices: int
+    free: int
+    version: str
+    last_contact: float
+    draining: bool
+    error: str
+    def __init__(self, node: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., devices: _Optional[int] = ..., free: _Optional[int] = ..., version: _Optional[str] = ..., last_contact: _Optional[float] = ..., draining: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ListPeersResponse(_message.Message):
+    __slots__ = ("node", "node_number", "draining", "peers")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    NODE_NUMBER_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    node_number: int
+    draining: bool
+    peers: _containers.RepeatedCompositeFieldContainer[Peer]
+    def __init__(self, node: _Optional[str] = ..., node_number: _Optional[int] = ..., draining: _Optional[bool] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ...) -> None: ...
+
+class MigrateRequest(_message.Message):
+    __slots__ = ("id", "to")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TO_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    to: str
+    def __init__(self, id: _Optional[int] = ..., to: _Optional[str] = ...) -> None: ...
+
+class MoveProgress(_message.Message):
+    __slots__ = ("id", "peer", "phase", "moved", "total", "done", "ok", "detail")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    peer: str
+    phase: str
+    moved: int
+    total: int
+    done: bool
+    ok: bool
+    detail: str
+    def __init__(self, id: _Optional[int] = ..., peer: _Optional[str] = ..., phase: _Optional[str] = ..., moved: _Optional[int] = ..., total: _Optional[int] = ..., done: _Optional[bool] = ..., ok: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("draining",)
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    draining: bool
+    def __init__(self, draining: _Optional[bool] = ...) -> None: ...
+
+class ListClusterJobsResponse(_message.Message):
+    __slots__ = ("jobs", "unreachable")
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[Job]
+    unreachable: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ..., unreachable: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DaemonInfoRequest(_message.Message):
     __slots__ = ()

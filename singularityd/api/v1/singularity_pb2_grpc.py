@@ -99,6 +99,46 @@ class SingularityStub:
                 request_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.JobRef.SerializeToString,
                 response_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.CheckpointResponse.FromString,
                 _registered_method=True)
+        self.ClusterInit = channel.unary_unary(
+                '/singularity.v1.Singularity/ClusterInit',
+                request_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.ClusterInitRequest.SerializeToString,
+                response_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.ClusterJoinInfo.FromString,
+                _registered_method=True)
+        self.ClusterToken = channel.unary_unary(
+                '/singularity.v1.Singularity/ClusterToken',
+                request_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.ClusterTokenRequest.SerializeToString,
+                response_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.ClusterJoinInfo.FromString,
+                _registered_method=True)
+        self.ClusterJoin = channel.unary_unary(
+                '/singularity.v1.Singularity/ClusterJoin',
+                request_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.ClusterJoinRequest.SerializeToString,
+                response_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.ClusterJoinResponse.FromString,
+                _registered_method=True)
+        self.ListPeers = channel.unary_unary(
+                '/singularity.v1.Singularity/ListPeers',
+                request_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.ListPeersRequest.SerializeToString,
+                response_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.ListPeersResponse.FromString,
+                _registered_method=True)
+        self.Migrate = channel.unary_stream(
+                '/singularity.v1.Singularity/Migrate',
+                request_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.MigrateRequest.SerializeToString,
+                response_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.MoveProgress.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_stream(
+                '/singularity.v1.Singularity/Drain',
+                request_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.DrainRequest.SerializeToString,
+                response_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.MoveProgress.FromString,
+                _registered_method=True)
+        self.Undrain = channel.unary_unary(
+                '/singularity.v1.Singularity/Undrain',
+                request_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.DrainRequest.SerializeToString,
+                response_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.DrainResponse.FromString,
+                _registered_method=True)
+        self.ListClusterJobs = channel.unary_unary(
+                '/singularity.v1.Singularity/ListClusterJobs',
+                request_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.ListClusterJobsResponse.FromString,
+                _registered_method=True)
 
 
 class SingularityServicer:
@@ -188,6 +228,63 @@ class SingularityServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClusterInit(self, request, context):
+        """Lab clusters of peer daemons (admins only for init, token, join, drain and undrain).
+        Make a lab CA here and certify this node; the answer is what a joining node needs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ClusterToken(self, request, context):
+        """A fresh join token (only on the node that made the lab CA).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ClusterJoin(self, request, context):
+        """Join a lab: the daemon fetches its certificate from the CA node's join port.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPeers(self, request, context):
+        """This node's peers, as heartbeats describe them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Migrate(self, request, context):
+        """Move a running job to a peer; progress until it is over (the move goes on if the caller leaves).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Refuse new jobs and move every job away; one message per job as its move progresses and ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Undrain(self, request, context):
+        """Take jobs again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListClusterJobs(self, request, context):
+        """The jobs of every reachable node of the lab, each with its node.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SingularityServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -255,6 +352,46 @@ def add_SingularityServicer_to_server(servicer, server):
                     servicer.Checkpoint,
                     request_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.JobRef.FromString,
                     response_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'ClusterInit': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClusterInit,
+                    request_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.ClusterInitRequest.FromString,
+                    response_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.ClusterJoinInfo.SerializeToString,
+            ),
+            'ClusterToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClusterToken,
+                    request_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.ClusterTokenRequest.FromString,
+                    response_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.ClusterJoinInfo.SerializeToString,
+            ),
+            'ClusterJoin': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClusterJoin,
+                    request_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.ClusterJoinRequest.FromString,
+                    response_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.ClusterJoinResponse.SerializeToString,
+            ),
+            'ListPeers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPeers,
+                    request_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.ListPeersRequest.FromString,
+                    response_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.ListPeersResponse.SerializeToString,
+            ),
+            'Migrate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Migrate,
+                    request_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.MigrateRequest.FromString,
+                    response_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.MoveProgress.SerializeToString,
+            ),
+            'Drain': grpc.unary_stream_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.DrainRequest.FromString,
+                    response_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.MoveProgress.SerializeToString,
+            ),
+            'Undrain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Undrain,
+                    request_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.DrainRequest.FromString,
+                    response_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.DrainResponse.SerializeToString,
+            ),
+            'ListClusterJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListClusterJobs,
+                    request_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.ListJobsRequest.FromString,
+                    response_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.ListClusterJobsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -608,6 +745,222 @@ class Singularity:
             '/singularity.v1.Singularity/Checkpoint',
             singularityd_dot_api_dot_v1_dot_singularity__pb2.JobRef.SerializeToString,
             singularityd_dot_api_dot_v1_dot_singularity__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClusterInit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/singularity.v1.Singularity/ClusterInit',
+            singularityd_dot_api_dot_v1_dot_singularity__pb2.ClusterInitRequest.SerializeToString,
+            singularityd_dot_api_dot_v1_dot_singularity__pb2.ClusterJoinInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClusterToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/singularity.v1.Singularity/ClusterToken',
+            singularityd_dot_api_dot_v1_dot_singularity__pb2.ClusterTokenRequest.SerializeToString,
+            singularityd_dot_api_dot_v1_dot_singularity__pb2.ClusterJoinInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClusterJoin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/singularity.v1.Singularity/ClusterJoin',
+            singularityd_dot_api_dot_v1_dot_singularity__pb2.ClusterJoinRequest.SerializeToString,
+            singularityd_dot_api_dot_v1_dot_singularity__pb2.ClusterJoinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPeers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/singularity.v1.Singularity/ListPeers',
+            singularityd_dot_api_dot_v1_dot_singularity__pb2.ListPeersRequest.SerializeToString,
+            singularityd_dot_api_dot_v1_dot_singularity__pb2.ListPeersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Migrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/singularity.v1.Singularity/Migrate',
+            singularityd_dot_api_dot_v1_dot_singularity__pb2.MigrateRequest.SerializeToString,
+            singularityd_dot_api_dot_v1_dot_singularity__pb2.MoveProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/singularity.v1.Singularity/Drain',
+            singularityd_dot_api_dot_v1_dot_singularity__pb2.DrainRequest.SerializeToString,
+            singularityd_dot_api_dot_v1_dot_singularity__pb2.MoveProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Undrain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/singularity.v1.Singularity/Undrain',
+            singularityd_dot_api_dot_v1_dot_singularity__pb2.DrainRequest.SerializeToString,
+            singularityd_dot_api_dot_v1_dot_singularity__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListClusterJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/singularity.v1.Singularity/ListClusterJobs',
+            singularityd_dot_api_dot_v1_dot_singularity__pb2.ListJobsRequest.SerializeToString,
+            singularityd_dot_api_dot_v1_dot_singularity__pb2.ListClusterJobsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -132,6 +132,11 @@ class PeerStub:
                 request_serializer=singularityd_dot_federation_dot_v1_dot_peer__pb2.FinishTransferRequest.SerializeToString,
                 response_deserializer=singularityd_dot_federation_dot_v1_dot_peer__pb2.TransferVerdict.FromString,
                 _registered_method=True)
+        self.ListJobs = channel.unary_unary(
+                '/singularity.peer.v1.Peer/ListJobs',
+                request_serializer=singularityd_dot_federation_dot_v1_dot_peer__pb2.ListPeerJobsRequest.SerializeToString,
+                response_deserializer=singularityd_dot_federation_dot_v1_dot_peer__pb2.ListPeerJobsReply.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -172,6 +177,13 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListJobs(self, request, context):
+        """The jobs this node owns (for `sing ps --cluster` on any node).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -199,6 +211,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.FinishTransfer,
                     request_deserializer=singularityd_dot_federation_dot_v1_dot_peer__pb2.FinishTransferRequest.FromString,
                     response_serializer=singularityd_dot_federation_dot_v1_dot_peer__pb2.TransferVerdict.SerializeToString,
+            ),
+            'ListJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobs,
+                    request_deserializer=singularityd_dot_federation_dot_v1_dot_peer__pb2.ListPeerJobsRequest.FromString,
+                    response_serializer=singularityd_dot_federation_dot_v1_dot_peer__pb2.ListPeerJobsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -336,6 +353,33 @@ class Peer:
             '/singularity.peer.v1.Peer/FinishTransfer',
             singularityd_dot_federation_dot_v1_dot_peer__pb2.FinishTransferRequest.SerializeToString,
             singularityd_dot_federation_dot_v1_dot_peer__pb2.TransferVerdict.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/singularity.peer.v1.Peer/ListJobs',
+            singularityd_dot_federation_dot_v1_dot_peer__pb2.ListPeerJobsRequest.SerializeToString,
+            singularityd_dot_federation_dot_v1_dot_peer__pb2.ListPeerJobsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,223 @@
+"""Migration between two real daemons in network namespaces: downtime, total time, bytes sent.
+
+Run (root, CRIU): .venv/bin/python bench/bench_migrate.py [--sizes 100,1024,4096] [--runs 1]
+
+Two daemons of a lab (tests/federation/lab.py: each in network and mount namespaces of its own,
+joined with the real `sing cluster` verbs, mutual TLS over a veth link) on this one machine, so
+both share its cores and disk. A proxied job holds SIZE MiB of device state (random numbers on its
+virtual device) and prints a wall-clock tick every 10 ms, each after a round trip to its device.
+`sing migrate` moves it from node-a to node-b. Reported per size:
+
+- downtime seen by the program: the longest gap between two ticks around the move;
+- downtime seen by the daemons: from the start of the final checkpoint on the source (the job's
+  device work is held from then on) to the job RUNNING on the target, and its parts (checkpoint:
+  device state saved, CRIU dump, job stopped, of which "pause" is CRIU's freeze; transfer; restore
+  frozen; commit until running), from the jobs' events on both daemons;
+- total: `sing migrate` from call to return;
+- checkpoint image size against the bytes the transfer sent;
+- the same files copied between the two namespaces over a plain TCP socket in the same run (no TLS,
+  no checksums), against the real transfer (gRPC, mutual TLS, sha256 per chunk, verified).
+
+Pre-copy: the proxy's pre-copy of device state is not on main when this was written, and CRIU here
+cannot pre-dump (no memory dirty tracking), so every move copies everything while the job is
+stopped; the column says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.federation.lab import Lab, Node, joined_lab  # noqa: E402
+from tests.helpers import wait_until  # noqa: E402
+
+PYTHON = sys.executable
+PROGRAM = r"""
+import os, sys, time, torch
+mib, hold = int(sys.argv[1]), sys.argv[2]
+state = torch.empty(mib << 18, device="cuda").normal_()
+step = torch.zeros(1, device="cuda")
+print("ready", flush=True)
+while not os.path.exists(hold):
+    step += 1
+    print(f"tick {time.time():.6f} {step.item():.0f}", flush=True)
+    time.sleep(0.01)
+print("done", state.sum().item(), flush=True)
+"""
+
+RAW_RECEIVE = r"""
+import os, socket, sys
+server = socket.socket()
+server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind(("0.0.0.0", int(sys.argv[1])))
+server.listen(1)
+print("listening", flush=True)
+conn, _ = server.accept()
+with open(sys.argv[2], "wb") as out:
+    while data := conn.recv(1 << 20):
+        out.write(data)
+    out.flush()
+    os.fsync(out.fileno())
+conn.close()
+"""
+RAW_SEND = r"""
+import pathlib, socket, sys, time
+files = sorted(p for p in pathlib.Path(sys.argv[3]).rglob("*") if p.is_file())
+sock = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+start = time.monotonic()
+for path in files:
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            sock.sendall(chunk)
+sock.shutdown(socket.SHUT_WR)
+sock.recv(1)
+print(time.monotonic() - start)
+"""
+RAW_PORT = 7099
+
+
+def raw_copy_seconds(lab: Lab, folder: Path) -> float:
+    """Seconds to copy the files of `folder` from node-a to a file on node-b over a plain TCP socket
+    (read from disk, written and synced to disk as the transfer does; no TLS, no checksums)."""
+    out = lab.paths.root / "raw-copy"
+    receiver = lab.network.start(
+        "node-b", [PYTHON, "-c", RAW_RECEIVE, str(RAW_PORT), str(out)], stdout=subprocess.PIPE
+    )
+    assert receiver.stdout is not None and receiver.stdout.readline() == b"listening\n"
+    address = lab.network.nodes["node-b"].address
+    sender = lab.network.command("node-a", [PYTHON, "-c", RAW_SEND, address, str(RAW_PORT), str(folder)])
+    done = subprocess.run(sender, capture_output=True, text=True, timeout=600, check=True)
+    receiver.wait(60)
+    out.unlink()
+    return float(done.stdout)
+
+
+def event_time(events: list[dict[str, Any]], pattern: str) -> tuple[float, str]:
+    """When the last event whose reason matches `pattern` happened, and its reason."""
+    found = [(float(e["at"]), str(e["reason"])) for e in events if re.search(pattern, e["reason"])]
+    if not found:
+        raise RuntimeError(f"no event matching {pattern!r} in {[e['reason'] for e in events]}")
+    return found[-1]
+
+
+def ticks(log: str) -> list[float]:
+    """The wall-clock times the program printed."""
+    return [float(line.split()[1]) for line in log.splitlines() if line.startswith("tick ")]
+
+
+def watch_sent(node: Node, job: int, stop: threading.Event, seen: dict[str, int]) -> None:
+    """Keep the largest transfer size and bytes sent that `sing show` reports during the move."""
+    while not stop.is_set():
+        shown = node.job(job)
+        move = (shown or {}).get("move") or {}
+        for key in ("total", "moved"):
+            if isinstance(move.get(key), int):
+                seen[key] = max(seen.get(key, 0), move[key])
+        time.sleep(0.05)
+
+
+def measure(lab: Lab, mib: int, program: Path) -> dict[str, float]:
+    """One move of a job holding `mib` MiB of device state from node-a to node-b."""
+    a, b = lab.node("node-a"), lab.node("node-b")
+    hold = lab.paths.root / f"hold-{mib}-{time.time()}"
+    submitted = a.sing(
+        "submit", "--env", "OMP_NUM_THREADS=1", "--", PYTHON, str(program), str(mib), str(hold)
+    )
+    assert submitted.code == 0, submitted.err
+    job = int(submitted.out)
+    wait_until(lambda: len(ticks(a.rank_log(job).read_text() if a.rank_log(job).exists() else "")) > 50, 600)
+    seen: dict[str, int] = {}
+    stop = threading.Event()
+    watcher = threading.Thread(target=watch_sent, args=(a, job, stop, seen), daemon=True)
+    watcher.start()
+    started = time.monotonic()
+    moved = a.sing("migrate", str(job), "--to", "node-b", timeout=1800)
+    total = time.monotonic() - started
+    stop.set()
+    watcher.join(10)
+    assert moved.code == 0, moved.err
+    before = len(ticks(b.rank_log(job).read_text()))
+    wait_until(lambda: len(ticks(b.rank_log(job).read_text())) > before + 20, 120)
+    hold.touch()
+    assert b.sing("wait", str(job), timeout=300).code == 0
+    times = ticks(b.sing("logs", str(job)).out)
+    gap = max(later - earlier for earlier, later in itertools.pairwise(times))
+    source_events = a.job(job)["events"]  # type: ignore[index]
+    target_events = b.job(job)["events"]  # type: ignore[index]
+    stopped_at, stopped = event_time(source_events, r"^stopped to move to node-b")
+    paused = float(re.search(r"paused ([0-9.]+)s", stopped).group(1))  # type: ignore[union-attr]
+    size = re.search(r"checkpoint \d+ \(([0-9.]+)([KMGT]?)", stopped)
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    image = float(size.group(1)) * units[size.group(2)] if size else float("nan")
+    transferred_at, _ = event_time(source_events, r"^checkpoint transferred")
+    restored_at, _ = event_time(target_events, r"^restored frozen")
+    running_at, _ = event_time(target_events, r"the job runs here")
+    checkpoint_started, _ = event_time(source_events, r"^move to node-b: checkpointing and stopping")
+    raw = raw_copy_seconds(lab, b.state_dir / "checkpoints" / str(job))
+    b.sing("cancel", str(job))
+    return {
+        "program_downtime": gap,
+        "daemon_downtime": running_at - checkpoint_started,
+        "checkpoint": stopped_at - checkpoint_started,
+        "pause": paused,
+        "transfer": transferred_at - stopped_at,
+        "restore": restored_at - transferred_at,
+        "commit": running_at - restored_at,
+        "total": total,
+        "image": image,
+        "sent": float(seen.get("total", 0)),
+        "raw_copy": raw,
+    }
+
+
+def main() -> None:
+    """Build a two-node lab, move a job of each size, print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="100,1024", help="MiB of device state, comma-separated")
+    parser.add_argument("--runs", type=int, default=1, help="moves per size (the median is shown)")
+    args = parser.parse_args()
+    sizes = [int(size) for size in args.sizes.split(",")]
+    config = {"virtual_devices": 1, "move_timeout_seconds": 1800.0, "move_hold_seconds": 1800.0}
+    results: dict[int, list[dict[str, float]]] = {}
+    with joined_lab(("node-a", "node-b"), f"bmig{os.getpid() % 10000}", config) as lab:
+        program = lab.paths.root / "hold_state.py"
+        program.write_text(PROGRAM)
+        for mib in sizes:
+            for _ in range(args.runs):
+                result = measure(lab, mib, program)
+                print(json.dumps({"mib": mib, **result}), flush=True)
+                results.setdefault(mib, []).append(result)
+    load = os.getloadavg()[0]
+    print(f"\n{datetime.now():%Y-%m-%d %H:%M}, load average {load:.1f}, {args.runs} run(s) per size")
+    print(
+        "| device state | pre-copy | downtime (program) | downtime (daemons) | checkpoint (pause) | transfer "
+        "| restore | commit | total | image | sent | raw socket copy of the image | transfer / raw copy |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for mib, runs in results.items():
+        m = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+        print(
+            f"| {mib} MiB | none | {m['program_downtime']:.2f} s | {m['daemon_downtime']:.2f} s | "
+            f"{m['checkpoint']:.2f} s ({m['pause']:.2f} s) | {m['transfer']:.2f} s | "
+            f"{m['restore']:.2f} s | {m['commit']:.2f} s | "
+            f"{m['total']:.2f} s | {m['image'] / (1 << 20):.0f} MiB | {m['sent'] / (1 << 20):.0f} MiB | "
+            f"{m['raw_copy']:.2f} s | {m['transfer'] / m['raw_copy']:.1f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""What travels with a job to a peer, and where it lands: blocking file work for `moves`.
+
+A move sends one directory (`transfer` streams it):
+
+    job.json                 the job's record and event log (store.export_job), its checkpoint's seq
+    checkpoint/<seq>/        the checkpoint folder as the image store keeps it (CRIU images, the
+                             proxies' device-state files under images/proxy/, manifest.json)
+    logs/rank-<r>.log        the job's output, as it was when the job stopped
+    supervisor.log
+
+The source builds it from hard links (the checkpoint's files never change once written), so
+staging costs no copy. The target puts each part where its own daemon keeps it: the checkpoint
+into its image store, the logs into the job's folder (which is at the same path on every node).
+Call everything here from a thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from singularityd.checkpoint.store import ImageStore
+from singularityd.jobs.launch import prepare_job_dir
+from singularityd.jobs.paths import JobPaths
+
+JOB_FILE = "job.json"
+CHECKPOINT_DIR = "checkpoint"
+LOGS_DIR = "logs"
+SUPERVISOR_LOG = "supervisor.log"
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """What a received directory holds: the job's exported record and its checkpoint's seq."""
+
+    exported: dict[str, Any]
+    seq: int | None
+
+    @property
+    def job_id(self) -> int:
+        """The job's id (the same on every node)."""
+        return int(self.exported["job"]["id"])
+
+    @property
+    def uid(self) -> int:
+        """The job's user."""
+        return int(self.exported["job"]["uid"])
+
+    @property
+    def gid(self) -> int:
+        """The job's group."""
+        return int(self.exported["job"]["gid"])
+
+    @property
+    def gpus(self) -> int:
+        """How many devices the job holds when it runs."""
+        return int(self.exported["job"]["gpus"])
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    """Hard-link a file (a copy where the two folders are on different filesystems)."""
+    try:
+        os.link(source, target, follow_symlinks=False)
+    except OSError as error:
+        if error.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+            raise
+        shutil.copy2(source, target, follow_symlinks=False)
+
+
+def _mirror(source: Path, target: Path) -> None:
+    """Recreate a folder tree under `target`: files hard-linked, symbolic links as they are."""
+    for folder, dirs, files in os.walk(source):
+        relative = Path(folder).relative_to(source)
+        (target / relative).mkdir(parents=True, exist_ok=True, mode=0o700)
+        for name in (*files, *(d for d in dirs if (Path(folder) / d).is_symlink())):
+            path = Path(folder) / name
+            if path.is_symlink():
+                os.symlink(os.readlink(path), target / relative / name)
+            else:
+                _link_or_copy(path, target / relative / name)
+
+
+def remove(path: Path) -> None:
+    """Delete a folder or file if it is there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def stage_outgoing(
+    staging: Path, exported: dict[str, Any], checkpoint: Path | None, seq: int | None, paths: JobPaths
+) -> None:
+    """Build the directory to send (afresh): the record, the checkpoint folder, the logs."""
+    remove(staging)
+    staging.mkdir(parents=True, mode=0o700)
+    if checkpoint is not None and seq is not None:
+        _mirror(checkpoint, staging / CHECKPOINT_DIR / str(seq))
+    (staging / LOGS_DIR).mkdir(mode=0o700)
+    if paths.logs.is_dir():
+        for log in sorted(paths.logs.iterdir()):
+            if log.is_file() and not log.is_symlink():
+                shutil.copyfile(log, staging / LOGS_DIR / log.name)
+    if paths.supervisor_log.is_file():
+        shutil.copyfile(paths.supervisor_log, staging / SUPERVISOR_LOG)
+    document = {"record": exported, "checkpoint_seq": seq}
+    (staging / JOB_FILE).write_text(json.dumps(document, sort_keys=True))
+
+
+def read_arrival(incoming: Path) -> Arrival:
+    """The record and checkpoint seq of a received directory (ValueError when it is malformed)."""
+    try:
+        document = json.loads((incoming / JOB_FILE).read_text())
+        seq = document.get("checkpoint_seq")
+        arrival = Arrival(document["record"], int(seq) if seq is not None else None)
+        _ = (arrival.job_id, arrival.uid, arrival.gid, arrival.gpus)  # each must parse
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"the received job record is unusable: {error}") from error
+    return arrival
+
+
+def place_arrival(incoming: Path, arrival: Arrival, images: ImageStore, paths: JobPaths) -> None:
+    """Put a received job where this daemon keeps it: its checkpoint in the image store (replacing
+    any this node kept of it), its logs in the job's folder, owned by the job's user."""
+    job = str(arrival.job_id)
+    for seq in images.seqs(job):
+        remove(images.checkpoint_dir(job, seq))
+    if arrival.seq is not None:
+        folder = images.checkpoint_dir(job, arrival.seq)
+        folder.parent.mkdir(parents=True, exist_ok=True, mode=0o711)
+        os.replace(incoming / CHECKPOINT_DIR / str(arrival.seq), folder)
+        os.chown(folder, arrival.uid, arrival.gid)
+        os.chmod(folder, 0o700)
+    prepare_job_dir(paths)
+    for stale in (paths.status, paths.pid):
+        stale.unlink(missing_ok=True)
+    received = [(log, paths.logs / log.name) for log in sorted((incoming / LOGS_DIR).glob("*"))]
+    if (incoming / SUPERVISOR_LOG).exists():
+        received.append((incoming / SUPERVISOR_LOG, paths.supervisor_log))
+    for source, target in received:
+        shutil.move(source, target)
+        if os.geteuid() == 0:
+            os.chown(target, arrival.uid, arrival.gid)
+        os.chmod(target, 0o600)

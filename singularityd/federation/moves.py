@@ -1,0 +1,427 @@
+"""The daemon's side of a move (driver.MoveWork): the hand-off's actions carried out on real jobs.
+
+Source: `stop_for_move` asks the job state machine to checkpoint and stop the job (RUNNING ->
+MIGRATING; a queued job is just set aside), `send_checkpoint` streams the checkpoint folder, the
+logs and the job's record to the peer, `drop_local_copy` marks the job MOVED once the peer holds
+it, `resume_here` queues it here again when the move is abandoned.
+Target: `host_problem` answers PREPARE, `authorize` lets the transfer in (only for the epoch the
+hand-off expects), `restore_frozen` imports the record, reserves devices, places the files and
+restores the processes stopped (CRIU --leave-stopped, device state loaded into new proxy
+servers), `release_frozen` lets them run on COMMIT (MIGRATING -> RUNNING), `discard_incoming`
+kills and deletes what arrived for an epoch that will never run here.
+
+The epoch of the copy restored frozen on this node is kept as a store setting (`arriving:<id>`),
+so that a clean-up for an old epoch never touches a newer copy. Every method is idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from singularityd.checkpoint.coordinator import Checkpoints, JobCheckpoints
+from singularityd.checkpoint.criu import Criu
+from singularityd.checkpoint.manifest import MANIFEST_NAME
+from singularityd.checkpoint.precheck import tree_pids
+from singularityd.checkpoint.service import Checkpointer
+from singularityd.checkpoint.store import ImageStore
+from singularityd.core.jobs import (
+    Arrived,
+    MoveAbandoned,
+    MovedAway,
+    MoveStopRequested,
+    StillLaunching,
+    TakeCheckpoint,
+)
+from singularityd.core.states import InvalidTransition, JobState
+from singularityd.daemon import Daemon
+from singularityd.errors import RequestError
+from singularityd.federation import jobfiles, netlock
+from singularityd.federation.facts import MoveFacts
+from singularityd.federation.handoff import INCOMING, Holding, transfer_refusal
+from singularityd.federation.holdings import StoredHoldings
+from singularityd.federation.hosting import MoveSpec, gather_host_facts, hosting_problem, probe_cwd
+from singularityd.federation.peer import PeerChannels, Refused
+from singularityd.federation.transfer import MiB, Progress, Source
+from singularityd.federation.transfer_grpc import Receivers, Sending
+from singularityd.jobs.processes import ProcessId
+from singularityd.jobs.work import identity
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 4 * MiB
+SEND_ATTEMPTS = 30
+SEND_PAUSE_S = 1.0
+LAUNCH_WAIT_S = 120.0
+INCOMING_DIR = ".incoming"
+OUTGOING_DIR = ".outgoing"
+
+
+def frozen_restorer(checkpoints: Checkpoints) -> Checkpoints:
+    """The daemon's checkpoints, restoring with the processes left stopped (CRIU --leave-stopped)."""
+    if not isinstance(checkpoints, JobCheckpoints):
+        return checkpoints  # restores fail with the reason checkpoints are unavailable
+    base = checkpoints.checkpointer
+    options = base.criu.options
+    criu = Criu(
+        base.criu.info, replace(options, extra_restore_args=(*options.extra_restore_args, "--leave-stopped"))
+    )
+    frozen = Checkpointer(criu, base.store, keep=base.keep, pre_copy=0)
+    frozen.userns_problem = base.userns_problem
+    return JobCheckpoints(frozen, checkpoints.devices, checkpoints.status)
+
+
+def newest_complete_seq(images: ImageStore, job: str) -> int | None:
+    """The seq of the job's newest checkpoint with a manifest, or None."""
+    for seq in reversed(images.seqs(job)):
+        if (images.checkpoint_dir(job, seq) / MANIFEST_NAME).exists():
+            return seq
+    return None
+
+
+def signal_tree(pid: int, sig: int) -> None:
+    """Send a signal to a process and all its descendants."""
+    for each in tree_pids(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(each, sig)
+
+
+class DaemonMoves:
+    """Carries out the hand-off's actions on the daemon's jobs (driver.MoveWork)."""
+
+    def __init__(
+        self,
+        daemon: Daemon,
+        holdings: StoredHoldings,
+        channels: PeerChannels,
+        address_of: Callable[[str], str],
+        *,
+        draining: Callable[[], bool],
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
+        self.daemon = daemon
+        self.holdings = holdings
+        self.channels = channels
+        self.address_of = address_of
+        self.draining = draining
+        self.chunk_bytes = chunk_bytes
+        self.frozen = frozen_restorer(daemon.checkpoints)
+        self.receivers = Receivers(self.authorize)
+        self.transfers: dict[int, Progress] = {}
+        """The transfer of each job on its way out, as its sender last reported it."""
+        self.placing: set[int] = set()
+        """Jobs moved only because they could not start here: not to be stopped if they start."""
+        self._notes: dict[int, list[tuple[float, str]]] = {}
+        """Events of jobs arriving here before their record exists (written once it does)."""
+
+    # Places
+
+    @property
+    def images(self) -> ImageStore:
+        """The daemon's image store (where checkpoints live)."""
+        return ImageStore(self.daemon.config.checkpoints)
+
+    def incoming(self, job_id: str, epoch: int) -> Path:
+        """Where the files of one epoch of an arriving job are received."""
+        return self.daemon.config.checkpoints / INCOMING_DIR / f"{job_id}@{epoch}"
+
+    def outgoing(self, job_id: str, epoch: int) -> Path:
+        """Where the files of a leaving job are staged (hard links) for one epoch."""
+        return self.daemon.config.checkpoints / OUTGOING_DIR / f"{job_id}@{epoch}"
+
+    def _arriving_epoch(self, job_id: int) -> int | None:
+        value = self.daemon.store.setting(f"arriving:{job_id}")
+        return int(value) if value else None
+
+    def _set_arriving_epoch(self, job_id: int, epoch: int | None) -> None:
+        self.daemon.store.set_setting(f"arriving:{job_id}", None if epoch is None else str(epoch))
+
+    def facts(self, job_id: int) -> MoveFacts | None:
+        """The move of this job away from here, while one is under way."""
+        holding = self.holdings.load(str(job_id))
+        if holding is None or not holding.owns or holding.phase.value == "owned":
+            return None
+        phase = {
+            "out-preparing": "preparing",
+            "out-transferring": "stopping",
+            "out-restoring": "restoring",
+            "out-committed": "committing",
+        }[holding.phase.value]
+        progress = self.transfers.get(job_id)
+        if progress is None:
+            return MoveFacts(holding.peer, phase)
+        if phase == "stopping" and progress.phase != "done":
+            phase = "sending"
+        return MoveFacts(holding.peer, phase, progress.moved, progress.total, progress.sent)
+
+    # Source side
+
+    def spec_json(self, job_id: str) -> bytes:
+        """What the target checks at PREPARE (see hosting.MoveSpec)."""
+        job = self.daemon.get_job(int(job_id))
+        _, checkpoint_bytes = self.daemon.checkpoints.usage(job.id)
+        spec = MoveSpec(
+            job_id=job_id,
+            user=job.spec.user,
+            uid=job.spec.uid,
+            cwd=job.spec.cwd,
+            gpus=job.spec.gpus,
+            ranks=job.spec.ranks,
+            checkpoint_bytes=checkpoint_bytes,
+            cwd_entries=probe_cwd(job.spec.cwd),
+            jobs_dir=str(self.daemon.config.jobs_dir),
+        )
+        return spec.to_json()
+
+    async def stop_for_move(self, job_id: str, epoch: int) -> None:
+        """Checkpoint and stop the job for the move (RUNNING -> MIGRATING); queued jobs are set aside."""
+        job_number = int(job_id)
+        holding = self.holdings.load(job_id)
+        peer = holding.peer if holding is not None else "a peer"
+        daemon = self.daemon
+        while True:
+            job = daemon.get_job(job_number)
+            if job.state is JobState.MIGRATING:
+                return
+            if job.state is JobState.RUNNING and job_number in self.placing:
+                raise RuntimeError(f"job {job_id} started here meanwhile; it stays")
+            if daemon.activity(job_number).checkpoint is not None:
+                with contextlib.suppress(RequestError, KeyError, asyncio.CancelledError):
+                    await daemon.checkpoint_outcome(job_number)  # a periodic one: wait for it
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                decision = daemon.apply(job_number, MoveStopRequested(peer))
+            except StillLaunching:
+                await daemon.launched(job_number, LAUNCH_WAIT_S)
+                continue
+            except InvalidTransition as error:
+                raise RuntimeError(str(error)) from None
+            if any(isinstance(action, TakeCheckpoint) for action in decision.actions):
+                try:
+                    await daemon.checkpoint_outcome(job_number)
+                except RequestError as error:
+                    raise RuntimeError(error.message) from None
+            state = daemon.get_job(job_number).state
+            if state is not JobState.MIGRATING:
+                raise RuntimeError(f"job {job_id} is {state}, not stopped for the move")
+            return
+
+    async def send_checkpoint(self, job_id: str, peer: str, epoch: int) -> None:
+        """Stream the job's checkpoint, logs and record to `peer` (resuming after broken links)."""
+        job = self.daemon.get_job(int(job_id))
+        if job.state is not JobState.MIGRATING:
+            raise RuntimeError(f"job {job_id} is {job.state}, not stopped for the move")
+        staging = self.outgoing(job_id, epoch)
+        images = self.images
+        seq = await asyncio.to_thread(newest_complete_seq, images, job_id)
+        checkpoint = images.checkpoint_dir(job_id, seq) if seq is not None else None
+        exported = self.daemon.store.export_job(job.id)
+        paths = self.daemon.processes.paths(job.id)
+        try:
+            await asyncio.to_thread(jobfiles.stage_outgoing, staging, exported, checkpoint, seq, paths)
+            source = await asyncio.to_thread(Source, staging, self.chunk_bytes)
+
+            def progress(report: Progress) -> None:
+                self.transfers[job.id] = report
+                self.daemon.feed.publish(job.id)
+
+            stub = self.channels.stub(peer, self.address_of(peer))
+            sending = Sending(stub, source, f"{job_id}@{epoch}", job_id, epoch, progress)
+            await sending.run(attempts=SEND_ATTEMPTS, pause_s=SEND_PAUSE_S)
+        finally:
+            await asyncio.to_thread(jobfiles.remove, staging)
+
+    async def resume_here(self, job_id: str) -> None:
+        """If the job is set aside for a move (or held frozen here), let it run here again."""
+        self.transfers.pop(int(job_id), None)
+        self._let_run(int(job_id), "the move did not happen")
+
+    async def drop_local_copy(self, job_id: str, peer: str) -> None:
+        """The job lives on `peer` now: mark it MOVED, delete its checkpoints and folder here."""
+        job_number = int(job_id)
+        self.transfers.pop(job_number, None)
+        job = self.daemon.store.get(job_number)
+        if job is not None and job.state is JobState.MIGRATING:
+            self.daemon.apply(job_number, MovedAway(f"moved to {peer}; it runs there now"))
+        await asyncio.to_thread(self._delete_local_files, job_number)
+
+    def _delete_local_files(self, job_id: int) -> None:
+        """Remove a job's checkpoints, the network lock of its last dump and its folder from this
+        node (it does not run here)."""
+        checkpoints = self.images.job_dir(str(job_id))
+        for table in netlock.lock_table_names(checkpoints) if checkpoints.is_dir() else []:
+            try:
+                if netlock.delete_inet_table(table):
+                    log.info("job %s: network lock %s of its last dump deleted", job_id, table)
+            except OSError as error:
+                log.warning("job %s: cannot delete network lock %s: %s", job_id, table, error)
+        jobfiles.remove(checkpoints)
+        jobfiles.remove(self.daemon.processes.paths(job_id).root)
+        for staged in (self.daemon.config.checkpoints / OUTGOING_DIR).glob(f"{job_id}@*"):
+            jobfiles.remove(staged)
+
+    # Target side
+
+    async def host_problem(self, job_id: str, spec_json: bytes) -> str:
+        """Why this node cannot take the job ('' when it can)."""
+        try:
+            spec = MoveSpec.from_json(spec_json)
+        except ValueError as error:
+            return str(error)
+        if spec.job_id != job_id:
+            return f"the spec names job {spec.job_id}, the request job {job_id}"
+        daemon = self.daemon
+        facts = await asyncio.to_thread(
+            gather_host_facts,
+            spec,
+            daemon.config.state_dir,
+            devices=len(daemon.inventory.devices),
+            checkpoints_available=daemon.checkpoints.available,
+        )
+        facts = replace(
+            facts,
+            draining=self.draining(),
+            free_devices=len(self._free_devices()),
+            jobs_dir=str(daemon.config.jobs_dir),
+            id_taken=self._id_taken(int(job_id)),
+        )
+        return hosting_problem(spec, facts)
+
+    def _id_taken(self, job_id: int) -> str:
+        """Why a job arriving with this id cannot have it here ('' when it can)."""
+        job = self.daemon.store.get(job_id)
+        holding = self.holdings.load(str(job_id))
+        if job is None or job.state is JobState.MOVED:
+            return ""
+        if job.state is JobState.MIGRATING and (holding is None or not holding.owns):
+            return ""  # a copy of an earlier attempt, superseded by this one
+        return f"a job with id {job_id} already lives on this node ({job.state})"
+
+    def _free_devices(self, arriving: int | None = None) -> list[int]:
+        """Devices no job holds or has reserved (but those reserved for an earlier copy of `arriving`)."""
+        busy = {d: job for d, job in self.daemon.store.busy_devices().items() if job != arriving}
+        return [d.index for d in self.daemon.inventory.devices if d.index not in busy]
+
+    def authorize(self, node: str, job_id: str, epoch: int) -> Path:
+        """The folder to receive a job's files into, only for the epoch the hand-off expects."""
+        if not job_id.isdigit():
+            raise Refused(f"bad job id {job_id!r}")
+        refusal = transfer_refusal(self.holdings.load(job_id), node, epoch)
+        if refusal:
+            raise Refused(refusal)
+        return self.incoming(job_id, epoch)
+
+    async def restore_frozen(self, job_id: str, epoch: int) -> None:
+        """Import the job, reserve its devices, place its files, restore its processes stopped."""
+        job_number = int(job_id)
+        daemon = self.daemon
+        holding = self.holdings.load(job_id)
+        source = holding.peer if holding is not None else "a peer"
+        incoming = self.incoming(job_id, epoch)
+        arrival = await asyncio.to_thread(jobfiles.read_arrival, incoming)
+        if arrival.job_id != job_number:
+            raise RuntimeError(f"the received record is for job {arrival.job_id}, not {job_id}")
+        await self._kill_frozen(job_number)
+        needed = arrival.gpus if arrival.seq is not None else 0
+        free = self._free_devices(arriving=job_number)
+        if len(free) < needed:
+            raise RuntimeError(f"no room: the job needs {needed} devices; {len(free)} are free")
+        devices = tuple(free[:needed])
+        reason = f"arriving from {source} (epoch {epoch})"
+        notes = self._notes.pop(job_number, [])
+        daemon.store.import_job(arrival.exported, reason, daemon.clock(), devices, notes)
+        self._set_arriving_epoch(job_number, epoch)
+        daemon.feed.publish(job_number)
+        paths = daemon.processes.paths(job_number)
+        await asyncio.to_thread(jobfiles.place_arrival, incoming, arrival, self.images, paths)
+        if arrival.seq is None:
+            return  # a queued job: nothing runs until it is released
+        job = daemon.get_job(job_number)
+        await daemon.devices.admit(job_number, identity(job), devices)
+        daemon.processes.forget_outcome(job_number)
+        restored = await self.frozen.restore(job_number, devices)
+        process = daemon.processes.adopt_restored(job_number, restored.pid)
+        daemon.store.set_process(job_number, process.pid, process.start_ticks)
+        if restored.problem:
+            raise RuntimeError(restored.problem)
+        await asyncio.to_thread(jobfiles.remove, incoming)
+
+    async def release_frozen(self, job_id: str, epoch: int) -> None:
+        """The job is ours: let the processes restored for `epoch` run (nothing if they already do)."""
+        holding = self.holdings.load(job_id)
+        source = holding.peer if holding is not None else "its source"
+        self._let_run(int(job_id), f"committed by {source}")
+
+    def _let_run(self, job_id: int, why: str) -> None:
+        """A MIGRATING job stays here: its frozen processes continue, or it is queued to resume."""
+        daemon = self.daemon
+        job = daemon.store.get(job_id)
+        if job is None or job.state is not JobState.MIGRATING:
+            return
+        process = ProcessId(job.init_pid, job.init_start_ticks or 0) if job.init_pid else None
+        self._set_arriving_epoch(job_id, None)
+        if process is not None and daemon.processes.alive(process):
+            signal_tree(process.pid, signal.SIGCONT)
+            reason = f"{why}: running here"
+            daemon.apply(job_id, Arrived(process.pid, process.start_ticks, job.devices, reason))
+            return
+        daemon.apply(job_id, MoveAbandoned(f"{why}: queued to resume here"))
+
+    async def discard_incoming(self, job_id: str, epoch: int) -> None:
+        """Kill what was restored for `epoch` and delete what was received for it."""
+        job_number = int(job_id)
+        self.receivers.cancel(job_id, epoch)
+        self._notes.pop(job_number, None)
+        await asyncio.to_thread(jobfiles.remove, self.incoming(job_id, epoch))
+        holding = self.holdings.load(job_id)
+        if self._arriving_epoch(job_number) != epoch or (holding is not None and holding.owns):
+            return
+        await self._kill_frozen(job_number)
+        job = self.daemon.store.get(job_number)
+        if job is not None and job.state is JobState.MIGRATING:
+            self.daemon.apply(job_number, MovedAway(f"the copy arriving for epoch {epoch} was given up"))
+        self._set_arriving_epoch(job_number, None)
+        if job is not None:
+            await asyncio.to_thread(self._delete_local_files, job_number)
+
+    async def _kill_frozen(self, job_id: int) -> None:
+        """Kill the processes of a copy restored frozen here earlier (never a job running here)."""
+        job = self.daemon.store.get(job_id)
+        if job is None or job.state is not JobState.MIGRATING or job.init_pid is None:
+            return
+        process = ProcessId(job.init_pid, job.init_start_ticks or 0)
+        if self.daemon.processes.alive(process):
+            signal_tree(process.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10.0
+            while self.daemon.processes.alive(process) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+        self.daemon.devices.forget(job_id)
+
+    def note(self, job_id: str, text: str) -> None:
+        """Record an event in the job's log (kept until the record arrives, for an arriving job)."""
+        job_number = int(job_id)
+        daemon = self.daemon
+        job = daemon.store.get(job_number)
+        holding = self.holdings.load(job_id)
+        arriving = holding is not None and holding.phase in INCOMING
+        if job is None or (arriving and job.state is not JobState.MIGRATING):
+            self._notes.setdefault(job_number, []).append((daemon.clock(), text))
+            return
+        daemon.store.add_note(job_number, job.state, text, daemon.clock())
+        daemon.feed.publish(job_number)
+        log.info("job %d: %s", job_number, text)
+
+
+def is_owned_here(holding: Holding | None, state: JobState) -> bool:
+    """Whether this node owns a job (it may run it): by its holding, else by its state alone."""
+    if holding is not None:
+        return holding.owns
+    return state is not JobState.MOVED and state is not JobState.MIGRATING

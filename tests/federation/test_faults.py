@@ -1,0 +1,365 @@
+"""Faults at every step of a move between real daemons: a cut link, a killed or a paused daemon.
+
+Three daemons in a lab (lab.py). Each trial submits a fresh job (tests/programs/ticker.py, a hash
+chain in memory), starts `sing migrate` to a peer, waits until the source's or the target's stored
+hand-off record reaches the chosen step (prepare, stop = the final checkpoint, transfer, restore,
+commit), waits a random moment more, and then cuts the source's or the target's link for a while,
+SIGKILLs the source or the target daemon (started again after a
+while), or SIGSTOPs the source past every deadline of the move. Afterwards the job must run in
+exactly one place (the others know it as moved or not at all), and once told to stop its log must
+be exactly what an uninterrupted run of the same number of steps prints. A referee thread scans
+/proc throughout: no two nodes may ever have a live (not stopped) copy of a trial's job at once.
+
+CI runs a fixed sample of trials (one per fault kind and a few steps); SING_FAULT_TRIALS=N runs N
+random ones (SING_FAULT_SEED picks them) and prints a table of outcomes.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.federation.lab import Lab, Node, joined_lab
+from tests.federation.test_lab import Background, lab_problem
+from tests.helpers import wait_until
+from tests.proxy.conftest import PYTHON
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+NODES = ("node-a", "node-b", "node-c")
+TICKER = Path(__file__).resolve().parents[1] / "programs" / "ticker.py"
+MOVE_TIMEOUT_S = 12.0
+MOVE_HOLD_S = 12.0
+STEPS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str | None]] = {
+    "prepare": (("out-preparing",), ("in-prepared",), None),
+    "stop": (("out-transferring",), (), "RUNNING"),
+    "transfer": (("out-transferring",), (), "MIGRATING"),
+    "restore": (("out-restoring",), ("in-restoring", "in-restored"), None),
+    "commit": (("out-committed",), (), None),
+}
+"""For each step of the hand-off: the stored phases of the source and of the target that mark it,
+and the job's state on the source then ("stop": its final checkpoint is being taken)."""
+
+FAULTS = ("cut-source", "cut-target", "kill-source", "kill-target", "pause-source")
+SAMPLE = [
+    ("prepare", "kill-target", 0.0),
+    ("stop", "cut-source", 0.05),
+    ("transfer", "kill-source", 0.0),
+    ("restore", "kill-target", 0.0),
+    ("restore", "cut-target", 0.0),
+    ("commit", "kill-source", 0.0),
+    ("restore", "pause-source", 0.0),
+]
+"""The trials CI runs: (step, fault, extra delay in seconds after the step is seen)."""
+
+
+def stored(node: Node, query: str, job: int | str) -> str | None:
+    """One value a node's database holds for a job (read-only, never blocking the daemon)."""
+    database = node.state_dir / "singularity.db"
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True, timeout=1)) as db:
+            row = db.execute(query, (job,)).fetchone()
+    except sqlite3.Error:
+        return None
+    return str(row[0]) if row else None
+
+
+def phase(node: Node, job: int) -> str | None:
+    """The phase of a node's stored hand-off record of a job."""
+    holding = stored(node, "SELECT holding FROM holdings WHERE job_id = ?", str(job))
+    return str(json.loads(holding)["phase"]) if holding else None
+
+
+def job_state(node: Node, job: int) -> str | None:
+    """The job's stored state on a node."""
+    return stored(node, "SELECT state FROM jobs WHERE id = ?", job)
+
+
+class Referee:
+    """Watches every process in /proc: a trial's job must never have live copies on two nodes."""
+
+    def __init__(self, lab: Lab) -> None:
+        self.lab = lab
+        self.marker = ""
+        self.violations: list[str] = []
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _node_of(self) -> dict[int, str]:
+        inodes = {}
+        for node in self.lab.nodes.values():
+            with contextlib.suppress(OSError):
+                inodes[os.stat(node.pin).st_ino] = node.name
+        return inodes
+
+    def live_copies(self, marker: str) -> dict[str, int]:
+        """Live (not stopped, not dead) processes whose command line holds `marker`, by node."""
+        nodes = self._node_of()
+        found: dict[str, int] = collections.Counter()
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                if marker.encode() not in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    continue
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                node = nodes.get(os.stat(f"/proc/{entry}/ns/mnt").st_ino)
+                if node is not None and state not in "TtZX":
+                    found[node] += 1
+        return dict(found)
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            marker = self.marker
+            if marker:
+                copies = self.live_copies(marker)
+                self.samples += 1
+                if len(copies) > 1:
+                    self.violations.append(f"{marker}: live on {sorted(copies)}")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        """Stop watching."""
+        self._stop.set()
+        self._thread.join(10)
+
+
+@dataclass
+class Trial:
+    """One move with one fault: where, what, when, and what came of it."""
+
+    number: int
+    step: str
+    fault: str
+    delay: float
+    source: str
+    target: str
+    hit: bool = False
+    """Whether the chosen phase was seen before the move ended (else the fault came after it)."""
+    moved: bool = False
+    ended_on: str = ""
+    lost: bool = False
+    """The job ended FAILED (allowed only as `lost_in_final_dump`)."""
+    steps: int = 0
+    seconds: float = 0.0
+    failure: str = ""
+    """What went wrong (a random run goes on after a failed trial and reports them all)."""
+
+
+def lost_in_final_dump(trial: Trial, events: list[dict[str, Any]]) -> bool:
+    """The one known loss: a source daemon SIGKILLed while CRIU takes the move's final checkpoint.
+    The dump completes without the daemon and stops the job, but the checkpoint is never recorded
+    (no manifest), so the restarted daemon finds the job's processes gone and marks it FAILED.
+    Its events show the checkpoint begun and never ended. Counted apart, never in the CI sample."""
+    reasons = [str(event["reason"]) for event in events]
+    begun = any("checkpointing and stopping" in reason for reason in reasons)
+    ended = any(reason.startswith("stopped to move") for reason in reasons)
+    return trial.fault == "kill-source" and begun and not ended
+
+
+@pytest.fixture(scope="module")
+def fault_lab() -> Iterator[Lab]:
+    """Three joined daemons with short move deadlines (so a paused source outlives them)."""
+    why = lab_problem()
+    if why:
+        pytest.skip(why)
+    config = {"move_timeout_seconds": MOVE_TIMEOUT_S, "move_hold_seconds": MOVE_HOLD_S}
+    with joined_lab(NODES, f"flt{os.getpid() % 10000}", config) as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def referee(fault_lab: Lab) -> Iterator[Referee]:
+    """One referee for every trial of the module."""
+    watching = Referee(fault_lab)
+    yield watching
+    watching.stop()
+
+
+def uninterrupted(steps: int) -> str:
+    """What the ticker prints when it runs `steps` steps without interruption."""
+    done = subprocess.run(
+        [PYTHON, str(TICKER), "--steps", str(steps)], capture_output=True, text=True, timeout=120, check=True
+    )
+    return done.stdout
+
+
+def states(lab: Lab, job: int) -> dict[str, str]:
+    """The job's state on each node that knows it."""
+    found = {}
+    for node in lab.nodes.values():
+        shown = node.job(job)
+        if shown is not None:
+            found[node.name] = str(shown["state"])
+    return found
+
+
+def settled(lab: Lab, job: int) -> str | None:
+    """The one node the job runs on (or failed on) once the move is over everywhere, else None."""
+    seen = states(lab, job)
+    running = [name for name, state in seen.items() if state in ("RUNNING", "FAILED")]
+    others = {state for name, state in seen.items() if name not in running}
+    if len(running) != 1 or not others <= {"MOVED"}:
+        return None
+    phases = {node.name: phase(node, job) for node in lab.nodes.values()}
+    if phases[running[0]] != "owned" or any(
+        p not in (None, "handed-off", "discarded") for name, p in phases.items() if name != running[0]
+    ):
+        return None
+    return running[0]
+
+
+def ensure_up(lab: Lab) -> None:
+    """Every daemon running and every link up (after a trial's fault)."""
+    for node in lab.nodes.values():
+        if node.process is None:
+            node.start()
+        lab.network.restore(node.name)
+
+
+def inject(lab: Lab, trial: Trial, rng: random.Random) -> None:
+    """Carry out the trial's fault (and heal it)."""
+    kind, side = trial.fault.split("-")
+    node = lab.node(trial.source if side == "source" else trial.target)
+    if kind == "cut":
+        lab.network.cut(node.name)
+        time.sleep(rng.uniform(0.5, 4.0))
+        lab.network.restore(node.name)
+    elif kind == "kill":
+        node.kill(signal.SIGKILL)
+        time.sleep(rng.uniform(0.0, 2.0))
+        node.start()
+    else:
+        node.kill(signal.SIGSTOP)
+        time.sleep(MOVE_TIMEOUT_S + MOVE_HOLD_S + 2.0)
+        node.kill(signal.SIGCONT)
+
+
+def run_trial(lab: Lab, referee: Referee, trial: Trial, rng: random.Random) -> Trial:
+    """Submit a job on the trial's source, move it with the fault, check where and how it ended."""
+    started = time.monotonic()
+    source, target = lab.node(trial.source), lab.node(trial.target)
+    until = lab.paths.root / f"stop-{trial.number}-{rng.random()}"
+    submitted = source.sing("submit", "--", PYTHON, str(TICKER), "--until", str(until), "--sleep", "0.01")
+    assert submitted.code == 0, submitted.err
+    job = int(submitted.out)
+    referee.marker = str(until)
+    wait_until(lambda: (source.job(job) or {}).get("state") == "RUNNING", timeout=60, interval=0.1)
+    wait_until(lambda: source.rank_log(job).exists() and source.rank_log(job).stat().st_size > 0, 60)
+    source_phases, target_phases, source_state = STEPS[trial.step]
+    mover = Background(lambda: source.sing("migrate", str(job), "--to", trial.target, timeout=300))
+
+    def reached() -> bool:
+        if phase(source, job) in source_phases and source_state in (None, job_state(source, job)):
+            return True
+        if phase(target, job) in target_phases:
+            return True
+        return phase(target, job) == "owned" or phase(source, job) == "handed-off"
+
+    wait_until(reached, timeout=120, interval=0.002)
+    trial.hit = not (phase(target, job) == "owned" or phase(source, job) == "handed-off")
+    time.sleep(trial.delay)
+    inject(lab, trial, rng)
+    result = mover.result()
+    trial.moved = result.code == 0
+    ensure_up(lab)
+    owner_name = wait_until(lambda: settled(lab, job), timeout=180, interval=0.25)
+    trial.ended_on = owner_name
+    owner = lab.node(owner_name)
+    referee.marker = ""
+    shown: dict[str, Any] = owner.job(job) or {}
+    if shown.get("state") == "FAILED":
+        assert lost_in_final_dump(trial, shown["events"]), (trial, [e["reason"] for e in shown["events"]])
+        trial.lost = True
+        trial.seconds = time.monotonic() - started
+        return trial
+    until.touch()
+    waited = owner.sing("wait", str(job), timeout=120)
+    assert waited.code == 0, (trial, waited)
+    log = owner.sing("logs", str(job)).out
+    trial.steps = int(log.rsplit("stopped after ", 1)[1].split()[0])
+    assert log == uninterrupted(trial.steps), trial
+    assert not referee.live_copies(str(until)), trial
+    trial.seconds = time.monotonic() - started
+    return trial
+
+
+def trials(count: int, seed: int) -> list[Trial]:
+    """`count` trials with random steps, faults, delays and nodes."""
+    rng = random.Random(seed)
+    made = []
+    for number in range(count):
+        source, target = rng.sample(NODES, 2)
+        made.append(
+            Trial(number, rng.choice(list(STEPS)), rng.choice(FAULTS), rng.uniform(0.0, 0.3), source, target)
+        )
+    return made
+
+
+def summary(done: list[Trial]) -> str:
+    """A table of outcomes by step and fault."""
+    rows: dict[tuple[str, str], list[int]] = collections.defaultdict(lambda: [0, 0, 0, 0, 0, 0])
+    for trial in done:
+        row = rows[(trial.step, trial.fault)]
+        row[0] += 1
+        row[1] += trial.hit
+        row[2] += trial.ended_on == trial.target and not trial.lost
+        row[3] += trial.ended_on == trial.source and not trial.lost
+        row[4] += trial.lost
+        row[5] += bool(trial.failure)
+    lines = [
+        "| step | fault | trials | fault during the step | runs on target | runs on source | lost | failed |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (step, fault), counts in sorted(rows.items()):
+        lines.append(f"| {step} | {fault} | " + " | ".join(str(count) for count in counts) + " |")
+    return "\n".join(lines)
+
+
+@pytest.mark.timeout(900 + 120 * int(os.environ.get("SING_FAULT_TRIALS", "0")))
+def test_faults_at_each_step_leave_one_exact_copy(fault_lab: Lab, referee: Referee) -> None:
+    count = int(os.environ.get("SING_FAULT_TRIALS", "0"))
+    rng = random.Random(int(os.environ.get("SING_FAULT_SEED", "7")))
+    if count:
+        planned = trials(count, rng.randrange(1 << 30))
+    else:
+        planned = []
+        for number, (step, fault, delay) in enumerate(SAMPLE):
+            source, target = NODES[number % 3], NODES[(number + 1) % 3]
+            planned.append(Trial(number, step, fault, delay, source, target))
+    done = []
+    started = time.monotonic()
+    for trial in planned:
+        if not count:
+            done.append(run_trial(fault_lab, referee, trial, rng))
+            continue
+        try:
+            done.append(run_trial(fault_lab, referee, trial, rng))
+        except AssertionError as error:
+            trial.failure = str(error).splitlines()[0][:300]
+            done.append(trial)
+            ensure_up(fault_lab)
+        print(f"trial {trial}", flush=True)
+    print(f"\n{len(done)} trials in {time.monotonic() - started:.0f}s, referee samples {referee.samples}")
+    print(summary(done))
+    failures = [trial for trial in done if trial.failure]
+    print(f"failed trials: {len(failures)}", *failures, sep="\n")
+    assert referee.violations == []
+    assert not failures
+    assert all(trial.ended_on for trial in done)
