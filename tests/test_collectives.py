@@ -104,7 +104,7 @@ def trained_beyond(daemon: Daemon, job: int, ranks: int, beyond: int) -> bool:
 def test_ddp_four_ranks_preempted_five_times_is_exact(daemon_root: Path) -> None:
     """4 ranks on 4 devices, preempted and resumed 5 times at random moments (collectives in
     flight), print exactly what an uninterrupted run prints, every rank."""
-    total, ranks = 400, 4
+    total, ranks = 600, 4
     args = ["--steps", str(total), "--hook", "allreduce"]
     options = [*JOB_OPTIONS, "--ranks", str(ranks), "--gpus", str(ranks)]
     rng = random.Random(10)
