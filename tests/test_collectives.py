@@ -113,16 +113,20 @@ def test_ddp_four_ranks_preempted_five_times_is_exact(daemon_root: Path) -> None
         expected = run_job(daemon, "ddp_train.py", args, ranks=ranks, gpus=ranks)
         job = daemon.submit(PYTHON, "ddp_train.py", *args, "--hold", str(release), options=options)
         daemon.wait_state(job, "RUNNING")
-        seen = 0
-        for _ in range(5):
-            beyond = min(seen, total - 1)
-            wait_until(functools.partial(trained_beyond, daemon, job, ranks, beyond), timeout=300)
-            time.sleep(rng.uniform(0.0, 0.5))
-            result = daemon.sing("preempt", str(job), timeout=300)
-            assert result.code == 0, result.err
-            daemon.wait_state(job, "RUNNING", timeout=300)
-            seen = steps_done(daemon, job, ranks)
-        assert seen < total, "the job was still training when preempted the last time"
+        try:
+            seen = 0
+            for _ in range(5):
+                beyond = min(seen, total - 1)
+                wait_until(functools.partial(trained_beyond, daemon, job, ranks, beyond), timeout=300)
+                time.sleep(rng.uniform(0.0, 0.5))
+                result = daemon.sing("preempt", str(job), timeout=300)
+                assert result.code == 0, result.err
+                daemon.wait_state(job, "RUNNING", timeout=300)
+                seen = steps_done(daemon, job, ranks)
+            assert seen < total, "the job was still training when preempted the last time"
+        except BaseException:
+            daemon.sing("cancel", str(job))  # it would wait for `release` forever
+            raise
         release.touch()
         assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, ranks)
         assert printed(rank_logs(daemon, job, ranks)) == expected
