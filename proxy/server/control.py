@@ -67,6 +67,9 @@ class ControlHandler:
                     raise TimeoutError(f"job {job_id} rank {session.rank}: channel not drained")
                 time.sleep(0.001)
             parked.append(session.rank)
+        # collectives: what the parked processes sent runs until nothing more can (runner.py)
+        if not self.server.wait_idle(job_id, max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"job {job_id}: its sessions did not come to rest in {timeout}s")
         return parked
 
     def save(self, job_id: str, fd: int) -> dict[str, int]:
@@ -77,9 +80,11 @@ class ControlHandler:
             raise KeyError(f"proxy: no job {job_id!r} on device {self.server.index}")
         with self.server.executor.lock:
             states = []
+            runners = {runner.session.rank: runner for runner in self.server.job_runners(job_id)}
             for session in sessions:
                 if not session.parked:
                     raise RuntimeError(f"proxy: job {job_id} rank {session.rank} is not quiesced")
+                runner = runners[session.rank]  # collectives: its unfinished work and groups
                 states.append(
                     {
                         "job_id": session.job_id,
@@ -90,6 +95,8 @@ class ControlHandler:
                         "plans": session.plan_wire,
                         "peak": session.peak_bytes,
                         "pending_error": session.pending_error,
+                        "queue": runner.saved_queue(),
+                        "groups": {name: [rank, members] for name, (rank, members) in runner.groups.items()},
                     }
                 )
                 live += session.held_bytes
@@ -110,6 +117,7 @@ class ControlHandler:
                 with contextlib.suppress(OSError):
                     connection.sock.shutdown(socket.SHUT_RDWR)
             self.server.drop(session)
+        self.server.collectives.forget(job_id)
         return freed
 
     def load(self, job_id: str, fd: int) -> dict[str, int]:
@@ -138,7 +146,8 @@ class ControlHandler:
                         handles.append(int(handle))
                     session.peak_bytes = max(session.held_bytes, int(state["peak"]))
                     session.pending_error = state["pending_error"]
-                    server.sessions[key] = session
+                    groups = {name: (int(r), list(m)) for name, (r, m) in state.get("groups", {}).items()}
+                    server.add_session(session, list(state.get("queue", [])), groups)  # held until resume
                     try:
                         session.check_capacity(handles, session.held_bytes)
                     except torch.OutOfMemoryError:
@@ -149,6 +158,8 @@ class ControlHandler:
 
     def resume(self, job_id: str) -> list[int]:
         """Let the job's parked processes go on; the ranks resumed."""
+        for runner in self.server.job_runners(job_id):
+            runner.release_hold()  # restored sessions run the work they had not run
         ranks = []
         for session in self.server.job_sessions(job_id):
             if session.parked and session.connection is not None:
@@ -186,6 +197,8 @@ class ControlHandler:
         """Carry out one control request (with the descriptors that came with it); its result."""
         if name == "quiesce":
             return self.quiesce(str(args[0]), float(args[1]))
+        if name == "settle":
+            return self.server.settle(str(args[0]), float(args[1]))
         if name in ("save", "load"):
             if len(fds) != 1:
                 raise ValueError(f"a {name} request carries exactly one file descriptor")
