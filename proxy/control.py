@@ -4,6 +4,8 @@ Preempting a job whose processes use proxied devices goes like this (the daemon 
 
 1. `ProxyControl(ctl).quiesce(job)` on every device of the job: each process stops at an
    operation boundary with nothing left in its sockets.
+   Then `settle(job)` on every device, round after round, until `cut_reached`: no collective
+   half done and none of the servers' messages in flight (a consistent cut of a multi-rank job).
 2. `save(job, file)` on every device: only the job's live tensors are written, into a file the
    caller creates and whose descriptor travels with the request (the server never opens it).
 3. For each job process: `criu dump -t PID ... *criu_dump_args(PID)` (the proxy sockets are
@@ -83,6 +85,11 @@ class ProxyControl:
         """
         return list(self._call("quiesce", job_id, timeout))
 
+    def settle(self, job_id: str, timeout: float = 5.0) -> dict[str, Any]:
+        """Wait (up to `timeout`) until nothing of the quiesced job can run on this server; its
+        state for `cut_reached`: {"idle", "events", "sent": {index: n}, "received": {index: n}}."""
+        return dict(self._call("settle", job_id, timeout))
+
     def save(self, job_id: str, path: str | os.PathLike[str]) -> dict[str, int]:
         """Write the quiesced job's live tensors (every rank) into a new file at `path`.
 
@@ -158,6 +165,26 @@ class ProxyControl:
     def stop(self) -> None:
         """Ask the server process to exit (its job no longer needs it)."""
         self._call("stop")
+
+
+def cut_reached(previous: Mapping[int, Any] | None, current: Mapping[int, Any]) -> bool:
+    """Whether the job's servers (device index -> `settle` answer) show a consistent cut.
+
+    Every server idle, every message sent between them taken, and nothing changed on any server
+    since the previous round (asked after that whole round): then no collective can move any
+    more, so each is complete for all its members or not started for any. A job on one device
+    needs one idle answer.
+    """
+    if not current or not all(state["idle"] for state in current.values()):
+        return False
+    for index, state in current.items():
+        for peer, sent in state["sent"].items():
+            other = current.get(int(peer))
+            if other is not None and other["received"].get(str(index), 0) != sent:
+                return False
+    if len(current) == 1 and not next(iter(current.values()))["sent"]:
+        return True
+    return previous is not None and dict(previous) == dict(current)
 
 
 def client_sockets(pid: int) -> dict[int, tuple[int, int]]:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_REQUEST_BYTES = 64 << 10
-MAX_FDS = 16
+MAX_FDS = 64
 PRELOAD = ("torch", "singularity.proxy.server.__main__")
 
 PR_SET_DUMPABLE = 4

@@ -152,7 +152,9 @@ def test_failed_rank_stops_the_others(daemon: Daemon) -> None:
         "sh", "-c", 'if [ "$RANK" = 1 ]; then exit 5; fi; sleep 300', options=["--ranks", "2"]
     )
     assert daemon.sing("wait", str(job_id), timeout=40).code == 5
-    assert daemon.job(job_id)["state"] == "FAILED"
+    shown = daemon.job(job_id)
+    assert shown["state"] == "FAILED"
+    assert shown["events"][-1]["reason"] == "rank 1 exited with code 5; the other ranks were stopped"
 
 
 def test_command_not_found_is_a_clear_failure(daemon: Daemon) -> None:

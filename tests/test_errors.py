@@ -40,6 +40,8 @@ def test_more_gpus_than_the_machine_has(daemon: Daemon) -> None:
         (["--gpus", "0"], "--gpus must be at least 1, not 0"),
         (["--gpus", "-2"], "--gpus must be at least 1, not -2"),
         (["--ranks", "0"], "--ranks must be at least 1, not 0"),
+        (["--ranks", "-3"], "--ranks must be at least 1, not -3"),
+        (["--ranks", "4097"], "--ranks must be at most 4096, not 4097"),
         (["--env", "NOEQUALS"], "--env takes KEY=VALUE"),
         (["--cwd", "/no/such/dir"], "working directory /no/such/dir does not exist"),
     ],

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .control import ControlHandler
+from .links import parse_peer_fds
 from .service import Server
 
 
@@ -78,6 +79,11 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--job-id", default=None, help="serve this job only (one server per job)")
     parser.add_argument("--job-uid", type=int, default=None, help="the uid whose processes may open sessions")
     parser.add_argument("--daemon-uid", type=int, default=None, help="who may reattach saved sessions")
+    parser.add_argument(
+        "--peer-fds",
+        default="",
+        help="INDEX:FD,...: inherited connections to the servers of the job's other devices (collectives)",
+    )
     return parser.parse_args(argv)
 
 
@@ -97,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     if options.cuda_device is None:
         bound_host_memory(options.memory_bytes)
+    peers = {index: socket.socket(fileno=fd) for index, fd in parse_peer_fds(options.peer_fds).items()}
+    for peer in peers.values():
+        peer.setblocking(True)
+    server.collectives.connect(peers)
     own_paths = []
     if options.control_fd is not None:
         control = socket.socket(fileno=options.control_fd)

@@ -72,6 +72,9 @@ class ControlHandler:
                     raise TimeoutError(f"job {job_id} rank {session.rank}: channel not drained")
                 time.sleep(0.001)
             parked.append(session.rank)
+        # collectives: what the parked processes sent runs until nothing more can (runner.py)
+        if not self.server.wait_idle(job_id, max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"job {job_id}: its sessions did not come to rest in {timeout}s")
         return parked
 
     def save(self, job_id: str, fd: int) -> dict[str, Any]:
@@ -90,6 +93,7 @@ class ControlHandler:
                 with contextlib.suppress(OSError):
                     connection.sock.shutdown(socket.SHUT_RDWR)
             self.server.drop(session)
+        self.server.collectives.forget(job_id)
         return freed
 
     def load(self, job_id: str, fd: int) -> dict[str, int]:
@@ -115,7 +119,7 @@ class ControlHandler:
                         handles.append(handle)
                     session.peak_bytes = max(session.held_bytes, state.peak)
                     session.pending_error = state.pending_error
-                    server.sessions[key] = session
+                    server.add_session(session, state.queue, state.groups)  # held until resume
                     try:
                         session.check_capacity(handles, session.held_bytes)
                     except torch.OutOfMemoryError:
@@ -126,6 +130,8 @@ class ControlHandler:
 
     def resume(self, job_id: str) -> list[int]:
         """Let the job's parked processes go on; the ranks resumed."""
+        for runner in self.server.job_runners(job_id):
+            runner.release_hold()  # restored sessions run the work they had not run
         ranks = []
         for session in self.server.job_sessions(job_id):
             if session.parked and session.connection is not None:
@@ -166,6 +172,8 @@ class ControlHandler:
             return self.snapshots.handle(name, args, fds)
         if name == "quiesce":
             return self.quiesce(str(args[0]), float(args[1]))
+        if name == "settle":
+            return self.server.settle(str(args[0]), float(args[1]))
         if name in ("save", "load"):
             if len(fds) != 1:
                 raise ValueError(f"a {name} request carries exactly one file descriptor")

@@ -1,7 +1,8 @@
-"""Runs a session's operations and answers its requests, one batch at a time, in order.
+"""Runs a session's operations and answers its requests, in order, one at a time on the device.
 
-Operations in a batch are not answered: the first failure is kept in the session and
-reported at its next request, the way CUDA reports asynchronous errors at the next sync.
+The session's thread (runner.py) hands it the plain operations of a frame; collectives run
+elsewhere (collectives.py). Operations in a batch are not answered: the first failure is kept in
+the session and reported at its next request, the way CUDA reports asynchronous errors at the next sync.
 Everything in a batch comes from the job and is checked before use: a malformed operation,
 a handle the session does not hold, a layout reaching outside its bytes or an allocation
 past the device's capacity fails that operation only.
@@ -325,6 +326,12 @@ class Executor:
             _, handle, dtype, shape, stride, index = _operation(op, 6)
             values = protocol.tensor_from_raw(dtype, shape, stride, protocol.buffer_at(buffers, index))
             session.tensor(handle).copy_(values)
+        elif kind == protocol.OP_RESIZE_STORAGE:
+            _, handle, nbytes = _operation(op, 3)
+            storage = session.tensor(handle).untyped_storage()
+            session.check_room(max(0, protocol.integer(nbytes) - storage.nbytes()))
+            storage.resize_(nbytes)
+            session.recount(handle)
         elif kind == protocol.OP_FACTORY:
             _, handle, name, args, kwargs = _operation(op, 5)
             if name not in _FACTORIES:
@@ -401,26 +408,29 @@ class Executor:
             return self._memory(session, _operation(request, 2)[1])
         raise ProtocolError(f"unknown request {kind!r}")
 
-    def run_batch(self, session: Session, ops: Any, request: Any, buffers: Sequence[Any]) -> Any:
-        """Run a batch in order; the answer to its request, or raise what failed first.
+    def run_ops(self, session: Session, ops: list[Any], start: int, end: int, buffers: Sequence[Any]) -> None:
+        """Run operations start..end-1 of a frame in order, holding the device; failures are kept.
 
-        Without a request (None) it returns None and keeps the first failure in the session.
+        The first failure is remembered in the session and reported at its next request.
         """
         with self.lock:
             began = time.perf_counter()
             try:
-                if type(ops) is not list:
-                    raise ProtocolError("the operations of a batch must be a list")
-                for op in ops:
+                for op in ops[start:end]:
                     try:
                         self._run(session, op, buffers)
                     except Exception as e:
                         session.fail(e)
-                if request is None:
-                    return None
+            finally:
+                self.operations += end - start
+                self.busy_seconds += time.perf_counter() - began
+
+    def answer(self, session: Session, request: Any, buffers: Sequence[Any]) -> Any:
+        """The answer to a request, after raising what failed first since the last answer."""
+        with self.lock:
+            began = time.perf_counter()
+            try:
                 session.raise_pending()
                 return self._answer(session, request, buffers)
             finally:
-                self.batches += 1
-                self.operations += len(ops) if type(ops) is list else 0
                 self.busy_seconds += time.perf_counter() - began

@@ -2,8 +2,7 @@
 
 A job names the operators it wants (OP_DEFINE); the server resolves a name only through
 `resolve`, which serves an operator when all of these hold:
-- its namespace is in SERVED_NAMESPACES (the collectives' namespaces join when collectives
-  are served, see COLLECTIVE_NAMESPACES);
+- its namespace is in SERVED_NAMESPACES;
 - it is registered with torch's dispatcher (TorchScript-only builtins such as
   `aten::save(t item, str filename)` or `aten::warn` are not);
 - it is not in REFUSED;
@@ -12,6 +11,9 @@ A job names the operators it wants (OP_DEFINE); the server resolves a name only 
 - if it takes no tensor and returns none, it is in NO_TENSOR_OPERATORS (a pure query);
 - if its name says "unsafe", it is in UNSAFE_NAMES_CHECKED (its checks were verified).
 Everything else is refused by name with the reason, raised in the job as PermissionError.
+Collectives are not operator calls: a job asks for one with OP_COLLECTIVE naming its c10d
+operator, and the server runs those in COLLECTIVES (`collective_kind`), with the other members
+of the process group (collectives.py); a c10d operator named in OP_DEFINE is refused.
 The last three rules refuse by default what torch adds in a new release; the test
 `tests/proxy/test_operators.py` fails until each new such operator is classified here.
 """
@@ -29,9 +31,39 @@ from singularity.proxy.bootstrap._singularity_proxy import protocol
 SERVED_NAMESPACES = frozenset(protocol.SERVED_NAMESPACES)
 """Namespaces of the tensor operators the server runs."""
 
-COLLECTIVE_NAMESPACES: frozenset[str] = frozenset()
-"""Namespaces of collective operators (`c10d`, `_c10d_functional`), served once the proxy runs
-collectives itself; until then they are refused like any other namespace."""
+COLLECTIVE_NAMESPACES = frozenset({"c10d"})
+"""Namespaces of the collective operators the server carries out (see COLLECTIVES)."""
+
+COLLECTIVES: dict[str, str] = {
+    "c10d::allreduce_": "allreduce",
+    "c10d::allreduce_coalesced_": "allreduce",
+    "c10d::broadcast_": "broadcast",
+    "c10d::allgather_": "allgather",
+    "c10d::_allgather_base_": "allgather_into_tensor",
+    "c10d::allgather_into_tensor_coalesced_": "allgather_into_tensor",
+    "c10d::gather_": "gather",
+    "c10d::scatter_": "scatter",
+    "c10d::reduce_scatter_": "reduce_scatter",
+    "c10d::_reduce_scatter_base_": "reduce_scatter",
+    "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "c10d::reduce_": "reduce",
+    "c10d::alltoall_": "alltoall",
+    "c10d::alltoall_base_": "alltoall",
+    "c10d::barrier": "barrier",
+}
+"""The collective operators the server carries out for a job (OP_COLLECTIVE), and the kind of
+collective each is (collective_kinds.py). The job's client turns torch's other ways of asking for
+these (`_c10d_functional`, the process-group methods) into them."""
+
+COLLECTIVES_REFUSED: dict[str, str] = {
+    "c10d::send": "point-to-point operations are not served on proxied devices",
+    "c10d::recv_": "point-to-point operations are not served on proxied devices",
+    "c10d::recv_any_source_": "point-to-point operations are not served on proxied devices",
+    "c10d::monitored_barrier_": "it is a gloo (host) barrier",
+    "c10d::allgather_coalesced_": "it is deprecated in torch (use allgather_into_tensor_coalesced)",
+    "c10d::check_for_nan": "it is not a collective",
+}
+"""c10d operators the server does not carry out, with the reason the job is told."""
 
 _FILES = "it reads or writes files on the server"
 _PROCESS = "it changes state the whole server process shares"
@@ -183,7 +215,9 @@ def _dispatcher_operators() -> frozenset[str]:
 def refusal(namespace: str, name: str, overload: str) -> str:
     """Why the operator namespace::name.overload is not served ('' when it is)."""
     base = f"{namespace}::{name}"
-    if namespace not in SERVED_NAMESPACES | COLLECTIVE_NAMESPACES:
+    if namespace in COLLECTIVE_NAMESPACES:
+        return "collectives are carried out as collective operations, not called as operators"
+    if namespace not in SERVED_NAMESPACES:
         return f"operators of the {namespace!r} namespace are not served"
     full = f"{base}.{overload}" if overload != "default" else base
     if full not in _dispatcher_operators():
@@ -219,6 +253,15 @@ def resolve(namespace: str, name: str, overload: str) -> Any:
     if not isinstance(operator, torch._ops.OpOverload) or operator._name != full:
         raise RefusedOperator(f"proxy: {full} does not name one operator")
     return operator
+
+
+def collective_kind(operator: str) -> str:
+    """The kind of collective a served c10d operator ('c10d::allreduce_') is; else RefusedOperator."""
+    kind = COLLECTIVES.get(operator)
+    if kind is not None:
+        return kind
+    reason = COLLECTIVES_REFUSED.get(operator, "it is not a collective the server carries out")
+    raise RefusedOperator(f"proxy: {operator} is not run on proxied devices: {reason}")
 
 
 @dataclass(frozen=True)

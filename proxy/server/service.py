@@ -1,8 +1,10 @@
 """The proxy server of one device: its sessions and the job connections that feed them.
 
 `Server` knows the device, admits job processes (a hello names the job; the kernel names
-the uid), keeps one session per (job id, rank), and serves each job connection in its own
-thread through the executor. The daemon's requests arrive on a separate control channel
+the uid), keeps one session per (job id, rank), and reads each job connection in its own
+thread into the session's queue, which the session's own thread runs (runner.py). The
+collectives of the job's processes run here and, over the job's links, with the servers of its
+other devices (collectives.py). The daemon's requests arrive on a separate control channel
 (see control.py); both reach the same Server.
 """
 
@@ -21,7 +23,9 @@ import torch
 from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
 
+from .collectives import Collectives
 from .executor import Executor
+from .runner import Runner, Work
 from .session import Connection, DeviceMemory, Session, exception_info
 
 
@@ -70,17 +74,56 @@ class Server:
         torch.sparse.check_sparse_tensor_invariants.enable()  # type: ignore[no-untyped-call]
         self.memory = DeviceMemory(device_index, memory_bytes)
         self.executor = Executor(self.device, self.memory)
+        self.collectives = Collectives(device_index, self.device, self.executor.lock)
         self.sessions: dict[tuple[str, int], Session] = {}
+        self.runners: dict[tuple[str, int], Runner] = {}
+        """The queue and thread of each session."""
         self.state_lock = threading.RLock()
         """Held while sessions are added, removed or looked up."""
 
     # -- sessions ---------------------------------------------------------------------------------
+    def add_session(
+        self, session: Session, saved_queue: list[Any] | None = None, groups: dict[str, Any] | None = None
+    ) -> Runner:
+        """Hold a new session and start its thread (a restored one holds its saved work until resumed)."""
+        key = (session.job_id, session.rank)
+        with self.state_lock:
+            runner = Runner(session, self.executor, self.collectives, saved_queue, groups)
+            self.sessions[key] = session
+            self.runners[key] = runner
+        return runner
+
     def drop(self, session: Session) -> None:
-        """Free everything a session holds and forget it."""
+        """Stop a session's thread, free everything it holds and forget it."""
+        key = (session.job_id, session.rank)
+        with self.state_lock:
+            runner = self.runners.get(key) if self.sessions.get(key) is session else None
+            if runner is not None:
+                del self.runners[key]
+                del self.sessions[key]
+        if runner is not None:
+            runner.stop()
         with self.state_lock:
             session.free_all()
-            if self.sessions.get((session.job_id, session.rank)) is session:
-                del self.sessions[(session.job_id, session.rank)]
+
+    def job_runners(self, job_id: str) -> list[Runner]:
+        """The runners of a job's sessions, by rank."""
+        with self.state_lock:
+            found = (r for (job, _rank), r in self.runners.items() if job == job_id)
+            return sorted(found, key=lambda r: r.session.rank)
+
+    def wait_idle(self, job_id: str, timeout: float) -> bool:
+        """Wait until nothing of the job's sessions can run here (see runner.Runner.idle)."""
+        return bool(self.collectives.settle(self.job_runners(job_id), timeout)["idle"])
+
+    def settle(self, job_id: str, timeout: float) -> dict[str, Any]:
+        """Wait until the job is quiet here; what the daemon compares across the job's servers."""
+        state = self.collectives.settle(self.job_runners(job_id), timeout)
+        drained = all(
+            s.connection is None or s.connection.unread_bytes() == 0 for s in self.job_sessions(job_id)
+        )
+        state["idle"] = state["idle"] and drained
+        return state
 
     def job_sessions(self, job_id: str) -> list[Session]:
         """The sessions of a job, by rank."""
@@ -142,13 +185,13 @@ class Server:
                 if existing is not None:
                     self.drop(existing)
                 session = Session(job_id, rank, uid, self.memory)
-                self.sessions[key] = session
+                self.add_session(session)
             session.connection = connection
         return session
 
     # -- job connections --------------------------------------------------------------------------
     def serve_job(self, sock: socket.socket) -> None:
-        """Serve one job process's connection until it closes (or breaks the framing)."""
+        """Read one job process's connection into its session's queue until it closes."""
         connection = Connection(sock)
         credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         _pid, uid, _gid = struct.unpack("3i", credentials)
@@ -160,52 +203,64 @@ class Server:
             if session is None:
                 return
             connection.send(protocol.WELCOME, self.info)
-            torch.set_grad_enabled(True)  # some kernels (mkldnn RNN) keep state only then
+            runner = self.runners[(session.job_id, session.rank)]
             while True:
-                self._take(session, connection, protocol.recv_frame(sock, protocol.JOB_FRAME_LIMITS))
+                self._take(session, runner, protocol.recv_frame(sock, protocol.JOB_FRAME_LIMITS))
         except ProtocolError as e:  # the framing is broken: nothing after it can be trusted
             with contextlib.suppress(OSError):
                 connection.send(protocol.GOODBYE, exception_info(e))
-        except (ConnectionError, OSError, EOFError):
+        except (ConnectionError, OSError, EOFError, KeyError):
             pass
         finally:
             with contextlib.suppress(OSError):
                 sock.close()
             if session is not None:
-                session.parked_event.set()  # a quiesce waiting on this process must not wait forever
-                with self.state_lock:
-                    if session.connection is connection:
-                        session.connection = None
-                        if not session.parked:
-                            self.drop(session)
+                self._closed(session, connection)
 
-    def _take(self, session: Session, connection: Connection, frame: protocol.Frame) -> None:
-        """Act on one message from the job; what it cannot take becomes an error in the program."""
-        if frame.kind == protocol.REQUEST:
+    def _closed(self, session: Session, connection: Connection) -> None:
+        """A job connection ended: a process that ended unparked loses its session, and its
+        collectives' other members learn it (what waits for it fails)."""
+        session.parked_event.set()  # a quiesce waiting on this process must not wait forever
+        with self.state_lock:
+            if session.connection is not connection:
+                return
+            session.connection = None
+            if session.parked:
+                return
+            runner = self.runners.get((session.job_id, session.rank))
+        if runner is not None:
+            self.collectives.rank_gone(runner)
+        self.drop(session)
+
+    def _take(self, session: Session, runner: Runner, frame: protocol.Frame) -> None:
+        """Queue one message from the job; what cannot be taken becomes an error in the program."""
+        if frame.kind in (protocol.BATCH, protocol.REQUEST):
+            answer = frame.kind == protocol.REQUEST
             try:
                 body = frame.decode()
-                if type(body) is not list or len(body) != 2:
+                if answer and (type(body) is not list or len(body) != 2):
                     raise ProtocolError("a request message is [operations, request]")
-                value = self.executor.run_batch(session, body[0], body[1], frame.buffers)
-                connection.send(protocol.REPLY, value)  # encodes fully before writing anything
-            except Exception as e:
-                connection.send(protocol.ERROR, exception_info(e))
-            return
-        try:
-            if frame.kind == protocol.BATCH:
-                body = frame.decode()
-                if type(body) is not list or len(body) != 1:
+                if not answer and (type(body) is not list or len(body) != 1):
                     raise ProtocolError("a batch message is [operations]")
-                self.executor.run_batch(session, body[0], None, frame.buffers)
-            elif frame.kind == protocol.PARKED:
-                if not session.park_asked:
-                    raise ProtocolError("PARKED without a PARK")
-                body = frame.decode()
+                if type(body[0]) is not list:
+                    raise ProtocolError("the operations of a batch must be a list")
+                runner.put(Work(body[0], body[1] if answer else None, frame.buffers, answer=answer))
+            except ProtocolError as e:
+                runner.put(Work([], None, [], answer=answer, failure=e))
+            return
+        if frame.kind == protocol.PARKED:
+            if not session.park_asked:
+                runner.put(Work([], None, [], answer=False, failure=ProtocolError("PARKED without a PARK")))
+                return
+            body = frame.decode()
+            with self.collectives.cond:
                 session.waiting = type(body) is list and body == [True]
                 session.parked_at = time.monotonic()
                 session.parked = True
                 session.parked_event.set()
-            else:
-                raise ProtocolError(f"unknown message kind {frame.kind}")
-        except Exception as e:
-            session.fail(e)
+                self.collectives.events += 1
+                self.collectives.cond.notify_all()
+            return
+        runner.put(
+            Work([], None, [], answer=False, failure=ProtocolError(f"unknown message kind {frame.kind}"))
+        )

@@ -39,6 +39,7 @@ import torch
 from .statefile import FORMAT, StateFileWriter, blob_of, is_plain, storage_bytes, tensor_entry
 
 if TYPE_CHECKING:
+    from .runner import Runner
     from .service import Server
     from .session import Session
 
@@ -277,7 +278,8 @@ class JobSave:
             unsaved = {s.key for s in self._unsaved(live)}
             pending: list[tuple[int, torch.Tensor]] = []
             blobs: list[tuple[int, bytes]] = []
-            table_sessions = [self._describe(session, ids, blobs) for session in sessions]
+            runners = {runner.session.rank: runner for runner in self.server.job_runners(self.job_id)}
+            table_sessions = [self._describe(s, runners[s.rank], ids, blobs) for s in sessions]
             storages: dict[int, list[int]] = {}
             for key, storage in live.items():
                 if key in unsaved:
@@ -315,9 +317,10 @@ class JobSave:
         }
 
     def _describe(
-        self, session: Session, ids: dict[int, int], blobs: list[tuple[int, bytes]]
+        self, session: Session, runner: Runner, ids: dict[int, int], blobs: list[tuple[int, bytes]]
     ) -> dict[str, Any]:
-        """The index entry of one session (tensors that are not plain are serialised now, as blobs)."""
+        """The index entry of one session (tensors that are not plain, its plans and its queue of
+        received-not-run work are serialised now, as blobs)."""
         tensors: dict[str, Any] = {}
         for handle, tensor in session.tensors.items():
             if is_plain(tensor):
@@ -329,11 +332,18 @@ class JobSave:
         if session.plan_wire:
             blobs.append((len(blobs), blob_of(session.plan_wire)))
             plans = len(blobs) - 1
+        queue = None
+        unfinished = runner.saved_queue()
+        if unfinished:
+            blobs.append((len(blobs), blob_of(unfinished)))
+            queue = len(blobs) - 1
         return {
             "job_id": session.job_id,
             "rank": session.rank,
             "uid": session.uid,
             "plans": plans,
+            "queue": queue,
+            "groups": {name: [rank, members] for name, (rank, members) in runner.groups.items()},
             "ops": {str(k): list(v) for k, v in session.operator_names.items()},
             "peak": session.peak_bytes,
             "pending_error": session.pending_error,

@@ -17,7 +17,8 @@ Layout (format 2):
 Index: {"format": 2, "device": i,
         "storages": {id: [offset, nbytes]}, "blobs": {id: [offset, nbytes]},
         "sessions": [{"job_id", "rank", "uid", "ops": {op_id: [namespace, name, overload]},
-                      "peak", "pending_error",
+                      "peak", "pending_error", "plans": blob id | null, "queue": blob id | null,
+                      "groups": {name: [global rank, members]},
                       "tensors": {handle: ["s", storage id, dtype, shape, stride, offset, flags]
                                           | ["b", blob id]}}]}
 `flags` holds "c" (conjugate bit), "n" (negative bit), "g" (requires grad). Tensors that share
@@ -65,6 +66,10 @@ class SavedSession:
     tensors: dict[int, torch.Tensor]
     plans: dict[Any, Any] = field(default_factory=dict)
     """Plan id -> [op_id, args, kwargs] as the job sent it (Session.plan_wire)."""
+    queue: list[Any] = field(default_factory=list)
+    """Frames received and not yet run (runner.Work.saved), run after the restore."""
+    groups: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    """Process groups of its collectives: name -> (the process's global rank, members)."""
 
 
 def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -225,6 +230,18 @@ def _plain_tensor(
     return tensor
 
 
+def _groups(saved: Any) -> dict[str, tuple[int, list[int]]]:
+    """A session's process groups as saved (name -> [rank, members]), checked."""
+    if not saved:
+        return {}
+    if not isinstance(saved, dict):
+        raise ValueError("proxy: malformed process groups in the device-state file")
+    return {
+        str(name): (protocol.integer(rank), protocol.integers(list(members), most=1 << 16))
+        for name, (rank, members) in saved.items()
+    }
+
+
 def read_state(fd: int, device: torch.device) -> tuple[int, list[SavedSession]]:
     """The device index and the sessions of the device-state file open at `fd`, their tensors on `device`."""
     head = os.pread(fd, len(FILE_MAGIC), 0)
@@ -256,6 +273,8 @@ def read_state(fd: int, device: torch.device) -> tuple[int, list[SavedSession]]:
                 state["pending_error"],
                 tensors,
                 blobs[int(state["plans"])] if state.get("plans") is not None else {},
+                list(blobs[int(state["queue"])]) if state.get("queue") is not None else [],
+                _groups(state.get("groups")),
             )
         )
     return int(index["device"]), sessions
@@ -277,6 +296,8 @@ def _read_legacy(fd: int, device: torch.device) -> tuple[int, list[SavedSession]
             state["pending_error"],
             {int(h): t for h, t in state["tensors"].items()},
             dict(state.get("plans") or {}),
+            list(state.get("queue") or []),
+            _groups(state.get("groups")),
         )
         for state in saved["sessions"]
     ]

@@ -230,8 +230,9 @@ class ProxyStateSave:
         await self._all(prepare)
 
     async def park(self) -> None:
-        """Quiesce the job on every device."""
+        """Quiesce the job on every device, then wait for a consistent cut of its collectives."""
         await self._all(lambda proxy, _: proxy.quiesce(self.job))
+        await _translated_async(self.pool.settle(self.job_id, self.devices))
 
     async def capture(self, copy: bool) -> None:
         """Capture the parked state on every device."""

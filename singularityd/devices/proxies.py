@@ -32,13 +32,20 @@ import os
 import shutil
 import signal
 import socket
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from singularity.proxy import bootstrap_path
-from singularity.proxy.control import ControlError, ProxyControl, client_sockets, open_restored_connection
+from singularity.proxy.control import (
+    ControlError,
+    ProxyControl,
+    client_sockets,
+    cut_reached,
+    open_restored_connection,
+)
 from singularity.proxy.spawner import SpawnerClient, SpawnError, SpawnRequest
 from singularityd.devices.inventory import Device
 from singularityd.jobs.processes import ProcessWatch, process_start_ticks
@@ -49,6 +56,8 @@ PROXY_DIR = "proxy"
 STATE_FILE_SUFFIX = ".state"
 LISTEN_FD = 3
 CONTROL_FD = 4
+PEER_FD_BASE = 10
+"""A server's link to the server of the job's device index i is its descriptor PEER_FD_BASE + i."""
 
 
 class ProxyError(Exception):
@@ -142,6 +151,17 @@ def _private_folder(path: Path, owner: tuple[int, int] | None, mode: int) -> Non
     if owner is not None:
         os.chown(path, *owner)
     os.chmod(path, mode)
+
+
+def peer_links(count: int) -> dict[tuple[int, int], socket.socket]:
+    """A socketpair for every pair of a job's devices: {(i, j): the end server i holds to reach j}.
+
+    The servers of a job carry out its collectives over these links; only they hold the ends."""
+    links: dict[tuple[int, int], socket.socket] = {}
+    for i in range(count):
+        for j in range(i + 1, count):
+            links[(i, j)], links[(j, i)] = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    return links
 
 
 class JobProxies:
@@ -263,6 +283,7 @@ class JobProxies:
         temporary = self.job_dir(job_id) / "tmp"
         _private_folder(temporary, owner, 0o700)
         bound: list[tuple[int, int, socket.socket, socket.socket]] = []
+        links = peer_links(len(devices))
         try:
             for index, device in enumerate(devices):
                 data = _listening_socket(self.socket_path(job_id, device), owner, 0o600)
@@ -272,9 +293,11 @@ class JobProxies:
             for _, _, data, control in bound:
                 data.close()
                 control.close()
+            for sock in links.values():
+                sock.close()
             self.forget(job_id)
             raise
-        task = asyncio.ensure_future(self._spawn_servers(job_id, identity, temporary, bound))
+        task = asyncio.ensure_future(self._spawn_servers(job_id, identity, temporary, bound, links))
         self._starting[job_id] = task
 
         def done(finished: asyncio.Future[None]) -> None:
@@ -289,16 +312,20 @@ class JobProxies:
         identity: JobIdentity,
         temporary: Path,
         bound: list[tuple[int, int, socket.socket, socket.socket]],
+        links: dict[tuple[int, int], socket.socket],
     ) -> None:
         """Spawn the server of each bound device; close each device's sockets once handed over."""
         try:
             assert self._spawner is not None
             spawner = await asyncio.wrap_future(self._spawner)
             for index, device, data, control in bound:
-                request = self._request(job_id, identity, index, device, temporary, data, control)
+                peers = {j: sock for (i, j), sock in links.items() if i == index}
+                request = self._request(job_id, identity, index, device, temporary, data, control, peers)
                 pid = await asyncio.to_thread(spawner.spawn, request)
                 data.close()
                 control.close()
+                for sock in peers.values():
+                    sock.close()
                 self._note_started(job_id, device, pid, identity.uid)
         except (SpawnError, OSError) as error:
             log.error("job %d: cannot start its proxy servers: %s", job_id, error)
@@ -306,6 +333,8 @@ class JobProxies:
             for _, _, data, control in bound:
                 data.close()
                 control.close()
+            for sock in links.values():
+                sock.close()
 
     def _request(
         self,
@@ -316,6 +345,7 @@ class JobProxies:
         temporary: Path,
         data: socket.socket,
         control: socket.socket,
+        peers: Mapping[int, socket.socket],
     ) -> SpawnRequest:
         """What the spawner is asked for to start the server of one device of the job."""
         spec = self.devices[device]
@@ -327,6 +357,10 @@ class JobProxies:
         ]  # fmt: skip
         if spec.kind == "nvml":
             argv += ["--cuda-device", str(device)]
+        if peers:
+            argv += ["--peer-fds", ",".join(f"{j}:{PEER_FD_BASE + j}" for j in sorted(peers))]
+        fds = {LISTEN_FD: data.fileno(), CONTROL_FD: control.fileno()}
+        fds.update({PEER_FD_BASE + j: sock.fileno() for j, sock in peers.items()})
         return SpawnRequest(
             module="singularity.proxy.server",
             argv=argv,
@@ -334,7 +368,7 @@ class JobProxies:
             gid=identity.gid,
             groups=identity.groups,
             env={"OMP_NUM_THREADS": str(self.threads), "TMPDIR": str(temporary), "HOME": str(temporary)},
-            fds={LISTEN_FD: data.fileno(), CONTROL_FD: control.fileno()},
+            fds=fds,
             log_path=str(self._log(job_id, device)),
         )
 
@@ -432,9 +466,30 @@ class JobProxies:
         """Stop the job's processes at an operation boundary, then save its live tensors."""
         (images / PROXY_DIR).mkdir(parents=True, exist_ok=True)
         await self._each(job_id, devices, lambda proxy, _: proxy.quiesce(str(job_id)))
+        await self.settle(job_id, devices)
         await self._each(
             job_id, devices, lambda proxy, index: proxy.save(str(job_id), device_state_file(images, index))
         )
+
+    async def settle(self, job_id: int, devices: Sequence[int], timeout: float = 60.0) -> None:
+        """Ask the job's servers, round after round, until they show a consistent cut (collectives)."""
+        deadline = time.monotonic() + timeout
+        previous: dict[int, Any] | None = None
+        while True:
+            current: dict[int, Any] = {}
+
+            def ask(proxy: ProxyControl, index: int, answers: dict[int, Any] = current) -> None:
+                answers[index] = proxy.settle(str(job_id), min(5.0, max(0.1, deadline - time.monotonic())))
+
+            await self._each(job_id, devices, ask)
+            if cut_reached(previous, current):
+                return
+            if time.monotonic() > deadline:
+                raise ProxyError(
+                    f"job {job_id} did not come to rest in {timeout:.0f}s: its processes keep running "
+                    "device work or collectives after parking"
+                )
+            previous = current
 
     async def resume(self, job_id: int, devices: Sequence[int]) -> None:
         """Let the job's parked processes go on."""

@@ -172,6 +172,7 @@ class Supervisor:
         self.max_rss_bytes = 0
         self.terminating = False
         self.first_failure: tuple[int | None, int | None] | None = None
+        self.first_failed_rank: int | None = None
 
     def terminate_ranks(self, sig: int = signal.SIGTERM) -> None:
         """Signal every live rank's process group; on SIGTERM arm the SIGKILL deadline."""
@@ -239,7 +240,16 @@ class Supervisor:
             self.outcomes[pid] = outcome
             if outcome != (0, None) and self.first_failure is None:
                 self.first_failure = outcome
+                self.first_failed_rank = self.ranks[pid]
                 self.terminate_ranks(signal.SIGTERM)
+
+    def _rank_failure(self) -> str:
+        """Which rank of a multi-rank job failed first, and how ('' if none or a single rank)."""
+        if self.first_failure is None or self.first_failed_rank is None or len(self.ranks) < 2:
+            return ""
+        code, sig = self.first_failure
+        how = f"was killed by signal {sig}" if sig is not None else f"exited with code {code}"
+        return f"rank {self.first_failed_rank} {how}; the other ranks were stopped"
 
     def run(self) -> int:
         """Start the ranks, wait for them, write the status file; returns the exit code."""
@@ -267,7 +277,7 @@ class Supervisor:
         self.wait_ranks()
         if not status:
             code, sig = self.first_failure or (0, None)
-            status = {"exit_code": code, "signal": sig, "error": ""}
+            status = {"exit_code": code, "signal": sig, "error": self._rank_failure()}
         status["ranks"] = [
             {"rank": self.ranks[pid], "exit_code": code, "signal": sig}
             for pid, (code, sig) in sorted(self.outcomes.items(), key=lambda item: self.ranks[item[0]])

@@ -11,6 +11,8 @@ from singularityd.identity import Caller
 from singularityd.store import JobSpec
 
 MAX_PRIORITY = 1_000_000
+MAX_RANKS = 4096
+"""Most processes one job may start (a process group's limit on the proxies, proxy/server/collectives.py)."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,8 @@ def validated_spec(caller: Caller, args: SubmitArgs, total_devices: int) -> JobS
         raise InvalidRequest(f"--gpus must be at least 1, not {args.gpus}")
     if args.ranks < 1:
         raise InvalidRequest(f"--ranks must be at least 1, not {args.ranks}")
+    if args.ranks > MAX_RANKS:
+        raise InvalidRequest(f"--ranks must be at most {MAX_RANKS}, not {args.ranks}")
     if abs(args.priority) > MAX_PRIORITY:
         raise InvalidRequest(f"--priority must be between -{MAX_PRIORITY} and {MAX_PRIORITY}")
     if args.gpus > total_devices:

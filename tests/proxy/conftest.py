@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -82,6 +83,59 @@ def start_server(
             raise RuntimeError(f"proxy server {name} did not start")
         time.sleep(0.05)
     return ProxyServer(sock, ctl, proc)
+
+
+def start_linked_servers(directory: Path, count: int, memory_bytes: int = 1 << 30) -> list[ProxyServer]:
+    """Servers of one job's `count` devices (dev0.sock...), linked pairwise as the daemon links them."""
+    links: dict[tuple[int, int], socket.socket] = {}
+    for i in range(count):
+        for j in range(i + 1, count):
+            links[(i, j)], links[(j, i)] = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    servers = []
+    try:
+        for i in range(count):
+            peers = {j: sock for (a, j), sock in links.items() if a == i}
+            sock = directory / f"dev{i}.sock"
+            command = [
+                PYTHON, "-m", "singularity.proxy.server", "--socket", str(sock), "--device-index", str(i),
+                "--memory-bytes", str(memory_bytes), "--threads", "1",
+            ]  # fmt: skip
+            if peers:
+                command += ["--peer-fds", ",".join(f"{j}:{s.fileno()}" for j, s in peers.items())]
+            proc = subprocess.Popen(
+                command, env=base_env(), cwd=REPO, pass_fds=[s.fileno() for s in peers.values()],
+                stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            servers.append(ProxyServer(sock, Path(f"{sock}.ctl"), proc))
+    finally:
+        for link in links.values():
+            link.close()
+    deadline = time.monotonic() + 60
+    while not all(s.socket.exists() and s.control.exists() for s in servers):
+        if any(s.proc.poll() is not None for s in servers) or time.monotonic() > deadline:
+            raise RuntimeError("proxy servers did not start")
+        time.sleep(0.05)
+    return servers
+
+
+def start_ranks(
+    args: Sequence[str], ranks: int, sockets: Sequence[Path] | None, **extra: str
+) -> list[subprocess.Popen[str]]:
+    """The ranks of a torchrun-style job (proxied on `sockets`, else directly on the CPU)."""
+    port = str(20000 + (os.getpid() * 7 + int(time.monotonic() * 1000)) % 20000)
+    processes = []
+    for rank in range(ranks):
+        env = proxy_env(sockets, rank=rank) if sockets else base_env()
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks))
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, USE_LIBUV="0", **extra)
+        command = [PYTHON, *args]
+        pipe = subprocess.PIPE
+        processes.append(
+            subprocess.Popen(
+                command, env=env, cwd=PROGRAMS, stdout=pipe, stderr=pipe, text=True, stdin=subprocess.DEVNULL
+            )
+        )
+    return processes
 
 
 def stop_server(server: ProxyServer) -> None:

@@ -70,7 +70,7 @@ def test_lists_name_existing_operators() -> None:
         ("aten", "_sparse_coo_tensor_unsafe", "default", "not checked"),
         ("aten", "_reshape_alias", "default", "not checked"),
         ("aten", "_cufft_set_plan_cache_max_size", "default", "whole server process"),
-        ("c10d", "allreduce_", "default", "'c10d' namespace"),
+        ("c10d", "allreduce_", "default", "carried out as collective operations"),
         ("mkldnn", "_linear_pointwise", "default", "'mkldnn' namespace"),
         ("os", "system", "default", "'os' namespace"),
         ("aten", "add", "no_such_overload", "not a dispatcher operator"),

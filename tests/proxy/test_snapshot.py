@@ -17,7 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.control import ProxyControl
+from singularity.proxy.server.control import ControlHandler
+from singularity.proxy.server.service import Server
+from singularity.proxy.server.session import Session
 from singularity.proxy.server.statefile import SavedSession, read_state, storage_bytes
 from tests.proxy.conftest import PROGRAMS, PYTHON, ProxyServer, proxy_env, start_server, stop_server
 
@@ -192,3 +196,39 @@ def test_a_save_without_precopy_copies_everything_in_the_pause(device: ProxyServ
     finally:
         job.kill()
         job.wait()
+
+
+def test_the_work_a_session_received_and_its_groups_are_saved_and_restored(tmp_path: Path) -> None:
+    """A parked session's queue of received-not-run frames and its collective groups go into the
+    device-state file (pre-copied or not) and come back, held until resume, after a load."""
+    queue = [[[[protocol.OP_FREE, [7]]], [protocol.REQ_SYNC], True, [b"\x01\x02"]]]
+    groups = {"world": (1, [0, 1])}
+    source = Server(0, 1 << 30, None)
+    session = Session("q-job", 1, os.getuid(), source.memory)
+    session.add(1, torch.arange(16, dtype=torch.float32))
+    session.parked = True
+    source.add_session(session, queue, groups)
+    control = ControlHandler(source)
+    try:
+        precopied, full = tmp_path / "precopied", tmp_path / "full"
+        with precopied.open("wb") as file:
+            control.snapshots.prepare("q-job", file.fileno(), rounds=1, budget_s=60, stage=True)
+            control.snapshots.capture("q-job", copy=True)
+            control.snapshots.finish("q-job", 60)
+        with full.open("wb") as file:
+            control.save("q-job", file.fileno())
+        for path in (precopied, full):
+            (saved,) = state_of(path)
+            assert (saved.queue, saved.groups) == (queue, groups)
+            target = Server(0, 1 << 30, None)
+            try:
+                with path.open("rb") as file:
+                    ControlHandler(target).load("q-job", file.fileno())
+                (runner,) = target.job_runners("q-job")
+                assert runner.held and runner.groups == groups and runner.saved_queue() == queue
+                assert torch.equal(target.job_sessions("q-job")[0].tensor(1), torch.arange(16.0))
+            finally:
+                for restored in target.job_sessions("q-job"):
+                    target.drop(restored)
+    finally:
+        source.drop(session)

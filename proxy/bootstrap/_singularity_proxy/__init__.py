@@ -5,8 +5,9 @@ cuda:0..n-1; every operation on them runs in the device's proxy server. Modules,
 protocol (what both sides agree on), channel (connection, batching, parking), devices (the
 process's devices), tensor (stand-ins and dispatch), transfers, randomness, mode (the
 torch-function mode: placement, factories, device-mix checks), cuda_surface (torch.cuda and
-torch.accelerator), serialization (torch.save / torch.load), composites (operators run whole)
-and compiler (torch.compile runs eagerly). See docs/proxy.md.
+torch.accelerator), serialization (torch.save / torch.load), composites (operators run whole),
+compiler (torch.compile runs eagerly), collectives (collectives on stand-ins, run by the
+servers) and process_group (the "nccl" process group, DDP's buckets). See docs/proxy.md.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     """Install the client: the devices, the torch patches and the global mode."""
     import torch
 
-    from . import compiler, composites, cuda_surface, serialization, tensor
+    from . import compiler, composites, cuda_surface, process_group, serialization, tensor
     from .devices import DEVICES
     from .mode import DeviceMode
     from .randomness import RANDOM_OPS, host_random_handler
@@ -56,6 +57,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     serialization.install()
     composites.install()
     compiler.patch_compile()
+    process_group.install()
     mode = DeviceMode()
     mode.__enter__()  # type: ignore[no-untyped-call,unused-ignore]
     tensor.device_mode.append(mode)

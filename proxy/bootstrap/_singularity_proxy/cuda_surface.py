@@ -285,6 +285,8 @@ def patch_accelerator() -> None:
         "get_memory_info": lambda device_index=None: memory_query(protocol.MEMORY_INFO, device_index),
     }
     funcs = {name: _fresh(func) for name, func in funcs.items()}
+    # torch's Python asks this for the default device (FSDP's mesh, the default c10d backend)
+    torch._C._get_accelerator = _fresh(lambda check_available=False: torch.device("cuda"))
     memory = sys.modules.get("torch.accelerator.memory")
     for name, func in funcs.items():
         setattr(accelerator, name, func)

@@ -47,12 +47,22 @@ def _from_torch_internals() -> bool:
     return False
 
 
+def _as_device(value: Any) -> Any:
+    """A device index (an int, as in `tensor.to(1)`) as the cuda device it names; else the value."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return torch.device("cuda", value)
+    return value
+
+
 def _to(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """`Tensor.to`: stand-ins for cuda targets, host copies for the program's cpu targets."""
     self = args[0]
     options = dict(kwargs)
     copy = bool(options.pop("copy", False))
-    device, dtype, _non_blocking, memory_format = torch._C._nn._parse_to(*args[1:], **options)
+    targets = [_as_device(arg) for arg in args[1:]]  # an int is an accelerator's index
+    if "device" in options:
+        options["device"] = _as_device(options["device"])
+    device, dtype, _non_blocking, memory_format = torch._C._nn._parse_to(*targets, **options)
     is_stand_in = isinstance(self, ProxyTensor)
     if device is None or device.type not in ("cuda", "cpu"):
         return func(*args, **kwargs)
@@ -195,6 +205,47 @@ def _factory(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         out.requires_grad_(True)
     return out
 
+
+def _backward(tensors: Any, gradient: Any, retain_graph: Any, create_graph: bool, inputs: Any) -> None:
+    """What torch.autograd.backward does, from inside the mode's handler (the engine then keeps the
+    mode active in backward hooks and autograd functions, where FSDP and DDP make tensors)."""
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs or ())
+    grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(gradient, len(tensors)), is_grads_batched=False)
+    retain = create_graph if retain_graph is None else retain_graph
+    _engine_run_backward(
+        tensors, grads, retain, create_graph, inputs, allow_unreachable=True, accumulate_grad=True
+    )
+
+
+def _tensor_backward(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    options = dict(zip(("gradient", "retain_graph", "create_graph", "inputs"), args[1:], strict=False))
+    options.update(kwargs)
+    _backward(args[0], options.get("gradient"), options.get("retain_graph"),
+              bool(options.get("create_graph", False)), options.get("inputs"))  # fmt: skip
+
+
+def _autograd_backward(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    names = ("tensors", "grad_tensors", "retain_graph", "create_graph", "grad_variables", "inputs")
+    options = dict(zip(names, args, strict=False))
+    options.update(kwargs)
+    gradient = (
+        options.get("grad_tensors")
+        if options.get("grad_tensors") is not None
+        else options.get("grad_variables")
+    )
+    _backward(options["tensors"], gradient, options.get("retain_graph"),
+              bool(options.get("create_graph", False)), options.get("inputs"))  # fmt: skip
+
+
+_IN_MODE: dict[Any, Callable[[Any, Sequence[Any], dict[str, Any]], Any]] = {
+    _Tensor.backward: _tensor_backward,
+    torch.autograd.backward: _autograd_backward,
+}
+"""Calls that run with the mode active again (a mode is off while its handler runs)."""
 
 _METHODS: dict[Any, Callable[[Any, Sequence[Any], dict[str, Any]], Any]] = {
     _Tensor.to: _to,
@@ -409,6 +460,10 @@ class DeviceMode(TorchFunctionMode):
             self._entering.checker_tried = False
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        inside = _IN_MODE.get(func)
+        if inside is not None:
+            with self:
+                return inside(func, args, kwargs or {})
         handler = _METHODS.get(func)
         if handler is not None:
             return handler(func, args, kwargs or {})

@@ -35,7 +35,8 @@ Job process -> server:
     REQUEST: [ops, request]  operations, then one request, answered by exactly one REPLY
         or ERROR (also when the frame cannot be decoded)
     PARKED: [waiting]  stopped at an operation boundary after PARK; `waiting` says whether
-        the process was waiting for an answer at that moment
+        the process was waiting for an answer at that moment (the server has read every frame
+        the process sent before it, and keeps the ones it has not run yet)
 Server -> job process:
     WELCOME: info  the hello was accepted; `info` describes the device (DEVICE_INFO_KEYS)
     REPLY: value  the answer to the request (encoded with `encode_value`)
@@ -44,6 +45,13 @@ Server -> job process:
     PARK: null  stop sending and answer PARKED; nothing is sent until RESUME
     RESUME: null  go on
     GOODBYE: [module, qualname, message]  the server closes this connection, and why
+Server <-> server of the same job, on the links the daemon made (socketpairs; see COLLECTIVES):
+    PEER_PLACE: [job_id, group, rank, device_index]  this rank's collectives of the group run
+        on that device (sent once per rank and group, to every other server of the job)
+    PEER_PIECE: [job_id, group, seq, key, dtype, shape, operator, numel]  one buffer: a part
+        of the data of collective `seq` of the group (which part: `key`, see collectives.py)
+    PEER_GONE: [job_id, rank, {group: last seq}]  the process of this rank ended; it took part
+        in the collectives of each group up to `last seq` (those after will never complete)
 Daemon <-> server, on the control socket (proxy/control.py and the server's control.py):
     each request is one marker byte sent with sendmsg, carrying the request's file descriptors
     (save, load and prepare carry the device-state file; the others none), then the frame
@@ -101,6 +109,8 @@ class FrameLimits:
 
 JOB_FRAME_LIMITS = FrameLimits()
 """What a server accepts from a job process."""
+PEER_FRAME_LIMITS = FrameLimits(buffers=1, buffer_bytes=1 << 40)
+"""What a server accepts from another server of its job (a piece of a collective's data)."""
 
 # -- message kinds --------------------------------------------------------------------------------
 HELLO = 1
@@ -116,6 +126,11 @@ GOODBYE = 15
 CONTROL_REQUEST = 20
 CONTROL_OK = 21
 CONTROL_FAILED = 22
+PEER_PLACE = 30
+PEER_PIECE = 31
+PEER_GONE = 32
+PEER_MESSAGES = frozenset((PEER_PLACE, PEER_PIECE, PEER_GONE))
+"""Kinds a server sends to the other servers of its job."""
 JOB_MESSAGES = frozenset((HELLO, BATCH, REQUEST, PARKED))
 """Kinds a job process may send."""
 
@@ -146,6 +161,17 @@ again (it then stands for the new call). The server decodes the arguments once."
 OP_RUN = 9
 """[OP_RUN, plan_id, first_output_handle, values]: run a plan with these slot values; new output
 tensors get consecutive handles from first_output_handle on, as with OP_CALL."""
+OP_RESIZE_STORAGE = 12
+"""[OP_RESIZE_STORAGE, handle, bytes]: resize the storage under the tensor (its views see it), as
+FSDP frees and re-allocates its unsharded parameters (`untyped_storage().resize_(n)`)."""
+OP_GROUP = 10
+"""[OP_GROUP, group, rank, members]: the process takes part, as global rank `rank`, in the
+process group named `group`, whose members are these global ranks in group-rank order."""
+OP_COLLECTIVE = 11
+"""[OP_COLLECTIVE, group, seq, operator, spec]: the process's collective number `seq` in the
+group: `operator` names the c10d operator it stands for (one the server serves, see
+server/operators.py COLLECTIVES) and `spec` its tensors and options (see COLLECTIVE_SPEC).
+It runs in order with the operations around it, once every member has reached it."""
 
 # -- requests: the last element of a REQUEST ------------------------------------------------------
 REQ_CALL = 0
@@ -172,6 +198,24 @@ PLAN_LIMIT = 1 << 16
 PLAN_LEAVES = 1 << 21
 """Most values (list items, dict entries) all of a session's plans may hold together; a client
 plans ids again from 0 once its plans hold half of this."""
+REQ_COLLECTIVE = 5
+"""[REQ_COLLECTIVE, group, seq, operator, spec] -> null once the collective has completed
+(as OP_COLLECTIVE; for a barrier and whatever the program waits for)."""
+
+# -- collectives ----------------------------------------------------------------------------------
+COLLECTIVE_SPEC = {
+    "tensors": "handles reduced or broadcast in place (allreduce, broadcast, reduce)",
+    "inputs": "handles, or lists of group-size handles (scatter, reduce_scatter)",
+    "outputs": "handles, or lists of group-size handles (allgather, gather)",
+    "op": "the reduction: one of REDUCE_OPS",
+    "factor": "the factor of a premul_sum reduction",
+    "root": "the group rank of the source (broadcast, scatter) or destination (reduce, gather)",
+    "input_splits": "rows of the input for each group rank (alltoall_base; empty: equal)",
+    "output_splits": "rows of the output from each group rank (alltoall_base; empty: equal)",
+}
+"""The keys a collective's `spec` object may hold, and what each means."""
+REDUCE_OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor", "premul_sum")
+"""Reductions, applied in global rank order (the same bits however the ranks are placed)."""
 
 MEMORY_ALLOCATED = "allocated"  # -> bytes the session holds
 MEMORY_PEAK = "peak"  # -> the most bytes it held since the last reset
@@ -207,7 +251,7 @@ SERVED_NAMESPACES = ("aten", "prims")
 
 # -- control channel ------------------------------------------------------------------------------
 CONTROL_REQUESTS = (
-    "quiesce", "save", "release", "load", "resume", "status", "stop",
+    "quiesce", "settle", "save", "release", "load", "resume", "status", "stop",
     "prepare", "capture", "finish", "abort", "pause_times",
 )  # fmt: skip
 

@@ -31,7 +31,11 @@ special_ops: dict[Any, SpecialHandler] = {
 }
 """Operators the client carries out itself (random numbers, copies across devices); filled by
 the modules that own them when the client is installed."""
+namespace_ops: dict[str, Callable[[Any], SpecialHandler | None]] = {}
+"""Per namespace, what finds the handler of an operator that exists only once a library is
+imported (collectives, FSDP's own operators); asked by the first of `special_rules`."""
 special_rules: list[Callable[[Any], SpecialHandler | None]] = [
+    lambda func: namespace_ops[func.namespace](func) if func.namespace in namespace_ops else None,
     lambda func: custom_op_handler(func),
     lambda func: in_place_view_handler(func),
 ]
@@ -101,6 +105,9 @@ class ProxyTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return _repr(self)
 
+    def untyped_storage(self) -> Any:  # type: ignore[override]
+        return ProxyStorage(self)
+
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         if id(self) in memo:
             return memo[id(self)]
@@ -114,6 +121,31 @@ class ProxyTensor(torch.Tensor):
             new.grad = self.grad.__deepcopy__(memo)  # type: ignore[operator]
         memo[id(self)] = new
         return new
+
+
+class ProxyStorage:
+    """What `untyped_storage()` gives for a stand-in: its size, and resizing (FSDP frees and
+    re-allocates the storage of its unsharded parameters this way)."""
+
+    def __init__(self, stand_in: ProxyTensor) -> None:
+        self.stand_in = stand_in
+
+    def size(self) -> int:
+        """Bytes of the storage (as last resized here, else what the stand-in's layout spans)."""
+        resized = getattr(self.stand_in, "_storage_bytes", None)
+        if resized is not None:
+            return int(resized)
+        shape, stride, offset, dtype = self.stand_in._meta
+        return int(protocol.storage_extent(shape, stride, offset) * dtype.itemsize)
+
+    nbytes = size
+
+    def resize_(self, nbytes: int) -> ProxyStorage:
+        """Resize the storage on the device (the tensor keeps its shape; its views share the storage)."""
+        stand_in = self.stand_in
+        stand_in._channel.push([protocol.OP_RESIZE_STORAGE, stand_in._handle.id, int(nbytes)])
+        stand_in._storage_bytes = int(nbytes)  # type: ignore[attr-defined]
+        return self
 
 
 def new_stand_in(channel: Channel, handle: int, meta: tuple[Any, ...]) -> ProxyTensor:
@@ -378,7 +410,7 @@ def _reshape(stand_in: ProxyTensor, shape: Any, stride: Any, offset: int) -> Pro
         meta_before = torch._C._meta_in_tls_dispatch_include()
         torch._C._set_meta_in_tls_dispatch_include(True)
         try:
-            stand_in.set_(stand_in.untyped_storage(), offset, shape, stride)
+            stand_in.set_(torch.Tensor.untyped_storage(stand_in), offset, shape, stride)  # C++ storage
         finally:
             torch._C._set_meta_in_tls_dispatch_include(meta_before)
     stand_in._meta = (shape, stride, offset, stand_in._meta[3])

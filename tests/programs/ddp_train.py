@@ -1,0 +1,109 @@
+"""Data-parallel training with DistributedDataParallel, launched torchrun-style (RANK etc.).
+
+Every rank prints its loss at each step and, at the end, a checksum of its weights. The options
+exercise what DDP offers: a communication hook, gradient accumulation under `no_sync`,
+`find_unused_parameters` (with a branch used every other step), `gradient_as_bucket_view`, small
+buckets (several allreduces per step). `--device cpu` runs it directly with gloo, for comparison.
+With --hold FILE every rank waits, before its checksum, until FILE exists (a test's signal to end).
+"""
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from _common import checksum
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=40)
+parser.add_argument("--device", default="cuda", help="cuda (backend nccl), or cpu (backend gloo)")
+parser.add_argument("--backend", default="", help="what to ask init_process_group for (default: per device)")
+parser.add_argument("--hook", choices=["", "allreduce", "fp16"], default="")
+parser.add_argument(
+    "--accumulate", type=int, default=1, help="micro-batches per step (no_sync on all but the last)"
+)
+parser.add_argument(
+    "--unused", action="store_true", help="find_unused_parameters, with a branch used every other step"
+)
+parser.add_argument("--bucket-view", action="store_true", help="gradient_as_bucket_view")
+parser.add_argument("--sleep", type=float, default=0.0)
+parser.add_argument("--hold", help="before the checksum, wait until this file exists")
+parser.add_argument("--crash", help="RANK:STEP: that rank dies (exit 3) as it starts that step")
+args = parser.parse_args()
+
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+local = int(os.environ.get("LOCAL_RANK", rank))
+if args.device == "cuda":
+    torch.cuda.set_device(local % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device())
+else:
+    device = torch.device("cpu")
+dist.init_process_group(args.backend or ("nccl" if device.type == "cuda" else "gloo"))
+
+
+class Net(nn.Module):
+    """Two hidden layers and a side branch that only some steps use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
+        self.side = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor, use_side: bool) -> torch.Tensor:
+        h = self.body(x)
+        if use_side:
+            h = h + torch.relu(self.side(h))
+        return self.head(h)
+
+
+torch.manual_seed(1234)
+net = Net().to(device)
+model = DistributedDataParallel(
+    net,
+    device_ids=[device.index] if device.type == "cuda" else None,
+    bucket_cap_mb=0.01,
+    find_unused_parameters=args.unused,
+    gradient_as_bucket_view=args.bucket_view,
+)
+if args.hook == "allreduce":
+    model.register_comm_hook(None, default_hooks.allreduce_hook)
+elif args.hook == "fp16":
+    model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+generator = torch.Generator().manual_seed(77 + rank)
+inputs = torch.randn(256, 32, generator=generator)
+labels = torch.randint(0, 4, (256,), generator=generator)
+
+crash_rank, _, crash_step = (args.crash or "-1:-1").partition(":")
+for step in range(args.steps):
+    if rank == int(crash_rank) and step == int(crash_step):
+        print(f"rank {rank} crashes at step {step}", flush=True)
+        os._exit(3)
+    optimizer.zero_grad()
+    use_side = not args.unused or step % 2 == 0
+    total = 0.0
+    for micro in range(args.accumulate):
+        index = torch.randint(0, 256, (16,), generator=generator)
+        x, y = inputs[index].to(device), labels[index].to(device)
+        if micro < args.accumulate - 1:
+            with model.no_sync():
+                loss = nn.functional.cross_entropy(model(x, use_side), y)
+                loss.backward()
+        else:
+            loss = nn.functional.cross_entropy(model(x, use_side), y)
+            loss.backward()
+        total += loss.item()
+    optimizer.step()
+    print(f"rank {rank} step {step} loss {total:.10f}", flush=True)
+    if args.sleep:
+        time.sleep(args.sleep)
+
+while args.hold and not os.path.exists(args.hold):
+    time.sleep(0.05)
+print(f"rank {rank} final {checksum(net)}", flush=True)
+dist.destroy_process_group()

@@ -1,0 +1,111 @@
+"""Every collective of torch.distributed on the accelerator, launched torchrun-style (RANK etc.).
+
+Each rank prints what it got, so that runs can be compared line by line: all_reduce (sum, avg
+and max), broadcast, all_gather, all_gather_into_tensor, reduce_scatter_tensor, reduce, gather,
+scatter, all_to_all_single, the object collectives, a subgroup made with new_group, functional
+collectives and barrier. `--backend` picks what the program asks for (default: the
+accelerator's default backend; "gloo" with cuda tensors also works on a CUDA machine).
+"""
+
+import argparse
+import hashlib
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--backend", default="")
+parser.add_argument("--device", default="cuda", help="cuda, or cpu for a direct run with gloo")
+parser.add_argument("--mix", action="store_true", help="gather a host tensor into device tensors")
+args = parser.parse_args()
+
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+local = int(os.environ.get("LOCAL_RANK", rank))
+if args.device == "cuda":
+    backend = args.backend or dist.get_default_backend_for_device(torch.accelerator.current_accelerator())
+    index = local % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    device = torch.device("cuda", index)
+else:
+    backend, device = "gloo", torch.device("cpu")
+dist.init_process_group(backend)
+if args.mix:
+    dist.all_gather([torch.empty(3, device=device) for _ in range(world)], torch.ones(3))
+
+
+def show(name: str, tensor: torch.Tensor) -> None:
+    values = tensor.detach().cpu().contiguous()
+    digest = hashlib.sha256(values.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+    print(f"rank {rank} {name} {list(values.shape)} {digest} {values.view(-1)[:4].tolist()}", flush=True)
+
+
+generator = torch.Generator().manual_seed(100 + rank)
+base = torch.randn(1000, generator=generator).to(device)
+
+total = base.clone()
+dist.all_reduce(total)
+show("all_reduce_sum", total)
+if backend != "gloo":
+    mean = base.clone()
+    dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+    show("all_reduce_avg", mean)
+largest = base.clone()
+dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+show("all_reduce_max", largest)
+
+shared = base.clone() if rank == world - 1 else torch.zeros(1000, device=device)
+dist.broadcast(shared, src=world - 1)
+show("broadcast", shared)
+
+pieces = [torch.empty(7, device=device) for _ in range(world)]
+dist.all_gather(pieces, base[:7] * (rank + 1))
+show("all_gather", torch.cat(pieces))
+
+gathered = torch.empty(world * 5, device=device)
+dist.all_gather_into_tensor(gathered, base[:5])
+show("all_gather_into_tensor", gathered)
+
+scattered = torch.empty(3, device=device)
+dist.reduce_scatter_tensor(scattered, base[: 3 * world].clone())
+show("reduce_scatter_tensor", scattered)
+
+reduced = base[:11].clone()
+dist.reduce(reduced, dst=0)
+if rank == 0:
+    show("reduce", reduced)
+
+into = [torch.empty(4, device=device) for _ in range(world)] if rank == 0 else None
+dist.gather(base[:4].contiguous(), into, dst=0)
+if rank == 0:
+    show("gather", torch.cat(into))
+part = torch.empty(6, device=device)
+dist.scatter(part, [base[:6] + r for r in range(world)] if rank == 0 else None, src=0)
+show("scatter", part)
+
+swapped = torch.empty(2 * world, device=device)
+dist.all_to_all_single(swapped, torch.arange(2 * world, dtype=torch.float32, device=device) + 100 * rank)
+show("all_to_all_single", swapped)
+
+objects: list[object] = [None] * world
+dist.all_gather_object(objects, {"rank": rank, "word": "x" * (rank + 1)})
+print(f"rank {rank} all_gather_object {objects}", flush=True)
+announced = [f"from {world - 1}", world * 10] if rank == world - 1 else [None, None]
+dist.broadcast_object_list(announced, src=world - 1)
+print(f"rank {rank} broadcast_object_list {announced}", flush=True)
+
+evens = dist.new_group([r for r in range(world) if r % 2 == 0])
+if rank % 2 == 0:
+    within = base[:9].clone()
+    dist.all_reduce(within, group=evens)
+    show("new_group_all_reduce", within)
+
+functional = funcol.all_reduce(base[:8], "sum", dist.group.WORLD)
+show("funcol_all_reduce", funcol.wait_tensor(functional))
+functional_gather = funcol.all_gather_tensor(base[:2].contiguous(), 0, dist.group.WORLD)
+show("funcol_all_gather", funcol.wait_tensor(functional_gather))
+
+dist.barrier()
+print(f"rank {rank} done backend={dist.get_backend()}", flush=True)
+dist.destroy_process_group()

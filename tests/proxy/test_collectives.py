@@ -1,0 +1,73 @@
+"""Collectives between real proxy servers and job processes, without the daemon.
+
+The servers of a job's devices are linked pairwise as the daemon links them; the ranks are
+started torchrun-style. What is checked: results do not depend on how ranks are spread over
+devices, and a rank that dies makes the collectives waiting for it fail, never hang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from tests.proxy.conftest import ProxyServer, start_linked_servers, start_ranks, stop_server
+
+
+@pytest.fixture
+def linked(tmp_path: Path) -> Iterator[dict[int, list[ProxyServer]]]:
+    """Servers started on demand per device count (stopped at the end)."""
+    started: dict[int, list[ProxyServer]] = {}
+    yield started
+    for servers in started.values():
+        for server in servers:
+            stop_server(server)
+
+
+def run_on(
+    linked: dict[int, list[ProxyServer]], tmp: Path, devices: int, ranks: int, args: Sequence[str]
+) -> list[tuple[int, str, str]]:
+    """Run a program's ranks on `devices` linked servers: (exit code, stdout, stderr) per rank."""
+    folder = tmp / f"devices-{devices}-{len(linked)}"
+    folder.mkdir()
+    servers = linked[len(linked)] = start_linked_servers(folder, devices)
+    processes = start_ranks(args, ranks, [s.socket for s in servers])
+    outputs = [p.communicate(timeout=600) for p in processes]
+    return [(p.returncode, out, err) for p, (out, err) in zip(processes, outputs, strict=True)]
+
+
+def stdout_of(results: list[tuple[int, str, str]]) -> list[str]:
+    """Each rank's stdout, once every rank succeeded."""
+    assert [code for code, _, _ in results] == [0] * len(results), [err[-2000:] for _, _, err in results]
+    return [out for _, out, _ in results]
+
+
+@pytest.mark.timeout(900)
+def test_results_do_not_depend_on_how_ranks_are_spread(
+    linked: dict[int, list[ProxyServer]], tmp_path: Path
+) -> None:
+    """4 ranks on 1, 2 and 4 devices: every collective gives the same bits."""
+    raw = [stdout_of(run_on(linked, tmp_path, devices, 4, ["raw_collectives.py"])) for devices in (1, 2, 4)]
+    assert raw[0] == raw[1] == raw[2]
+    assert all(f"rank {r} done backend=nccl" in out for r, out in enumerate(raw[0]))
+
+
+@pytest.mark.timeout(600)
+def test_ddp_does_not_depend_on_how_ranks_are_spread(
+    linked: dict[int, list[ProxyServer]], tmp_path: Path
+) -> None:
+    """4 DDP ranks (fp16 compression hook) on 1 device and on 4 devices train to the same bits."""
+    ddp = ["ddp_train.py", "--steps", "4", "--hook", "fp16"]
+    assert stdout_of(run_on(linked, tmp_path, 1, 4, ddp)) == stdout_of(run_on(linked, tmp_path, 4, 4, ddp))
+
+
+def test_a_dead_rank_fails_the_collective_waiting_for_it(
+    linked: dict[int, list[ProxyServer]], tmp_path: Path
+) -> None:
+    """Rank 1 dies at step 3: rank 0's next collective fails with the reason, it does not hang."""
+    results = run_on(linked, tmp_path, 2, 2, ["ddp_train.py", "--steps", "1000", "--crash", "1:3"])
+    (code0, _, err0), (code1, out1, _) = results
+    assert code1 == 3 and "rank 1 crashes at step 3" in out1
+    assert code0 == 1
+    assert "proxy: rank 1 ended before it reached collective" in err0, err0[-3000:]

@@ -1,0 +1,220 @@
+"""Multi-rank jobs on proxied devices, through the real daemon: collectives and a consistent cut.
+
+The ranks' collectives on device tensors are carried out by the job's proxy servers. A 2-rank
+DDP run must print exactly what the same program prints run directly on the CPU with gloo; a
+4-rank run preempted and resumed at random moments exactly what an uninterrupted one prints;
+a rank that dies fails the job with its reason, never a hang.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import requires_root
+from tests.helpers import Daemon, running_daemon, wait_until
+from tests.proxy.conftest import PROGRAMS, PYTHON, base_env
+
+JOB_OPTIONS = ["--env", "OMP_NUM_THREADS=1", "--cwd", str(PROGRAMS)]
+
+
+def direct_ranks(program: str, args: Sequence[str], ranks: int, timeout: float = 300) -> list[str]:
+    """Each rank's stdout when the program runs directly on the CPU, torchrun-style, without singularityd."""
+    port = 20000 + os.getpid() % 20000
+    processes = []
+    for rank in range(ranks):
+        env = base_env()
+        env.update(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), USE_LIBUV="0",
+        )  # fmt: skip
+        processes.append(
+            subprocess.Popen(
+                [PYTHON, program, *args], cwd=PROGRAMS, env=env, stdout=subprocess.PIPE, text=True
+            )
+        )
+    outputs = [process.communicate(timeout=timeout)[0] for process in processes]
+    assert [process.returncode for process in processes] == [0] * ranks, outputs
+    return outputs
+
+
+def rank_logs(daemon: Daemon, job: int, ranks: int) -> list[str]:
+    """What each rank of the job printed (stdout and stderr)."""
+    return [daemon.sing("logs", "--rank", str(rank), str(job)).out for rank in range(ranks)]
+
+
+def printed(logs: Sequence[str], keep: str | tuple[str, ...] = "rank ") -> list[str]:
+    """Each rank's log less torch's warnings on stderr: only the lines that start with `keep`."""
+    return ["".join(line for line in log.splitlines(keepends=True) if line.startswith(keep)) for log in logs]
+
+
+def submit(daemon: Daemon, program: str, args: Sequence[str], ranks: int, gpus: int) -> int:
+    """Submit the program as a job of `ranks` ranks on `gpus` devices."""
+    return daemon.submit(
+        PYTHON, program, *args, options=[*JOB_OPTIONS, "--ranks", str(ranks), "--gpus", str(gpus)]
+    )
+
+
+def succeeded(daemon: Daemon, job: int, ranks: int) -> list[str]:
+    """Wait for the job to succeed; each rank's log."""
+    result = daemon.sing("wait", str(job), timeout=900)
+    logs = rank_logs(daemon, job, ranks)
+    assert result.code == 0, logs
+    return logs
+
+
+def run_job(daemon: Daemon, program: str, args: Sequence[str], ranks: int, gpus: int) -> list[str]:
+    """Submit a job, wait for it to succeed, and return each rank's printed lines."""
+    return printed(succeeded(daemon, submit(daemon, program, args, ranks, gpus), ranks))
+
+
+def test_ddp_two_ranks_equal_direct_gloo(daemon: Daemon) -> None:
+    """2 ranks on 2 devices, and 2 ranks sharing 1 device (comm hook, no_sync, unused parameters,
+    gradients as bucket views) print exactly what the direct gloo run prints."""
+    plain = ["--steps", "12"]
+    options = [*plain, "--hook", "allreduce", "--accumulate", "2", "--unused", "--bucket-view"]
+    assert run_job(daemon, "ddp_train.py", plain, ranks=2, gpus=2) == direct_ranks(
+        "ddp_train.py", [*plain, "--device", "cpu"], 2
+    )
+    assert run_job(daemon, "ddp_train.py", options, ranks=2, gpus=1) == direct_ranks(
+        "ddp_train.py", [*options, "--device", "cpu"], 2
+    )
+
+
+def steps_done(daemon: Daemon, job: int, ranks: int) -> int:
+    """The fewest steps any rank of the job has printed so far."""
+    logs = [daemon.state_dir / "jobs" / str(job) / "logs" / f"rank-{rank}.log" for rank in range(ranks)]
+    return min(log.read_text().count(" step ") if log.exists() else 0 for log in logs)
+
+
+def trained_beyond(daemon: Daemon, job: int, ranks: int, beyond: int) -> bool:
+    """Whether every rank of the job printed more than `beyond` steps."""
+    return steps_done(daemon, job, ranks) > beyond
+
+
+@requires_root
+@pytest.mark.timeout(1200)
+def test_ddp_four_ranks_preempted_five_times_is_exact(daemon_root: Path) -> None:
+    """4 ranks on 4 devices, preempted and resumed 5 times at random moments (collectives in
+    flight), print exactly what an uninterrupted run prints, every rank."""
+    total, ranks = 600, 4
+    args = ["--steps", str(total), "--hook", "allreduce"]
+    options = [*JOB_OPTIONS, "--ranks", str(ranks), "--gpus", str(ranks)]
+    rng = random.Random(10)
+    release = daemon_root / "release"
+    with running_daemon(daemon_root, virtual_devices=ranks) as daemon:
+        expected = run_job(daemon, "ddp_train.py", args, ranks=ranks, gpus=ranks)
+        job = daemon.submit(PYTHON, "ddp_train.py", *args, "--hold", str(release), options=options)
+        daemon.wait_state(job, "RUNNING")
+        try:
+            seen = 0
+            for _ in range(5):
+                beyond = min(seen, total - 1)
+                wait_until(functools.partial(trained_beyond, daemon, job, ranks, beyond), timeout=300)
+                time.sleep(rng.uniform(0.0, 0.5))
+                result = daemon.sing("preempt", str(job), timeout=300)
+                assert result.code == 0, result.err
+                daemon.wait_state(job, "RUNNING", timeout=300)
+                seen = steps_done(daemon, job, ranks)
+            assert seen < total, "the job was still training when preempted the last time"
+        except BaseException:
+            daemon.sing("cancel", str(job))  # it would wait for `release` forever
+            raise
+        release.touch()
+        assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, ranks)
+        assert printed(rank_logs(daemon, job, ranks)) == expected
+        reasons = [e["reason"] for e in daemon.job(job)["events"]]
+        assert sum(r.startswith("restored from checkpoint") for r in reasons) == 5
+
+
+def test_a_crashing_rank_fails_the_job(daemon: Daemon) -> None:
+    """Rank 1 dies mid-training: the job fails with its exit code and reason, no rank hangs."""
+    options = [*JOB_OPTIONS, "--ranks", "2", "--gpus", "2"]
+    job = daemon.submit(PYTHON, "ddp_train.py", "--steps", "1000", "--crash", "1:3", options=options)
+    assert daemon.sing("wait", str(job), timeout=300).code == 3
+    shown = daemon.job(job)
+    assert shown["state"] == "FAILED"
+    assert shown["events"][-1]["reason"] == "rank 1 exited with code 3; the other ranks were stopped"
+    assert "rank 1 crashes at step 3" in rank_logs(daemon, job, 2)[1]
+
+
+def test_host_and_device_tensors_in_one_collective(daemon: Daemon) -> None:
+    """Gathering a host tensor into device tensors fails with the error torch's NCCL gives."""
+    options = [*JOB_OPTIONS, "--ranks", "2", "--gpus", "1"]
+    job = daemon.submit(PYTHON, "raw_collectives.py", "--mix", options=options)
+    assert daemon.sing("wait", str(job), timeout=300).code == 1
+    assert "Tensors must be CUDA and dense" in rank_logs(daemon, job, 2)[0]
+
+
+def direct_alone(program: str, args: Sequence[str]) -> str:
+    """The program's stdout run directly on the CPU as one process without torchrun's environment."""
+    done = subprocess.run(
+        [PYTHON, program, *args], cwd=PROGRAMS, env=base_env(), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def without(lines: str, *words: str) -> str:
+    """The lines that contain none of `words`."""
+    return "".join(line for line in lines.splitlines(keepends=True) if not any(w in line for w in words))
+
+
+@pytest.mark.timeout(1500)
+def test_programs_run_unmodified_with_1_2_and_4_ranks(daemon: Daemon) -> None:
+    """A pytorch/examples-style DDP demo (the accelerator's default backend), a nanoGPT-style
+    trainer (nccl because RANK is set), FSDP2 and every raw collective run as jobs of 1, 2 and 4
+    ranks; with 1 and 2 ranks they print what the same program prints directly on the CPU."""
+    nano = ["--max_iters=6", "--eval_interval=3"]
+    jobs = {
+        ("example", 1): submit(daemon, "ddp_example.py", [], 1, 1),
+        ("example", 2): submit(daemon, "ddp_example.py", [], 2, 2),
+        ("example", 4): submit(daemon, "ddp_example.py", [], 4, 4),
+        ("nano", 1): submit(daemon, "nanogpt_style.py", nano, 1, 1),
+        ("nano", 2): submit(daemon, "nanogpt_style.py", nano, 2, 2),
+        ("nano", 4): submit(daemon, "nanogpt_style.py", nano, 4, 4),
+        ("fsdp", 2): submit(daemon, "fsdp_train.py", ["--steps", "3"], 2, 2),
+        ("fsdp", 4): submit(daemon, "fsdp_train.py", ["--steps", "3"], 4, 4),
+        ("raw", 2): submit(daemon, "raw_collectives.py", [], 2, 1),
+        ("raw", 4): submit(daemon, "raw_collectives.py", ["--backend", "gloo"], 4, 2),
+    }
+    example_ranks = tuple(f"rank {r} " for r in range(4))
+    for ranks in (1, 2):
+        direct = printed(direct_ranks("ddp_example.py", ["--cpu"], ranks), example_ranks)
+        logs = succeeded(daemon, jobs[("example", ranks)], ranks)
+        assert printed(logs, example_ranks) == direct
+        assert all("backend=nccl" in log for log in logs)
+    example = printed(succeeded(daemon, jobs[("example", 4)], 4), example_ranks)
+    assert len({log.splitlines()[-1].split()[-1] for log in example}) == 1, (
+        "every rank ends with the same weights"
+    )
+
+    kept = ("step ", "iter ", "done ")
+    assert printed(succeeded(daemon, jobs[("nano", 1)], 1), kept) == [
+        direct_alone("nanogpt_style.py", [*nano, "--device=cpu"])
+    ]
+    for ranks in (2, 4):
+        master = printed(succeeded(daemon, jobs[("nano", ranks)], ranks), kept)[0]
+        assert f"done in {ranks} process(es)" in master
+
+    assert printed(succeeded(daemon, jobs[("fsdp", 2)], 2)) == direct_ranks(
+        "fsdp_train.py", ["--steps", "3", "--device", "cpu"], 2
+    )
+    fsdp = printed(succeeded(daemon, jobs[("fsdp", 4)], 4))
+    assert len({log.splitlines()[-1].split()[-1] for log in fsdp}) == 1
+
+    direct = direct_ranks("raw_collectives.py", ["--device", "cpu"], 2)
+    proxied = printed(succeeded(daemon, jobs[("raw", 2)], 2))
+    assert [without(log, "all_reduce_avg", "backend=") for log in proxied] == [
+        without(log, "backend=") for log in direct
+    ]
+    assert all(f"rank {r} done backend=nccl" in log for r, log in enumerate(proxied))
+    four = printed(succeeded(daemon, jobs[("raw", 4)], 4))
+    assert all(f"rank {r} done backend=gloo" in log for r, log in enumerate(four))
