@@ -388,7 +388,7 @@ class JobCheckpoints:
             except DeviceError as error:
                 log.error("job %d: releasing its devices after the checkpoint failed: %s", job_id, error)
         pause = pauses[0]
-        complete_s = max(0.0, time.time() - pause.began_at)
+        complete_s = max(0.0, result.manifest.created_at - pause.began_at)  # as StoredCheckpoint says
         return CheckpointTaken(
             result.seq,
             result.manifest.created_at,
