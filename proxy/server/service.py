@@ -217,8 +217,8 @@ class Server:
                 self._closed(session, connection)
 
     def _closed(self, session: Session, connection: Connection) -> None:
-        """A job connection ended: a process that ended unparked loses its session, and its
-        collectives' other members learn it (what waits for it fails)."""
+        """A job connection ended: a process that ended unparked has what it sent run, then loses
+        its session, and its collectives' other members learn it (what waits for it fails)."""
         session.parked_event.set()  # a quiesce waiting on this process must not wait forever
         with self.state_lock:
             if session.connection is not connection:
@@ -228,6 +228,7 @@ class Server:
                 return
             runner = self.runners.get((session.job_id, session.rank))
         if runner is not None:
+            runner.finish()
             self.collectives.rank_gone(runner)
         self.drop(session)
 
