@@ -22,6 +22,7 @@ import torch
 from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
 
+from .collective_kinds import KINDS
 from .collectives import Collectives
 from .executor import Executor
 from .runner import Runner, Work
@@ -73,7 +74,7 @@ class Server:
         torch.sparse.check_sparse_tensor_invariants.enable()  # type: ignore[no-untyped-call]
         self.memory = DeviceMemory(device_index, memory_bytes)
         self.executor = Executor(self.device, self.memory)
-        self.collectives = Collectives(device_index, self.device, self.executor.lock)
+        self.collectives = Collectives(device_index, self.device, self.executor.lock, KINDS)
         self.sessions: dict[tuple[str, int], Session] = {}
         self.runners: dict[tuple[str, int], Runner] = {}
         """The queue and thread of each session."""
