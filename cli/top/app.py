@@ -360,10 +360,9 @@ class TopApp(App[None]):
         kept_cursor = self.selected
         gone = [str(row.value) for row in table.rows if row.value not in shown]
         if gone and len(gone) > len(table.rows) // 2:
+            for row in table.rows:
+                self._cells.pop(str(row.value), None)
             table.clear()
-            for key in list(self._cells):
-                if not key.startswith("dev"):
-                    del self._cells[key]
         else:
             for key in gone:
                 table.remove_row(key)
