@@ -75,17 +75,13 @@ def cluster_join(
     print(f"joined as {reply.node_name} (number {reply.node_number}); first peer: {reply.ca_node or '-'}")
 
 
-def _age(at: float, now: float) -> str:
-    return f"{output.duration(now - at)} ago" if at else "never"
-
-
 def peers_table(response: pb.ListPeersResponse, header: bool) -> str:
     """The `sing peers` table."""
     now = time.time()
     rows = [
         [
             p.node, p.address, p.state + (",draining" if p.draining else ""), str(p.devices), str(p.free),
-            p.version or "-", _age(p.last_contact, now), p.error or "",
+            p.version or "-", output.ago(p.last_contact, now), p.error or "",
         ]
         for p in response.peers
     ]  # fmt: skip

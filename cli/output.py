@@ -24,6 +24,11 @@ def duration(seconds: float) -> str:
     return f"{minutes}:{secs:02d}"
 
 
+def ago(at: float, now: float) -> str:
+    """How long before `now` a moment was ('3:05 ago'), or 'never' when it is unset (0)."""
+    return f"{duration(now - at)} ago" if at else "never"
+
+
 def run_time(job: pb.Job, now: float) -> float:
     """How long the job has run (so far, or in total)."""
     if not job.started_at:

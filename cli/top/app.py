@@ -324,10 +324,7 @@ class TopApp(App[None]):
             key = f"dev{device.index}"
             cells = view.device_cells(device, self.jobs)
             self._put_row(table, key, cells, [c[0] for c in view.DEVICE_COLUMNS])
-        wanted = {f"dev{d.index}" for d in self.devices}
-        for row in [str(r.value) for r in table.rows if r.value not in wanted]:
-            table.remove_row(row)
-            self._cells.pop(row, None)
+        self._keep_rows(table, {f"dev{d.index}" for d in self.devices})
 
     def _sync_peers(self, now: float) -> None:
         """Show the peers pane while this node is in a cluster, its rows in line with the last refresh."""
@@ -337,7 +334,10 @@ class TopApp(App[None]):
         columns = [column[0] for column in view.PEER_COLUMNS]
         for peer in self.peers.peers:
             self._put_row(table, f"peer:{peer.node}", view.peer_cells(peer, now), columns)
-        wanted = {f"peer:{p.node}" for p in self.peers.peers}
+        self._keep_rows(table, {f"peer:{p.node}" for p in self.peers.peers})
+
+    def _keep_rows(self, table: DataTable[Any], wanted: set[str]) -> None:
+        """Remove the table's rows whose keys are not wanted any more."""
         for row in [str(r.value) for r in table.rows if r.value not in wanted]:
             table.remove_row(row)
             self._cells.pop(row, None)
@@ -360,10 +360,9 @@ class TopApp(App[None]):
         kept_cursor = self.selected
         gone = [str(row.value) for row in table.rows if row.value not in shown]
         if gone and len(gone) > len(table.rows) // 2:
+            for row in table.rows:
+                self._cells.pop(str(row.value), None)
             table.clear()
-            for key in list(self._cells):
-                if not key.startswith("dev"):
-                    del self._cells[key]
         else:
             for key in gone:
                 table.remove_row(key)

@@ -13,7 +13,7 @@ from typing import Any
 
 from rich.text import Text
 
-from singularity.cli.output import devices_or_reason, duration, exit_text, run_time
+from singularity.cli.output import ago, devices_or_reason, duration, exit_text, run_time
 from singularityd.api.v1 import singularity_pb2 as pb
 from singularityd.units import human_bytes
 
@@ -225,7 +225,7 @@ def peer_cells(peer: pb.Peer, now: float) -> tuple[str | Text, ...]:
         state,
         bar(used, f"{peer.free}/{peer.devices} free"),
         peer.version or "-",
-        f"{duration(now - peer.last_contact)} ago" if peer.last_contact else "never",
+        ago(peer.last_contact, now),
         _short(peer.error, 60),
     )
 

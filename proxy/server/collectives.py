@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -40,9 +40,7 @@ from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolErro
 
 from . import operators
 from .links import PeerLink
-
-if TYPE_CHECKING:
-    from .runner import Runner
+from .session import Session
 
 MAX_GROUP_SIZE = 4096
 """Most members of a process group (the daemon's limit on a job's ranks)."""
@@ -97,11 +95,33 @@ def parse_spec(session: Any, spec: Any, size: int) -> dict[str, Any]:
     return params
 
 
+class Member(Protocol):
+    """What a collective needs of a session's runner (runner.Runner): who it is, the groups it is in,
+    how far it got in each, a wait that ends when its session does, and whether it can go on."""
+
+    session: Session
+    groups: dict[str, tuple[int, list[int]]]
+    last_seq: dict[str, int]
+
+    @property
+    def global_rank(self) -> int: ...
+
+    def wait(self, ready: Callable[[], bool]) -> None: ...
+
+    def idle(self) -> bool: ...
+
+
+Kind = Callable[["Exchange"], None]
+"""A collective's driver, run once per server and instance (collective_kinds.py)."""
+
+
 class Collectives:
     """The collectives of the jobs served here, and the links to the other servers of the job."""
 
-    def __init__(self, index: int, device: torch.device, device_lock: Any) -> None:
+    def __init__(self, index: int, device: torch.device, device_lock: Any, kinds: dict[str, Kind]) -> None:
         self.index = index
+        self.kinds = kinds
+        """The collective kinds served, by name."""
         """This server's device index within its job (cuda:index)."""
         self.device = device
         self.device_lock = device_lock
@@ -178,7 +198,7 @@ class Collectives:
         for group, last in lasts.items():
             known[group] = max(known.get(group, -1), last)
 
-    def rank_gone(self, runner: Runner) -> None:
+    def rank_gone(self, runner: Member) -> None:
         """A session's process ended: fail what waits for it, here and on the other servers."""
         job, rank = runner.session.job_id, runner.global_rank
         lasts = {group: runner.last_seq.get(group, -1) for group in runner.groups}
@@ -209,7 +229,7 @@ class Collectives:
         return ""
 
     # -- running a collective ----------------------------------------------------------------------
-    def run(self, runner: Runner, args: Any) -> None:
+    def run(self, runner: Member, args: Any) -> None:
         """Run one collective of the session (from its thread); raises what made it fail."""
         if type(args) is not list or len(args) != 4:
             raise ProtocolError("a collective is [group, seq, operator, spec]")
@@ -244,10 +264,8 @@ class Collectives:
                     raise RuntimeError(self._failure(instance))
                 return
             instance.driving = True
-        from .collective_kinds import KINDS  # the kinds use this module's Exchange
-
         try:
-            KINDS[kind](Exchange(self, instance, runner))
+            self.kinds[kind](Exchange(self, instance, runner))
         except Exception as e:
             with self.cond:
                 instance.failure = instance.failure or str(e)
@@ -264,7 +282,7 @@ class Collectives:
         """Why an instance failed or cannot complete ('' while it still can)."""
         return instance.failure or self._doomed(instance.job, instance.group, instance.seq, instance.members)
 
-    def _place(self, runner: Runner, job: str, group: str, me: int, members: list[int]) -> list[int]:
+    def _place(self, runner: Member, job: str, group: str, me: int, members: list[int]) -> list[int]:
         """The device of every member's collectives in the group (announcing this rank's first)."""
         with self.cond:
             table = self.placements.setdefault((job, group), {})
@@ -308,7 +326,7 @@ class Collectives:
             raise RuntimeError(f"proxy: the server of cuda:{index} is gone") from None
 
     def wait_pieces(
-        self, runner: Runner, instance: Instance, keys: set[tuple[Any, ...]]
+        self, runner: Member, instance: Instance, keys: set[tuple[Any, ...]]
     ) -> dict[Any, torch.Tensor]:
         """The parts other servers sent for the instance under these keys (waiting for them)."""
         pieces = instance.pieces
@@ -320,7 +338,7 @@ class Collectives:
             return {key: pieces.pop(key).to(self.device) for key in keys}
 
     # -- consistent cuts ---------------------------------------------------------------------------
-    def settle(self, runners: Sequence[Runner], timeout: float) -> dict[str, Any]:
+    def settle(self, runners: Sequence[Member], timeout: float) -> dict[str, Any]:
         """Wait (up to `timeout`) until nothing of these sessions can run; what the daemon compares.
 
         Returns whether they are all idle, the count of changes, and the messages sent to and
@@ -361,7 +379,7 @@ def _mismatch(group: str, seq: int, first: str, second: str) -> str:
 class Exchange:
     """What a collective's driver uses: the members, where they run, and the other servers."""
 
-    def __init__(self, collectives: Collectives, instance: Instance, runner: Runner) -> None:
+    def __init__(self, collectives: Collectives, instance: Instance, runner: Member) -> None:
         self.collectives = collectives
         self.instance = instance
         self.runner = runner

@@ -166,6 +166,13 @@ class Runner:
         with self.cond:
             return [work.saved() for work in self.queue if work.position < len(work.ops) or work.answer]
 
+    def finish(self) -> None:
+        """Wait until the session has run everything its ended process sent (a GPU finishes what a
+        process launched before it ended); a collective that can never complete fails instead."""
+        with self.cond:
+            while not self.stopping and not self.held and (self.busy or self.queue):
+                self.cond.wait(1.0)
+
     def stop(self, timeout: float = 30.0) -> None:
         """End the thread (after the operation it runs) and forget the queue."""
         with self.cond:

@@ -23,6 +23,7 @@ import torch
 from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
 
+from .collective_kinds import KINDS
 from .collectives import Collectives
 from .executor import Executor
 from .runner import Runner, Work
@@ -74,7 +75,7 @@ class Server:
         torch.sparse.check_sparse_tensor_invariants.enable()  # type: ignore[no-untyped-call]
         self.memory = DeviceMemory(device_index, memory_bytes)
         self.executor = Executor(self.device, self.memory)
-        self.collectives = Collectives(device_index, self.device, self.executor.lock)
+        self.collectives = Collectives(device_index, self.device, self.executor.lock, KINDS)
         self.sessions: dict[tuple[str, int], Session] = {}
         self.runners: dict[tuple[str, int], Runner] = {}
         """The queue and thread of each session."""
@@ -218,8 +219,8 @@ class Server:
                 self._closed(session, connection)
 
     def _closed(self, session: Session, connection: Connection) -> None:
-        """A job connection ended: a process that ended unparked loses its session, and its
-        collectives' other members learn it (what waits for it fails)."""
+        """A job connection ended: a process that ended unparked has what it sent run, then loses
+        its session, and its collectives' other members learn it (what waits for it fails)."""
         session.parked_event.set()  # a quiesce waiting on this process must not wait forever
         with self.state_lock:
             if session.connection is not connection:
@@ -229,6 +230,7 @@ class Server:
                 return
             runner = self.runners.get((session.job_id, session.rank))
         if runner is not None:
+            runner.finish()
             self.collectives.rank_gone(runner)
         self.drop(session)
 

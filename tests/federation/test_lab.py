@@ -21,6 +21,7 @@ import pytest
 from textual.widgets import DataTable
 
 from singularity.cli.source import DaemonSource
+from singularity.cli.top import view
 from singularity.cli.top.app import TopApp
 from singularity.cli.top.screens import PeerChoiceScreen
 from singularityd.checkpoint import CheckpointUnavailable, locate_criu
@@ -389,7 +390,8 @@ async def test_sing_top_shows_the_peers_and_migrates_a_job(lab: Lab) -> None:
         peers = app.query_one("#peers", DataTable)
         await until(lambda: peers.display and {"peer:node-b", "peer:node-c"} <= {r.value for r in peers.rows})
         assert str(peers.border_title).startswith("Peers of node-a")
-        await until(lambda: "alive" in str(peers.get_cell("peer:node-b", "state")))
+        # free devices come with heartbeats: wait until node-b is offered (alive, with room)
+        await until(lambda: any(p.node == "node-b" for p in view.migration_targets(app.peers, 1)))
         await pilot.press("slash", *"top-move", "enter")
         await until(lambda: app.selected == job)
         await pilot.press("m")

@@ -36,7 +36,7 @@ def demo_basic(local_world_size, local_rank, cpu, steps):
         n = max(1, torch.cuda.device_count() // local_world_size)
         first = (local_rank * n) % torch.cuda.device_count()
         device_ids = list(range(first, first + n))
-        model = ToyModel().cuda(device_ids[0])
+        model = ToyModel().to(device_ids[0])  # Module.to with a bare index, as pytorch/examples does
     print(f"rank = {rank}, world_size = {dist.get_world_size()}, device_ids = {device_ids}", flush=True)
     ddp_model = DDP(model, device_ids)
     loss_fn = nn.MSELoss()

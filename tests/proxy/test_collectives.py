@@ -71,3 +71,29 @@ def test_a_dead_rank_fails_the_collective_waiting_for_it(
     assert code1 == 3 and "rank 1 crashes at step 3" in out1
     assert code0 == 1
     assert "proxy: rank 1 ended before it reached collective" in err0, err0[-3000:]
+
+
+def test_a_collective_queued_by_a_rank_that_ended_still_completes(
+    linked: dict[int, list[ProxyServer]], tmp_path: Path
+) -> None:
+    """Rank 1 exits right after queueing an all_reduce (nanoGPT's last step does): what it sent
+    is still run, so rank 0 gets the sum instead of "rank 1 ended before it reached collective"."""
+    for devices in (1, 2):
+        outputs = stdout_of(run_on(linked, tmp_path, devices, 2, ["last_collective.py"]))
+        assert outputs == ["rank 0 sum [3.0, 3.0, 3.0, 3.0]\n", ""], outputs
+
+
+@pytest.mark.timeout(600)
+def test_a_backend_per_device_type_uses_the_proxy_for_cuda(
+    linked: dict[int, list[ProxyServer]], tmp_path: Path
+) -> None:
+    """init_process_group("cuda:nccl,cpu:gloo"): cuda tensors reduce through the proxies as with
+    "nccl", bit for bit."""
+    nccl = stdout_of(run_on(linked, tmp_path, 2, 2, ["raw_collectives.py", "--backend", "nccl"]))
+    both = ["raw_collectives.py", "--backend", "cuda:nccl,cpu:gloo"]
+    mixed = stdout_of(run_on(linked, tmp_path, 2, 2, both))
+
+    def results(outputs: list[str]) -> list[list[str]]:
+        return [[line for line in out.splitlines() if " done backend=" not in line] for out in outputs]
+
+    assert results(mixed) == results(nccl) and all(results(nccl))

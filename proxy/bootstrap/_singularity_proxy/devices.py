@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import threading
 from typing import Any
 
@@ -51,8 +53,17 @@ class DeviceTable:
         self.initialized = True
         return channel
 
+    def send_queued(self) -> None:
+        """Send what each open connection still queues: a GPU finishes the work a process launched
+        before it ended, and the other ranks' collectives may wait for this one's last."""
+        for channel in self.channels:
+            if channel is not None:
+                with contextlib.suppress(Exception):
+                    channel.flush()
+
 
 DEVICES = DeviceTable()
+atexit.register(DEVICES.send_queued)
 
 
 def device_index(device: Any) -> int:

@@ -94,6 +94,13 @@ def _to(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return out
 
 
+def _parse_to(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`torch._C._nn._parse_to` (behind `Module.to(1)`): a bare int names a cuda device here too."""
+    if "device" in kwargs:
+        kwargs = {**kwargs, "device": _as_device(kwargs["device"])}
+    return func(*[_as_device(arg) for arg in args], **kwargs)
+
+
 def _cuda(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     self = args[0]
     device = args[1] if len(args) > 1 else kwargs.get("device")
@@ -249,6 +256,7 @@ _IN_MODE: dict[Any, Callable[[Any, Sequence[Any], dict[str, Any]], Any]] = {
 
 _METHODS: dict[Any, Callable[[Any, Sequence[Any], dict[str, Any]], Any]] = {
     _Tensor.to: _to,
+    torch._C._nn._parse_to: _parse_to,
     _Tensor.cuda: _cuda,
     _Tensor.cpu: _cpu,
     _Tensor.numpy: _numpy,
