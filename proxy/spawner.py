@@ -20,6 +20,7 @@ import ctypes
 import importlib
 import json
 import os
+import select
 import signal
 import socket
 import struct
@@ -32,6 +33,7 @@ from typing import Any
 
 MAX_REQUEST_BYTES = 64 << 10
 MAX_FDS = 64
+ORPHAN_CHECK_SECONDS = 1.0
 PRELOAD = ("torch", "singularity.proxy.server.__main__")
 
 PR_SET_DUMPABLE = 4
@@ -284,11 +286,20 @@ def _start(request: dict[str, Any], received: list[int], channel: socket.socket)
 
 
 def serve(channel: socket.socket) -> int:
-    """Answer spawn requests from the daemon until it closes the channel."""
+    """Answer spawn requests from the daemon until it closes the channel or dies.
+
+    The daemon's death is also noticed by the spawner being orphaned: a copy of the daemon's end
+    of the channel held by some other process must not keep a root spawner alive.
+    """
     signal.signal(signal.SIGCHLD, _reap)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    daemon = os.getppid()
     channel.send(b"ready")
     while True:
+        if not select.select([channel], [], [], ORPHAN_CHECK_SECONDS)[0]:
+            if os.getppid() != daemon:
+                return 0
+            continue
         try:
             body, received, _flags, _address = socket.recv_fds(channel, MAX_REQUEST_BYTES, MAX_FDS)
         except InterruptedError:

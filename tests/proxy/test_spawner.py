@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -110,3 +114,44 @@ def test_bad_request_is_refused_and_spawner_lives_on(spawner: SpawnerClient, ope
         spawner.spawn(SpawnRequest("singularity.proxy.server", [], 65534, 65534, fds={1: 0}))
     pid, _ = start_server_as_nobody(spawner, open_dir / "again")
     os.kill(pid, 9)
+
+
+ORPHANING_DAEMON = """
+import os, signal, sys, time
+from singularity.proxy.spawner import SpawnerClient
+client = SpawnerClient(preload=())
+holder = os.fork()  # a process that keeps a copy of the daemon's end of the channel
+if holder == 0:
+    quiet = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 1)
+    os.dup2(quiet, 2)
+    time.sleep(120)
+    os._exit(0)
+print(client.process.pid, holder, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def ended(pid: int) -> bool:
+    """Whether the process is gone (or a zombie waiting for its reaper)."""
+    try:
+        return status_fields(pid)["State"].startswith("Z")
+    except FileNotFoundError:
+        return True
+
+
+def test_spawner_ends_when_the_daemon_dies_though_its_channel_lives_on() -> None:
+    """A root spawner must not outlive its daemon, even when another process holds the channel."""
+    daemon = subprocess.run(
+        [sys.executable, "-c", ORPHANING_DAEMON], capture_output=True, text=True, timeout=120, check=False
+    )
+    spawner_pid, holder_pid = (int(word) for word in daemon.stdout.split())
+    try:
+        deadline = time.monotonic() + 60
+        while not ended(spawner_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ended(spawner_pid), "the spawner outlived its daemon"
+    finally:
+        for pid in (holder_pid, spawner_pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
