@@ -102,6 +102,11 @@ def test_success_cancellation_and_lost_processes_are_no_restarts(
     assert CountRestart() not in decision.actions
 
 
+def test_a_job_that_fails_during_a_move_between_nodes_is_left_to_the_hand_off() -> None:
+    job = JobFacts(1, JobState.MIGRATING, has_checkpoint=True, max_restarts=1, last_checkpoint=3)
+    assert ended(decide(job, KILLED, 0)) == (JobState.FAILED, RANK_KILLED)
+
+
 def test_a_restart_whose_checkpoint_number_is_unknown_names_the_last_one() -> None:
     job = JobFacts(1, JobState.RUNNING, has_checkpoint=True, max_restarts=1)
     assert ended(decide(job, KILLED, 0))[1].endswith("restoring from its last checkpoint (restart 1 of 1)")

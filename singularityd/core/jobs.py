@@ -449,9 +449,9 @@ def _ended(job: JobFacts, stimulus: Exited | ProcessesLost, now: float) -> Decis
         target, reason = JobState.CANCELLED, f"cancelled ({how})"
     elif code == 0 and sig is None and not error:
         target, reason = JobState.COMPLETED, how
-    elif job.restarts_used < job.max_restarts:
+    elif job.restarts_used < job.max_restarts and state is JobState.RUNNING:
         return _restarted(job, how, now)
-    elif job.max_restarts > 0:
+    elif 0 < job.max_restarts <= job.restarts_used:
         target, reason = JobState.FAILED, f"{how}; restarts used: {job.restarts_used} of {job.max_restarts}"
     else:
         target, reason = JobState.FAILED, how
