@@ -131,6 +131,9 @@ def submit(
     checkpoint_every: float = typer.Option(
         None, "--checkpoint-every", help="Seconds between periodic checkpoints (0: none; default: daemon's)."
     ),
+    max_restarts: int = typer.Option(
+        0, "--max-restarts", help="Failures after which the job resumes from its last checkpoint (0-100)."
+    ),
     output_format: str = typer.Option(None, "--output", "-o", help="id (default) or json: the job queued."),
     anywhere: bool = typer.Option(
         None,
@@ -155,7 +158,14 @@ def submit(
     except FileNotFoundError:
         raise CliError("the current directory no longer exists; give --cwd", EXIT_USAGE) from None
     request = pb.SubmitRequest(
-        command=command, name=name, gpus=gpus, priority=priority, ranks=ranks, cwd=directory, env=job_env
+        command=command,
+        name=name,
+        gpus=gpus,
+        priority=priority,
+        ranks=ranks,
+        cwd=directory,
+        env=job_env,
+        max_restarts=max_restarts,
     )
     if checkpoint_every is not None:
         request.checkpoint_interval = checkpoint_every

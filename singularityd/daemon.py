@@ -27,6 +27,7 @@ from singularityd.core.jobs import (
     Activity,
     ArmPeriodicCheckpoint,
     Arrived,
+    CountRestart,
     Decision,
     Exited,
     JobFacts,
@@ -211,6 +212,9 @@ class Daemon:
             checkpoints_available=self.checkpoints.available,
             checkpoint_interval=self.checkpoint_interval(job),
             activity=self.activity(job_id),
+            max_restarts=job.spec.max_restarts,
+            restarts_used=job.restarts_used,
+            last_checkpoint=self._restart_point(job, stimulus),
         )
         decision = decide(facts, stimulus, self.clock())
         state = job.state
@@ -224,6 +228,13 @@ class Daemon:
             self._carry_out(job, state, action)
         self.feed.publish(job_id)
         return decision
+
+    def _restart_point(self, job: JobRecord, stimulus: Stimulus) -> int | None:
+        """The newest complete checkpoint a failed job with restarts left would resume from."""
+        if not isinstance(stimulus, Exited) or job.restarts_used >= job.spec.max_restarts:
+            return None
+        latest = self.checkpoints.latest(job.id)
+        return latest.seq if latest is not None else None
 
     def _record(self, transition: Transition, stimulus: Stimulus) -> None:
         """Write a transition to the store, with the devices or exit status it carries."""
@@ -245,6 +256,8 @@ class Daemon:
         match action:
             case MarkCancelRequested():
                 self.store.set_cancel_requested(job.id)
+            case CountRestart():
+                self.store.count_restart(job.id)
             case TerminateProcesses():
                 if record is not None:
                     record.terminate(self.config.kill_grace_seconds + KILL_BACKSTOP_SECONDS)

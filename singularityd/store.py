@@ -49,7 +49,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     attempt INTEGER NOT NULL DEFAULT 0,
     checkpoint_interval REAL,
     init_pid INTEGER,
-    init_start_ticks INTEGER
+    init_start_ticks INTEGER,
+    max_restarts INTEGER NOT NULL DEFAULT 0,
+    restarts_used INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state);
 CREATE TABLE IF NOT EXISTS events (
@@ -70,12 +72,19 @@ CREATE TABLE IF NOT EXISTS holdings (job_id TEXT PRIMARY KEY, holding TEXT NOT N
 """
 # holdings: this node's record of each job's ownership between peers (singularityd.federation).
 
+ADDED_COLUMNS = {
+    "max_restarts": "INTEGER NOT NULL DEFAULT 0",
+    "restarts_used": "INTEGER NOT NULL DEFAULT 0",
+}
+"""Columns of the jobs table that a database created before them gets on open (their defaults
+keep its jobs' behaviour)."""
+
 LISTED_STATES = tuple(state.value for state in JobState if state.is_listed)
 IMPORTED_COLUMNS = frozenset(
     {
         "id", "name", "uid", "gid", "user", "priority", "gpus", "ranks", "command", "env", "cwd",
         "submitted_at", "started_at", "ended_at", "exit_code", "signal", "cpu_seconds",
-        "max_rss_bytes", "attempt", "checkpoint_interval",
+        "max_rss_bytes", "attempt", "checkpoint_interval", "max_restarts", "restarts_used",
     }
 )  # fmt: skip
 """Columns that travel with a job to a peer (its state, pending reason, cancel flag and processes
@@ -101,6 +110,8 @@ class JobSpec:
     env: dict[str, str]
     cwd: str
     checkpoint_interval: float | None = None
+    max_restarts: int = 0
+    """How often a failed job is restored from its last checkpoint (or restarted) instead."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +135,7 @@ class JobRecord:
     init_pid: int | None
     init_start_ticks: int | None
     devices: tuple[int, ...]
+    restarts_used: int = 0
 
 
 @dataclass(frozen=True)
@@ -160,11 +172,19 @@ class Store:
             self._db.execute("PRAGMA foreign_keys=ON")
             self._db.execute("PRAGMA busy_timeout=5000")
             self._db.executescript(SCHEMA)
+            self._add_missing_columns()
             self._check_version()
         except sqlite3.DatabaseError as error:
             raise StoreError(f"cannot open state database {path}: {error}") from None
         except OSError as error:
             raise StoreError(f"cannot open state database {path}: {error.strerror}") from None
+
+    def _add_missing_columns(self) -> None:
+        """Bring the jobs table of a database created before some of its columns up to date."""
+        present = {row["name"] for row in self._db.execute("PRAGMA table_info(jobs)")}
+        for name, declaration in ADDED_COLUMNS.items():
+            if name not in present:
+                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {declaration}")
 
     def _check_version(self) -> None:
         row = self._db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
@@ -207,8 +227,9 @@ class Store:
                 raise StoreUnwritable(f"this node has given out every job id of its block ({first}-{last})")
             db.execute(
                 """INSERT INTO jobs (id, name, uid, gid, user, priority, gpus, ranks, command, env, cwd,
-                                     checkpoint_interval, state, reason, pending_reason, submitted_at)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                                     checkpoint_interval, max_restarts, state, reason, pending_reason,
+                                     submitted_at)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
                 (
                     job_id,
                     spec.name,
@@ -222,6 +243,7 @@ class Store:
                     json.dumps(spec.env),
                     spec.cwd,
                     spec.checkpoint_interval,
+                    spec.max_restarts,
                     JobState.PENDING.value,
                     reason,
                     "waiting for the scheduler",
@@ -294,6 +316,7 @@ class Store:
             env=json.loads(row["env"]),
             cwd=row["cwd"],
             checkpoint_interval=row["checkpoint_interval"],
+            max_restarts=row["max_restarts"],
         )
         return JobRecord(
             id=row["id"],
@@ -313,6 +336,7 @@ class Store:
             init_pid=row["init_pid"],
             init_start_ticks=row["init_start_ticks"],
             devices=devices,
+            restarts_used=row["restarts_used"],
         )
 
     def record_transition(
@@ -393,6 +417,11 @@ class Store:
                 "UPDATE jobs SET init_pid = ?, init_start_ticks = ? WHERE id = ?",
                 (pid, start_ticks, job_id),
             )
+
+    def count_restart(self, job_id: int) -> None:
+        """Count one restart of the job after a failure."""
+        with self._transaction() as db:
+            db.execute("UPDATE jobs SET restarts_used = restarts_used + 1 WHERE id = ?", (job_id,))
 
     def set_cancel_requested(self, job_id: int) -> None:
         """Remember that the job's coming exit is a cancellation."""

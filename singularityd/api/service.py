@@ -104,6 +104,8 @@ def job_message(job: JobRecord, jobs: JobService) -> pb.Job:
         checkpoints=live.checkpoints,
         checkpoint_bytes=live.checkpoint_bytes,
         starting=live.starting,
+        max_restarts=job.spec.max_restarts,
+        restarts_used=job.restarts_used,
     )
     if live.last_checkpoint is not None:
         message.last_checkpoint.CopyFrom(checkpoint_message(live.last_checkpoint))
@@ -193,6 +195,7 @@ class SingularityService(pb_grpc.SingularityServicer):  # type: ignore[misc]
                 checkpoint_interval=(
                     request.checkpoint_interval if request.HasField("checkpoint_interval") else None
                 ),
+                max_restarts=request.max_restarts,
             ),
             request.anywhere if request.HasField("anywhere") else None,
         )

@@ -284,6 +284,11 @@ class ArmPeriodicCheckpoint:
 
 
 @dataclass(frozen=True)
+class CountRestart:
+    """Count one of the job's restarts after a failure (`sing submit --max-restarts`)."""
+
+
+@dataclass(frozen=True)
 class Note:
     """Record an event in the job's log without changing its state."""
 
@@ -308,6 +313,7 @@ Action = (
     | RescheduleAfter
     | TakeCheckpoint
     | ArmPeriodicCheckpoint
+    | CountRestart
     | Note
     | Replay
 )
@@ -350,6 +356,10 @@ class JobFacts:
     checkpoints_available: bool = True
     checkpoint_interval: float = 0.0
     activity: Activity = field(default_factory=Activity)
+    max_restarts: int = 0
+    restarts_used: int = 0
+    last_checkpoint: int | None = None
+    """The newest complete checkpoint's number, for what a restart says (None: unknown or none)."""
 
 
 @dataclass(frozen=True)
@@ -439,9 +449,26 @@ def _ended(job: JobFacts, stimulus: Exited | ProcessesLost, now: float) -> Decis
         target, reason = JobState.CANCELLED, f"cancelled ({how})"
     elif code == 0 and sig is None and not error:
         target, reason = JobState.COMPLETED, how
+    elif job.restarts_used < job.max_restarts and state is JobState.RUNNING:
+        return _restarted(job, how, now)
+    elif 0 < job.max_restarts <= job.restarts_used:
+        target, reason = JobState.FAILED, f"{how}; restarts used: {job.restarts_used} of {job.max_restarts}"
     else:
         target, reason = JobState.FAILED, how
     return Decision(check_transition(job.job_id, state, target, reason, now), release)
+
+
+def _restarted(job: JobFacts, how: str, now: float) -> Decision:
+    """The job failed with restarts left: queue it to resume from its newest complete checkpoint,
+    or, with none, to start again from its command (torchrun's --max-restarts)."""
+    count = f"restart {job.restarts_used + 1} of {job.max_restarts}"
+    if job.has_checkpoint:
+        which = "its last checkpoint" if job.last_checkpoint is None else f"checkpoint {job.last_checkpoint}"
+        target, reason = JobState.PREEMPTED, f"{how}; restoring from {which} ({count})"
+    else:
+        target, reason = JobState.PENDING, f"{how}; no checkpoint: restarting from the beginning ({count})"
+    transition = check_transition(job.job_id, job.state, target, reason, now)
+    return Decision(transition, (CountRestart(), ReleaseDevices(), Reschedule()))
 
 
 def _checkpoint_over(

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from singularityd.checkpoint.store import rewind_files
 from singularityd.jobs import launcher
 from singularityd.jobs.paths import JobPaths
 from singularityd.store import JobRecord
@@ -155,9 +156,14 @@ def launch_spec(
 
 
 async def run_launcher(spec: dict[str, Any], paths: JobPaths) -> int:
-    """Start a job through the launcher; returns the supervisor's host PID."""
+    """Start a job through the launcher; returns the supervisor's host PID.
+
+    The job runs from its command, so the logs of an earlier run of it (a restart from the
+    beginning, a launch a daemon restart interrupted) are emptied: their lines would repeat.
+    """
     for stale in (paths.status, paths.pid):
         stale.unlink(missing_ok=True)
+    rewind_files(dict.fromkeys([*spec["rank_logs"], spec["supervisor_log"]], 0))
     paths.spec.unlink(missing_ok=True)
     fd = os.open(paths.spec, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as handle:

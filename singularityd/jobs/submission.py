@@ -13,6 +13,8 @@ from singularityd.store import JobSpec
 MAX_PRIORITY = 1_000_000
 MAX_RANKS = 4096
 """Most processes one job may start (a process group's limit on the proxies, proxy/server/collectives.py)."""
+MAX_RESTARTS = 100
+"""Most restarts after failures one job may ask for (`--max-restarts`)."""
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class SubmitArgs:
     cwd: str
     env: dict[str, str]
     checkpoint_interval: float | None = None
+    max_restarts: int = 0
 
 
 def validated_spec(caller: Caller, args: SubmitArgs, total_devices: int) -> JobSpec:
@@ -39,6 +42,8 @@ def validated_spec(caller: Caller, args: SubmitArgs, total_devices: int) -> JobS
         raise InvalidRequest(f"--ranks must be at least 1, not {args.ranks}")
     if args.ranks > MAX_RANKS:
         raise InvalidRequest(f"--ranks must be at most {MAX_RANKS}, not {args.ranks}")
+    if not 0 <= args.max_restarts <= MAX_RESTARTS:
+        raise InvalidRequest(f"--max-restarts must be between 0 and {MAX_RESTARTS}, not {args.max_restarts}")
     if abs(args.priority) > MAX_PRIORITY:
         raise InvalidRequest(f"--priority must be between -{MAX_PRIORITY} and {MAX_PRIORITY}")
     if args.gpus > total_devices:
@@ -65,4 +70,5 @@ def validated_spec(caller: Caller, args: SubmitArgs, total_devices: int) -> JobS
         env=args.env,
         cwd=args.cwd,
         checkpoint_interval=interval,
+        max_restarts=args.max_restarts,
     )

@@ -46,7 +46,10 @@ SUFFIX = ".toml"
 ERROR_SUFFIX = ".error"
 MAX_FILE_BYTES = 64 * 1024
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
-FIELDS = ("command", "gpus", "ranks", "name", "priority", "env", "cwd", "checkpoint_every", "user", "uid")
+FIELDS = (
+    "command", "gpus", "ranks", "name", "priority", "env", "cwd", "checkpoint_every", "max_restarts",
+    "user", "uid",
+)  # fmt: skip
 
 
 class SpoolRefusal(Exception):
@@ -186,6 +189,7 @@ def job_arguments(text: str, owner: pwd.struct_passwd, default_name: str) -> Sub
         cwd=_text(data, "cwd", owner.pw_dir),
         env={**base, **env},
         checkpoint_interval=None if interval is None else float(interval),
+        max_restarts=_integer(data, "max_restarts", 0),
     )
 
 

@@ -5,10 +5,13 @@ exercise what DDP offers: a communication hook, gradient accumulation under `no_
 `find_unused_parameters` (with a branch used every other step), `gradient_as_bucket_view`, small
 buckets (several allreduces per step). `--device cpu` runs it directly with gloo, for comparison.
 With --hold FILE every rank waits, before its checksum, until FILE exists (a test's signal to end).
+With --die-once RANK:STEP that rank kills itself once as it starts that step, when the test says
+(files in its working directory; a rank restored from a checkpoint finds it died before).
 """
 
 import argparse
 import os
+import signal
 import time
 
 import torch
@@ -33,7 +36,22 @@ parser.add_argument("--bucket-view", action="store_true", help="gradient_as_buck
 parser.add_argument("--sleep", type=float, default=0.0)
 parser.add_argument("--hold", help="before the checksum, wait until this file exists")
 parser.add_argument("--crash", help="RANK:STEP: that rank dies (exit 3) as it starts that step")
+parser.add_argument("--die-once", help="RANK:STEP: that rank is killed (SIGKILL) once, see die_once")
 args = parser.parse_args()
+
+
+def die_once() -> None:
+    """Announce die-once.waiting, wait for die-once.go, then die by SIGKILL leaving die-once.died;
+    a rank that finds die-once.died (restored after its death) goes on."""
+    if os.path.exists("die-once.died"):
+        return
+    open("die-once.waiting", "w").close()
+    while not os.path.exists("die-once.go"):
+        time.sleep(0.05)
+    if not os.path.exists("die-once.died"):
+        open("die-once.died", "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 local = int(os.environ.get("LOCAL_RANK", rank))
@@ -80,7 +98,10 @@ inputs = torch.randn(256, 32, generator=generator)
 labels = torch.randint(0, 4, (256,), generator=generator)
 
 crash_rank, _, crash_step = (args.crash or "-1:-1").partition(":")
+die_rank, _, die_step = (args.die_once or "-1:-1").partition(":")
 for step in range(args.steps):
+    if rank == int(die_rank) and step == int(die_step):
+        die_once()
     if rank == int(crash_rank) and step == int(crash_step):
         print(f"rank {rank} crashes at step {step}", flush=True)
         os._exit(3)
