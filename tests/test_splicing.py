@@ -90,3 +90,29 @@ def test_ddp_spliced_and_resized_is_exact(daemon_root: Path) -> None:
 def steps_beyond(daemon: Daemon, job: int, beyond: int) -> bool:
     """Whether every rank of the job printed more than `beyond` steps."""
     return steps_done(daemon, job, RANKS) > beyond
+
+
+def refused(result: object, code: int, words: str) -> None:
+    """A clear one-line refusal: the exit code, the words, no traceback."""
+    out = getattr(result, "err", "")
+    assert getattr(result, "code", None) == code, out
+    assert words in out and "Traceback" not in out and len(out.strip().splitlines()) == 1, out
+
+
+def test_bad_splicing_and_resize_requests_are_refused(daemon: Daemon) -> None:
+    """More devices than ranks, a resize out of range, of a job not running, of a single-rank job
+    or of an unknown id: each a one-line refusal with a non-zero exit, nothing changed."""
+    refused(
+        daemon.sing("submit", "--ranks", "2", "--gpus", "3", "--", "true"),
+        2,
+        "--gpus 3 is more than --ranks 2",
+    )
+    refused(daemon.sing("resize", "999", "--gpus", "1"), 4, "999")
+    done = daemon.submit("true", options=["--ranks", "2", "--gpus", "1"])
+    assert daemon.sing("wait", str(done)).code == 0
+    refused(daemon.sing("resize", str(done), "--gpus", "2"), 6, "only a RUNNING job can be resized")
+    refused(daemon.sing("resize", str(done), "--gpus", "3"), 2, "between 1 and the job's 2 ranks")
+    refused(daemon.sing("resize", str(done), "--gpus", "0"), 2, "between 1 and the job's 2 ranks")
+    single = daemon.submit("true")
+    refused(daemon.sing("resize", str(single), "--gpus", "1"), 2, "has one rank")
+    assert daemon.job(done)["gpus"] == 1
