@@ -116,3 +116,22 @@ def test_bad_splicing_and_resize_requests_are_refused(daemon: Daemon) -> None:
     single = daemon.submit("true")
     refused(daemon.sing("resize", str(single), "--gpus", "1"), 2, "has one rank")
     assert daemon.job(done)["gpus"] == 1
+
+
+SEES_DEVICES = """
+import os, torch
+rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(rank)
+mine = torch.ones(2, device="cuda") * rank
+other = torch.ones(2, device=f"cuda:{(rank + 2) % 4}")
+print(torch.cuda.device_count(), mine.device, float(mine.sum()), other.device, float(other.sum()), flush=True)
+"""
+
+
+def test_spliced_ranks_see_every_device(daemon: Daemon) -> None:
+    """4 ranks on 2 devices: each sees 4 devices, sets its own, and reaches another block's cuda:j."""
+    job = daemon.submit(PYTHON, "-c", SEES_DEVICES, options=["--ranks", "4", "--gpus", "2"])
+    assert daemon.sing("wait", str(job), timeout=300).code == 0, rank_logs(daemon, job, RANKS)
+    lines = printed(rank_logs(daemon, job, RANKS), keep="4 ")
+    assert lines == [f"4 cuda:{r} {2.0 * r} cuda:{(r + 2) % 4} 2.0\n" for r in range(RANKS)]
+    assert "4 ranks share them" in daemon.sing("show", str(job)).out
