@@ -304,6 +304,25 @@ def suspend(job_id: int = typer.Argument(..., metavar="ID"), socket: str = Socke
 
 
 @app.command()
+def resize(
+    job_id: int = typer.Argument(..., metavar="ID"),
+    gpus: int = typer.Option(..., "--gpus", "-g", help="Devices to run on (1 up to the job's ranks)."),
+    socket: str = SocketOption,
+) -> None:
+    """Move a running job to another number of devices: checkpoint, stop, restore (its ranks see
+    no change)."""
+    with connect(socket) as stub:
+        with Progress(f"resizing job {job_id} to {gpus} device{'s' if gpus != 1 else ''} (checkpointing)"):
+            stub.Resize(pb.ResizeRequest(id=job_id, gpus=gpus))
+        job = _wait_running(stub, job_id)
+        if job.state != "RUNNING":
+            raise CliError(f"job {job_id} ended ({job.state}: {job.reason}) before it ran again")
+        count = len(job.devices)
+        listed = ",".join(str(d) for d in job.devices)
+        print(f"job {job_id} runs on {count} device{'s' if count != 1 else ''} ({listed})")
+
+
+@app.command()
 def resume(
     job_id: int = typer.Argument(..., metavar="ID"),
     wait: bool = typer.Option(

@@ -226,7 +226,7 @@ def job_detail_text(detail: pb.JobDetail, wide: bool = False, header: bool = Tru
         f"Command:    {' '.join(job.command)}",
         f"Directory:  {job.cwd}",
         f"Priority:   {job.priority}",
-        f"GPUs:       {job.gpus}",
+        f"GPUs:       {job.gpus}" + (f" ({job.ranks} ranks share them)" if 0 < job.gpus < job.ranks else ""),
         f"Ranks:      {job.ranks}",
         f"Devices:    {','.join(str(d) for d in job.devices) or '-'}",
         f"Submitted:  {timestamp(job.submitted_at)}",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import fcntl
 import importlib
 import json
 import os
@@ -203,9 +204,14 @@ def _child(request: dict[str, Any], received: list[int], channel: socket.socket,
         for number in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGPIPE):
             signal.signal(number, signal.SIG_DFL)
         targets = [int(t) for t in request["targets"]]
-        parked = [os.dup(fd) for fd in received]  # out of the way of the target numbers
+        clear = max(targets, default=2) + 1
+        """Descriptors at or above this are out of the way of the target numbers."""
+        parked = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, clear) for fd in received]
         for fd in received:
             os.close(fd)
+        moved = fcntl.fcntl(report, fcntl.F_DUPFD_CLOEXEC, clear)
+        os.close(report)
+        report = moved
         devnull = os.open(os.devnull, os.O_RDWR)
         os.dup2(devnull, 0)
         log = devnull

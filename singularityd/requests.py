@@ -22,6 +22,7 @@ from singularityd.core.jobs import (
     CheckpointRequested,
     Decision,
     PreemptRequested,
+    ResizeRequested,
     ResumeRequested,
     StillLaunching,
     Stimulus,
@@ -35,7 +36,7 @@ from singularityd.federation.service import Federation
 from singularityd.identity import Caller
 from singularityd.jobs.logs import read_log
 from singularityd.jobs.processes import Usage
-from singularityd.jobs.submission import SubmitArgs, validated_spec
+from singularityd.jobs.submission import SubmitArgs, check_resize, validated_spec
 from singularityd.observe.feed import JobSubmitted
 from singularityd.store import EventRecord, JobRecord
 
@@ -224,6 +225,27 @@ class Requests:
         decision = await self._apply_once_started(job_id, PreemptRequested(caller.user, hold=hold))
         if any(isinstance(action, TakeCheckpoint) for action in decision.actions):
             await self.daemon.checkpoint_outcome(job_id)
+        return self.daemon.get_job(job_id)
+
+    async def resize(self, caller: Caller, job_id: int, gpus: int) -> JobRecord:
+        """Checkpoint a running job and stop it, to be restored on `gpus` devices; returns once stopped.
+
+        Its processes see the same devices as before (splicing.py): only which device serves
+        each of them changes. The job's new size is stored once its checkpoint is under way, and
+        put back if the checkpoint fails (the job then runs on as it was)."""
+        job = self.owned_job(caller, job_id)
+        check_resize(job, gpus, len(self.daemon.inventory.devices))
+        if gpus == job.spec.gpus:
+            return job
+        decision = await self._apply_once_started(job_id, ResizeRequested(caller.user, gpus))
+        if not any(isinstance(action, TakeCheckpoint) for action in decision.actions):
+            return self.daemon.get_job(job_id)
+        self.daemon.store.set_gpus(job_id, gpus)
+        try:
+            await self.daemon.checkpoint_outcome(job_id)
+        except BaseException:
+            self.daemon.store.set_gpus(job_id, job.spec.gpus)
+            raise
         return self.daemon.get_job(job_id)
 
     def resume(self, caller: Caller, job_id: int) -> JobRecord:

@@ -423,6 +423,11 @@ class Store:
         with self._transaction() as db:
             db.execute("UPDATE jobs SET restarts_used = restarts_used + 1 WHERE id = ?", (job_id,))
 
+    def set_gpus(self, job_id: int, gpus: int) -> None:
+        """Change how many devices the job runs on (a resize; its processes see as many as before)."""
+        with self._transaction() as db:
+            db.execute("UPDATE jobs SET gpus = ? WHERE id = ?", (gpus, job_id))
+
     def set_cancel_requested(self, job_id: int) -> None:
         """Remember that the job's coming exit is a cancellation."""
         with self._transaction() as db:

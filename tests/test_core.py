@@ -31,6 +31,7 @@ from singularityd.core.jobs import (
     Requeued,
     Reschedule,
     RescheduleAfter,
+    ResizeRequested,
     Restored,
     RestoreFailed,
     RestoreProcesses,
@@ -199,6 +200,15 @@ def test_preempt_and_suspend_take_a_stopping_checkpoint(hold: bool, note: str, r
     assert decision.transition is None
     assert decision.actions == (Note(note), take)
     assert decision.activity == Activity(checkpoint=take)
+
+
+def test_a_resize_takes_a_stopping_checkpoint_and_is_refused_while_one_is_under_way() -> None:
+    """A resize stops the job through a checkpoint (the new size is in the store); not twice at once."""
+    decision = decide(running(), ResizeRequested("alice", 2), 0)
+    take = TakeCheckpoint(stop=True, reason="resized to 2 devices by alice")
+    assert decision.actions == (Note("resize to 2 devices requested by alice: checkpointing"), take)
+    with pytest.raises(InvalidTransition, match="already being checkpointed"):
+        decide(running(Activity(checkpoint=take)), ResizeRequested("alice", 1), 0)
 
 
 def test_checkpoint_request_takes_one_in_place() -> None:

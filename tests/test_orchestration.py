@@ -160,7 +160,7 @@ class FakeCheckpoints:
         seq = self.stored[target.job_id] = self.stored.get(target.job_id, 0) + 1
         return CheckpointTaken(seq, 0.0, 100, 0.01, f"checkpoint {seq} (100B)")
 
-    async def restore(self, job_id: int, devices: tuple[int, ...]) -> Restoration:
+    async def restore(self, job_id: int, devices: tuple[int, ...], logical: int | None = None) -> Restoration:
         return Restoration(500 + job_id, self.stored[job_id], ((9, "no manifest"),))
 
 
@@ -175,7 +175,9 @@ class FakeDevices:
 
     def stop(self) -> None: ...
 
-    async def admit(self, job_id: int, identity: JobIdentity, devices: Sequence[int]) -> None:
+    async def admit(
+        self, job_id: int, identity: JobIdentity, devices: Sequence[int], logical: int | None = None
+    ) -> None:
         self.calls.append(("admit", job_id))
 
     def forget(self, job_id: int) -> None:
@@ -185,7 +187,11 @@ class FakeDevices:
         self.retained = set(job_ids)
 
     def environment(
-        self, job_id: int, devices: Sequence[int], inherited_pythonpath: str | None
+        self,
+        job_id: int,
+        devices: Sequence[int],
+        inherited_pythonpath: str | None,
+        logical: int | None = None,
     ) -> dict[str, str]:
         return {}
 
@@ -200,7 +206,12 @@ class FakeDevices:
     async def release(self, job_id: int, devices: Sequence[int]) -> None: ...
 
     def reconnect(
-        self, job_id: int, devices: Sequence[int], images: Path, connections: Sequence[Mapping[str, int]]
+        self,
+        job_id: int,
+        devices: Sequence[int],
+        images: Path,
+        connections: Sequence[Mapping[str, int]],
+        layout: object = None,
     ) -> tuple[dict[str, int], list[object]]:
         return {}, []
 

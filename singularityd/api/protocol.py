@@ -116,6 +116,9 @@ class JobService(Protocol):
     async def preempt(self, caller: Caller, job_id: int, hold: bool) -> JobRecord:
         """Checkpoint and stop a job (hold: until resumed)."""
 
+    async def resize(self, caller: Caller, job_id: int, gpus: int) -> JobRecord:
+        """Checkpoint a running job and stop it, to be restored on `gpus` devices."""
+
     def resume(self, caller: Caller, job_id: int) -> JobRecord:
         """Queue a suspended job again."""
 

@@ -290,6 +290,10 @@ class SingularityService(pb_grpc.SingularityServicer):  # type: ignore[misc]
         return job_message(await self.jobs.preempt(self.caller, request.id, hold=True), self.jobs)
 
     @_translating_errors
+    async def Resize(self, request: pb.ResizeRequest, context: Any) -> pb.Job:
+        return job_message(await self.jobs.resize(self.caller, request.id, request.gpus), self.jobs)
+
+    @_translating_errors
     async def Resume(self, request: pb.JobRef, context: Any) -> pb.Job:
         return job_message(self.jobs.resume(self.caller, request.id), self.jobs)
 

@@ -33,6 +33,7 @@ from singularityd.checkpoint.pause import (
 from singularityd.checkpoint.precheck import tree_pids
 from singularityd.checkpoint.service import Checkpointer, CheckpointResult
 from singularityd.devices.access import DeviceAccess, DeviceError, DeviceStateSave, NoDeviceState, PreCopy
+from singularityd.devices.splicing import SavedLayout
 from singularityd.units import human_bytes
 
 log = logging.getLogger(__name__)
@@ -158,8 +159,9 @@ class Checkpoints(Protocol):
     async def take(self, target: CheckpointTarget, *, stop: bool, reason: str) -> CheckpointTaken:
         """Checkpoint the job (stopping it when `stop`); CheckpointError says why it failed."""
 
-    async def restore(self, job_id: int, devices: tuple[int, ...]) -> Restoration:
-        """Restore the job onto these devices; CheckpointError says why it could not be."""
+    async def restore(self, job_id: int, devices: tuple[int, ...], logical: int | None = None) -> Restoration:
+        """Restore the job onto these devices, seen as `logical` ones; CheckpointError says why it
+        could not be."""
 
     async def resume_parked(self, job_id: int, devices: tuple[int, ...]) -> None:
         """Let go a job a killed daemon may have left parked in its proxies mid-checkpoint."""
@@ -196,7 +198,7 @@ class NoCheckpoints:
         """Always fails, saying why."""
         raise CheckpointError(f"checkpoints are unavailable here: {self.status.unavailable_reason}")
 
-    async def restore(self, job_id: int, devices: tuple[int, ...]) -> Restoration:
+    async def restore(self, job_id: int, devices: tuple[int, ...], logical: int | None = None) -> Restoration:
         """Always fails, saying why."""
         raise CheckpointError(f"checkpoints are unavailable here: {self.status.unavailable_reason}")
 
@@ -401,8 +403,9 @@ class JobCheckpoints:
             paused_bytes=pause.device.paused_copied_bytes + (pause.device.written_after_bytes if stop else 0),
         )
 
-    async def restore(self, job_id: int, devices: tuple[int, ...]) -> Restoration:
-        """Restore the newest good checkpoint, reconnecting the processes to their devices."""
+    async def restore(self, job_id: int, devices: tuple[int, ...], logical: int | None = None) -> Restoration:
+        """Restore the newest good checkpoint, reconnecting the processes to their devices (the job
+        sees `logical` devices; its checkpoint may have held another number of them: a resize)."""
         began = time.monotonic()
         opened: list[socket.socket] = []
 
@@ -411,7 +414,9 @@ class JobCheckpoints:
             if not connections:
                 return {}
             folder = self.images.checkpoint_dir(str(job_id), manifest.seq) / IMAGES_DIR
-            inherit, sockets = self.devices.reconnect(job_id, devices, folder, connections)
+            held = len(manifest.extra.get("devices") or devices)
+            layout = SavedLayout(logical or max(held, len(devices)), held)
+            inherit, sockets = self.devices.reconnect(job_id, devices, folder, connections, layout)
             opened.extend(sockets)
             return inherit
 

@@ -105,6 +105,14 @@ class PreemptRequested:
 
 
 @dataclass(frozen=True)
+class ResizeRequested:
+    """Checkpoint the job and stop it, to be restored on `gpus` devices (its processes see no change)."""
+
+    by: str
+    gpus: int
+
+
+@dataclass(frozen=True)
 class PreemptionWanted:
     """The scheduler wants the job's devices for a higher-priority job."""
 
@@ -196,6 +204,7 @@ Stimulus = (
     | ProcessesLost
     | Requeued
     | PreemptRequested
+    | ResizeRequested
     | PreemptionWanted
     | ResumeRequested
     | CheckpointRequested
@@ -622,6 +631,11 @@ def decide(job: JobFacts, stimulus: Stimulus, now: float) -> Decision:
             verb = "suspend" if hold else "preempt"
             take = TakeCheckpoint(True, hold, f"{'suspended' if hold else 'preempted'} by {by}")
             return _checkpointing(job, take, Note(f"{verb} requested by {by}: checkpointing"))
+        case ResizeRequested(by=by, gpus=gpus):
+            _require_idle_running(job, "resized")
+            where = f"{gpus} device{'s' if gpus != 1 else ''}"
+            take = TakeCheckpoint(True, reason=f"resized to {where} by {by}")
+            return _checkpointing(job, take, Note(f"resize to {where} requested by {by}: checkpointing"))
         case PreemptionWanted():
             try:
                 _require_idle_running(job, "preempted")

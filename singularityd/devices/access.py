@@ -26,6 +26,7 @@ from singularityd.devices.proxies import (
     device_state_file,
     job_connections,
 )
+from singularityd.devices.splicing import SavedLayout
 
 T = TypeVar("T")
 
@@ -147,8 +148,11 @@ class DeviceAccess(Protocol):
     def stop(self) -> None:
         """Stop taking new work; what jobs use keeps running."""
 
-    async def admit(self, job_id: int, identity: JobIdentity, devices: Sequence[int]) -> None:
-        """Let the job (its user's processes only) use these devices."""
+    async def admit(
+        self, job_id: int, identity: JobIdentity, devices: Sequence[int], logical: int | None = None
+    ) -> None:
+        """Let the job (its user's processes only) use these devices, seen as `logical` devices
+        (default: as many as it holds; splicing.py)."""
 
     def forget(self, job_id: int) -> None:
         """The job holds no devices any more: nothing of it may stay on them."""
@@ -157,7 +161,11 @@ class DeviceAccess(Protocol):
         """Only these jobs hold devices: forget every other (after a restart)."""
 
     def environment(
-        self, job_id: int, devices: Sequence[int], inherited_pythonpath: str | None
+        self,
+        job_id: int,
+        devices: Sequence[int],
+        inherited_pythonpath: str | None,
+        logical: int | None = None,
     ) -> dict[str, str]:
         """What a job's processes need in their environment to reach their devices."""
 
@@ -179,7 +187,12 @@ class DeviceAccess(Protocol):
         """Free everything the job holds on these devices."""
 
     def reconnect(
-        self, job_id: int, devices: Sequence[int], images: Path, connections: Sequence[Mapping[str, int]]
+        self,
+        job_id: int,
+        devices: Sequence[int],
+        images: Path,
+        connections: Sequence[Mapping[str, int]],
+        layout: SavedLayout | None = None,
     ) -> tuple[dict[str, int], list[socket.socket]]:
         """Load saved device state and open the connections restored processes will inherit."""
 
@@ -269,9 +282,11 @@ class ProxiedDevices:
         """Stop the spawner (running servers stay, for the jobs that use them)."""
         self.pool.stop()
 
-    async def admit(self, job_id: int, identity: JobIdentity, devices: Sequence[int]) -> None:
+    async def admit(
+        self, job_id: int, identity: JobIdentity, devices: Sequence[int], logical: int | None = None
+    ) -> None:
         """Start the job's servers as its user, one per device."""
-        await _translated_async(self.pool.admit(job_id, identity, devices))
+        await _translated_async(self.pool.admit(job_id, identity, devices, logical))
 
     def forget(self, job_id: int) -> None:
         """Stop the job's servers and remove what they held."""
@@ -282,10 +297,14 @@ class ProxiedDevices:
         self.pool.retain(job_ids)
 
     def environment(
-        self, job_id: int, devices: Sequence[int], inherited_pythonpath: str | None
+        self,
+        job_id: int,
+        devices: Sequence[int],
+        inherited_pythonpath: str | None,
+        logical: int | None = None,
     ) -> dict[str, str]:
         """The in-job client on PYTHONPATH and the sockets of the job's devices."""
-        return self.pool.environment(job_id, devices, inherited_pythonpath)
+        return self.pool.environment(job_id, devices, inherited_pythonpath, logical)
 
     def connections(self, pids: Sequence[int]) -> list[ProxyConnection]:
         """Every proxy connection held by these processes of a job."""
@@ -310,10 +329,15 @@ class ProxiedDevices:
         await _translated_async(self.pool.release(job_id, devices))
 
     def reconnect(
-        self, job_id: int, devices: Sequence[int], images: Path, connections: Sequence[Mapping[str, int]]
+        self,
+        job_id: int,
+        devices: Sequence[int],
+        images: Path,
+        connections: Sequence[Mapping[str, int]],
+        layout: SavedLayout | None = None,
     ) -> tuple[dict[str, int], list[socket.socket]]:
         """Load the saved tensors into the servers and open the restored processes' connections."""
-        return _translated(lambda: self.pool.reconnect(job_id, devices, images, connections))
+        return _translated(lambda: self.pool.reconnect(job_id, devices, images, connections, layout))
 
     def health(self, device: int) -> DeviceHealth:
         """Idle while no job's server runs on it; then up, with its sessions, if the server answers."""
@@ -337,7 +361,9 @@ class DirectDevices:
     def stop(self) -> None:
         """Nothing to stop."""
 
-    async def admit(self, job_id: int, identity: JobIdentity, devices: Sequence[int]) -> None:
+    async def admit(
+        self, job_id: int, identity: JobIdentity, devices: Sequence[int], logical: int | None = None
+    ) -> None:
         """Nothing to admit: the job sees its devices through CUDA_VISIBLE_DEVICES."""
 
     def forget(self, job_id: int) -> None:
@@ -347,7 +373,11 @@ class DirectDevices:
         """Nothing is held."""
 
     def environment(
-        self, job_id: int, devices: Sequence[int], inherited_pythonpath: str | None
+        self,
+        job_id: int,
+        devices: Sequence[int],
+        inherited_pythonpath: str | None,
+        logical: int | None = None,
     ) -> dict[str, str]:
         """CUDA_VISIBLE_DEVICES for real GPUs; nothing for virtual devices."""
         if self.nvml:
@@ -374,7 +404,12 @@ class DirectDevices:
         """Nothing is held."""
 
     def reconnect(
-        self, job_id: int, devices: Sequence[int], images: Path, connections: Sequence[Mapping[str, int]]
+        self,
+        job_id: int,
+        devices: Sequence[int],
+        images: Path,
+        connections: Sequence[Mapping[str, int]],
+        layout: SavedLayout | None = None,
     ) -> tuple[dict[str, int], list[socket.socket]]:
         """A checkpoint with proxy connections cannot be restored without proxies."""
         if connections:

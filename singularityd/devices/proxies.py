@@ -12,7 +12,8 @@ recorded with its PID and start time, and a restarted daemon adopts those that s
 Layout:
     <socket dir>/proxy/                   root, 0755
         job-<id>/                         root, 0711
-            dev-<i>.sock                  the job's user, 0600: the job's processes connect here
+            dev-<i>.sock                  the job's user, 0600: the server of device i listens here
+            cuda-<j>.sock                 -> dev-<i>.sock: the job's cuda:j, served by device i (splicing.py)
             tmp/                          the job's user, 0700: TMPDIR of the job's servers
     <state>/proxy/                        root, 0700
         control/job-<id>-dev-<i>.sock     the daemon's control channel to one server
@@ -48,6 +49,8 @@ from singularity.proxy.control import (
 )
 from singularity.proxy.spawner import SpawnerClient, SpawnError, SpawnRequest
 from singularityd.devices.inventory import Device
+from singularityd.devices.regroup import RegroupError, regroup, session_slots
+from singularityd.devices.splicing import SavedLayout, device_slots
 from singularityd.jobs.processes import ProcessWatch, process_start_ticks
 
 log = logging.getLogger(__name__)
@@ -193,8 +196,12 @@ class JobProxies:
         return self.run_dir / f"job-{job_id}"
 
     def socket_path(self, job_id: int, device: int) -> Path:
-        """The socket the job's processes connect to for one of its devices."""
+        """The socket the server of one of the job's devices listens on."""
         return self.job_dir(job_id) / f"dev-{device}.sock"
+
+    def logical_path(self, job_id: int, logical: int) -> Path:
+        """The socket the job's processes connect to for their cuda:`logical` (a link to its server's)."""
+        return self.job_dir(job_id) / f"cuda-{logical}.sock"
 
     def control(self, job_id: int, device: int) -> Path:
         """The daemon-only control socket of the job's server for one device."""
@@ -267,8 +274,11 @@ class JobProxies:
         return {job_id for job_id, _ in self._watches}
 
     # -- a job's servers ---------------------------------------------------------------------------
-    async def admit(self, job_id: int, identity: JobIdentity, devices: Sequence[int]) -> None:
-        """Start the job's servers, one per device, as the job's user (replacing any left over).
+    async def admit(
+        self, job_id: int, identity: JobIdentity, devices: Sequence[int], logical: int | None = None
+    ) -> None:
+        """Start the job's servers, one per device, as the job's user (replacing any left over),
+        serving the `logical` devices its processes see (default: one each; splicing.py).
 
         The sockets are bound at once, so the job may start and connect right away: its
         connections wait in the sockets' backlog until the servers, spawned in the background,
@@ -289,6 +299,9 @@ class JobProxies:
                 data = _listening_socket(self.socket_path(job_id, device), owner, 0o600)
                 control = _listening_socket(self.control(job_id, device), None, 0o600)
                 bound.append((index, device, data, control))
+            slots = device_slots(logical or len(devices), len(devices))
+            for seen, slot in enumerate(slots):
+                self.logical_path(job_id, seen).symlink_to(self.socket_path(job_id, devices[slot]).name)
         except BaseException:
             for _, _, data, control in bound:
                 data.close()
@@ -417,15 +430,22 @@ class JobProxies:
             self.forget(job_id)
 
     def environment(
-        self, job_id: int, devices: Sequence[int], inherited_pythonpath: str | None
+        self,
+        job_id: int,
+        devices: Sequence[int],
+        inherited_pythonpath: str | None,
+        logical: int | None = None,
     ) -> dict[str, str]:
-        """What a job's processes need to reach their servers through the in-job client."""
+        """What a job's processes need to reach their servers through the in-job client: one socket
+        per device they see (`logical`, default one per device held), each a link to its server's."""
         paths = [str(self.bootstrap)]
         if inherited_pythonpath:
             paths.append(inherited_pythonpath)
         return {
             "PYTHONPATH": os.pathsep.join(paths),
-            "SING_PROXY_SOCKETS": ",".join(str(self.socket_path(job_id, d)) for d in devices),
+            "SING_PROXY_SOCKETS": ",".join(
+                str(self.logical_path(job_id, seen)) for seen in range(logical or len(devices))
+            ),
             "CUDA_VISIBLE_DEVICES": "",
         }
 
@@ -500,23 +520,51 @@ class JobProxies:
         await self._each(job_id, devices, lambda proxy, _: proxy.release(str(job_id)))
 
     def reconnect(
-        self, job_id: int, devices: Sequence[int], images: Path, connections: Sequence[Mapping[str, int]]
+        self,
+        job_id: int,
+        devices: Sequence[int],
+        images: Path,
+        connections: Sequence[Mapping[str, int]],
+        layout: SavedLayout | None = None,
     ) -> tuple[dict[str, int], list[socket.socket]]:
         """Load a checkpoint's tensors into the job's (new) servers and open the connections the
         restored processes will use; returns CRIU's --inherit-fd map and the sockets to close.
 
+        `layout` says how the checkpoint spread its logical devices over its servers (default: the
+        same as now). On another number of devices, each saved session is first moved to the slot
+        that now serves the logical device its process used (regroup.py).
         The job's servers must have been started (`admit`)."""
-        for index, device in enumerate(devices):
-            saved = device_state_file(images, index)
-            if saved.exists():
-                with ProxyControl(self.control(job_id, device)) as proxy:
-                    proxy.load(str(job_id), saved)
+        saved = layout or SavedLayout(len(devices), len(devices))
+        slots = device_slots(saved.logical, len(devices))
+        files: Sequence[Path | None] = [device_state_file(images, index) for index in range(len(devices))]
+        if saved.servers != len(devices):
+            try:
+                moves = session_slots(connections, device_slots(saved.logical, saved.servers), slots)
+                sources = [device_state_file(images, index) for index in range(saved.servers)]
+                files = regroup(
+                    [path if path.exists() else None for path in sources],
+                    moves,
+                    len(devices),
+                    images / PROXY_DIR / f"on-{len(devices)}",
+                )
+            except (RegroupError, OSError, ValueError) as error:
+                why = f"cannot move the job's device state to {len(devices)} devices: {error}"
+                raise ProxyError(why) from error
+        try:
+            for index, device in enumerate(devices):
+                path = files[index]
+                if path is not None and path.exists():
+                    with ProxyControl(self.control(job_id, device)) as proxy:
+                        proxy.load(str(job_id), path)
+        finally:
+            if saved.servers != len(devices):
+                shutil.rmtree(images / PROXY_DIR / f"on-{len(devices)}", ignore_errors=True)
         inherit: dict[str, int] = {}
         opened: list[socket.socket] = []
         try:
             for entry in connections:
                 connection = open_restored_connection(
-                    self.socket_path(job_id, devices[entry["index"]]),
+                    self.socket_path(job_id, devices[slots[entry["index"]]]),
                     str(job_id),
                     entry["rank"],
                     entry["index"],

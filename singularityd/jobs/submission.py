@@ -6,9 +6,10 @@ import math
 import os
 from dataclasses import dataclass
 
-from singularityd.errors import InvalidRequest, Unsatisfiable
+from singularityd.core.states import JobState
+from singularityd.errors import InvalidRequest, StateConflict, Unsatisfiable
 from singularityd.identity import Caller
-from singularityd.store import JobSpec
+from singularityd.store import JobRecord, JobSpec
 
 MAX_PRIORITY = 1_000_000
 MAX_RANKS = 4096
@@ -44,6 +45,11 @@ def validated_spec(caller: Caller, args: SubmitArgs, total_devices: int) -> JobS
         raise InvalidRequest(f"--ranks must be at most {MAX_RANKS}, not {args.ranks}")
     if not 0 <= args.max_restarts <= MAX_RESTARTS:
         raise InvalidRequest(f"--max-restarts must be between 0 and {MAX_RESTARTS}, not {args.max_restarts}")
+    if args.ranks > 1 and args.gpus > args.ranks:
+        raise InvalidRequest(
+            f"--gpus {args.gpus} is more than --ranks {args.ranks}: each rank runs on one device, "
+            "so a job of several ranks can use at most one device per rank"
+        )
     if abs(args.priority) > MAX_PRIORITY:
         raise InvalidRequest(f"--priority must be between -{MAX_PRIORITY} and {MAX_PRIORITY}")
     if args.gpus > total_devices:
@@ -72,3 +78,17 @@ def validated_spec(caller: Caller, args: SubmitArgs, total_devices: int) -> JobS
         checkpoint_interval=interval,
         max_restarts=args.max_restarts,
     )
+
+
+def check_resize(job: JobRecord, gpus: int, total_devices: int) -> None:
+    """Whether the job may be resized to `gpus` devices: InvalidRequest, StateConflict or
+    Unsatisfiable say why not."""
+    ranks = job.spec.ranks
+    if ranks < 2:
+        raise InvalidRequest(f"job {job.id} has one rank: only a job of several ranks can be resized")
+    if not 1 <= gpus <= ranks:
+        raise InvalidRequest(f"--gpus must be between 1 and the job's {ranks} ranks, not {gpus}")
+    if gpus > total_devices:
+        raise Unsatisfiable(f"requested {gpus} devices but this machine has {total_devices}")
+    if job.state is not JobState.RUNNING:
+        raise StateConflict(f"job {job.id} is {job.state.value}; only a RUNNING job can be resized")

@@ -20,6 +20,7 @@ from singularityd.core.jobs import (
 )
 from singularityd.devices.access import DeviceAccess, DeviceError
 from singularityd.devices.proxies import JobIdentity
+from singularityd.devices.splicing import logical_devices
 from singularityd.errors import StateConflict
 from singularityd.jobs.launch import LaunchError, user_groups
 from singularityd.jobs.processes import Processes
@@ -36,8 +37,9 @@ async def launch(
 ) -> ProcessesRunning | LaunchFailed:
     """Start the job's processes on its devices."""
     try:
-        await devices.admit(job.id, identity(job), job.devices)
-        device_env = devices.environment(job.id, job.devices, job.spec.env.get("PYTHONPATH"))
+        logical = logical_devices(job.spec.ranks, job.spec.gpus)
+        await devices.admit(job.id, identity(job), job.devices, logical)
+        device_env = devices.environment(job.id, job.devices, job.spec.env.get("PYTHONPATH"), logical)
         process = await processes.launch(job, device_env)
     except (LaunchError, DeviceError) as error:
         return LaunchFailed(str(error))
@@ -49,9 +51,10 @@ async def restore(
 ) -> Restored | RestoreFailed:
     """Restore the job's processes from its newest good checkpoint onto its devices."""
     try:
-        await devices.admit(job.id, identity(job), job.devices)
+        logical = logical_devices(job.spec.ranks, job.spec.gpus)
+        await devices.admit(job.id, identity(job), job.devices, logical)
         processes.forget_outcome(job.id)
-        restored = await checkpoints.restore(job.id, job.devices)
+        restored = await checkpoints.restore(job.id, job.devices, logical)
     except (CheckpointError, DeviceError, OSError) as error:
         return RestoreFailed(str(error))
     process = processes.adopt_restored(job.id, restored.pid)

@@ -43,6 +43,14 @@ class SubmitResponse(_message.Message):
     job: Job
     def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ...) -> None: ...
 
+class ResizeRequest(_message.Message):
+    __slots__ = ("id", "gpus")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    gpus: int
+    def __init__(self, id: _Optional[int] = ..., gpus: _Optional[int] = ...) -> None: ...
+
 class Job(_message.Message):
     __slots__ = ("id", "name", "user", "uid", "state", "reason", "pending_reason", "priority", "gpus", "ranks", "devices", "command", "submitted_at", "started_at", "ended_at", "exit_code", "signal", "cpu_seconds", "rss_bytes", "cwd", "attempt", "checkpoint_interval", "checkpoints", "checkpoint_bytes", "last_checkpoint", "starting", "node", "move", "max_restarts", "restarts_used")
     ID_FIELD_NUMBER: _ClassVar[int]

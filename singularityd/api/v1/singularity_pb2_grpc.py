@@ -94,6 +94,11 @@ class SingularityStub:
                 request_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.JobRef.SerializeToString,
                 response_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.Job.FromString,
                 _registered_method=True)
+        self.Resize = channel.unary_unary(
+                '/singularity.v1.Singularity/Resize',
+                request_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.ResizeRequest.SerializeToString,
+                response_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.Job.FromString,
+                _registered_method=True)
         self.Checkpoint = channel.unary_unary(
                 '/singularity.v1.Singularity/Checkpoint',
                 request_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.JobRef.SerializeToString,
@@ -216,6 +221,14 @@ class SingularityServicer:
 
     def Resume(self, request, context):
         """Put a suspended job back in the queue.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resize(self, request, context):
+        """Checkpoint a running job of several ranks and stop it, to be restored on another number of
+        devices (its processes see the same devices). Returns once stopped.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -346,6 +359,11 @@ def add_SingularityServicer_to_server(servicer, server):
             'Resume': grpc.unary_unary_rpc_method_handler(
                     servicer.Resume,
                     request_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.JobRef.FromString,
+                    response_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.Job.SerializeToString,
+            ),
+            'Resize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resize,
+                    request_deserializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.ResizeRequest.FromString,
                     response_serializer=singularityd_dot_api_dot_v1_dot_singularity__pb2.Job.SerializeToString,
             ),
             'Checkpoint': grpc.unary_unary_rpc_method_handler(
@@ -717,6 +735,33 @@ class Singularity:
             target,
             '/singularity.v1.Singularity/Resume',
             singularityd_dot_api_dot_v1_dot_singularity__pb2.JobRef.SerializeToString,
+            singularityd_dot_api_dot_v1_dot_singularity__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/singularity.v1.Singularity/Resize',
+            singularityd_dot_api_dot_v1_dot_singularity__pb2.ResizeRequest.SerializeToString,
             singularityd_dot_api_dot_v1_dot_singularity__pb2.Job.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,87 @@
+"""Elastic jobs: growing them into idle devices and shrinking them, within their range, before
+anything is preempted. Pure, no I/O.
+
+An elastic job runs on any number of devices between its `min_devices` and `max_devices` (its
+ranks see no change: devices/splicing.py); the daemon carries a change out as a resize
+(checkpoint, stop, restore on the new count). The policy runs after `plan_starts`: when the
+queue's first blocked job needs devices, elastic jobs of lower or equal priority give up devices
+(lowest priority first, most recently started first, down to their minimum) instead of being
+preempted; when nothing waits, idle devices go to elastic jobs below their maximum (highest
+priority first, one device at a time in turn, so they grow evenly).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ElasticJob:
+    """A running elastic job as the policy sees it; `busy` while a checkpoint or resize is under way."""
+
+    job_id: int
+    priority: int
+    started_seq: float
+    devices: int
+    min_devices: int
+    max_devices: int
+    busy: bool = False
+
+
+@dataclass(frozen=True)
+class Resize:
+    """Move a running elastic job to `devices` devices."""
+
+    job_id: int
+    devices: int
+
+
+def shrink_for(needed: int, priority: int, jobs: Sequence[ElasticJob]) -> tuple[Resize, ...] | None:
+    """The resizes that free `needed` devices for a job of `priority` from elastic jobs of no
+    higher priority, or None when they cannot (then preemption decides)."""
+    candidates = sorted(
+        (j for j in jobs if not j.busy and j.priority <= priority and j.devices > j.min_devices),
+        key=lambda j: (j.priority, -j.started_seq),
+    )
+    resizes = []
+    freed = 0
+    for job in candidates:
+        if freed >= needed:
+            break
+        give = min(job.devices - job.min_devices, needed - freed)
+        resizes.append(Resize(job.job_id, job.devices - give))
+        freed += give
+    return tuple(resizes) if freed >= needed else None
+
+
+def grow_into(idle: int, jobs: Sequence[ElasticJob]) -> tuple[Resize, ...]:
+    """The resizes that give `idle` devices to elastic jobs below their maximum, in turn."""
+    order = sorted(
+        (j for j in jobs if not j.busy and j.devices < j.max_devices),
+        key=lambda j: (-j.priority, j.started_seq),
+    )
+    sizes = {job.job_id: job.devices for job in order}
+    left = idle
+    while left > 0:
+        grew = False
+        for job in order:
+            if left > 0 and sizes[job.job_id] < job.max_devices:
+                sizes[job.job_id] += 1
+                left -= 1
+                grew = True
+        if not grew:
+            break
+    return tuple(Resize(job.job_id, sizes[job.job_id]) for job in order if sizes[job.job_id] != job.devices)
+
+
+def plan_elastic(
+    jobs: Sequence[ElasticJob], free: int, blocked: tuple[int, int] | None
+) -> tuple[Resize, ...] | None:
+    """What to do with elastic jobs this round: shrink them for the blocked job (`needed` devices
+    beyond the free ones, its priority), or grow them into free devices when nothing is blocked.
+    None when a blocked job cannot be served by shrinking (preemption decides)."""
+    if blocked is not None:
+        needed, priority = blocked
+        return shrink_for(max(0, needed - free), priority, jobs)
+    return grow_into(free, jobs)

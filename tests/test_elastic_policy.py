@@ -1,0 +1,58 @@
+"""The elastic policy (pure): grow into idle devices, shrink within range before preempting."""
+
+from __future__ import annotations
+
+from singularityd.scheduling.elastic import ElasticJob, Resize, grow_into, plan_elastic, shrink_for
+
+
+def job(
+    job_id: int, devices: int, low: int = 1, high: int = 4, priority: int = 0, seq: float = 0.0
+) -> ElasticJob:
+    """An elastic job holding `devices`, with range [low, high]."""
+    return ElasticJob(job_id, priority, seq or float(job_id), devices, low, high)
+
+
+def test_an_elastic_job_grows_into_idle_devices_up_to_its_maximum() -> None:
+    """Idle devices go to an elastic job, never beyond its maximum."""
+    assert grow_into(3, [job(1, 1, high=3)]) == (Resize(1, 3),)
+    assert grow_into(1, [job(1, 3, high=3)]) == ()
+
+
+def test_idle_devices_are_shared_in_turn_highest_priority_first() -> None:
+    """Two elastic jobs grow one device at a time each, the higher priority first."""
+    jobs = [job(1, 1, priority=0), job(2, 1, priority=5)]
+    assert grow_into(3, jobs) == (Resize(2, 3), Resize(1, 2))
+
+
+def test_a_busy_job_is_left_alone() -> None:
+    """A job whose checkpoint or resize is under way is neither grown nor shrunk."""
+    busy = ElasticJob(1, 0, 1.0, 1, 1, 4, busy=True)
+    assert grow_into(2, [busy]) == ()
+    assert shrink_for(1, 0, [busy]) is None
+
+
+def test_shrinking_frees_what_the_blocked_job_needs_within_the_range() -> None:
+    """Shrinking frees exactly what is needed, never below the minimum."""
+    assert shrink_for(2, 0, [job(1, 4, low=1)]) == (Resize(1, 2),)
+    assert shrink_for(3, 0, [job(1, 4, low=2)]) is None
+
+
+def test_shrinking_takes_the_lowest_priority_then_the_newest_first() -> None:
+    """The lowest-priority, most recently started elastic jobs give devices first."""
+    jobs = [job(1, 2, priority=1), job(2, 2, priority=0, seq=1.0), job(3, 2, priority=0, seq=9.0)]
+    assert shrink_for(1, 5, jobs) == (Resize(3, 1),)
+    assert shrink_for(3, 5, jobs) == (Resize(3, 1), Resize(2, 1), Resize(1, 1))
+
+
+def test_a_higher_priority_elastic_job_is_not_shrunk_for_a_lower_one() -> None:
+    """A queued job never shrinks an elastic job that outranks it."""
+    assert shrink_for(1, 0, [job(1, 4, priority=3)]) is None
+
+
+def test_plan_shrinks_for_a_blocked_job_and_grows_otherwise() -> None:
+    """A round shrinks for the blocked job, grows when nothing waits, else leaves it to preemption."""
+    jobs = [job(1, 2, low=1, high=4)]
+    assert plan_elastic(jobs, free=2, blocked=None) == (Resize(1, 4),)
+    assert plan_elastic(jobs, free=0, blocked=(1, 0)) == (Resize(1, 1),)
+    assert plan_elastic(jobs, free=1, blocked=(1, 0)) == ()
+    assert plan_elastic(jobs, free=0, blocked=(4, 0)) is None

@@ -1,0 +1,139 @@
+"""Splicing's device mapping and the regrouping of a checkpoint's device-state files (unit tests).
+
+The files are written with the proxy server's own writer and read back with its own reader, so
+a regrouped file is proven to load into a server with every tensor's bytes and layout intact.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from proxy.server import statefile
+from singularityd.devices import regroup
+from singularityd.devices.regroup import RegroupError, session_slots
+from singularityd.devices.splicing import device_slots, logical_devices, spliced
+
+
+def test_logical_devices_and_slots() -> None:
+    """A job sees max(ranks, gpus) devices; servers take contiguous blocks of them."""
+    assert logical_devices(4, 1) == 4
+    assert logical_devices(1, 2) == 2
+    assert device_slots(4, 4) == [0, 1, 2, 3]
+    assert device_slots(4, 2) == [0, 0, 1, 1]
+    assert device_slots(4, 1) == [0, 0, 0, 0]
+    assert device_slots(4, 3) == [0, 0, 1, 2]
+    assert spliced(4, 2) and not spliced(4, 4)
+    with pytest.raises(ValueError):
+        device_slots(2, 3)
+
+
+def test_format_constants_match_the_server() -> None:
+    """The regrouper writes the format the proxy server reads."""
+    assert regroup.FILE_MAGIC == statefile.FILE_MAGIC
+    assert regroup.INDEX_MAGIC == statefile.INDEX_MAGIC
+    assert regroup.TRAILER.format == statefile.TRAILER.format
+    assert regroup.ALIGN == statefile.ALIGN
+    assert regroup.FORMAT == statefile.FORMAT
+
+
+def test_session_slots_follow_the_logical_device() -> None:
+    """Each session goes where its process's logical device is served now."""
+    connections = [{"rank": r, "index": r, "pid": 1, "inode": 1} for r in range(4)]
+    moves = session_slots(connections, device_slots(4, 4), device_slots(4, 2))
+    assert moves == {(0, 0): 0, (1, 1): 0, (2, 2): 1, (3, 3): 1}
+    assert session_slots(connections, device_slots(4, 1), device_slots(4, 3)) == {
+        (0, 0): 0,
+        (1, 0): 0,
+        (2, 0): 1,
+        (3, 0): 2,
+    }
+
+
+def test_two_devices_of_one_rank_cannot_share_a_slot() -> None:
+    """A rank using cuda:0 and cuda:1 cannot be squeezed onto one device: a clear refusal."""
+    connections = [{"rank": 0, "index": 0}, {"rank": 0, "index": 1}]
+    with pytest.raises(RegroupError, match="rank 0 uses cuda:0 and cuda:1"):
+        session_slots(connections, device_slots(2, 2), device_slots(2, 1))
+
+
+def write_state(path: Path, slot: int, sessions: dict[int, dict[int, torch.Tensor]]) -> None:
+    """A device-state file of `sessions` ({rank: {handle: tensor}}, each with a plans blob), as a
+    server writes it: tensors sharing a storage name one storage record."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        writer = statefile.StateFileWriter(fd)
+        storages: dict[str, list[int]] = {}
+        blobs: dict[str, list[int]] = {}
+        ids: dict[int, int] = {}
+        entries: list[dict[str, Any]] = []
+        for rank, tensors in sessions.items():
+            table = {}
+            for handle, tensor in tensors.items():
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in ids:
+                    ids[storage.data_ptr()] = len(ids)
+                    flat = statefile.storage_bytes(storage)
+                    storages[str(len(ids) - 1)] = [writer.append_bytes(flat), flat.numel()]
+                table[str(handle)] = statefile.tensor_entry(tensor, ids[storage.data_ptr()])
+            plans = statefile.blob_of({rank: ["plan"]})
+            blobs[str(rank)] = [writer.append(plans), len(plans)]
+            entries.append(
+                {
+                    "job_id": "7", "rank": rank, "uid": 0, "ops": {}, "peak": 0, "pending_error": None,
+                    "plans": rank, "queue": None, "groups": {}, "tensors": table,
+                }
+            )  # fmt: skip
+        index = {"format": statefile.FORMAT, "device": slot, "storages": storages, "blobs": blobs}
+        writer.finish({**index, "sessions": entries})
+    finally:
+        os.close(fd)
+
+
+def read(path: Path) -> dict[int, statefile.SavedSession]:
+    """The sessions of a device-state file by rank, read by the server's reader."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return {s.rank: s for s in statefile.read_state(fd, torch.device("cpu"))[1]}
+    finally:
+        os.close(fd)
+
+
+def test_regroup_splits_and_merges_by_session(tmp_path: Path) -> None:
+    """4 ranks on 2 files become 3 files and back: every tensor, view and plan is intact."""
+    weights = {r: torch.arange(1000, dtype=torch.float32) * (r + 1) for r in range(4)}
+    views = {r: weights[r][10:20].view(2, 5) for r in range(4)}
+    old = [tmp_path / "cuda0.state", tmp_path / "cuda1.state"]
+    write_state(old[0], 0, {0: {1: weights[0], 2: views[0]}, 1: {1: weights[1], 2: views[1]}})
+    write_state(old[1], 1, {2: {1: weights[2], 2: views[2]}, 3: {1: weights[3], 2: views[3]}})
+    connections = [{"rank": r, "index": r} for r in range(4)]
+    three = regroup.regroup(
+        old, session_slots(connections, device_slots(4, 2), device_slots(4, 3)), 3, tmp_path / "three"
+    )
+    placed = {slot: sorted(read(path)) for slot, path in enumerate(three) if path is not None}
+    assert placed == {0: [0, 1], 1: [2], 2: [3]}
+    back = regroup.regroup(
+        three, session_slots(connections, device_slots(4, 3), device_slots(4, 1)), 1, tmp_path / "one"
+    )
+    assert back[0] is not None
+    sessions = read(back[0])
+    assert sorted(sessions) == [0, 1, 2, 3]
+    for rank, session in sessions.items():
+        assert torch.equal(session.tensors[1], weights[rank])
+        assert torch.equal(session.tensors[2], views[rank])
+        assert (
+            session.tensors[2].untyped_storage().data_ptr() == session.tensors[1].untyped_storage().data_ptr()
+        )
+        assert session.plans == {rank: ["plan"]}
+
+
+def test_an_unfinished_file_is_refused(tmp_path: Path) -> None:
+    """A file without its index is not regrouped into garbage."""
+    broken = tmp_path / "cuda0.state"
+    broken.write_bytes(regroup.FILE_MAGIC + b"\0" * 100)
+    with pytest.raises(RegroupError, match="no index"):
+        regroup.regroup([broken], {(0, 0): 0}, 1, tmp_path / "out")

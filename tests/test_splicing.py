@@ -1,0 +1,137 @@
+"""Replica splicing and resize through the real daemon: a job's ranks share devices, and a running
+job moves between device counts, without its processes noticing.
+
+The proof is bitwise: a 4-rank DDP run prints exactly the same losses and final weight checksums,
+every rank, on 4 devices, on 1 device, resized 4 -> 2 -> 1 -> 3 -> 4 while it trains, and on 2
+devices preempted and resumed 5 times. Jobs wait for a file the test creates before they end, so
+every resize hits a running job.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import requires_root
+from tests.helpers import Daemon, running_daemon, wait_until
+from tests.proxy.conftest import PYTHON
+from tests.test_collectives import JOB_OPTIONS, printed, rank_logs, run_job, steps_done
+
+RANKS = 4
+STEPS = 60
+ARGS = ["--steps", str(STEPS), "--hook", "allreduce"]
+
+
+def submit_held(daemon: Daemon, gpus: int, release: Path, args: Sequence[str] = ARGS) -> int:
+    """Submit the 4-rank DDP program on `gpus` devices, waiting for `release` before it ends."""
+    options = [*JOB_OPTIONS, "--ranks", str(RANKS), "--gpus", str(gpus)]
+    job = daemon.submit(PYTHON, "ddp_train.py", *args, "--hold", str(release), options=options)
+    daemon.wait_state(job, "RUNNING")
+    return job
+
+
+def finish(daemon: Daemon, job: int, release: Path) -> list[str]:
+    """Let the job end; each rank's printed lines."""
+    release.touch()
+    assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, RANKS)
+    return printed(rank_logs(daemon, job, RANKS))
+
+
+def devices_of(daemon: Daemon, job: int) -> list[int]:
+    """The devices the job holds now."""
+    return list(daemon.job(job)["devices"])
+
+
+@requires_root
+@pytest.mark.timeout(1800)
+def test_ddp_spliced_and_resized_is_exact(daemon_root: Path) -> None:
+    """(a) 4 devices, (b) 1 device, (c) resized 4 -> 2 -> 1 -> 3 -> 4 while training,
+    (d) 2 devices preempted and resumed 5 times: every rank prints the same bytes."""
+    with running_daemon(daemon_root, virtual_devices=RANKS) as daemon:
+        on_four = run_job(daemon, "ddp_train.py", ARGS, ranks=RANKS, gpus=RANKS)
+        assert len(on_four) == RANKS and all(f"step {STEPS - 1} " in text for text in on_four)
+        assert run_job(daemon, "ddp_train.py", ARGS, ranks=RANKS, gpus=1) == on_four
+
+        release = daemon_root / "release-resize"
+        job = submit_held(daemon, RANKS, release)
+        try:
+            for gpus in (2, 1, 3, 4):
+                seen = steps_done(daemon, job, RANKS)
+                wait_until(functools.partial(steps_beyond, daemon, job, min(seen, STEPS - 1)), timeout=300)
+                result = daemon.sing("resize", str(job), "--gpus", str(gpus), timeout=300)
+                assert result.code == 0, result.err
+                assert len(devices_of(daemon, job)) == gpus
+        except BaseException:
+            daemon.sing("cancel", str(job))
+            raise
+        assert finish(daemon, job, release) == on_four
+        reasons = [e["reason"] for e in daemon.job(job)["events"]]
+        assert sum(r.startswith("resized to") for r in reasons) == 4
+
+        release = daemon_root / "release-preempt"
+        job = submit_held(daemon, 2, release)
+        try:
+            for _ in range(5):
+                seen = steps_done(daemon, job, RANKS)
+                wait_until(functools.partial(steps_beyond, daemon, job, min(seen, STEPS - 1)), timeout=300)
+                result = daemon.sing("preempt", str(job), timeout=300)
+                assert result.code == 0, result.err
+                daemon.wait_state(job, "RUNNING", timeout=300)
+                assert len(devices_of(daemon, job)) == 2
+        except BaseException:
+            daemon.sing("cancel", str(job))
+            raise
+        assert finish(daemon, job, release) == on_four
+
+
+def steps_beyond(daemon: Daemon, job: int, beyond: int) -> bool:
+    """Whether every rank of the job printed more than `beyond` steps."""
+    return steps_done(daemon, job, RANKS) > beyond
+
+
+def refused(result: object, code: int, words: str) -> None:
+    """A clear one-line refusal: the exit code, the words, no traceback."""
+    out = getattr(result, "err", "")
+    assert getattr(result, "code", None) == code, out
+    assert words in out and "Traceback" not in out and len(out.strip().splitlines()) == 1, out
+
+
+def test_bad_splicing_and_resize_requests_are_refused(daemon: Daemon) -> None:
+    """More devices than ranks, a resize out of range, of a job not running, of a single-rank job
+    or of an unknown id: each a one-line refusal with a non-zero exit, nothing changed."""
+    refused(
+        daemon.sing("submit", "--ranks", "2", "--gpus", "3", "--", "true"),
+        2,
+        "--gpus 3 is more than --ranks 2",
+    )
+    refused(daemon.sing("resize", "999", "--gpus", "1"), 4, "999")
+    done = daemon.submit("true", options=["--ranks", "2", "--gpus", "1"])
+    assert daemon.sing("wait", str(done)).code == 0
+    refused(daemon.sing("resize", str(done), "--gpus", "2"), 6, "only a RUNNING job can be resized")
+    refused(daemon.sing("resize", str(done), "--gpus", "3"), 2, "between 1 and the job's 2 ranks")
+    refused(daemon.sing("resize", str(done), "--gpus", "0"), 2, "between 1 and the job's 2 ranks")
+    single = daemon.submit("true")
+    refused(daemon.sing("resize", str(single), "--gpus", "1"), 2, "has one rank")
+    assert daemon.job(done)["gpus"] == 1
+
+
+SEES_DEVICES = """
+import os, torch
+rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(rank)
+mine = torch.ones(2, device="cuda") * rank
+other = torch.ones(2, device=f"cuda:{(rank + 2) % 4}")
+print(torch.cuda.device_count(), mine.device, float(mine.sum()), other.device, float(other.sum()), flush=True)
+"""
+
+
+def test_spliced_ranks_see_every_device(daemon: Daemon) -> None:
+    """4 ranks on 2 devices: each sees 4 devices, sets its own, and reaches another block's cuda:j."""
+    job = daemon.submit(PYTHON, "-c", SEES_DEVICES, options=["--ranks", "4", "--gpus", "2"])
+    assert daemon.sing("wait", str(job), timeout=300).code == 0, rank_logs(daemon, job, RANKS)
+    lines = printed(rank_logs(daemon, job, RANKS), keep="4 ")
+    assert lines == [f"4 cuda:{r} {2.0 * r} cuda:{(r + 2) % 4} 2.0\n" for r in range(RANKS)]
+    assert "4 ranks share them" in daemon.sing("show", str(job)).out
