@@ -21,6 +21,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from singularityd.checkpoint.coordinator import Checkpoints, CheckpointTaken
+from singularityd.checkpoint.errors import CheckpointError
 from singularityd.config import Config
 from singularityd.core.jobs import (
     Action,
@@ -146,6 +147,12 @@ class Daemon:
         know whether such a job runs here, elsewhere, or nowhere yet.
         """
         for job in self.store.list_jobs(states=(JobState.RUNNING,)):
+            try:
+                settled = await self.checkpoints.settle_interrupted(job.id)
+            except CheckpointError as error:
+                settled = f"an interrupted checkpoint could not be settled: {error}"
+            if settled:
+                self.store.add_note(job.id, job.state, settled, self.clock())
             process: ProcessId | None = None
             if job.init_pid is not None and job.init_start_ticks is not None:
                 process = ProcessId(job.init_pid, job.init_start_ticks)

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from singularityd.checkpoint.criu import DumpStats
 from singularityd.checkpoint.errors import CheckpointError
+from singularityd.checkpoint.interrupted import settle_interrupted
 from singularityd.checkpoint.manifest import IMAGES_DIR, MANIFEST_NAME, Manifest
 from singularityd.checkpoint.pause import (
     DeviceSaveFigures,
@@ -164,6 +165,10 @@ class Checkpoints(Protocol):
     async def resume_parked(self, job_id: int, devices: tuple[int, ...]) -> None:
         """Let go a job a killed daemon may have left parked in its proxies mid-checkpoint."""
 
+    async def settle_interrupted(self, job_id: int) -> str:
+        """Record or remove a dump that stops the job, cut short by the daemon's death (see
+        checkpoint.interrupted); what was done, '' when there was none."""
+
 
 class NoCheckpoints:
     """Checkpoints cannot work here; every attempt fails with the reason."""
@@ -202,6 +207,10 @@ class NoCheckpoints:
 
     async def resume_parked(self, job_id: int, devices: tuple[int, ...]) -> None:
         """Nothing was parked by a checkpoint."""
+
+    async def settle_interrupted(self, job_id: int) -> str:
+        """No dump was ever started here."""
+        return ""
 
 
 class JobCheckpoints:
@@ -438,3 +447,11 @@ class JobCheckpoints:
         """Let go a job a killed daemon may have left parked in its proxies mid-checkpoint."""
         with contextlib.suppress(DeviceError):
             await self.devices.resume(job_id, devices)
+
+    async def settle_interrupted(self, job_id: int) -> str:
+        """Record or remove a dump that stops the job, cut short by the daemon's death."""
+        self._forget_cached(job_id)
+        try:
+            return await settle_interrupted(self.checkpointer, str(job_id))
+        finally:
+            self._forget_cached(job_id)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from singularityd import faults
 from singularityd.checkpoint.criu import (
     Criu,
     DumpStats,
@@ -49,6 +50,12 @@ def post_dump_script(paths: Sequence[str], out: Path) -> str:
         f"{{\n{body}\n}} > {shlex.quote(str(out))}\n"
         "exit 0\n"
     )
+
+
+def dump_files(logs: Path, seq: int) -> tuple[Path, Path, Path]:
+    """The final dump of checkpoint `seq`: CRIU's log, its action script, the sizes it records."""
+    tag = f"{seq:08d}"
+    return logs / f"dump-{tag}.log", logs / f"post-dump-{tag}.sh", logs / f"sizes-{tag}.txt"
 
 
 def parse_sizes(paths: Sequence[str], text: str) -> dict[str, int]:
@@ -201,6 +208,16 @@ class Checkpointer:
                 needed_bytes=needed,
             )
             try:
+                if not leave_running:
+                    intent = {
+                        "criu_version": info.version_text,
+                        "pre_dumps": [f"pre-{i}" for i in range(1, rounds + 1)],
+                        "external_unix_inodes": list(external_unix_inodes),
+                        "external_mounts": None if mounts is None else dict(mounts),
+                        "rewind_paths": list(rewind_paths),
+                        "extra": dict(extra or {}),
+                    }
+                    await asyncio.to_thread(self.store.record_intent, pending, intent)
                 pre_stats, dump_stats, sizes = await self._dump(
                     pending,
                     pid,
@@ -270,6 +287,7 @@ class Checkpointer:
     ) -> tuple[list[DumpStats], DumpStats, dict[str, int]]:
         logs = self.store.logs_dir(pending.job_id)
         tag = f"{pending.seq:08d}"
+        dump_log, script_file, sizes_file = dump_files(logs, pending.seq)
         pre_stats: list[DumpStats] = []
         parent: str | None = None
         for i in range(1, rounds + 1):
@@ -291,16 +309,15 @@ class Checkpointer:
             if asyncio.iscoroutine(r) or isinstance(r, asyncio.Future):
                 await r
         script: Path | None = None
-        sizes_file = logs / f"sizes-{tag}.txt"
         if rewind_paths:
-            script = logs / f"post-dump-{tag}.sh"
+            script = script_file
             script.write_text(post_dump_script(rewind_paths, sizes_file))
             script.chmod(0o700)
         try:
             dump_stats = await self.criu.dump(
                 pid,
                 pending.images,
-                log_file=logs / f"dump-{tag}.log",
+                log_file=dump_log,
                 leave_running=leave_running,
                 parent_image_dir=parent,
                 track_mem=rounds > 0,
@@ -308,6 +325,8 @@ class Checkpointer:
                 action_script=script,
                 external_mounts=mounts,
             )
+            if not leave_running:
+                faults.reached(faults.STOPPING_DUMP_DONE)
             sizes: dict[str, int] = {}
             if rewind_paths:
                 with contextlib.suppress(OSError):

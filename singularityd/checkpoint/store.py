@@ -21,6 +21,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -52,6 +53,9 @@ from singularityd.checkpoint.manifest import (
 )
 
 RESERVE_NAME = ".reserve"
+INTENT_NAME = ".intent.json"
+"""Written before a dump that stops the job: what recording the checkpoint needs, so that a
+daemon restarted after dying in the middle can still record a dump that CRIU finished."""
 RESERVE_BYTES = 1 << 20
 HASH_CHUNK = 4 << 20
 JOB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -214,6 +218,37 @@ class ImageStore:
             raise CheckpointError(_space_message(path, e)) from e
         return PendingCheckpoint(job_id, seq, path, owner_uid, owner_gid)
 
+    def record_intent(self, pending: PendingCheckpoint, intent: Mapping[str, Any]) -> None:
+        """Store (durably) what `finish` will need for this checkpoint, with its owner."""
+        facts = {**intent, "owner_uid": pending.owner_uid, "owner_gid": pending.owner_gid}
+        tmp = pending.path / (INTENT_NAME + ".tmp")
+        try:
+            with open(tmp, "w") as f:
+                f.write(json.dumps(facts))
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, pending.path / INTENT_NAME)
+        except OSError as e:
+            raise CheckpointError(_space_message(pending.path, e)) from e
+
+    def interrupted(self, job_id: str) -> tuple[PendingCheckpoint, dict[str, Any]] | None:
+        """The job's newest checkpoint, if it has no manifest but an intent (its daemon died in
+        the middle of a dump that stops the job), with that intent."""
+        seqs = self.seqs(job_id)
+        if not seqs:
+            return None
+        path = self.checkpoint_dir(job_id, seqs[-1])
+        if (path / MANIFEST_NAME).exists():
+            return None
+        try:
+            intent = json.loads((path / INTENT_NAME).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(intent, dict):
+            return None
+        owner = int(intent["owner_uid"]), int(intent["owner_gid"])
+        return PendingCheckpoint(job_id, seqs[-1], path, *owner), intent
+
     def abort(self, pending: PendingCheckpoint) -> None:
         """Remove a checkpoint directory whose dump failed."""
         shutil.rmtree(pending.path, ignore_errors=True)
@@ -233,8 +268,9 @@ class ImageStore:
     ) -> Manifest:
         """Hash every file, write the manifest last (atomically), hand the directory to its owner."""
         path = pending.path
-        with contextlib.suppress(FileNotFoundError):
-            (path / RESERVE_NAME).unlink()
+        for leftover in (RESERVE_NAME, INTENT_NAME):
+            with contextlib.suppress(FileNotFoundError):
+                (path / leftover).unlink()
         rels: list[str] = []
         links: dict[str, str] = {}
         for sub in (*pre_dumps, IMAGES_DIR):
