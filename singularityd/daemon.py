@@ -20,7 +20,7 @@ from asyncio import Future
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from singularityd.checkpoint.coordinator import Checkpoints, CheckpointTaken
+from singularityd.checkpoint.coordinator import BeforePause, Checkpoints, CheckpointTaken
 from singularityd.checkpoint.errors import CheckpointError
 from singularityd.config import Config
 from singularityd.core.jobs import (
@@ -94,6 +94,8 @@ class Daemon:
         self.holding_queue = ""
         """Why the scheduler starts no queued job here ('' when it may), e.g. the node is draining."""
         self.records: dict[int, JobRuntime] = {}
+        self.before_move_pause: dict[int, BeforePause] = {}
+        """Per job being moved: awaited once its device state is pre-copied, before its final pause."""
         self._schedule_requested = False
         self._timers: set[asyncio.TimerHandle] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -343,7 +345,8 @@ class Daemon:
     ) -> None:
         """Take the checkpoint, report it to the state machine, then to whoever waits on `outcome`."""
         try:
-            stimulus, result = await work.checkpoint(job, take, self.processes, self.checkpoints)
+            hook = self.before_move_pause.get(job.id) if take.for_move else None
+            stimulus, result = await work.checkpoint(job, take, self.processes, self.checkpoints, hook)
             self.apply(job.id, stimulus)
             if isinstance(result, StateConflict):
                 outcome.set_exception(result)

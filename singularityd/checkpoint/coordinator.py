@@ -14,7 +14,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,6 +37,9 @@ from singularityd.devices.access import DeviceAccess, DeviceError, DeviceStateSa
 from singularityd.units import human_bytes
 
 log = logging.getLogger(__name__)
+
+BeforePause = Callable[[Path], Awaitable[None]]
+"""Awaited with a checkpoint's images folder once its device state is pre-copied, before the pause."""
 
 
 @dataclass(frozen=True)
@@ -156,8 +159,13 @@ class Checkpoints(Protocol):
     def latest(self, job_id: int) -> StoredCheckpoint | None:
         """The job's newest complete checkpoint, or None when it has none."""
 
-    async def take(self, target: CheckpointTarget, *, stop: bool, reason: str) -> CheckpointTaken:
-        """Checkpoint the job (stopping it when `stop`); CheckpointError says why it failed."""
+    async def take(
+        self, target: CheckpointTarget, *, stop: bool, reason: str, before_pause: BeforePause | None = None
+    ) -> CheckpointTaken:
+        """Checkpoint the job (stopping it when `stop`); CheckpointError says why it failed.
+
+        `before_pause` is awaited with the images folder once the device state is pre-copied into
+        it, while the job still runs (a move sends that part to the peer then)."""
 
     async def restore(self, job_id: int, devices: tuple[int, ...]) -> Restoration:
         """Restore the job onto these devices; CheckpointError says why it could not be."""
@@ -197,7 +205,9 @@ class NoCheckpoints:
         """There is none."""
         return None
 
-    async def take(self, target: CheckpointTarget, *, stop: bool, reason: str) -> CheckpointTaken:
+    async def take(
+        self, target: CheckpointTarget, *, stop: bool, reason: str, before_pause: BeforePause | None = None
+    ) -> CheckpointTaken:
         """Always fails, saying why."""
         raise CheckpointError(f"checkpoints are unavailable here: {self.status.unavailable_reason}")
 
@@ -294,7 +304,9 @@ class JobCheckpoints:
         self._usage.pop(job_id, None)
         self._manifests.pop(job_id, None)
 
-    async def take(self, target: CheckpointTarget, *, stop: bool, reason: str) -> CheckpointTaken:
+    async def take(
+        self, target: CheckpointTarget, *, stop: bool, reason: str, before_pause: BeforePause | None = None
+    ) -> CheckpointTaken:
         """Checkpoint the job with the shortest pause its devices allow, then release or resume them.
 
         While the job runs, its proxies pre-copy its device state. The pause begins when they park
@@ -314,6 +326,8 @@ class JobCheckpoints:
             if connections:
                 saving = self.devices.device_save(job_id, devices, images, self.pre_copy)
             await saving.prepare()
+            if before_pause is not None:
+                await before_pause(images)
             parked = True
             await saving.park()
             marks["parked"] = time.monotonic()
