@@ -33,6 +33,7 @@ from singularityd.checkpoint.pause import (
 )
 from singularityd.checkpoint.precheck import tree_pids
 from singularityd.checkpoint.service import Checkpointer, CheckpointResult
+from singularityd.checkpoint.store import PrefixHash, hash_prefixes
 from singularityd.devices.access import DeviceAccess, DeviceError, DeviceStateSave, NoDeviceState, PreCopy
 from singularityd.units import human_bytes
 
@@ -326,6 +327,8 @@ class JobCheckpoints:
             if connections:
                 saving = self.devices.device_save(job_id, devices, images, self.pre_copy)
             await saving.prepare()
+            if stop:  # what was pre-copied is only appended to from now on: hash it while the job runs
+                prefixes.update(await asyncio.to_thread(hash_prefixes, images, images.parent))
             if before_pause is not None:
                 await before_pause(images)
             parked = True
@@ -372,6 +375,7 @@ class JobCheckpoints:
             return {"pause": pause.as_dict()}
 
         figures: list[DeviceSaveFigures] = []
+        prefixes: dict[str, PrefixHash] = {}
         pauses: list[Pause] = []
         marks: dict[str, float] = {}
         connections = []
@@ -387,6 +391,7 @@ class JobCheckpoints:
                 external_unix_inodes=[c.inode for c in connections],
                 before_final_dump=before_dump,
                 after_final_dump=after_dump,
+                prefixes=prefixes,
                 extra={
                     "reason": reason,
                     "devices": list(devices),

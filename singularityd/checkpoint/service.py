@@ -32,6 +32,7 @@ from singularityd.checkpoint.store import (
     ImageStore,
     JobUsage,
     PendingCheckpoint,
+    PrefixHash,
     rewind_files,
     tree_anon_bytes,
 )
@@ -140,6 +141,7 @@ class Checkpointer:
         prune: bool = True,
         before_final_dump: Callable[[Path], Any] | None = None,
         after_final_dump: AfterDump | None = None,
+        prefixes: Mapping[str, PrefixHash] | None = None,
     ) -> CheckpointResult:
         """Checkpoint the tree rooted at host PID `pid` (the job's init) as the job's next one.
 
@@ -153,8 +155,10 @@ class Checkpointer:
         the pre-dumps and the final dump; what it writes there is checksummed with the images.
         `after_final_dump` is awaited with CRIU's figures as soon as the final dump returns (the
         tree still frozen no more); the mapping it returns is kept in the manifest's stats, and if
-        it fails the checkpoint fails. Once started, a checkpoint runs to its end even if the
-        awaiting task is cancelled.
+        it fails the checkpoint fails. `prefixes` (read when the manifest is written, so they may
+        be filled in by `before_final_dump`) are hashes of the beginnings of files of the checkpoint
+        that are only appended to since (see ImageStore.finish). Once started, a checkpoint runs to
+        its end even if the awaiting task is cancelled.
         """
         return await run_to_completion(
             self._checkpoint(
@@ -170,6 +174,7 @@ class Checkpointer:
                 prune=prune,
                 before_final_dump=before_final_dump,
                 after_final_dump=after_final_dump,
+                prefixes=prefixes,
             )
         )
 
@@ -188,6 +193,7 @@ class Checkpointer:
         prune: bool,
         before_final_dump: Callable[[Path], Any] | None,
         after_final_dump: AfterDump | None,
+        prefixes: Mapping[str, PrefixHash] | None = None,
     ) -> CheckpointResult:
         start = time.monotonic()
         info = self.criu.info
@@ -253,6 +259,7 @@ class Checkpointer:
                     rewind_sizes=sizes,
                     stats=stats,
                     extra=extra,
+                    prefixes=prefixes,
                 )
             except BaseException as e:
                 if leave_running:
