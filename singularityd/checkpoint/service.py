@@ -119,9 +119,6 @@ class Checkpointer:
         self.store = store
         self.keep = max(1, keep)
         self.pre_copy = pre_copy
-        self.verify_contents = True
-        """Whether a restore re-hashes every file against the manifest (else sizes, owners and
-        links only: for checkpoints whose every byte was just checked on arrival)."""
         self.userns_problem = ""
         """Why jobs do not run in user namespaces here ("" if they do or need not): told to users
         whose jobs cannot be checkpointed for want of one."""
@@ -354,10 +351,9 @@ class Checkpointer:
         *,
         inherit_fds: InheritFds | None = None,
         rewind: bool = True,
-        deep_verify: bool | None = None,
+        deep_verify: bool = True,
     ) -> RestoreResult:
-        """Restore the job from its newest checkpoint that verifies (re-hashing its files when
-        `deep_verify`, by default when the Checkpointer's `verify_contents`).
+        """Restore the job from its newest checkpoint that verifies.
 
         Each newer checkpoint that fails verification is skipped and reported in the result (the
         daemon logs these as events); NoValidCheckpoint is raised when none verifies. A CRIU
@@ -369,9 +365,8 @@ class Checkpointer:
         with self.store.locked(job_id):
             skipped: list[Skipped] = []
             for seq in reversed(self.store.seqs(job_id)):
-                deep = self.verify_contents if deep_verify is None else deep_verify
                 result = await run_to_completion(
-                    self._try_restore(job_id, seq, inherit_fds, rewind, deep, tuple(skipped))
+                    self._try_restore(job_id, seq, inherit_fds, rewind, deep_verify, tuple(skipped))
                 )
                 if isinstance(result, RestoreResult):
                     return result

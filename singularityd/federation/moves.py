@@ -77,7 +77,6 @@ def frozen_restorer(checkpoints: Checkpoints) -> Checkpoints:
     )
     frozen = Checkpointer(criu, base.store, keep=base.keep, pre_copy=0)
     frozen.userns_problem = base.userns_problem
-    frozen.verify_contents = False  # each chunk was checked against the sha256 of the source's bytes
     return JobCheckpoints(frozen, checkpoints.devices, checkpoints.status)
 
 
