@@ -1,6 +1,7 @@
 """Migration between two real daemons in network namespaces: downtime, total time, bytes sent.
 
 Run (root, CRIU): .venv/bin/python bench/bench_migrate.py [--sizes 100,1024,4096] [--runs 1]
+[--pre-copy on,off]
 
 Two daemons of a lab (tests/federation/lab.py: each in network and mount namespaces of its own,
 joined with the real `sing cluster` verbs, mutual TLS over a veth link) on this one machine, so
@@ -9,18 +10,20 @@ virtual device) and prints a wall-clock tick every 10 ms, each after a round tri
 `sing migrate` moves it from node-a to node-b. Reported per size:
 
 - downtime seen by the program: the longest gap between two ticks around the move;
-- downtime seen by the daemons: from the start of the final checkpoint on the source (the job's
-  device work is held from then on) to the job RUNNING on the target, and its parts (checkpoint:
-  device state saved, CRIU dump, job stopped, of which "pause" is CRIU's freeze; transfer; restore
-  frozen; commit until running), from the jobs' events on both daemons;
+- downtime seen by the daemons: from the pause of the final checkpoint on the source (its proxies
+  park the job: from then on it makes no progress) to the job RUNNING on the target, and its parts
+  (stop: device state written, CRIU dump, manifest; transfer; restore frozen; commit until
+  running), from the checkpoint's record and the jobs' events on both daemons;
+- pre-copy: device state written by the proxies and sent to the target while the job still ran;
 - total: `sing migrate` from call to return;
-- checkpoint image size against the bytes the transfer sent;
+- checkpoint image size against the bytes sent while the job ran and after it stopped;
 - the same files copied between the two namespaces over a plain TCP socket in the same run (no TLS,
   no checksums), against the real transfer (gRPC, mutual TLS, sha256 per chunk, verified).
 
-Pre-copy: the proxy's pre-copy of device state is not on main when this was written, and CRIU here
-cannot pre-dump (no memory dirty tracking), so every move copies everything while the job is
-stopped; the column says so.
+Pre-copy on: node-a's proxies pre-copy the device state (`proxy_pre_copy` = 2 rounds) and the
+source sends it to the target while the job runs; after the stop only what changed since, the
+process images (CRIU cannot pre-dump here: no memory dirty tracking), logs and record are sent.
+Off: `proxy_pre_copy` = 0, everything is written and sent while the job is stopped.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import itertools
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -124,7 +128,7 @@ def watch_sent(node: Node, job: int, stop: threading.Event, seen: dict[str, int]
     while not stop.is_set():
         shown = node.job(job)
         move = (shown or {}).get("move") or {}
-        for key in ("total", "moved"):
+        for key in ("total", "moved", "sent"):
             if isinstance(move.get(key), int):
                 seen[key] = max(seen.get(key, 0), move[key])
         time.sleep(0.05)
@@ -141,6 +145,7 @@ def measure(lab: Lab, mib: int, program: Path) -> dict[str, float]:
     job = int(submitted.out)
     wait_until(lambda: len(ticks(a.rank_log(job).read_text() if a.rank_log(job).exists() else "")) > 50, 600)
     seen: dict[str, int] = {}
+    pre_sent = 0
     stop = threading.Event()
     watcher = threading.Thread(target=watch_sent, args=(a, job, stop, seen), daemon=True)
     watcher.start()
@@ -157,31 +162,46 @@ def measure(lab: Lab, mib: int, program: Path) -> dict[str, float]:
     times = ticks(b.sing("logs", str(job)).out)
     gap = max(later - earlier for earlier, later in itertools.pairwise(times))
     source_events = a.job(job)["events"]  # type: ignore[index]
-    target_events = b.job(job)["events"]  # type: ignore[index]
-    stopped_at, stopped = event_time(source_events, r"^stopped to move to node-b")
-    paused = float(re.search(r"paused ([0-9.]+)s", stopped).group(1))  # type: ignore[union-attr]
-    size = re.search(r"checkpoint \d+ \(([0-9.]+)([KMGT]?)", stopped)
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    image = float(size.group(1)) * units[size.group(2)] if size else float("nan")
+    arrived = b.job(job)
+    assert arrived is not None
+    target_events = arrived["events"]
+    checkpoint = arrived["last_checkpoint"]
+    paused_at = float(checkpoint["created_at"]) - float(checkpoint["complete_seconds"])
+    stopped_at, _ = event_time(source_events, r"^stopped to move to node-b")
+    pre = [e for e in source_events if "of pre-copied device state" in e["reason"]]
+    pre_seconds = 0.0
+    if pre:
+        found = re.search(r"sent ([0-9.]+)([KMGT]?)i?B? of pre-copied .* in ([0-9.]+)s", pre[-1]["reason"])
+        assert found, pre[-1]["reason"]
+        units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+        pre_sent = int(float(found.group(1)) * units[found.group(2)])
+        pre_seconds = float(found.group(3))
     transferred_at, _ = event_time(source_events, r"^checkpoint transferred")
     restored_at, _ = event_time(target_events, r"^restored frozen")
     running_at, _ = event_time(target_events, r"the job runs here")
-    checkpoint_started, _ = event_time(source_events, r"^move to node-b: checkpointing and stopping")
     raw = raw_copy_seconds(lab, b.state_dir / "checkpoints" / str(job))
     b.sing("cancel", str(job))
     return {
         "program_downtime": gap,
-        "daemon_downtime": running_at - checkpoint_started,
-        "checkpoint": stopped_at - checkpoint_started,
-        "pause": paused,
+        "daemon_downtime": running_at - paused_at,
+        "stop": stopped_at - paused_at,
+        "pre_copy": pre_seconds,
         "transfer": transferred_at - stopped_at,
         "restore": restored_at - transferred_at,
         "commit": running_at - restored_at,
         "total": total,
-        "image": image,
-        "sent": float(seen.get("total", 0)),
+        "image": float(checkpoint["bytes"]),
+        "pre_sent": float(pre_sent),
+        "sent": float(seen.get("sent", 0)),
         "raw_copy": raw,
     }
+
+
+def restart_with(node: Node, **config: Any) -> None:
+    """Restart a node's daemon with these config values."""
+    node.config.update(config)
+    node.kill(signal.SIGTERM)
+    node.start()
 
 
 def main() -> None:
@@ -189,33 +209,39 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="100,1024", help="MiB of device state, comma-separated")
     parser.add_argument("--runs", type=int, default=1, help="moves per size (the median is shown)")
+    parser.add_argument("--pre-copy", default="on,off", help="with and/or without pre-copy")
     args = parser.parse_args()
     sizes = [int(size) for size in args.sizes.split(",")]
+    modes = args.pre_copy.split(",")
     config = {"virtual_devices": 1, "move_timeout_seconds": 1800.0, "move_hold_seconds": 1800.0}
-    results: dict[int, list[dict[str, float]]] = {}
+    results: dict[tuple[str, int], list[dict[str, float]]] = {}
     with joined_lab(("node-a", "node-b"), f"bmig{os.getpid() % 10000}", config) as lab:
         program = lab.paths.root / "hold_state.py"
         program.write_text(PROGRAM)
-        for mib in sizes:
-            for _ in range(args.runs):
-                result = measure(lab, mib, program)
-                print(json.dumps({"mib": mib, **result}), flush=True)
-                results.setdefault(mib, []).append(result)
+        for mode in modes:
+            restart_with(lab.node("node-a"), proxy_pre_copy=2 if mode == "on" else 0)
+            for mib in sizes:
+                for _ in range(args.runs):
+                    result = measure(lab, mib, program)
+                    print(json.dumps({"mib": mib, "pre_copy_mode": mode, **result}), flush=True)
+                    results.setdefault((mode, mib), []).append(result)
     load = os.getloadavg()[0]
     print(f"\n{datetime.now():%Y-%m-%d %H:%M}, load average {load:.1f}, {args.runs} run(s) per size")
     print(
-        "| device state | pre-copy | downtime (program) | downtime (daemons) | checkpoint (pause) | transfer "
-        "| restore | commit | total | image | sent | raw socket copy of the image | transfer / raw copy |"
+        "| device state | pre-copy | downtime (program) | downtime (daemons) | pre-copy while running "
+        "| stop | transfer | restore | commit | total | image | sent while running | sent after the stop "
+        "| raw socket copy of the image |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for mib, runs in results.items():
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    mb = 1 << 20
+    for (mode, mib), runs in sorted(results.items(), key=lambda item: (item[0][1], item[0][0])):
         m = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
         print(
-            f"| {mib} MiB | none | {m['program_downtime']:.2f} s | {m['daemon_downtime']:.2f} s | "
-            f"{m['checkpoint']:.2f} s ({m['pause']:.2f} s) | {m['transfer']:.2f} s | "
-            f"{m['restore']:.2f} s | {m['commit']:.2f} s | "
-            f"{m['total']:.2f} s | {m['image'] / (1 << 20):.0f} MiB | {m['sent'] / (1 << 20):.0f} MiB | "
-            f"{m['raw_copy']:.2f} s | {m['transfer'] / m['raw_copy']:.1f} |"
+            f"| {mib} MiB | {mode} | {m['program_downtime']:.2f} s | {m['daemon_downtime']:.2f} s | "
+            f"{m['pre_copy']:.2f} s | {m['stop']:.2f} s | {m['transfer']:.2f} s | "
+            f"{m['restore']:.2f} s | {m['commit']:.2f} s | {m['total']:.2f} s | "
+            f"{m['image'] / mb:.0f} MiB | {m['pre_sent'] / mb:.0f} MiB | {m['sent'] / mb:.0f} MiB | "
+            f"{m['raw_copy']:.2f} s |"
         )
 
 

@@ -20,7 +20,8 @@ from asyncio import Future
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from singularityd.checkpoint.coordinator import Checkpoints, CheckpointTaken
+from singularityd.checkpoint.coordinator import BeforePause, Checkpoints, CheckpointTaken
+from singularityd.checkpoint.errors import CheckpointError
 from singularityd.config import Config
 from singularityd.core.jobs import (
     Action,
@@ -94,6 +95,8 @@ class Daemon:
         self.holding_queue = ""
         """Why the scheduler starts no queued job here ('' when it may), e.g. the node is draining."""
         self.records: dict[int, JobRuntime] = {}
+        self.before_move_pause: dict[int, BeforePause] = {}
+        """Per job being moved: awaited once its device state is pre-copied, before its final pause."""
         self._schedule_requested = False
         self._timers: set[asyncio.TimerHandle] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -147,6 +150,12 @@ class Daemon:
         know whether such a job runs here, elsewhere, or nowhere yet.
         """
         for job in self.store.list_jobs(states=(JobState.RUNNING,)):
+            try:
+                settled = await self.checkpoints.settle_interrupted(job.id)
+            except CheckpointError as error:
+                settled = f"an interrupted checkpoint could not be settled: {error}"
+            if settled:
+                self.store.add_note(job.id, job.state, settled, self.clock())
             process: ProcessId | None = None
             if job.init_pid is not None and job.init_start_ticks is not None:
                 process = ProcessId(job.init_pid, job.init_start_ticks)
@@ -349,7 +358,8 @@ class Daemon:
     ) -> None:
         """Take the checkpoint, report it to the state machine, then to whoever waits on `outcome`."""
         try:
-            stimulus, result = await work.checkpoint(job, take, self.processes, self.checkpoints)
+            hook = self.before_move_pause.get(job.id) if take.for_move else None
+            stimulus, result = await work.checkpoint(job, take, self.processes, self.checkpoints, hook)
             self.apply(job.id, stimulus)
             if isinstance(result, StateConflict):
                 outcome.set_exception(result)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import pwd
 import random
@@ -58,6 +59,7 @@ from singularityd.checkpoint.manifest import (
 )
 from singularityd.checkpoint.precheck import DaemonFacts, ProcFacts, tree_problems
 from singularityd.checkpoint.service import parse_sizes, post_dump_script
+from singularityd.checkpoint.store import hash_file, hash_files, hash_prefixes
 from tests.checkpoint_helpers import (
     LaunchedJob,
     children,
@@ -306,6 +308,25 @@ def test_tree_problems() -> None:
         "process 11 (python) uses io_uring, which CRIU cannot checkpoint "
         "(for torch.distributed set USE_LIBUV=0 so its TCPStore does not use libuv)"
     ]
+
+
+def test_a_file_hashed_in_two_goes_hashes_as_a_whole(tmp_path: Path) -> None:
+    """The beginning of an append-only file hashed while the job runs, the rest at the manifest:
+    the same sha256 as hashing it all then; a file that shrank is hashed afresh."""
+    folder = tmp_path / "images" / "proxy"
+    folder.mkdir(parents=True)
+    state = folder / "cuda0.state"
+    state.write_bytes(os.urandom(5 * (1 << 20) + 3))
+    prefixes = hash_prefixes(tmp_path / "images", tmp_path)
+    assert list(prefixes) == ["images/proxy/cuda0.state"]
+    with state.open("ab") as out:
+        out.write(os.urandom(3 * (1 << 20) + 7))
+    whole = hashlib.sha256(state.read_bytes()).hexdigest()
+    assert hash_files(tmp_path, ["images/proxy/cuda0.state"], prefixes=prefixes) == {
+        "images/proxy/cuda0.state": (8 * (1 << 20) + 10, whole)
+    }
+    state.write_bytes(b"short")
+    assert hash_file(state, prefixes["images/proxy/cuda0.state"]) == (5, hashlib.sha256(b"short").hexdigest())
 
 
 def test_post_dump_script_records_sizes(tmp_path: Path) -> None:

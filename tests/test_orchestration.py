@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from singularityd.checkpoint.coordinator import (
+    BeforePause,
     CheckpointTaken,
     CheckpointTarget,
     CriuStatus,
@@ -151,7 +152,9 @@ class FakeCheckpoints:
         self.gate = asyncio.get_running_loop().create_future()
         return self.gate
 
-    async def take(self, target: CheckpointTarget, *, stop: bool, reason: str) -> CheckpointTaken:
+    async def take(
+        self, target: CheckpointTarget, *, stop: bool, reason: str, before_pause: BeforePause | None = None
+    ) -> CheckpointTaken:
         self.taken.append((target.job_id, stop, reason))
         error = await self.gate if self.gate is not None else ""
         self.gate = None
@@ -162,6 +165,9 @@ class FakeCheckpoints:
 
     async def restore(self, job_id: int, devices: tuple[int, ...], logical: int | None = None) -> Restoration:
         return Restoration(500 + job_id, self.stored[job_id], ((9, "no manifest"),))
+
+    async def settle_interrupted(self, job_id: int) -> str:
+        return ""
 
 
 @dataclass

@@ -14,13 +14,14 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from singularityd.checkpoint.criu import DumpStats
 from singularityd.checkpoint.errors import CheckpointError
+from singularityd.checkpoint.interrupted import settle_interrupted
 from singularityd.checkpoint.manifest import IMAGES_DIR, MANIFEST_NAME, Manifest
 from singularityd.checkpoint.pause import (
     DeviceSaveFigures,
@@ -32,11 +33,15 @@ from singularityd.checkpoint.pause import (
 )
 from singularityd.checkpoint.precheck import tree_pids
 from singularityd.checkpoint.service import Checkpointer, CheckpointResult
+from singularityd.checkpoint.store import PrefixHash, hash_prefixes
 from singularityd.devices.access import DeviceAccess, DeviceError, DeviceStateSave, NoDeviceState, PreCopy
 from singularityd.devices.splicing import SavedLayout
 from singularityd.units import human_bytes
 
 log = logging.getLogger(__name__)
+
+BeforePause = Callable[[Path], Awaitable[None]]
+"""Awaited with a checkpoint's images folder once its device state is pre-copied, before the pause."""
 
 
 @dataclass(frozen=True)
@@ -156,8 +161,13 @@ class Checkpoints(Protocol):
     def latest(self, job_id: int) -> StoredCheckpoint | None:
         """The job's newest complete checkpoint, or None when it has none."""
 
-    async def take(self, target: CheckpointTarget, *, stop: bool, reason: str) -> CheckpointTaken:
-        """Checkpoint the job (stopping it when `stop`); CheckpointError says why it failed."""
+    async def take(
+        self, target: CheckpointTarget, *, stop: bool, reason: str, before_pause: BeforePause | None = None
+    ) -> CheckpointTaken:
+        """Checkpoint the job (stopping it when `stop`); CheckpointError says why it failed.
+
+        `before_pause` is awaited with the images folder once the device state is pre-copied into
+        it, while the job still runs (a move sends that part to the peer then)."""
 
     async def restore(self, job_id: int, devices: tuple[int, ...], logical: int | None = None) -> Restoration:
         """Restore the job onto these devices, seen as `logical` ones; CheckpointError says why it
@@ -165,6 +175,10 @@ class Checkpoints(Protocol):
 
     async def resume_parked(self, job_id: int, devices: tuple[int, ...]) -> None:
         """Let go a job a killed daemon may have left parked in its proxies mid-checkpoint."""
+
+    async def settle_interrupted(self, job_id: int) -> str:
+        """Record or remove a dump that stops the job, cut short by the daemon's death (see
+        checkpoint.interrupted); what was done, '' when there was none."""
 
 
 class NoCheckpoints:
@@ -194,7 +208,9 @@ class NoCheckpoints:
         """There is none."""
         return None
 
-    async def take(self, target: CheckpointTarget, *, stop: bool, reason: str) -> CheckpointTaken:
+    async def take(
+        self, target: CheckpointTarget, *, stop: bool, reason: str, before_pause: BeforePause | None = None
+    ) -> CheckpointTaken:
         """Always fails, saying why."""
         raise CheckpointError(f"checkpoints are unavailable here: {self.status.unavailable_reason}")
 
@@ -204,6 +220,10 @@ class NoCheckpoints:
 
     async def resume_parked(self, job_id: int, devices: tuple[int, ...]) -> None:
         """Nothing was parked by a checkpoint."""
+
+    async def settle_interrupted(self, job_id: int) -> str:
+        """No dump was ever started here."""
+        return ""
 
 
 class JobCheckpoints:
@@ -287,7 +307,9 @@ class JobCheckpoints:
         self._usage.pop(job_id, None)
         self._manifests.pop(job_id, None)
 
-    async def take(self, target: CheckpointTarget, *, stop: bool, reason: str) -> CheckpointTaken:
+    async def take(
+        self, target: CheckpointTarget, *, stop: bool, reason: str, before_pause: BeforePause | None = None
+    ) -> CheckpointTaken:
         """Checkpoint the job with the shortest pause its devices allow, then release or resume them.
 
         While the job runs, its proxies pre-copy its device state. The pause begins when they park
@@ -307,6 +329,10 @@ class JobCheckpoints:
             if connections:
                 saving = self.devices.device_save(job_id, devices, images, self.pre_copy)
             await saving.prepare()
+            if stop:  # what was pre-copied is only appended to from now on: hash it while the job runs
+                prefixes.update(await asyncio.to_thread(hash_prefixes, images, images.parent))
+            if before_pause is not None:
+                await before_pause(images)
             parked = True
             await saving.park()
             marks["parked"] = time.monotonic()
@@ -351,6 +377,7 @@ class JobCheckpoints:
             return {"pause": pause.as_dict()}
 
         figures: list[DeviceSaveFigures] = []
+        prefixes: dict[str, PrefixHash] = {}
         pauses: list[Pause] = []
         marks: dict[str, float] = {}
         connections = []
@@ -366,6 +393,7 @@ class JobCheckpoints:
                 external_unix_inodes=[c.inode for c in connections],
                 before_final_dump=before_dump,
                 after_final_dump=after_dump,
+                prefixes=prefixes,
                 extra={
                     "reason": reason,
                     "devices": list(devices),
@@ -443,3 +471,11 @@ class JobCheckpoints:
         """Let go a job a killed daemon may have left parked in its proxies mid-checkpoint."""
         with contextlib.suppress(DeviceError):
             await self.devices.resume(job_id, devices)
+
+    async def settle_interrupted(self, job_id: int) -> str:
+        """Record or remove a dump that stops the job, cut short by the daemon's death."""
+        self._forget_cached(job_id)
+        try:
+            return await settle_interrupted(self.checkpointer, str(job_id))
+        finally:
+            self._forget_cached(job_id)

@@ -17,11 +17,13 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
+from singularityd import faults
 from singularityd.checkpoint.errors import CheckpointUnavailable, CriuError
 from singularityd.checkpoint.namespaces import ExternalMounts, dump_mount_args, restore_argv_in_yard
 
@@ -318,7 +320,9 @@ async def run_to_completion(aw: Awaitable[T]) -> T:
     return result
 
 
-async def _run_to_end(argv: Sequence[str], pass_fds: Sequence[int] = ()) -> tuple[int, str, str, float]:
+async def _run_to_end(
+    argv: Sequence[str], pass_fds: Sequence[int] = (), started: Callable[[], None] | None = None
+) -> tuple[int, str, str, float]:
     loop = asyncio.get_running_loop()
     start = loop.time()
     proc = await asyncio.create_subprocess_exec(
@@ -329,14 +333,18 @@ async def _run_to_end(argv: Sequence[str], pass_fds: Sequence[int] = ()) -> tupl
         pass_fds=tuple(pass_fds),
         start_new_session=True,
     )
+    if started is not None:
+        started()
     out, err = await run_to_completion(proc.communicate())
     rc = proc.returncode if proc.returncode is not None else -1
     return rc, out.decode(errors="replace"), err.decode(errors="replace"), loop.time() - start
 
 
-async def _run_dump(argv: Sequence[str], log_file: Path, what: str) -> DumpStats:
+async def _run_dump(
+    argv: Sequence[str], log_file: Path, what: str, started: Callable[[], None] | None = None
+) -> DumpStats:
     """Run a CRIU dump or pre-dump; its statistics, or CriuError with the log's reason."""
-    rc, out, err, wall = await _run_to_end(argv)
+    rc, out, err, wall = await _run_to_end(argv, started=started)
     if rc != 0:
         why = summarize_log(_read_log(log_file) or err)
         raise CriuError(f"{what} failed: {why}", log_file, rc)
@@ -445,7 +453,8 @@ class Criu:
             action_script=action_script,
             external_mounts=external_mounts,
         )
-        return await _run_dump(argv, log_file, f"dump of pid {pid}")
+        started = None if leave_running else partial(faults.reached, faults.STOPPING_DUMP_RUNNING)
+        return await _run_dump(argv, log_file, f"dump of pid {pid}", started)
 
     async def pre_dump(
         self,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from singularityd import faults
 from singularityd.checkpoint.criu import (
     Criu,
     DumpStats,
@@ -31,6 +32,7 @@ from singularityd.checkpoint.store import (
     ImageStore,
     JobUsage,
     PendingCheckpoint,
+    PrefixHash,
     rewind_files,
     tree_anon_bytes,
 )
@@ -49,6 +51,12 @@ def post_dump_script(paths: Sequence[str], out: Path) -> str:
         f"{{\n{body}\n}} > {shlex.quote(str(out))}\n"
         "exit 0\n"
     )
+
+
+def dump_files(logs: Path, seq: int) -> tuple[Path, Path, Path]:
+    """The final dump of checkpoint `seq`: CRIU's log, its action script, the sizes it records."""
+    tag = f"{seq:08d}"
+    return logs / f"dump-{tag}.log", logs / f"post-dump-{tag}.sh", logs / f"sizes-{tag}.txt"
 
 
 def parse_sizes(paths: Sequence[str], text: str) -> dict[str, int]:
@@ -130,6 +138,7 @@ class Checkpointer:
         prune: bool = True,
         before_final_dump: Callable[[Path], Any] | None = None,
         after_final_dump: AfterDump | None = None,
+        prefixes: Mapping[str, PrefixHash] | None = None,
     ) -> CheckpointResult:
         """Checkpoint the tree rooted at host PID `pid` (the job's init) as the job's next one.
 
@@ -143,8 +152,10 @@ class Checkpointer:
         the pre-dumps and the final dump; what it writes there is checksummed with the images.
         `after_final_dump` is awaited with CRIU's figures as soon as the final dump returns (the
         tree still frozen no more); the mapping it returns is kept in the manifest's stats, and if
-        it fails the checkpoint fails. Once started, a checkpoint runs to its end even if the
-        awaiting task is cancelled.
+        it fails the checkpoint fails. `prefixes` (read when the manifest is written, so they may
+        be filled in by `before_final_dump`) are hashes of the beginnings of files of the checkpoint
+        that are only appended to since (see ImageStore.finish). Once started, a checkpoint runs to
+        its end even if the awaiting task is cancelled.
         """
         return await run_to_completion(
             self._checkpoint(
@@ -160,6 +171,7 @@ class Checkpointer:
                 prune=prune,
                 before_final_dump=before_final_dump,
                 after_final_dump=after_final_dump,
+                prefixes=prefixes,
             )
         )
 
@@ -178,6 +190,7 @@ class Checkpointer:
         prune: bool,
         before_final_dump: Callable[[Path], Any] | None,
         after_final_dump: AfterDump | None,
+        prefixes: Mapping[str, PrefixHash] | None = None,
     ) -> CheckpointResult:
         start = time.monotonic()
         info = self.criu.info
@@ -201,6 +214,16 @@ class Checkpointer:
                 needed_bytes=needed,
             )
             try:
+                if not leave_running:
+                    intent = {
+                        "criu_version": info.version_text,
+                        "pre_dumps": [f"pre-{i}" for i in range(1, rounds + 1)],
+                        "external_unix_inodes": list(external_unix_inodes),
+                        "external_mounts": None if mounts is None else dict(mounts),
+                        "rewind_paths": list(rewind_paths),
+                        "extra": dict(extra or {}),
+                    }
+                    await asyncio.to_thread(self.store.record_intent, pending, intent)
                 pre_stats, dump_stats, sizes = await self._dump(
                     pending,
                     pid,
@@ -233,6 +256,7 @@ class Checkpointer:
                     rewind_sizes=sizes,
                     stats=stats,
                     extra=extra,
+                    prefixes=prefixes,
                 )
             except BaseException as e:
                 if leave_running:
@@ -270,6 +294,7 @@ class Checkpointer:
     ) -> tuple[list[DumpStats], DumpStats, dict[str, int]]:
         logs = self.store.logs_dir(pending.job_id)
         tag = f"{pending.seq:08d}"
+        dump_log, script_file, sizes_file = dump_files(logs, pending.seq)
         pre_stats: list[DumpStats] = []
         parent: str | None = None
         for i in range(1, rounds + 1):
@@ -291,16 +316,15 @@ class Checkpointer:
             if asyncio.iscoroutine(r) or isinstance(r, asyncio.Future):
                 await r
         script: Path | None = None
-        sizes_file = logs / f"sizes-{tag}.txt"
         if rewind_paths:
-            script = logs / f"post-dump-{tag}.sh"
+            script = script_file
             script.write_text(post_dump_script(rewind_paths, sizes_file))
             script.chmod(0o700)
         try:
             dump_stats = await self.criu.dump(
                 pid,
                 pending.images,
-                log_file=logs / f"dump-{tag}.log",
+                log_file=dump_log,
                 leave_running=leave_running,
                 parent_image_dir=parent,
                 track_mem=rounds > 0,
@@ -308,6 +332,8 @@ class Checkpointer:
                 action_script=script,
                 external_mounts=mounts,
             )
+            if not leave_running:
+                faults.reached(faults.STOPPING_DUMP_DONE)
             sizes: dict[str, int] = {}
             if rewind_paths:
                 with contextlib.suppress(OSError):

@@ -21,6 +21,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -52,34 +53,76 @@ from singularityd.checkpoint.manifest import (
 )
 
 RESERVE_NAME = ".reserve"
+INTENT_NAME = ".intent.json"
+"""Written before a dump that stops the job: what recording the checkpoint needs, so that a
+daemon restarted after dying in the middle can still record a dump that CRIU finished."""
 RESERVE_BYTES = 1 << 20
 HASH_CHUNK = 4 << 20
 JOB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
-def hash_file(path: Path) -> tuple[int, str]:
-    """Size and sha256 of a file (read in large chunks; hashlib releases the GIL)."""
+@dataclass(frozen=True)
+class PrefixHash:
+    """The sha256 state after the first `size` bytes of a file that is only appended to."""
+
+    size: int
+    state: Any
+    """A hashlib sha256 object (copied before being continued)."""
+
+
+def hash_prefixes(folder: Path, base: Path) -> dict[str, PrefixHash]:
+    """The sha256 state of every file under `folder` as it is now, by path relative to `base`
+    (hashed while a job runs, for files that will only grow until the manifest is written)."""
+    found = {}
+    for dirpath, _, files in os.walk(folder):
+        for name in files:
+            path = Path(dirpath) / name
+            if path.is_file() and not path.is_symlink():
+                h = hashlib.sha256()
+                size = _hash_into(h, path, 0, path.stat().st_size)
+                found[path.relative_to(base).as_posix()] = PrefixHash(size, h)
+    return found
+
+
+def hash_file(path: Path, prefix: PrefixHash | None = None) -> tuple[int, str]:
+    """Size and sha256 of a file (read in large chunks; hashlib releases the GIL), continuing
+    from `prefix` when given and the file is at least that long."""
+    if prefix is not None and os.stat(path, follow_symlinks=False).st_size >= prefix.size:
+        h = prefix.state.copy()
+        return _hash_into(h, path, prefix.size, None), h.hexdigest()
     h = hashlib.sha256()
-    size = 0
+    return _hash_into(h, path, 0, None), h.hexdigest()
+
+
+def _hash_into(h: Any, path: Path, offset: int, limit: int | None) -> int:
+    """Feed the file's bytes from `offset` (up to `limit` in all, else to its end) into `h`; the
+    offset reached."""
+    size = offset
     buf = bytearray(HASH_CHUNK)
     view = memoryview(buf)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
-        while True:
-            n = os.readv(fd, [buf])
+        os.lseek(fd, offset, os.SEEK_SET)
+        while limit is None or size < limit:
+            want = HASH_CHUNK if limit is None else min(HASH_CHUNK, limit - size)
+            n = os.readv(fd, [view[:want]])
             if n == 0:
                 break
             h.update(view[:n])
             size += n
     finally:
         os.close(fd)
-    return size, h.hexdigest()
+    return size
 
 
-def hash_files(root: Path, rels: Sequence[str], workers: int = 4) -> dict[str, tuple[int, str]]:
-    """Size and sha256 of each relative path under `root`, hashed on a few threads."""
+def hash_files(
+    root: Path, rels: Sequence[str], workers: int = 4, prefixes: Mapping[str, PrefixHash] | None = None
+) -> dict[str, tuple[int, str]]:
+    """Size and sha256 of each relative path under `root`, hashed on a few threads (continuing
+    from the `prefixes` hashed earlier of files that were only appended to since)."""
+    known = prefixes or {}
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(rels)))) as pool:
-        results = pool.map(lambda r: hash_file(root / r), rels)
+        results = pool.map(lambda r: hash_file(root / r, known.get(r)), rels)
         return dict(zip(rels, results, strict=True))
 
 
@@ -214,6 +257,37 @@ class ImageStore:
             raise CheckpointError(_space_message(path, e)) from e
         return PendingCheckpoint(job_id, seq, path, owner_uid, owner_gid)
 
+    def record_intent(self, pending: PendingCheckpoint, intent: Mapping[str, Any]) -> None:
+        """Store (durably) what `finish` will need for this checkpoint, with its owner."""
+        facts = {**intent, "owner_uid": pending.owner_uid, "owner_gid": pending.owner_gid}
+        tmp = pending.path / (INTENT_NAME + ".tmp")
+        try:
+            with open(tmp, "w") as f:
+                f.write(json.dumps(facts))
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, pending.path / INTENT_NAME)
+        except OSError as e:
+            raise CheckpointError(_space_message(pending.path, e)) from e
+
+    def interrupted(self, job_id: str) -> tuple[PendingCheckpoint, dict[str, Any]] | None:
+        """The job's newest checkpoint, if it has no manifest but an intent (its daemon died in
+        the middle of a dump that stops the job), with that intent."""
+        seqs = self.seqs(job_id)
+        if not seqs:
+            return None
+        path = self.checkpoint_dir(job_id, seqs[-1])
+        if (path / MANIFEST_NAME).exists():
+            return None
+        try:
+            intent = json.loads((path / INTENT_NAME).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(intent, dict):
+            return None
+        owner = int(intent["owner_uid"]), int(intent["owner_gid"])
+        return PendingCheckpoint(job_id, seqs[-1], path, *owner), intent
+
     def abort(self, pending: PendingCheckpoint) -> None:
         """Remove a checkpoint directory whose dump failed."""
         shutil.rmtree(pending.path, ignore_errors=True)
@@ -230,11 +304,16 @@ class ImageStore:
         stats: Mapping[str, Any] | None = None,
         extra: Mapping[str, Any] | None = None,
         external_mounts: Mapping[str, str] | None = None,
+        prefixes: Mapping[str, PrefixHash] | None = None,
     ) -> Manifest:
-        """Hash every file, write the manifest last (atomically), hand the directory to its owner."""
+        """Hash every file, write the manifest last (atomically), hand the directory to its owner.
+
+        `prefixes` (by path in the checkpoint) are hashes of the beginnings of append-only files
+        taken earlier (the device state pre-copied while the job ran): only the rest is read."""
         path = pending.path
-        with contextlib.suppress(FileNotFoundError):
-            (path / RESERVE_NAME).unlink()
+        for leftover in (RESERVE_NAME, INTENT_NAME):
+            with contextlib.suppress(FileNotFoundError):
+                (path / leftover).unlink()
         rels: list[str] = []
         links: dict[str, str] = {}
         for sub in (*pre_dumps, IMAGES_DIR):
@@ -246,7 +325,7 @@ class ImageStore:
                         links[rel] = os.readlink(full)
                     elif full.is_file():
                         rels.append(rel)
-        digests = hash_files(path, sorted(rels))
+        digests = hash_files(path, sorted(rels), prefixes=prefixes)
         manifest = Manifest(
             job_id=pending.job_id,
             seq=pending.seq,

@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from singularityd.checkpoint.manifest import IMAGES_DIR
 from singularityd.checkpoint.store import ImageStore
+from singularityd.devices.proxies import PROXY_DIR
 from singularityd.jobs.launch import prepare_job_dir
 from singularityd.jobs.paths import JobPaths
 
@@ -112,6 +114,15 @@ def stage_outgoing(
         shutil.copyfile(paths.supervisor_log, staging / SUPERVISOR_LOG)
     document = {"record": exported, "checkpoint_seq": seq}
     (staging / JOB_FILE).write_text(json.dumps(document, sort_keys=True))
+
+
+def stage_pre_copy(staging: Path, images: Path, seq: int) -> None:
+    """Build (afresh) the part of the directory to send that a checkpoint's device-state files
+    make while the job still runs, at the paths the whole one will have (see `stage_outgoing`)."""
+    remove(staging)
+    staging.mkdir(parents=True, mode=0o700)
+    if (images / PROXY_DIR).is_dir():
+        _mirror(images / PROXY_DIR, staging / CHECKPOINT_DIR / str(seq) / IMAGES_DIR / PROXY_DIR)
 
 
 def read_arrival(incoming: Path) -> Arrival:

@@ -24,11 +24,12 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from singularityd.checkpoint.coordinator import Checkpoints, JobCheckpoints
 from singularityd.checkpoint.criu import Criu
-from singularityd.checkpoint.manifest import MANIFEST_NAME
+from singularityd.checkpoint.manifest import MANIFEST_NAME, parse_seq_dir_name
 from singularityd.checkpoint.precheck import tree_pids
 from singularityd.checkpoint.service import Checkpointer
 from singularityd.checkpoint.store import ImageStore
@@ -49,10 +50,11 @@ from singularityd.federation.handoff import INCOMING, Holding, transfer_refusal
 from singularityd.federation.holdings import StoredHoldings
 from singularityd.federation.hosting import MoveSpec, gather_host_facts, hosting_problem, probe_cwd
 from singularityd.federation.peer import PeerChannels, Refused
-from singularityd.federation.transfer import MiB, Progress, Source
+from singularityd.federation.transfer import MiB, Progress, Source, TransferError, adopt_digests
 from singularityd.federation.transfer_grpc import Receivers, Sending
 from singularityd.jobs.processes import ProcessId
 from singularityd.jobs.work import identity
+from singularityd.units import human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +120,8 @@ class DaemonMoves:
         """The transfer of each job on its way out, as its sender last reported it."""
         self.placing: set[int] = set()
         """Jobs moved only because they could not start here: not to be stopped if they start."""
+        self.pre_sent: dict[int, Source] = {}
+        """Per job on its way out: what was sent of its device state while it still ran."""
         self._notes: dict[int, list[tuple[float, str]]] = {}
         """Events of jobs arriving here before their record exists (written once it does)."""
 
@@ -186,6 +190,15 @@ class DaemonMoves:
         holding = self.holdings.load(job_id)
         peer = holding.peer if holding is not None else "a peer"
         daemon = self.daemon
+        daemon.before_move_pause[job_number] = partial(self._pre_send, job_id, peer, epoch)
+        try:
+            await self._stop(job_number, peer)
+        finally:
+            daemon.before_move_pause.pop(job_number, None)
+
+    async def _stop(self, job_number: int, peer: str) -> None:
+        """Have the state machine stop the job with a checkpoint for the move (see stop_for_move)."""
+        job_id, daemon = str(job_number), self.daemon
         while True:
             job = daemon.get_job(job_number)
             if job.state is JobState.MIGRATING:
@@ -214,6 +227,32 @@ class DaemonMoves:
                 raise RuntimeError(f"job {job_id} is {state}, not stopped for the move")
             return
 
+    async def _pre_send(self, job_id: str, peer: str, epoch: int, images: Path) -> None:
+        """While the job still runs, send the device state its proxies pre-copied into `images`
+        (files that are only appended to from now on), so that after the stop only the rest goes."""
+        seq = parse_seq_dir_name(images.parent.name)
+        staging = self.outgoing(job_id, epoch).with_name(f"{job_id}@{epoch}.pre")
+        if seq is None:
+            return
+        began = time.monotonic()
+        try:
+            await asyncio.to_thread(jobfiles.stage_pre_copy, staging, images, seq)
+            source = await asyncio.to_thread(Source, staging, self.chunk_bytes)
+            if source.total < MiB:  # nothing was pre-copied: the files hold their headers alone
+                return
+            stub = self.channels.stub(peer, self.address_of(peer))
+            await Sending(stub, source, f"{job_id}@{epoch}", job_id, epoch).seed_once()
+        except (TransferError, OSError, KeyError) as error:
+            self.note(job_id, f"pre-copy to {peer} failed ({error}); all is sent after the stop")
+            return
+        finally:
+            await asyncio.to_thread(jobfiles.remove, staging)
+        self.pre_sent[int(job_id)] = source
+        took = time.monotonic() - began
+        self.note(
+            job_id, f"sent {human_bytes(source.total)} of pre-copied device state to {peer} in {took:.1f}s"
+        )
+
     async def send_checkpoint(self, job_id: str, peer: str, epoch: int) -> None:
         """Stream the job's checkpoint, logs and record to `peer` (resuming after broken links)."""
         job = self.daemon.get_job(int(job_id))
@@ -228,6 +267,9 @@ class DaemonMoves:
         try:
             await asyncio.to_thread(jobfiles.stage_outgoing, staging, exported, checkpoint, seq, paths)
             source = await asyncio.to_thread(Source, staging, self.chunk_bytes)
+            earlier = self.pre_sent.pop(job.id, None)
+            if earlier is not None:
+                adopt_digests(source, earlier)
 
             def progress(report: Progress) -> None:
                 self.transfers[job.id] = report
@@ -242,12 +284,14 @@ class DaemonMoves:
     async def resume_here(self, job_id: str) -> None:
         """If the job is set aside for a move (or held frozen here), let it run here again."""
         self.transfers.pop(int(job_id), None)
+        self.pre_sent.pop(int(job_id), None)
         self._let_run(int(job_id), "the move did not happen")
 
     async def drop_local_copy(self, job_id: str, peer: str) -> None:
         """The job lives on `peer` now: mark it MOVED, delete its checkpoints and folder here."""
         job_number = int(job_id)
         self.transfers.pop(job_number, None)
+        self.pre_sent.pop(job_number, None)
         job = self.daemon.store.get(job_number)
         if job is not None and job.state is JobState.MIGRATING:
             self.daemon.apply(job_number, MovedAway(f"moved to {peer}; it runs there now"))

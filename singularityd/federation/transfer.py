@@ -199,20 +199,26 @@ class Destination:
         return self._journal_header == journal_header(entries, chunk_size)
 
     def _open(self) -> None:
-        """Reuse what an earlier attempt with the same entries left; otherwise start afresh."""
+        """Reuse what an earlier attempt left: all of it with the same entries; otherwise the
+        chunks it wrote at the same place of a file of the same path with the same length (an
+        earlier transfer of a prefix of append-only files, such as a pre-copy)."""
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         journal = self.root / JOURNAL
         lines = journal.read_text().splitlines() if journal.exists() else []
         if lines and lines[0] == self._journal_header:
-            for line in lines[1:]:
-                with contextlib.suppress(ValueError):
-                    f, i, hexdigest = line.split()
-                    key = (int(f), int(i))
-                    if key in self.chunks:
-                        self.held[key] = bytes.fromhex(hexdigest)
+            self.held = _journaled(lines[1:], lambda key: key if key in self.chunks else None)
         else:
+            carried: dict[ChunkKey, bytes] = {}
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                earlier = json.loads(lines[0]) if lines else {}
+                before = [Entry(*row) for row in earlier["entries"]]
+                carry = _same_chunks(before, int(earlier["chunk_size"]), self.entries, self.chunk_size)
+                carried = _journaled(lines[1:], carry.get)
             journal.write_text(self._journal_header + "\n")
             os.chmod(journal, 0o600)
+            with open(journal, "a") as out:
+                out.writelines(f"{f} {i} {d.hex()}\n" for (f, i), d in carried.items())
+            self.held = carried
         self._journal = open(journal, "a")  # noqa: SIM115 - kept open across chunks, closed by close()
 
     @property
@@ -308,6 +314,41 @@ class Destination:
         self._fds.clear()
         if not self._journal.closed:
             self._journal.close()
+
+
+def _journaled(lines: Sequence[str], where: Callable[[ChunkKey], ChunkKey | None]) -> dict[ChunkKey, bytes]:
+    """The chunks a journal's lines record, under the keys `where` gives them (None: dropped)."""
+    held = {}
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            f, i, hexdigest = line.split()
+            key = where((int(f), int(i)))
+            if key is not None:
+                held[key] = bytes.fromhex(hexdigest)
+    return held
+
+
+def _same_chunks(
+    before: Sequence[Entry], before_chunk: int, after: Sequence[Entry], after_chunk: int
+) -> dict[ChunkKey, ChunkKey]:
+    """Chunks of `before` that are chunks of `after` too (same path, offset and length)."""
+    if before_chunk != after_chunk:
+        return {}
+    old = {key: (before[key[0]].path, offset, length) for key, offset, length in plan(before, before_chunk)}
+    new = {(after[key[0]].path, offset, length): key for key, offset, length in plan(after, after_chunk)}
+    return {key: new[place] for key, place in old.items() if place in new}
+
+
+def adopt_digests(source: Source, earlier: Source) -> int:
+    """Give `source` the digests `earlier` computed for the same chunks (same path, offset and
+    length) of append-only files, so they are neither read nor hashed again; bytes adopted."""
+    same = _same_chunks(earlier.entries, earlier.chunk_size, source.entries, source.chunk_size)
+    adopted = 0
+    for key, chunk_digest in earlier.digests.items():
+        if key in same:
+            source.digests[same[key]] = chunk_digest
+            adopted += source.chunks[same[key]][1]
+    return adopted
 
 
 def missing(source: Source, held: Mapping[ChunkKey, bytes]) -> list[ChunkKey]:

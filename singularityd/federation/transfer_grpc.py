@@ -76,8 +76,9 @@ class Sending:
         if self.progress is not None:
             self.progress(Progress(phase, moved, self.source.total, self.sent))
 
-    async def attempt(self, *, reread: bool = False, call_timeout_s: float = 30.0) -> None:
-        """One try: open, send what is missing, finish. gRPC errors propagate; a bad verdict raises."""
+    async def seed(self, *, call_timeout_s: float = 30.0) -> None:
+        """Open the transfer and send what is missing, without finishing it: a later transfer
+        under the same id sends only what differs (see `Destination`). gRPC errors propagate."""
         request = pb.BeginTransferRequest(
             transfer_id=self.transfer_id,
             job_id=self.job_id,
@@ -92,6 +93,17 @@ class Sending:
         self._report("sending", moved)
         if todo:
             await self.stub.SendChunks(self._chunks(todo, moved))
+
+    async def seed_once(self) -> None:
+        """`seed` once; a gRPC failure raises TransferError (the later transfer sends it all)."""
+        try:
+            await self.seed()
+        except grpc.aio.AioRpcError as e:
+            raise TransferError(f"transfer {self.transfer_id}: {e.code().name}: {e.details()}") from e
+
+    async def attempt(self, *, reread: bool = False, call_timeout_s: float = 30.0) -> None:
+        """One try: open, send what is missing, finish. gRPC errors propagate; a bad verdict raises."""
+        await self.seed(call_timeout_s=call_timeout_s)
         self._report("verifying", self.source.total)
         manifest = await asyncio.to_thread(self.source.manifest)
         finish = pb.FinishTransferRequest(

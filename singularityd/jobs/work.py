@@ -7,7 +7,7 @@ finished tasks back to their state machine).
 
 from __future__ import annotations
 
-from singularityd.checkpoint.coordinator import Checkpoints, CheckpointTaken, CheckpointTarget
+from singularityd.checkpoint.coordinator import BeforePause, Checkpoints, CheckpointTaken, CheckpointTarget
 from singularityd.checkpoint.errors import CheckpointError
 from singularityd.core.jobs import (
     Checkpointed,
@@ -63,7 +63,11 @@ async def restore(
 
 
 async def checkpoint(
-    job: JobRecord, take: TakeCheckpoint, processes: Processes, checkpoints: Checkpoints
+    job: JobRecord,
+    take: TakeCheckpoint,
+    processes: Processes,
+    checkpoints: Checkpoints,
+    before_pause: BeforePause | None = None,
 ) -> tuple[Checkpointed | CheckpointFailed, CheckpointTaken | StateConflict]:
     """Checkpoint the job's processes; the stimulus, and what the request that asked receives."""
     try:
@@ -71,7 +75,7 @@ async def checkpoint(
             raise CheckpointError(f"job {job.id} is still starting")
         logs = tuple(processes.paths(job.id).rewind_paths(job.spec.ranks))
         target = CheckpointTarget(job.id, job.init_pid, job.spec.uid, job.spec.gid, job.devices, logs)
-        taken = await checkpoints.take(target, stop=take.stop, reason=take.reason)
+        taken = await checkpoints.take(target, stop=take.stop, reason=take.reason, before_pause=before_pause)
     except CheckpointError as error:
         return CheckpointFailed(str(error)), StateConflict(f"checkpoint failed: {error}")
     return Checkpointed(taken.summary, taken.image_bytes, taken.pause_s, taken.complete_s), taken

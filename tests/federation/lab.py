@@ -22,7 +22,7 @@ import sqlite3
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,23 +117,23 @@ class Node:
         path.write_text("\n".join(lines) + "\n")
         return self.paths.common / "singularityd.toml"
 
-    def start(self, timeout: float = 60.0) -> None:
-        """Start the daemon in the node's namespaces; return once it is ready."""
+    def start(self, timeout: float = 60.0, env: Mapping[str, str] | None = None) -> None:
+        """Start the daemon in the node's namespaces (with `env` added); return once it is ready."""
         notify_path = self.folder / "notify.sock"
         notify_path.unlink(missing_ok=True)
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         notify.bind(str(notify_path))
         notify.settimeout(timeout)
         common = self.paths.common
-        env = {**os.environ, "NOTIFY_SOCKET": str(common / "notify.sock")}
-        env.pop("SING_SOCKET", None)
+        environment = {**os.environ, **(env or {}), "NOTIFY_SOCKET": str(common / "notify.sock")}
+        environment.pop("SING_SOCKET", None)
         command = [
             "nsenter", f"--mount={self.pin}", f"--net=/run/netns/{self.network_namespace}", "--",
             SINGULARITYD, "--config", str(self.write_config()), "--socket", str(common / "run" / "sing.sock"),
             "--state-dir", str(common / "state"), "--devices", "virtual", "--log-level", "debug",
         ]  # fmt: skip
         with self.log.open("ab") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=log, env=env)
+            self.process = subprocess.Popen(command, stdout=log, stderr=log, env=environment)
         try:
             while "READY=1" not in notify.recv(4096).decode():
                 pass

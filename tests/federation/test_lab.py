@@ -25,6 +25,7 @@ from singularity.cli.top import view
 from singularity.cli.top.app import TopApp
 from singularity.cli.top.screens import PeerChoiceScreen
 from singularityd.checkpoint import CheckpointUnavailable, locate_criu
+from singularityd.federation.pki import Pki
 from tests.federation import netns
 from tests.federation.lab import Lab, Node, joined_lab
 from tests.helpers import OWNER, ensure_user, wait_until
@@ -319,6 +320,48 @@ def owner_of(lab: Lab, job: int) -> Node:
         return str(rows[0]["node"]) if len(rows) == 1 else None
 
     return lab.node(wait_until(listed, timeout=120, interval=0.5))
+
+
+def with_identity(lab: Lab, node: Node, files: dict[str, bytes], expected: str) -> None:
+    """Restart `node` with these certificate files in place of its own; node-a must log the
+    refusal `expected` of it, refuse to move a job there, and keep the job; then undo it."""
+    a = lab.node("node-a")
+    cluster = node.state_dir / "cluster"
+    own = {name: (cluster / name).read_bytes() for name in files}
+    job = a.sing("submit", "--", "sleep", "600").out.strip()
+    try:
+        node.kill(signal.SIGTERM)
+        for name, data in files.items():
+            (cluster / name).write_bytes(data)
+        node.start()
+        wait_until(lambda: expected in a.log.read_text(errors="replace"), timeout=120, interval=0.5)
+        wait_state(a, int(job), "RUNNING")
+        moved = a.sing("migrate", job, "--to", node.name, timeout=300)
+        assert moved.code != 0 and moved.err.count("\n") == 1, moved
+        assert a.job(int(job))["state"] == "RUNNING"  # type: ignore[index]
+        assert node.job(int(job)) is None
+    finally:
+        a.sing("cancel", job)
+        node.kill(signal.SIGTERM)
+        for name, data in own.items():
+            (cluster / name).write_bytes(data)
+        node.start()
+        lab.wait_all_alive()
+
+
+def test_full_daemons_refuse_a_peer_of_another_ca_or_naming_another_node(lab: Lab) -> None:
+    c = lab.node("node-c")
+    foreign = Pki(lab.paths.root / "foreign-ca")
+    made = foreign.init("another-lab", "node-x", time.time())
+    joiner = Pki(lab.paths.root / "foreign-c")
+    cert, ca = foreign.sign_request(str(made.token), joiner.join_request("node-c"), time.time())
+    joiner.install(cert, ca, made.ca_fingerprint, "node-c")
+    names = ("ca.crt", "node.crt", "node.key")
+    foreign_files = {name: (joiner.root / name).read_bytes() for name in names}
+    address = lab.network.nodes["node-c"].address
+    with_identity(lab, c, foreign_files, f"refused {address}")
+    stolen = {name: (lab.node("node-b").state_dir / "cluster" / name).read_bytes() for name in names[1:]}
+    with_identity(lab, c, stolen, "its certificate does not name node-c")
 
 
 def test_submit_anywhere_starts_a_job_that_cannot_start_here_on_a_peer(lab: Lab) -> None:

@@ -18,6 +18,7 @@ from singularityd.federation.transfer import (
     Progress,
     Source,
     TransferError,
+    adopt_digests,
     copy_locally,
     digest,
     scan,
@@ -80,6 +81,34 @@ def test_an_interrupted_transfer_resumes_without_resending_what_arrived(tmp_path
     resent = reports[-1].sent
     assert resent == source.total - sum(source.chunks[k][1] for k in keys[:4])
     same_tree(src, tmp_path / "dst")
+
+
+def test_a_pre_copied_prefix_of_append_only_files_is_not_sent_again(tmp_path: Path) -> None:
+    """A move sends the device state pre-copied while the job runs, then, under the same transfer,
+    the whole checkpoint: the receiver keeps the chunks of the prefix, the sender neither reads
+    nor hashes them again, and only the rest crosses."""
+    state = "proxy/dev-0.state"
+    early = tmp_path / "early"
+    (early / "proxy").mkdir(parents=True)
+    (early / state).write_bytes(os.urandom(3 * MiB + 100))
+    (early / state).chmod(0o600)
+    pre = Source(early, MiB)
+    seeded = Destination(tmp_path / "dst", pre.entries, MiB)
+    for key in pre.chunks:
+        seeded.put(key, *pre.read(key))
+    seeded.close()  # never finished: the job is stopped and the rest is added
+    full = make_checkpoint(tmp_path / "full", {"images/pages-1.img": 2 * MiB})
+    (full / "proxy").mkdir()
+    (full / state).write_bytes((early / state).read_bytes() + os.urandom(2 * MiB))
+    (full / state).chmod(0o600)
+    source = Source(full, MiB)
+    assert adopt_digests(source, pre) == 3 * MiB  # the last, partial chunk of the prefix changes
+    final = Destination(tmp_path / "dst", source.entries, MiB)
+    assert sum(final.chunks[key][1] for key in final.held) == 3 * MiB
+    reports: list[Progress] = []
+    assert copy_locally(source, final, reports.append) == []
+    assert reports[-1].sent == source.total - 3 * MiB
+    same_tree(full, tmp_path / "dst")
 
 
 def test_a_damaged_chunk_is_refused_and_a_wrong_manifest_fails_the_transfer(tmp_path: Path) -> None:
