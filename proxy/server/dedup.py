@@ -310,6 +310,7 @@ class Dedup:
             "reason": reason,
             "compare_seconds": self.compare_seconds,
             "compared_bytes": self.compared_bytes,
+            "copied_bytes": self.memory.copied_bytes,
         }
 
     def forget(self, job_id: str) -> None:

@@ -119,6 +119,8 @@ class DeviceMemory:
         """Storage identity -> the sessions using it (more than one: a deduplicated storage)."""
         self.shared = 0
         """Storages used by more than one session (0: nothing to copy before a write)."""
+        self.copied_bytes = 0
+        """Bytes copied so far because a session wrote a storage it shared."""
 
     def hold(self, key: int, nbytes: int, session: Session) -> None:
         """Count a session's use of a storage (its bytes once, however many sessions use it)."""
@@ -385,6 +387,7 @@ class Session:
         self.check_room(storage.nbytes())
         copy = torch.empty(storage.nbytes(), dtype=torch.uint8, device=storage.device).untyped_storage()
         copy.copy_(storage)
+        self.memory.copied_bytes += storage.nbytes()
         self.repoint(key, copy)
 
     def before_write(self, tensor: torch.Tensor) -> None:

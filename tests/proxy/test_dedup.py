@@ -10,9 +10,11 @@ different weights are judged not replicas, with the reason.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,8 +24,17 @@ from singularity.proxy.control import ProxyControl, splice_refusal
 from singularity.proxy.server.control import ControlHandler
 from singularity.proxy.server.service import Server
 from singularity.proxy.server.session import Session
-from tests.helpers import wait_until
-from tests.proxy.conftest import ProxyServer, start_linked_servers, start_ranks, stop_server
+from tests.conftest import requires_root
+from tests.helpers import Daemon, running_daemon, wait_until
+from tests.proxy.conftest import PYTHON, ProxyServer, start_linked_servers, start_ranks, stop_server
+from tests.test_collectives import (
+    JOB_OPTIONS,
+    printed,
+    rank_logs,
+    steps_done,
+    succeeded,
+    trained_beyond,
+)
 
 JOB = "job"
 FLOATS = 4096
@@ -191,7 +202,7 @@ def allocated(server: ProxyServer) -> int:
         return int(control.status()["allocated"])
 
 
-def replicas(server: ProxyServer) -> dict[str, object]:
+def replicas(server: ProxyServer) -> dict[str, Any]:
     with ProxyControl(server.control) as control:
         return control.replicas(JOB)
 
@@ -238,3 +249,55 @@ def test_ranks_with_different_weights_are_not_replicas(started: list[ProxyServer
     reason = str(summary["reason"])
     assert reason.startswith("ranks 0 and 1 hold different parameters: not data-parallel replicas"), reason
     assert splice_refusal([summary]) == reason
+
+
+def device_control(daemon: Daemon, job: int) -> Path:
+    """The daemon's control socket of the job's server on its one device."""
+    found = sorted(daemon.state_dir.glob(f"proxy/control/job-{job}-dev-*.sock"))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def shared_now(daemon: Daemon, job: int) -> int:
+    """Bytes the job's ranks share on its device now (what they hold alike shared first)."""
+    with ProxyControl(device_control(daemon, job)) as control:
+        return int(control.replicas(str(job))["shared_bytes"])
+
+
+@requires_root
+@pytest.mark.timeout(1800)
+def test_a_spliced_job_preempted_and_resumed_is_exact(daemon_root: Path) -> None:
+    """4 ranks spliced on 1 device (through the daemon, --gpus 1), preempted and resumed 3 times
+    (the quiesce shares what the replicas hold alike, the save holds it once): every rank prints
+    what an uninterrupted run on 4 devices prints, and the restored ranks share storages again."""
+    total, ranks = 30, 4
+    args = [*MODEL[:-1], str(total), "--sleep", "0.05"]
+    options = [*JOB_OPTIONS, "--ranks", str(ranks)]
+    release = daemon_root / "release"
+    with running_daemon(daemon_root, virtual_devices=ranks) as daemon:
+        uninterrupted = daemon.submit(PYTHON, "splice_train.py", *args, options=[*options, "--gpus", "4"])
+        expected = printed(succeeded(daemon, uninterrupted, ranks))
+        job = daemon.submit(
+            PYTHON, "splice_train.py", *args, "--hold", str(release), options=[*options, "--gpus", "1"]
+        )
+        daemon.wait_state(job, "RUNNING")
+        restored_shared = []
+        try:
+            seen = 0
+            for _ in range(3):
+                beyond = min(seen, total - 1)
+                wait_until(functools.partial(trained_beyond, daemon, job, ranks, beyond), timeout=600)
+                result = daemon.sing("preempt", str(job), timeout=300)
+                assert result.code == 0, result.err
+                daemon.wait_state(job, "RUNNING", timeout=300)
+                restored_shared.append(shared_now(daemon, job))
+                seen = steps_done(daemon, job, ranks)
+        except BaseException:
+            daemon.sing("cancel", str(job))  # it would wait for `release` forever
+            raise
+        assert max(restored_shared) > 0, "the restored replicas share what they held alike"
+        release.touch()
+        assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, ranks)
+        assert printed(rank_logs(daemon, job, ranks)) == expected
+        reasons = [e["reason"] for e in daemon.job(job)["events"]]
+        assert sum(r.startswith("restored from checkpoint") for r in reasons) == 3
