@@ -24,6 +24,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.bench_collectives import _folder, _table  # noqa: E402
 from singularity.proxy.control import ProxyControl  # noqa: E402
 from tests.proxy.conftest import PROGRAMS, start_linked_servers, start_ranks, stop_server  # noqa: E402
 
@@ -58,12 +59,7 @@ dist.destroy_process_group()
 """
 
 JOB = "job"
-
-
-def _folder(directory: Path) -> Path:
-    folder = directory / f"run-{time.monotonic_ns()}"
-    folder.mkdir()
-    return folder
+"""The job id the ranks give (tests.proxy.conftest.proxy_env)."""
 
 
 def step_time(directory: Path, ranks: int, steps: int, width: int) -> tuple[float, dict[str, Any]]:
@@ -80,9 +76,9 @@ def step_time(directory: Path, ranks: int, steps: int, width: int) -> tuple[floa
         stop_server(servers[0])
 
 
-def held_memory(directory: Path, ranks: int, args: Sequence[str]) -> tuple[int, dict[str, Any]]:
+def held_memory(directory: Path, ranks: int, args: Sequence[str]) -> tuple[int, int, dict[str, Any]]:
     """The server's live bytes once `ranks` ranks of splice_train.py finished training on one
-    device (as their last collective left them), and its summary."""
+    device (as their last collective left them), its peak bytes, and its summary."""
     folder = _folder(directory)
     servers = start_linked_servers(folder, 1, 4 << 30)
     release, ready = folder / "release", folder / "ready-"
@@ -93,9 +89,9 @@ def held_memory(directory: Path, ranks: int, args: Sequence[str]) -> tuple[int, 
             assert all(p.poll() is None for p in processes), "a rank failed"
             time.sleep(0.1)
         with ProxyControl(servers[0].control) as control:
-            allocated = int(control.status()["allocated"])
+            status = control.status()
             summary = control.replicas(JOB)
-        return allocated, summary
+        return int(status["allocated"]), int(status["peak"]), summary
     finally:
         release.touch()
         for process in processes:
@@ -116,15 +112,20 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-splice-") as folder:
         directory = Path(folder)
         model = ["--width", "512", "--layers", "4", "--steps", "4"]
-        alone, _ = held_memory(directory, 1, model)
-        spliced, summary = held_memory(directory, 4, model)
-        print("device memory, splice_train.py (MLP 4x512, Adam), after the last step")
+        alone, alone_peak, _ = held_memory(directory, 1, model)
+        spliced, spliced_peak, summary = held_memory(directory, 4, model)
+        print("device memory, splice_train.py (MLP 4x512, Adam), after the last step; peak during the run")
         _table(
             [
-                ["1 rank alone", "4 ranks spliced", "ratio", "shared", "private per rank", "replicas"],
+                ["", "1 rank alone", "4 ranks spliced", "ratio", "shared", "private per rank", "replicas"],
                 [
-                    _mib(alone), _mib(spliced), f"{spliced / alone:.2f}x", _mib(summary["shared_bytes"]),
-                    _mib(max(summary["private_bytes"].values())), summary["replicas"],
+                    "after the step", _mib(alone), _mib(spliced), f"{spliced / alone:.2f}x",
+                    _mib(summary["shared_bytes"]), _mib(max(summary["private_bytes"].values())),
+                    summary["replicas"],
+                ],
+                [
+                    "peak", _mib(alone_peak), _mib(spliced_peak), f"{spliced_peak / alone_peak:.2f}x",
+                    "", "", "",
                 ],
             ]
         )  # fmt: skip
@@ -154,12 +155,6 @@ def main(argv: list[str] | None = None) -> None:
                 )  # fmt: skip
         print(f"\nstep time, DDP + Adam, batch 64, {steps} steps after 5 warm-up")
         _table(rows)
-
-
-def _table(rows: Sequence[Sequence[str]]) -> None:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(f"{cell:<{w}}" for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
 if __name__ == "__main__":

@@ -165,6 +165,7 @@ class ControlHandler:
                 "index": server.index,
                 "capacity": server.memory.capacity,
                 "allocated": server.memory.used,
+                "peak": server.memory.peak,
                 "operations": executor.operations,
                 "batches": executor.batches,
                 "busy_seconds": executor.busy_seconds,

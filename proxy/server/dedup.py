@@ -279,21 +279,21 @@ class Dedup:
         what the ranks hold alike is shared first (else the figures are as the last collective left them)."""
         if share:
             self.share_job(job_id)
-        with self.device_lock:
-            sessions = self.job_sessions(job_id)
-            ranks = [s.rank for s in sessions]
-            shared: set[int] = set()
-            private: dict[str, int] = {}
-            for session in sessions:
-                mine = 0
-                for key, (nbytes, _count) in session.storages.items():
-                    if self.memory.is_shared(key):
-                        shared.add(key)
-                    else:
-                        mine += nbytes
-                private[str(session.rank)] = mine
-            shared_bytes = sum(self.memory.holders[k][0].storages[k][0] for k in shared)
-            rounds = min((self._state(s).rounds for s in sessions), default=0)
+        sessions = self.job_sessions(job_id)  # read without the device lock: status never waits
+        ranks = [s.rank for s in sessions]
+        shared: dict[int, int] = {}
+        private: dict[str, int] = {}
+        for session in sessions:
+            mine = 0
+            for key, (nbytes, _count) in list(session.storages.items()):
+                if self.memory.is_shared(key):
+                    shared[key] = nbytes
+                else:
+                    mine += nbytes
+            private[str(session.rank)] = mine
+        shared_bytes = sum(shared.values())
+        known = [self.ranks.get(s) for s in sessions]
+        rounds = min((state.rounds if state else 0 for state in known), default=0)
         replicas, reason = self.verdicts.get(job_id, ("unknown", ""))
         if len(sessions) < 2:
             replicas, reason = "unknown", f"{len(sessions)} rank(s) of job {job_id} on this device"

@@ -121,6 +121,8 @@ class DeviceMemory:
         """Storages used by more than one session (0: nothing to copy before a write)."""
         self.copied_bytes = 0
         """Bytes copied so far because a session wrote a storage it shared."""
+        self.peak = 0
+        """The most bytes held at once since the server started."""
 
     def hold(self, key: int, nbytes: int, session: Session) -> None:
         """Count a session's use of a storage (its bytes once, however many sessions use it)."""
@@ -128,6 +130,7 @@ class DeviceMemory:
         if holders is None:
             self.holders[key] = [session]
             self.used += nbytes
+            self.peak = max(self.peak, self.used)
             return
         holders.append(session)
         if len(holders) == 2:
