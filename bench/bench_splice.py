@@ -70,7 +70,7 @@ def step_time(directory: Path, ranks: int, steps: int, width: int) -> tuple[floa
         outputs = [p.communicate(timeout=3600) for p in processes]
         assert all(p.returncode == 0 for p in processes), [err[-2000:] for _, err in outputs]
         with ProxyControl(servers[0].control) as control:
-            figures = control.status()["splicing"].get(JOB, {})
+            figures = control.status()["dedup"]
         return float(outputs[0][0]), figures
     finally:
         stop_server(servers[0])

@@ -166,6 +166,11 @@ class ControlHandler:
                 "capacity": server.memory.capacity,
                 "allocated": server.memory.used,
                 "peak": server.memory.peak,
+                "dedup": {
+                    "compare_seconds": server.dedup.compare_seconds,
+                    "compared_bytes": server.dedup.compared_bytes,
+                    "copied_bytes": server.memory.copied_bytes,
+                },
                 "operations": executor.operations,
                 "batches": executor.batches,
                 "busy_seconds": executor.busy_seconds,

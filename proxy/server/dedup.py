@@ -64,18 +64,23 @@ def _stamp(session: Session, key: int) -> tuple[Any, ...]:
     return (session.storage_marks.get(key), *versions)
 
 
-def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A storage's bytes as a flat uint8 tensor (no copy)."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+def _as_words(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A storage's bytes as a flat tensor of the widest integers that divide it (no copy; comparing
+    int64 words is about 8x faster than bytes, and integers compare bit for bit)."""
+    nbytes = storage.nbytes()
+    dtype = next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8) if nbytes % d.itemsize == 0)
+    raw = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    return raw.view(dtype)
 
 
 def same_bytes(first: torch.UntypedStorage, second: torch.UntypedStorage) -> bool:
     """Whether two storages hold the same bytes, bit for bit (both ends first, then the whole)."""
     if first.nbytes() != second.nbytes() or first.device != second.device:
         return False
-    a, b = _as_bytes(first), _as_bytes(second)
-    if a.numel() > 4 * _SAMPLE and not (
-        torch.equal(a[:_SAMPLE], b[:_SAMPLE]) and torch.equal(a[-_SAMPLE:], b[-_SAMPLE:])
+    a, b = _as_words(first), _as_words(second)
+    sample = _SAMPLE // a.element_size()
+    if a.numel() > 4 * sample and not (
+        torch.equal(a[:sample], b[:sample]) and torch.equal(a[-sample:], b[-sample:])
     ):
         return False
     return torch.equal(a, b)
