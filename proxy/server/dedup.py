@@ -2,8 +2,9 @@
 
 When several ranks of a job share a device (replica splicing), data-parallel replicas hold the
 same parameters and optimizer state after every step. Each time a rank reaches a collective,
-its storages that changed since it last came are compared with the other ranks' on this
-device: first the storage under the same handle (replicas allocate in the same order), then a
+its storages that changed since it last came, of tensors it already held then (parameters,
+optimizer state, buckets; not the step's activations), are compared with the other ranks' on
+this device: first the storage under the same handle (replicas allocate in the same order), then a
 few others of the same size. Bytes are compared in full (a sample first, to reject quickly);
 on a match the rank's tensors move onto the other rank's storage (`Session.repoint`) and its
 own copy is freed. Sharing is copy-on-write: before an operation writes a shared storage
@@ -127,8 +128,8 @@ class Dedup:
         if not peers:
             return
         with self.device_lock:
-            self._share(session, peers)
             state = self._state(session)
+            self._share(session, peers, state.handles_before)
             state.rounds += 1
             handles = set(session.tensors)
             state.long_lived = state.handles_before & handles
@@ -150,14 +151,18 @@ class Dedup:
         for session in sessions:
             self._share(session, [s for s in sessions if s is not session])
 
-    def _share(self, session: Session, peers: list[Session]) -> None:
-        """Move the session's changed storages onto identical storages of its peers."""
+    def _share(self, session: Session, peers: list[Session], lasting: set[int] | None = None) -> None:
+        """Move the session's changed storages onto identical storages of its peers (with `lasting`,
+        only those of tensors under these handles: what outlived the previous collective, not the
+        step's activations)."""
         began = time.perf_counter()
         state = self._state(session)
         checked: dict[int, Any] = {}
         by_size: dict[int, list[tuple[Session, int]]] | None = None
         for key, (nbytes, _count) in list(session.storages.items()):
             if nbytes < MIN_SHARED_BYTES or key in self.pinned or self.memory.is_shared(key):
+                continue
+            if lasting is not None and lasting.isdisjoint(session.handles_on[key]):
                 continue
             stamp = _stamp(session, key)
             if state.checked.get(key) == stamp:
