@@ -162,9 +162,24 @@ class ProxyControl:
         jobs present on this device."""
         return dict(self._call("status"))
 
+    def replicas(self, job_id: str) -> dict[str, Any]:
+        """The job's memory on this device once what its ranks hold alike is shared (shared_bytes,
+        private_bytes per rank, device_bytes) and whether its ranks here are data-parallel replicas
+        ("replicas": "yes", "no" or "unknown", with "reason"); see proxy/server/dedup.py."""
+        return dict(self._call("replicas", job_id))
+
     def stop(self) -> None:
         """Ask the server process to exit (its job no longer needs it)."""
         self._call("stop")
+
+
+def splice_refusal(summaries: Sequence[Mapping[str, Any]]) -> str:
+    """Why a job's ranks may not keep sharing devices, from its servers' `replicas` answers ('' when
+    nothing says they are not data-parallel replicas: "unknown" does not refuse)."""
+    for summary in summaries:
+        if summary.get("replicas") == "no":
+            return str(summary.get("reason") or "its ranks are not data-parallel replicas")
+    return ""
 
 
 def cut_reached(previous: Mapping[int, Any] | None, current: Mapping[int, Any]) -> bool:

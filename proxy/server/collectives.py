@@ -39,6 +39,7 @@ from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
 
 from . import operators
+from .dedup import Dedup
 from .links import PeerLink
 from .session import Session
 
@@ -61,6 +62,8 @@ class Instance:
     """The device index of each group rank."""
     locals: dict[int, dict[str, Any]] = field(default_factory=dict)
     """Group rank -> the parameters of a member that runs here (its tensors resolved)."""
+    sessions: dict[int, Session] = field(default_factory=dict)
+    """Group rank -> the session of a member that runs here."""
     pieces: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict)
     """Parts of other servers' data received for this instance, by key."""
     driving: bool = False
@@ -73,6 +76,19 @@ def _resolve(session: Any, value: Any) -> Any:
     if type(value) is list:
         return [_resolve(session, item) for item in value]
     return session.tensor(value)
+
+
+def _written(params: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors of a member that a collective may write (its tensors and outputs)."""
+    found: list[torch.Tensor] = []
+    stack: list[Any] = [params.get("tensors", []), params.get("outputs", [])]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif type(value) is list:
+            stack.extend(value)
+    return found
 
 
 def parse_spec(session: Any, spec: Any, size: int) -> dict[str, Any]:
@@ -138,6 +154,9 @@ class Collectives:
         """job -> {ended global rank: {group: the last collective it reached}}."""
         self.events = 0
         """Changes so far (queues, collectives, messages): unchanged between two looks means quiet."""
+        self.dedup: Dedup | None = None
+        """Storages shared across the ranks here (dedup.py): compared when a rank reaches a
+        collective, copied before a collective writes them."""
 
     # -- links -------------------------------------------------------------------------------------
     def connect(self, peers: dict[int, Any]) -> None:
@@ -242,6 +261,8 @@ class Collectives:
             raise ProtocolError(f"process group {group!r} was not defined")
         me, members = defined
         params = parse_spec(runner.session, spec, len(members))
+        if self.dedup is not None:
+            self.dedup.at_collective(runner.session)
         job = runner.session.job_id
         placement = self._place(runner, job, group, me, members)
         with self.cond:
@@ -256,6 +277,7 @@ class Collectives:
             instance.operator = instance.operator or operator
             instance.members, instance.placement = list(members), placement
             instance.locals[members.index(me)] = params
+            instance.sessions[members.index(me)] = runner.session
             self.events += 1
             self.cond.notify_all()
             if len(instance.locals) < placement.count(self.index):
@@ -264,13 +286,20 @@ class Collectives:
                     raise RuntimeError(self._failure(instance))
                 return
             instance.driving = True
+        claimed: set[int] = set()
         try:
+            if self.dedup is not None:
+                claimed = self.dedup.claim(
+                    (instance.sessions[rank], _written(instance.locals[rank])) for rank in instance.locals
+                )
             self.kinds[kind](Exchange(self, instance, runner))
         except Exception as e:
             with self.cond:
                 instance.failure = instance.failure or str(e)
             raise
         finally:
+            if claimed and self.dedup is not None:
+                self.dedup.release(claimed)
             with self.cond:
                 instance.done = not instance.failure
                 if self.instances.get((job, group, seq)) is instance:

@@ -1,4 +1,5 @@
-"""The server's side of the daemon's control channel: quiesce, save, release, load, resume, status, stop.
+"""The server's side of the daemon's control channel: quiesce, save, release, load, resume, status,
+replicas, stop.
 
 Saves with a short pause (prepare, capture, finish) are snapshot.py's; the file they write is
 statefile.py's.
@@ -75,6 +76,7 @@ class ControlHandler:
         # collectives: what the parked processes sent runs until nothing more can (runner.py)
         if not self.server.wait_idle(job_id, max(0.0, deadline - time.monotonic())):
             raise TimeoutError(f"job {job_id}: its sessions did not come to rest in {timeout}s")
+        self.server.dedup.share_job(job_id)  # ranks sharing the device: their replicas saved once
         return parked
 
     def save(self, job_id: str, fd: int) -> dict[str, Any]:
@@ -94,6 +96,7 @@ class ControlHandler:
                     connection.sock.shutdown(socket.SHUT_RDWR)
             self.server.drop(session)
         self.server.collectives.forget(job_id)
+        self.server.dedup.forget(job_id)
         return freed
 
     def load(self, job_id: str, fd: int) -> dict[str, int]:
@@ -126,6 +129,7 @@ class ControlHandler:
                         server.drop(session)
                         raise
                     loaded += session.held_bytes
+            server.dedup.share_job_locked(job_id)
         return {"live_bytes": loaded, "ranks": len(saved)}
 
     def resume(self, job_id: str) -> list[int]:
@@ -143,15 +147,30 @@ class ControlHandler:
                 ranks.append(session.rank)
         return ranks
 
+    def replicas(self, job_id: str) -> dict[str, Any]:
+        """The job's memory here after sharing what its ranks hold alike, and whether its ranks here
+        are data-parallel replicas (dedup.Dedup.summary)."""
+        return self.server.dedup.summary(job_id)
+
     def status(self) -> dict[str, Any]:
         """Capacity, bytes in use, work done so far and the sessions present on this device."""
         server = self.server
         executor = server.executor
         with server.state_lock:
+            jobs = {job for job, _rank in server.sessions}
+        splicing = {job: server.dedup.summary(job, share=False) for job in sorted(jobs)}
+        with server.state_lock:
             return {
+                "splicing": splicing,
                 "index": server.index,
                 "capacity": server.memory.capacity,
                 "allocated": server.memory.used,
+                "peak": server.memory.peak,
+                "dedup": {
+                    "compare_seconds": server.dedup.compare_seconds,
+                    "compared_bytes": server.dedup.compared_bytes,
+                    "copied_bytes": server.memory.copied_bytes,
+                },
                 "operations": executor.operations,
                 "batches": executor.batches,
                 "busy_seconds": executor.busy_seconds,
@@ -187,6 +206,8 @@ class ControlHandler:
             return self.resume(str(args[0]))
         if name == "status":
             return self.status()
+        if name == "replicas":
+            return self.replicas(str(args[0]))
         raise ValueError(f"unknown control request {name!r}")
 
     def serve(self, sock: socket.socket) -> None:

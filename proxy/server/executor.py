@@ -23,7 +23,7 @@ from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
 
 from .session import DeviceMemory, Session, sparse_parts
-from .writes import note_writes
+from .writes import note_writes, written_tensors
 
 _FACTORIES = frozenset(protocol.SERVER_FACTORIES)
 _HOST_ALLOCATION_FAILED = re.compile(
@@ -185,6 +185,8 @@ class Executor:
         """Run a served operator on decoded arguments; its output template (new tensors held)."""
         if served.size_argument is not None:
             self._check_planned(session, served, args, kwargs)
+        if self.memory.shared:
+            self._own_written(session, served.operator, args, kwargs)
         try:
             output = served.operator(*args, **kwargs)
         except RuntimeError as e:
@@ -220,6 +222,8 @@ class Executor:
             return self._execute(session, plan.served, args, kwargs, inputs, first_handle)
         if plan.served.size_argument is not None:
             self._check_planned(session, plan.served, args, kwargs)
+        if self.memory.shared:
+            self._own_written(session, plan.served.operator, args, kwargs)
         try:
             output = plan.call(*args, **kwargs)
         except RuntimeError as e:
@@ -258,6 +262,12 @@ class Executor:
                 raise
             return added
         return 0
+
+    @staticmethod
+    def _own_written(session: Session, operator: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
+        """Give the session its own copy of each shared storage the operator is about to write."""
+        for tensor in written_tensors(operator, args, kwargs):
+            session.before_write(tensor)
 
     def _as_out_of_memory(self, session: Session, error: RuntimeError) -> RuntimeError:
         """CUDA's out-of-memory error for a failure of the host allocator (virtual device), else `error`."""
@@ -321,13 +331,18 @@ class Executor:
             self._allocate(session, handle, dtype, shape, stride)
         elif kind == protocol.OP_WRITE:
             _, handle, offset, index = _operation(op, 4)
-            self._write(session.tensor(handle), protocol.integer(offset), protocol.buffer_at(buffers, index))
+            target = session.tensor(handle)
+            session.before_write(target)
+            self._write(target, protocol.integer(offset), protocol.buffer_at(buffers, index))
         elif kind == protocol.OP_FILL:
             _, handle, dtype, shape, stride, index = _operation(op, 6)
             values = protocol.tensor_from_raw(dtype, shape, stride, protocol.buffer_at(buffers, index))
-            session.tensor(handle).copy_(values)
+            target = session.tensor(handle)
+            session.before_write(target)
+            target.copy_(values)
         elif kind == protocol.OP_RESIZE_STORAGE:
             _, handle, nbytes = _operation(op, 3)
+            session.before_write(session.tensor(handle))
             storage = session.tensor(handle).untyped_storage()
             session.check_room(max(0, protocol.integer(nbytes) - storage.nbytes()))
             storage.resize_(nbytes)

@@ -25,6 +25,7 @@ from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolErro
 
 from .collective_kinds import KINDS
 from .collectives import Collectives
+from .dedup import Dedup
 from .executor import Executor
 from .runner import Runner, Work
 from .session import Connection, DeviceMemory, Session, exception_info
@@ -76,6 +77,9 @@ class Server:
         self.memory = DeviceMemory(device_index, memory_bytes)
         self.executor = Executor(self.device, self.memory)
         self.collectives = Collectives(device_index, self.device, self.executor.lock, KINDS)
+        self.dedup = Dedup(self.memory, self.executor.lock, self.job_sessions)
+        """Storages identical across the ranks of a job here, kept once (replica splicing)."""
+        self.collectives.dedup = self.dedup
         self.sessions: dict[tuple[str, int], Session] = {}
         self.runners: dict[tuple[str, int], Runner] = {}
         """The queue and thread of each session."""

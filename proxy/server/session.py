@@ -84,6 +84,11 @@ def storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
     return [part.untyped_storage() for part in sparse_parts(tensor)]
 
 
+def rebindable(tensor: torch.Tensor) -> bool:
+    """Whether a tensor can be moved onto another storage holding the same bytes (dedup.py)."""
+    return tensor.layout == torch.strided and not tensor.is_inference() and not tensor.is_quantized
+
+
 class Connection:
     """One job process's socket; answers and control messages share its send lock."""
 
@@ -103,12 +108,47 @@ class Connection:
 
 
 class DeviceMemory:
-    """The device's capacity and the bytes all sessions on it hold."""
+    """The device's capacity and the bytes all sessions on it hold (a storage that several sessions
+    share, see dedup.py, counts once)."""
 
     def __init__(self, index: int, capacity: int) -> None:
         self.index = index
         self.capacity = capacity
         self.used = 0
+        self.holders: dict[int, list[Session]] = {}
+        """Storage identity -> the sessions using it (more than one: a deduplicated storage)."""
+        self.shared = 0
+        """Storages used by more than one session (0: nothing to copy before a write)."""
+        self.copied_bytes = 0
+        """Bytes copied so far because a session wrote a storage it shared."""
+        self.peak = 0
+        """The most bytes held at once since the server started."""
+
+    def hold(self, key: int, nbytes: int, session: Session) -> None:
+        """Count a session's use of a storage (its bytes once, however many sessions use it)."""
+        holders = self.holders.get(key)
+        if holders is None:
+            self.holders[key] = [session]
+            self.used += nbytes
+            self.peak = max(self.peak, self.used)
+            return
+        holders.append(session)
+        if len(holders) == 2:
+            self.shared += 1
+
+    def let_go(self, key: int, nbytes: int, session: Session) -> None:
+        """Forget a session's use of a storage (its bytes when no session uses it any more)."""
+        holders = self.holders[key]
+        holders.remove(session)
+        if not holders:
+            del self.holders[key]
+            self.used -= nbytes
+        elif len(holders) == 1:
+            self.shared -= 1
+
+    def is_shared(self, key: int) -> bool:
+        """Whether more than one session uses the storage."""
+        return self.shared > 0 and len(self.holders.get(key, ())) > 1
 
     def free_bytes(self) -> int:
         """Bytes not held by any session."""
@@ -142,6 +182,8 @@ class Session:
         one per component)."""
         self.storages: dict[int, list[int]] = {}
         """Storage identity -> [bytes, number of handles using it]."""
+        self.handles_on: dict[int, set[int]] = {}
+        """Storage identity -> the handles using it."""
         self.operators: dict[int, operators.Served] = {}
         """Operator id -> the served operator it stands for."""
         self.operator_names: dict[int, tuple[str, str, str]] = {}
@@ -267,16 +309,20 @@ class Session:
             entry = self.storages.get(key)
             if entry is not None:
                 entry[1] += 1
+                self.handles_on[key].add(handle)
                 if not tensor._is_view():
                     self.storage_marks[key] = next(_STORAGE_MARKS)
+                if not rebindable(tensor) and self.memory.is_shared(key):
+                    self._keep_alone(key, storage)
                 continue
             nbytes = storage.nbytes()
             self.storages[key] = [nbytes, 1]
+            self.handles_on[key] = {handle}
             self.storage_marks[key] = next(_STORAGE_MARKS)
+            self.memory.hold(key, nbytes, self)
             added += nbytes
         self.storage_of[handle] = tuple(keys)
         self.held_bytes += added
-        self.memory.used += added
         if self.held_bytes > self.peak_bytes:
             self.peak_bytes = self.held_bytes
         return added
@@ -291,7 +337,7 @@ class Session:
             entry[0] = nbytes
         if growth:
             self.held_bytes += growth
-            self.memory.used += growth
+            self.memory.used += growth  # a storage is copied before a write that resizes it: not shared
             self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         return growth
 
@@ -309,11 +355,57 @@ class Session:
         for key in self.storage_of.pop(handle):
             entry = self.storages[key]
             entry[1] -= 1
+            self.handles_on[key].discard(handle)
             if entry[1] == 0:
                 del self.storages[key]
+                del self.handles_on[key]
                 self.storage_marks.pop(key, None)
                 self.held_bytes -= entry[0]
-                self.memory.used -= entry[0]
+                self.memory.let_go(key, entry[0], self)
+
+    # -- storages shared with other sessions (dedup.py) --------------------------------------------
+    def repoint(self, key: int, storage: torch.UntypedStorage) -> None:
+        """Let every tensor using storage `key` use `storage` instead (which holds the same bytes).
+
+        The tensors stay the same objects (their layout unchanged), so whatever refers to them
+        sees the new storage; their version counters move, so a pre-copy copies them again.
+        """
+        new_key = storage._cdata
+        handles = self.handles_on.pop(key)
+        nbytes, count = self.storages.pop(key)
+        self.storage_marks.pop(key, None)
+        with torch.no_grad():
+            for handle in handles:
+                tensor = self.tensors[handle]
+                tensor.set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+                self.storage_of[handle] = tuple(new_key if k == key else k for k in self.storage_of[handle])
+        self.storages[new_key] = [nbytes, count]
+        self.handles_on[new_key] = handles
+        self.storage_marks[new_key] = next(_STORAGE_MARKS)
+        self.memory.hold(new_key, nbytes, self)
+        self.memory.let_go(key, nbytes, self)
+
+    def own_copy(self, key: int, storage: torch.UntypedStorage) -> None:
+        """Give the session its own copy of a storage it shares, before it writes there."""
+        self.check_room(storage.nbytes())
+        copy = torch.empty(storage.nbytes(), dtype=torch.uint8, device=storage.device).untyped_storage()
+        copy.copy_(storage)
+        self.memory.copied_bytes += storage.nbytes()
+        self.repoint(key, copy)
+
+    def before_write(self, tensor: torch.Tensor) -> None:
+        """Copy the storages of a tensor the session is about to write, where it shares them."""
+        for storage in storages(tensor):
+            key = storage._cdata
+            if self.memory.is_shared(key) and key in self.storages:
+                self.own_copy(key, storage)
+
+    def _keep_alone(self, key: int, storage: torch.UntypedStorage) -> None:
+        """Move the other sessions off a shared storage that one of this session's tensors uses
+        but cannot leave (a sparse or inference tensor): its writes then reach no one else."""
+        for other in list(self.memory.holders[key]):
+            if other is not self:
+                other.own_copy(key, storage)
 
     def free_all(self) -> None:
         """Drop every tensor of the session."""

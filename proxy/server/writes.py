@@ -3,12 +3,13 @@
 A pre-copy of device state (snapshot.py) trusts a tensor's version counter to change whenever its
 bytes do. Most kernels bump it themselves through autograd's in-place bookkeeping; some (fused
 optimizers, for one) do not, so the executor bumps it after each operation for every argument the
-schema marks written (`Tensor(a!)`, `Tensor(a!)[]`).
+schema marks written (`Tensor(a!)`, `Tensor(a!)[]`). The same arguments are the ones a session must
+own before the operation runs, where it shares their storage with other sessions (dedup.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -29,14 +30,21 @@ def written_arguments(operator: Any) -> tuple[tuple[int, str], ...]:
     return found
 
 
+def written_tensors(operator: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
+    """The tensors among an operator's arguments that its schema says it writes."""
+    for position, name in written_arguments(operator):
+        value = args[position] if position < len(args) else kwargs.get(name)
+        for tensor in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(tensor, torch.Tensor):
+                yield tensor
+
+
 def note_writes(operator: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
     """Bump the version counter of every tensor an operator just wrote, as its schema says.
 
     Most kernels do it themselves; some (fused optimizers, for one) do not, and a pre-copy must
     see every write.
     """
-    for position, name in written_arguments(operator):
-        value = args[position] if position < len(args) else kwargs.get(name)
-        for tensor in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(tensor, torch.Tensor) and not tensor.is_inference():
-                torch.autograd.graph.increment_version(tensor)
+    for tensor in written_tensors(operator, args, kwargs):
+        if not tensor.is_inference():
+            torch.autograd.graph.increment_version(tensor)

@@ -1,0 +1,161 @@
+"""Replica splicing on one device: its memory, its step time, the dedup's cost.
+
+Run: .venv/bin/python bench/bench_splice.py [--quick]   (one intra-op thread everywhere; virtual
+devices). Measured side by side in one run:
+- device memory of 4 DDP ranks (Adam) spliced on one device against 1 rank alone, for a model
+  whose parameters and optimizer state dominate (tests/programs/splice_train.py), as the server
+  counts its live storage bytes after the ranks' last collective; with the server's summary
+  (shared and private bytes, its replicas verdict);
+- step time of N ranks on one device against N x the step time of one rank alone (DDP, Adam, an
+  MLP whose operations take about a millisecond), and the dedup's own cost per step (comparing
+  storages at collectives, copies before writes to shared storages), from the server's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.bench_collectives import _folder, _table  # noqa: E402
+from singularity.proxy.control import ProxyControl  # noqa: E402
+from tests.proxy.conftest import PROGRAMS, start_linked_servers, start_ranks, stop_server  # noqa: E402
+
+STEP = r"""
+import os, sys, time, torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+steps, width = int(sys.argv[1]), int(sys.argv[2])
+rank = int(os.environ["RANK"])
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+dist.init_process_group("nccl")
+torch.manual_seed(0)
+layers = [nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)]
+net = nn.Sequential(*layers)
+model = DistributedDataParallel(net.to("cuda"))
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+x, y = torch.randn(64, width).to("cuda"), torch.randint(0, 10, (64,)).to("cuda")
+def step():
+    loss = nn.functional.cross_entropy(model(x), y)
+    optimizer.zero_grad(); loss.backward(); optimizer.step()
+    return loss.item()
+for _ in range(5):
+    step()
+dist.barrier()
+t0 = time.perf_counter()
+for _ in range(steps):
+    step()
+if rank == 0:
+    print((time.perf_counter() - t0) / steps, flush=True)
+dist.destroy_process_group()
+"""
+
+JOB = "job"
+"""The job id the ranks give (tests.proxy.conftest.proxy_env)."""
+
+
+def step_time(directory: Path, ranks: int, steps: int, width: int) -> tuple[float, dict[str, Any]]:
+    """Rank 0's seconds per step with `ranks` ranks on one device, and the server's summary after."""
+    servers = start_linked_servers(_folder(directory), 1, 4 << 30)
+    try:
+        processes = start_ranks(["-c", STEP, str(steps), str(width)], ranks, [servers[0].socket])
+        outputs = [p.communicate(timeout=3600) for p in processes]
+        assert all(p.returncode == 0 for p in processes), [err[-2000:] for _, err in outputs]
+        with ProxyControl(servers[0].control) as control:
+            figures = control.status()["dedup"]
+        return float(outputs[0][0]), figures
+    finally:
+        stop_server(servers[0])
+
+
+def held_memory(directory: Path, ranks: int, args: Sequence[str]) -> tuple[int, int, dict[str, Any]]:
+    """The server's live bytes once `ranks` ranks of splice_train.py finished training on one
+    device (as their last collective left them), its peak bytes, and its summary."""
+    folder = _folder(directory)
+    servers = start_linked_servers(folder, 1, 4 << 30)
+    release, ready = folder / "release", folder / "ready-"
+    command = [str(PROGRAMS / "splice_train.py"), *args, "--hold", str(release), "--ready", str(ready)]
+    processes = start_ranks(command, ranks, [servers[0].socket])
+    try:
+        while not all(Path(f"{ready}{r}").exists() for r in range(ranks)):
+            assert all(p.poll() is None for p in processes), "a rank failed"
+            time.sleep(0.1)
+        with ProxyControl(servers[0].control) as control:
+            status = control.status()
+            summary = control.replicas(JOB)
+        return int(status["allocated"]), int(status["peak"]), summary
+    finally:
+        release.touch()
+        for process in processes:
+            process.communicate(timeout=600)
+        stop_server(servers[0])
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):.2f} MiB"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the benchmark tables."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="fewer steps")
+    options = parser.parse_args(argv)
+    steps = 10 if options.quick else 40
+    with tempfile.TemporaryDirectory(prefix="bench-splice-") as folder:
+        directory = Path(folder)
+        model = ["--width", "512", "--layers", "4", "--steps", "4"]
+        alone, alone_peak, _ = held_memory(directory, 1, model)
+        spliced, spliced_peak, summary = held_memory(directory, 4, model)
+        print("device memory, splice_train.py (MLP 4x512, Adam), after the last step; peak during the run")
+        _table(
+            [
+                ["", "1 rank alone", "4 ranks spliced", "ratio", "shared", "private per rank", "replicas"],
+                [
+                    "after the step", _mib(alone), _mib(spliced), f"{spliced / alone:.2f}x",
+                    _mib(summary["shared_bytes"]), _mib(max(summary["private_bytes"].values())),
+                    summary["replicas"],
+                ],
+                [
+                    "peak", _mib(alone_peak), _mib(spliced_peak), f"{spliced_peak / alone_peak:.2f}x",
+                    "", "", "",
+                ],
+            ]
+        )  # fmt: skip
+
+        rows = [
+            [
+                "ranks on 1 device",
+                "step (rank 0)",
+                "N x 1 rank alone",
+                "ratio",
+                "dedup / step",
+                "copied / step",
+            ]
+        ]
+        for width in (256,):
+            one, _ = step_time(directory, 1, steps, width)
+            for ranks in (2, 4):
+                many, figures = step_time(directory, ranks, steps, width)
+                total_steps = steps + 5
+                rows.append(
+                    [
+                        f"{ranks} (MLP {width})", f"{many * 1e3:.2f} ms", f"{ranks * one * 1e3:.2f} ms",
+                        f"{many / (ranks * one):.3f}",
+                        f"{figures.get('compare_seconds', 0.0) / total_steps * 1e3:.2f} ms",
+                        _mib(figures.get("copied_bytes", 0) / total_steps),
+                    ]
+                )  # fmt: skip
+        print(f"\nstep time, DDP + Adam, batch 64, {steps} steps after 5 warm-up")
+        _table(rows)
+
+
+if __name__ == "__main__":
+    main()

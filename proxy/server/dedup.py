@@ -1,0 +1,328 @@
+"""Storages whose bytes are the same across the ranks of a job on this device, kept once.
+
+When several ranks of a job share a device (replica splicing), data-parallel replicas hold the
+same parameters and optimizer state after every step. Each time a rank reaches a collective,
+its storages that changed since it last came, of tensors it already held then (parameters,
+optimizer state, buckets; not the step's activations), are compared with the other ranks' on
+this device: first the storage under the same handle (replicas allocate in the same order), then a
+few others of the same size. Bytes are compared in full (a sample first, to reject quickly);
+on a match the rank's tensors move onto the other rank's storage (`Session.repoint`) and its
+own copy is freed. Sharing is copy-on-write: before an operation writes a shared storage
+(the arguments its schema marks written, writes.py), or a collective writes its outputs,
+the writing session gets its own copy back.
+
+The same comparison tells whether the ranks are replicas at all: at the end of each round
+(every rank here reached as many collectives), the share of each rank's long-lived storages
+(held across its last two collectives) that another rank holds too is the evidence.
+Replicas share their parameters and optimizer state; ranks with different parameters share
+almost nothing. `summary` reports it, with the bytes, for the daemon's splicing decisions.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .session import DeviceMemory, Session, rebindable
+
+MIN_SHARED_BYTES = 4096
+"""Storages smaller than this are not compared (their bytes would not pay for the bookkeeping)."""
+REPLICA_ROUNDS = 3
+"""Rounds of collectives every rank here must reach before the ranks are judged replicas or not."""
+REPLICA_SHARE = 1 / 3
+"""Replicas share at least this part of each rank's long-lived bytes (parameters, optimizer state;
+a DDP bucket of unreduced gradients differs per rank, so about half with plain SGD)."""
+MAX_CANDIDATES = 4
+"""Storages of the same size compared with one storage, besides the one under its handle."""
+_SAMPLE = 64
+"""Bytes at each end of two storages compared before the whole."""
+
+
+@dataclass
+class RankDedup:
+    """What the dedup knows of one session: what it checked, and its rounds of collectives."""
+
+    checked: dict[int, Any] = field(default_factory=dict)
+    """Storage key -> its stamp when last compared without a match (unchanged: not compared again)."""
+    rounds: int = 0
+    """Collectives this session reached (each one a comparison)."""
+    handles_before: set[int] = field(default_factory=set)
+    """The session's handles at its previous collective."""
+    long_lived: set[int] = field(default_factory=set)
+    """Handles held at both of its last two collectives."""
+
+
+def _stamp(session: Session, key: int) -> tuple[Any, ...]:
+    """What stays equal while a storage's bytes cannot have changed (marks and version counters)."""
+    tensors = session.tensors
+    versions = sorted((h, tensors[h]._version) for h in session.handles_on[key])
+    return (session.storage_marks.get(key), *versions)
+
+
+def _as_words(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A storage's bytes as a flat tensor of the widest integers that divide it (no copy; comparing
+    int64 words is about 8x faster than bytes, and integers compare bit for bit)."""
+    nbytes = storage.nbytes()
+    dtype = next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8) if nbytes % d.itemsize == 0)
+    raw = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    return raw.view(dtype)
+
+
+def same_bytes(first: torch.UntypedStorage, second: torch.UntypedStorage) -> bool:
+    """Whether two storages hold the same bytes, bit for bit (both ends first, then the whole)."""
+    if first.nbytes() != second.nbytes() or first.device != second.device:
+        return False
+    a, b = _as_words(first), _as_words(second)
+    sample = _SAMPLE // a.element_size()
+    if a.numel() > 4 * sample and not (
+        torch.equal(a[:sample], b[:sample]) and torch.equal(a[-sample:], b[-sample:])
+    ):
+        return False
+    return torch.equal(a, b)
+
+
+def _rebindable_storage(session: Session, key: int) -> torch.UntypedStorage | None:
+    """The storage `key` of a session, if every tensor using it can move to another storage."""
+    tensors = [session.tensors[h] for h in session.handles_on.get(key, ())]
+    if not tensors or not all(rebindable(t) for t in tensors):
+        return None
+    return tensors[0].untyped_storage()
+
+
+class Dedup:
+    """Keeps identical storages of a job's sessions on this device once, and judges replicas."""
+
+    def __init__(
+        self, memory: DeviceMemory, device_lock: threading.Lock, job_sessions: Callable[[str], list[Session]]
+    ) -> None:
+        self.memory = memory
+        self.device_lock = device_lock
+        """The executor's lock: nothing runs on the device while storages are compared and moved."""
+        self.job_sessions = job_sessions
+        self.ranks: weakref.WeakKeyDictionary[Session, RankDedup] = weakref.WeakKeyDictionary()
+        self.pinned: set[int] = set()
+        """Storages a collective is about to write: never shared until it is done."""
+        self.verdicts: dict[str, tuple[str, str]] = {}
+        """Job -> (replicas: "yes" or "no", why) at its last complete round."""
+        self.compare_seconds = 0.0
+        """Time spent comparing and moving storages since the server started."""
+        self.compared_bytes = 0
+        self.comparisons = 0
+
+    def _state(self, session: Session) -> RankDedup:
+        found = self.ranks.get(session)
+        if found is None:
+            found = self.ranks[session] = RankDedup()
+        return found
+
+    # -- at a collective ---------------------------------------------------------------------------
+    def at_collective(self, session: Session) -> None:
+        """A session reached a collective: share what it holds like another rank here, count a round."""
+        peers = [s for s in self.job_sessions(session.job_id) if s is not session]
+        if not peers:
+            return
+        with self.device_lock:
+            state = self._state(session)
+            self._share(session, peers, state.handles_before)
+            state.rounds += 1
+            handles = set(session.tensors)
+            state.long_lived = state.handles_before & handles
+            state.handles_before = handles
+            everyone = [session, *peers]
+            if all(self._state(s).rounds >= state.rounds for s in everyone):
+                self._judge(session.job_id, everyone)
+
+    def share_job(self, job_id: str) -> None:
+        """Compare every session of the job with the others now (the device lock must be free)."""
+        with self.device_lock:
+            self.share_job_locked(job_id)
+
+    def share_job_locked(self, job_id: str) -> None:
+        """`share_job` for a caller that holds the device lock."""
+        sessions = self.job_sessions(job_id)
+        if len(sessions) < 2:
+            return
+        for session in sessions:
+            self._share(session, [s for s in sessions if s is not session])
+
+    def _share(self, session: Session, peers: list[Session], lasting: set[int] | None = None) -> None:
+        """Move the session's changed storages onto identical storages of its peers (with `lasting`,
+        only those of tensors under these handles: what outlived the previous collective, not the
+        step's activations)."""
+        began = time.perf_counter()
+        state = self._state(session)
+        checked: dict[int, Any] = {}
+        by_size: dict[int, list[tuple[Session, int]]] | None = None
+        for key, (nbytes, _count) in list(session.storages.items()):
+            if nbytes < MIN_SHARED_BYTES or key in self.pinned or self.memory.is_shared(key):
+                continue
+            if lasting is not None and lasting.isdisjoint(session.handles_on[key]):
+                continue
+            stamp = _stamp(session, key)
+            if state.checked.get(key) == stamp:
+                checked[key] = stamp
+                continue
+            storage = _rebindable_storage(session, key)
+            if storage is None:
+                checked[key] = stamp
+                continue
+            if by_size is None:
+                by_size = self._sizes(peers)
+            match = self._match(session, key, storage, peers, by_size.get(nbytes, []))
+            if match is None:
+                checked[key] = stamp
+            else:
+                session.repoint(key, match)
+        state.checked = checked
+        self.compare_seconds += time.perf_counter() - began
+
+    def _sizes(self, peers: Iterable[Session]) -> dict[int, list[tuple[Session, int]]]:
+        """The peers' storages worth comparing, by size (shared ones first)."""
+        found: dict[int, list[tuple[Session, int]]] = {}
+        for peer in peers:
+            for key, (nbytes, _count) in peer.storages.items():
+                if nbytes >= MIN_SHARED_BYTES:
+                    found.setdefault(nbytes, []).append((peer, key))
+        for candidates in found.values():
+            candidates.sort(key=lambda c: not self.memory.is_shared(c[1]))
+        return found
+
+    def _match(
+        self,
+        session: Session,
+        key: int,
+        storage: torch.UntypedStorage,
+        peers: list[Session],
+        same_size: list[tuple[Session, int]],
+    ) -> torch.UntypedStorage | None:
+        """A peer's storage with the same bytes that the session may move onto, if there is one."""
+        handle = min(session.handles_on[key])
+        candidates: list[tuple[Session, int]] = []
+        for peer in peers:
+            tensor = peer.tensors.get(handle)
+            if tensor is not None and tensor.layout == torch.strided:
+                candidates.append((peer, tensor.untyped_storage()._cdata))
+        candidates.extend(same_size[:MAX_CANDIDATES])
+        tried: set[int] = set()
+        for peer, other_key in candidates:
+            if other_key in tried or other_key in session.storages or other_key in self.pinned:
+                continue
+            tried.add(other_key)
+            other = _rebindable_storage(peer, other_key)
+            if other is None or other.nbytes() != storage.nbytes():
+                continue
+            self.comparisons += 1
+            self.compared_bytes += storage.nbytes()
+            if same_bytes(storage, other):
+                return other
+        return None
+
+    # -- collectives write their outputs ------------------------------------------------------------
+    def claim(self, members: Iterable[tuple[Session, Iterable[torch.Tensor]]]) -> set[int]:
+        """Before a collective writes these sessions' tensors: own copies, kept out of sharing."""
+        keys: set[int] = set()
+        with self.device_lock:
+            for session, tensors in members:
+                for tensor in tensors:
+                    if self.memory.shared:
+                        session.before_write(tensor)
+                    keys.add(tensor.untyped_storage()._cdata)
+            keys -= self.pinned
+            self.pinned |= keys
+        return keys
+
+    def release(self, keys: set[int]) -> None:
+        """The collective that claimed these storages is done writing them."""
+        with self.device_lock:
+            self.pinned -= keys
+
+    # -- are the ranks replicas? --------------------------------------------------------------------
+    def _long_lived(self, session: Session) -> tuple[int, int]:
+        """Bytes of the session's long-lived storages, and of those another session holds too."""
+        held = session.storage_of
+        keys = {k for h in self._state(session).long_lived if h in held for k in held[h]}
+        total = shared = 0
+        for key in keys:
+            nbytes = session.storages[key][0]
+            if nbytes < MIN_SHARED_BYTES:
+                continue
+            total += nbytes
+            if self.memory.is_shared(key):
+                shared += nbytes
+        return total, shared
+
+    def _judge(self, job_id: str, sessions: list[Session]) -> None:
+        """At the end of a round: whether the job's ranks here behave like data-parallel replicas."""
+        if min(self._state(s).rounds for s in sessions) < REPLICA_ROUNDS:
+            return
+        figures = {s.rank: self._long_lived(s) for s in sessions}
+        if not any(total for total, _shared in figures.values()):
+            return
+        worst = min(figures, key=lambda r: figures[r][1] / figures[r][0] if figures[r][0] else 1.0)
+        total, shared = figures[worst]
+        if total == 0 or shared >= REPLICA_SHARE * total:
+            held = sum(t for t, _s in figures.values())
+            matched = sum(s for _t, s in figures.values())
+            self.verdicts[job_id] = (
+                "yes",
+                f"ranks {', '.join(map(str, sorted(figures)))} hold the same parameters "
+                f"({matched} of {held} long-lived bytes shared)",
+            )
+            return
+        other = min(r for r in figures if r != worst)
+        first, second = sorted((worst, other))
+        self.verdicts[job_id] = (
+            "no",
+            f"ranks {first} and {second} hold different parameters: not data-parallel replicas "
+            f"(only {shared} of rank {worst}'s {total} long-lived bytes match another rank's)",
+        )
+
+    def summary(self, job_id: str, share: bool = True) -> dict[str, Any]:
+        """The job's memory on this device (shared and per-rank private bytes) and whether its ranks
+        here are data-parallel replicas: "yes", "no" or "unknown", with the reason. With `share`,
+        what the ranks hold alike is shared first (else the figures are as the last collective left them)."""
+        if share:
+            self.share_job(job_id)
+        sessions = self.job_sessions(job_id)  # read without the device lock: status never waits
+        ranks = [s.rank for s in sessions]
+        shared: dict[int, int] = {}
+        private: dict[str, int] = {}
+        for session in sessions:
+            mine = 0
+            for key, (nbytes, _count) in list(session.storages.items()):
+                if self.memory.is_shared(key):
+                    shared[key] = nbytes
+                else:
+                    mine += nbytes
+            private[str(session.rank)] = mine
+        shared_bytes = sum(shared.values())
+        known = [self.ranks.get(s) for s in sessions]
+        rounds = min((state.rounds if state else 0 for state in known), default=0)
+        replicas, reason = self.verdicts.get(job_id, ("unknown", ""))
+        if len(sessions) < 2:
+            replicas, reason = "unknown", f"{len(sessions)} rank(s) of job {job_id} on this device"
+        elif not reason:
+            reason = f"{rounds} of {REPLICA_ROUNDS} rounds of collectives seen"
+        return {
+            "ranks": ranks,
+            "shared_bytes": shared_bytes,
+            "private_bytes": private,
+            "device_bytes": shared_bytes + sum(private.values()),
+            "held_bytes": {str(s.rank): s.held_bytes for s in sessions},
+            "rounds": rounds,
+            "replicas": replicas,
+            "reason": reason,
+            "compare_seconds": self.compare_seconds,
+            "compared_bytes": self.compared_bytes,
+            "copied_bytes": self.memory.copied_bytes,
+        }
+
+    def forget(self, job_id: str) -> None:
+        """Drop the verdict of a job whose sessions are gone."""
+        self.verdicts.pop(job_id, None)

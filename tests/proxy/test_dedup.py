@@ -1,0 +1,301 @@
+"""Replica splicing's memory: ranks of a job on one device keep identical storages once.
+
+First on a Server object in this process (its executor, its control handler): identical storages
+of two sessions are kept once, a write gives the writer its own copy first, views keep aliasing,
+and a save holds the shared storage once and loads it shared and correct. Then with real server
+processes and torch programs: 4 DDP ranks spliced on one device train to the bits of 4 devices,
+using at most 1.5x the device memory of one rank alone, and are judged replicas; ranks with
+different weights are judged not replicas, with the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from singularity.proxy.bootstrap._singularity_proxy import protocol
+from singularity.proxy.control import ProxyControl, splice_refusal
+from singularity.proxy.server.control import ControlHandler
+from singularity.proxy.server.service import Server
+from singularity.proxy.server.session import Session
+from tests.conftest import requires_root
+from tests.helpers import Daemon, running_daemon, wait_until
+from tests.proxy.conftest import PYTHON, ProxyServer, start_linked_servers, start_ranks, stop_server
+from tests.test_collectives import (
+    JOB_OPTIONS,
+    printed,
+    rank_logs,
+    steps_done,
+    succeeded,
+    trained_beyond,
+)
+
+JOB = "job"
+FLOATS = 4096
+"""Elements of the test's tensors (16 KiB: above the size worth sharing)."""
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    """A virtual device's server in this process (sessions dropped at the end)."""
+    made = Server(0, 1 << 30, None)
+    yield made
+    for session in list(made.sessions.values()):
+        made.drop(session)
+
+
+def open_sessions(server: Server, ranks: int) -> list[Session]:
+    """Sessions of ranks 0..ranks-1 of the test's job."""
+    sessions = [Session(JOB, rank, os.getuid(), server.memory) for rank in range(ranks)]
+    for session in sessions:
+        server.add_session(session)
+    return sessions
+
+
+def run(server: Server, session: Session, ops: list[list[object]]) -> None:
+    """Run operations as the session's process would send them; raise the first failure."""
+    server.executor.run_ops(session, ops, 0, len(ops), [])
+    session.raise_pending()
+
+
+def handle(number: int) -> dict[str, int]:
+    return {protocol.TAG_HANDLE: number}
+
+
+def test_identical_storages_are_kept_once_and_copied_before_a_write(server: Server) -> None:
+    """Same bytes under two ranks are held once; an operation writing through a view gives its
+    session its own copy first (the other rank keeps its bytes, the view still aliases its base)."""
+    first, second = open_sessions(server, 2)
+    values = torch.arange(FLOATS, dtype=torch.float32)
+    for session in (first, second):
+        session.add(1, values.clone())
+        session.add(2, session.tensors[1][10:20])
+        session.add(3, torch.full((FLOATS,), float(session.rank)))  # differs per rank
+    alone = server.memory.used
+    server.dedup.share_job(JOB)
+    assert server.memory.used == alone - FLOATS * 4
+    assert second.tensors[1].data_ptr() == first.tensors[1].data_ptr()
+    assert second.tensors[2].data_ptr() == first.tensors[2].data_ptr()
+    assert second.tensors[3].data_ptr() != first.tensors[3].data_ptr()
+    assert (first.held_bytes, second.held_bytes) == (2 * FLOATS * 4, 2 * FLOATS * 4)
+
+    ops: list[list[object]] = [
+        [protocol.OP_DEFINE, 1, "aten", "add_", "Tensor"],
+        [protocol.OP_CALL, 1, 100, [handle(2), handle(2)], {}],  # the view doubles itself
+    ]
+    run(server, second, ops)
+    assert torch.equal(first.tensors[1], values), "the other rank's bytes are untouched"
+    doubled = values.clone()
+    doubled[10:20] *= 2
+    assert torch.equal(second.tensors[1], doubled), "the write reached the base through the view"
+    assert second.tensors[2].untyped_storage()._cdata == second.tensors[1].untyped_storage()._cdata
+    assert server.memory.used == alone
+
+
+def test_a_save_holds_a_shared_storage_once_and_loads_it_shared(server: Server, tmp_path: Path) -> None:
+    """A quiesced job whose ranks share storages saves them once; loaded on another device, the
+    ranks share them again, hold the same bytes, and a write still reaches only its own rank."""
+    sessions = open_sessions(server, 3)
+    generator = torch.Generator().manual_seed(5)
+    weights = torch.randn(FLOATS, generator=generator)
+    for session in sessions:
+        session.add(1, weights.clone())
+        session.add(2, torch.randn(FLOATS, generator=generator))
+        session.parked = True
+    server.dedup.share_job(JOB)
+    path = tmp_path / "state"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        ControlHandler(server).save(JOB, fd)
+    finally:
+        os.close(fd)
+    assert path.stat().st_size < 5 * FLOATS * 4, "the shared storage is written once"
+
+    loaded_on = Server(1, 1 << 30, None)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            ControlHandler(loaded_on).load(JOB, fd)
+        finally:
+            os.close(fd)
+        assert loaded_on.memory.used == server.memory.used == 4 * FLOATS * 4
+        loaded = loaded_on.job_sessions(JOB)
+        for mine, saved in zip(loaded, sessions, strict=True):
+            for number in (1, 2):
+                assert mine.tensors[number].view(torch.int32).equal(saved.tensors[number].view(torch.int32))
+        assert len({s.tensors[1].data_ptr() for s in loaded}) == 1
+        ops: list[list[object]] = [
+            [protocol.OP_DEFINE, 1, "aten", "mul_", "Tensor"],
+            [protocol.OP_CALL, 1, 100, [handle(1), handle(2)], {}],
+        ]
+        run(loaded_on, loaded[1], ops)
+        assert torch.equal(loaded[0].tensors[1], weights) and torch.equal(loaded[2].tensors[1], weights)
+        assert torch.equal(loaded[1].tensors[1], weights * sessions[1].tensors[2])
+    finally:
+        for session in loaded_on.job_sessions(JOB):
+            loaded_on.drop(session)
+
+
+# -- real servers, real programs ----------------------------------------------------------------------
+@pytest.fixture
+def started() -> Iterator[list[ProxyServer]]:
+    """Servers the test starts (stopped at the end)."""
+    servers: list[ProxyServer] = []
+    yield servers
+    for server in servers:
+        stop_server(server)
+
+
+class Held:
+    """A job's ranks run up to the hold after their last step; then the test lets them end."""
+
+    def __init__(self, folder: Path, servers: list[ProxyServer], ranks: int, args: Sequence[str]) -> None:
+        folder.mkdir()
+        self.folder = folder
+        self.servers = servers
+        self.release = folder / "release"
+        ready = str(folder / "ready-")
+        command = ["splice_train.py", *args, "--hold", str(self.release), "--ready", ready]
+        self.processes = start_ranks(command, ranks, [s.socket for s in servers])
+        self.ready = [Path(f"{ready}{rank}") for rank in range(ranks)]
+
+    def wait_trained(self) -> None:
+        """Wait until every rank is past its last step and the barrier after it."""
+
+        def trained() -> bool:
+            failed = [p for p in self.processes if p.poll() is not None]
+            assert not failed, [p.communicate()[1][-3000:] for p in failed]
+            return all(path.exists() for path in self.ready)
+
+        wait_until(trained, timeout=600, interval=0.2)
+
+    def finish(self) -> list[str]:
+        """Let the ranks end; each one's stdout."""
+        self.release.touch()
+        outputs = [p.communicate(timeout=600) for p in self.processes]
+        assert [p.returncode for p in self.processes] == [0] * len(self.processes), [
+            err[-3000:] for _, err in outputs
+        ]
+        return [out for out, _ in outputs]
+
+
+def held_job(started: list[ProxyServer], tmp: Path, devices: int, ranks: int, args: Sequence[str]) -> Held:
+    """Start a job of `ranks` ranks on `devices` linked servers and wait until it is trained."""
+    where = tmp / f"servers-{len(started)}"
+    where.mkdir()
+    servers = start_linked_servers(where, devices)
+    job = Held(tmp / f"job-{len(started)}", servers, ranks, args)
+    started.extend(servers)
+    job.wait_trained()
+    return job
+
+
+def allocated(server: ProxyServer) -> int:
+    """The server's own count of its live storage bytes."""
+    with ProxyControl(server.control) as control:
+        return int(control.status()["allocated"])
+
+
+def replicas(server: ProxyServer) -> dict[str, Any]:
+    with ProxyControl(server.control) as control:
+        return control.replicas(JOB)
+
+
+MODEL = ["--width", "256", "--layers", "4", "--steps", "5"]
+"""Parameters and Adam state of about 3 MiB against a few KiB of activations."""
+
+
+@pytest.mark.timeout(900)
+def test_four_spliced_replicas_train_like_four_devices_in_one_model_of_memory(
+    started: list[ProxyServer], tmp_path: Path
+) -> None:
+    """4 DDP ranks on 1 device print what they print on 4 devices, bit for bit; the device holds at
+    most 1.5x what 1 rank alone holds; the server judges the ranks data-parallel replicas."""
+    alone = held_job(started, tmp_path, 1, 1, MODEL)
+    alone_bytes = allocated(alone.servers[0])
+    assert replicas(alone.servers[0])["replicas"] == "unknown"
+    alone.finish()
+
+    spliced = held_job(started, tmp_path, 1, 4, MODEL)
+    spliced_bytes = allocated(spliced.servers[0])  # as the collectives left it, before any request
+    summary = replicas(spliced.servers[0])
+    spliced_out = spliced.finish()
+
+    assert spliced_bytes <= 1.5 * alone_bytes, (spliced_bytes, alone_bytes, summary)
+    assert summary["replicas"] == "yes", summary
+    assert summary["device_bytes"] <= 1.5 * alone_bytes, summary
+    assert splice_refusal([summary]) == ""
+
+    spread = held_job(started, tmp_path, 4, 4, MODEL)
+    assert all(replicas(s)["replicas"] == "unknown" for s in spread.servers), "one rank per device"
+    assert spliced_out == spread.finish()
+    assert all(f"rank {r} final " in out for r, out in enumerate(spliced_out))
+
+
+@pytest.mark.timeout(600)
+def test_ranks_with_different_weights_are_not_replicas(started: list[ProxyServer], tmp_path: Path) -> None:
+    """2 ranks that train their own weights on one device: the server says they are not replicas,
+    naming them, and the daemon's check refuses splicing with that reason."""
+    job = held_job(started, tmp_path, 1, 2, [*MODEL, "--different"])
+    summary = replicas(job.servers[0])
+    job.finish()
+    assert summary["replicas"] == "no", summary
+    reason = str(summary["reason"])
+    assert reason.startswith("ranks 0 and 1 hold different parameters: not data-parallel replicas"), reason
+    assert splice_refusal([summary]) == reason
+
+
+def device_control(daemon: Daemon, job: int) -> Path:
+    """The daemon's control socket of the job's server on its one device."""
+    found = sorted(daemon.state_dir.glob(f"proxy/control/job-{job}-dev-*.sock"))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def shared_now(daemon: Daemon, job: int) -> int:
+    """Bytes the job's ranks share on its device now (what they hold alike shared first)."""
+    with ProxyControl(device_control(daemon, job)) as control:
+        return int(control.replicas(str(job))["shared_bytes"])
+
+
+@requires_root
+@pytest.mark.timeout(1800)
+def test_a_spliced_job_preempted_and_resumed_is_exact(daemon_root: Path) -> None:
+    """4 ranks spliced on 1 device (through the daemon, --gpus 1), preempted and resumed 3 times
+    (the quiesce shares what the replicas hold alike, the save holds it once): every rank prints
+    what an uninterrupted run on 4 devices prints."""
+    total, ranks = 30, 4
+    args = [*MODEL[:-1], str(total), "--sleep", "0.05"]
+    options = [*JOB_OPTIONS, "--ranks", str(ranks)]
+    release = daemon_root / "release"
+    with running_daemon(daemon_root, virtual_devices=ranks) as daemon:
+        uninterrupted = daemon.submit(PYTHON, "splice_train.py", *args, options=[*options, "--gpus", "4"])
+        expected = printed(succeeded(daemon, uninterrupted, ranks))
+        job = daemon.submit(
+            PYTHON, "splice_train.py", *args, "--hold", str(release), options=[*options, "--gpus", "1"]
+        )
+        daemon.wait_state(job, "RUNNING")
+        try:
+            seen = 0
+            for _ in range(3):
+                beyond = min(seen, total - 1)
+                wait_until(functools.partial(trained_beyond, daemon, job, ranks, beyond), timeout=600)
+                result = daemon.sing("preempt", str(job), timeout=300)
+                assert result.code == 0, result.err
+                daemon.wait_state(job, "RUNNING", timeout=300)
+                assert shared_now(daemon, job) >= 0  # the restored server answers for the job
+                seen = steps_done(daemon, job, ranks)
+        except BaseException:
+            daemon.sing("cancel", str(job))  # it would wait for `release` forever
+            raise
+        release.touch()
+        assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, ranks)
+        assert printed(rank_logs(daemon, job, ranks)) == expected
+        reasons = [e["reason"] for e in daemon.job(job)["events"]]
+        assert sum(r.startswith("restored from checkpoint") for r in reasons) == 3
