@@ -50,9 +50,7 @@ ACTIONS = (
     JobAction("resume", "r", "put a suspended job back in the queue"),
     JobAction("checkpoint", "k", "checkpoint it and let it run on"),
     JobAction("cancel", "c", "end it: SIGTERM, then SIGKILL"),
-    JobAction(
-        "resize", "z", "change how many devices it has", unavailable="the daemon cannot resize jobs yet"
-    ),
+    JobAction("resize", "z", "checkpoint it and restore it on fewer or more devices (ranks see no change)"),
     JobAction("migrate", "m", "checkpoint it here, move it to the peer and resume it there"),
 )
 
@@ -85,8 +83,8 @@ class DataSource(Protocol):
         """The rank's log from its start, following it through preemptions, restores and restarts."""
 
     def act(self, action: str, job_id: int, target: str = "") -> str:
-        """Do one of ACTIONS to a job (migrate: to the peer named by target); a sentence saying what
-        happened (CliError when refused)."""
+        """Do one of ACTIONS to a job (migrate: to the peer named by target; resize: to the number of
+        devices it names); a sentence saying what happened (CliError when refused)."""
 
 
 class LogFollower:
@@ -219,6 +217,9 @@ class DaemonSource:
         ref = pb.JobRef(id=job_id)
         if action == "migrate":
             return self._migrate(job_id, target)
+        if action == "resize":
+            job = self._call("Resize", pb.ResizeRequest(id=job_id, gpus=int(target)))
+            return f"job {job_id}: resizing to {target} device{'s' if target != '1' else ''} ({job.state})"
         if action == "checkpoint":
             return output.checkpoint_text(self._call("Checkpoint", ref))
         if action == "cancel":

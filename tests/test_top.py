@@ -144,7 +144,7 @@ async def test_actions_ask_first(daemon: Daemon) -> None:
 
         await pilot.press("z")
         assert not isinstance(app.screen, ConfirmScreen)
-        assert "resize: the daemon cannot resize jobs yet" in app.notices
+        assert f"resize: job {job} has one rank: only a job of several ranks can be resized" in app.notices
 
         await pilot.press("m")
         assert not isinstance(app.screen, ConfirmScreen)

@@ -16,7 +16,7 @@ from textual.pilot import Pilot
 from textual.widgets import Input
 
 from singularity.cli.top.app import TopApp
-from singularity.cli.top.screens import ConfirmScreen, PeerChoiceScreen
+from singularity.cli.top.screens import ChoiceScreen, ConfirmScreen
 from tests.top_data import FixedSource
 
 SIZE = (150, 46)
@@ -126,10 +126,10 @@ async def test_migration_goes_to_the_chosen_peer_after_a_confirmation() -> None:
         await settled(pilot)
         chosen = top.selected
         await pilot.press("m")
-        assert isinstance(top.screen, PeerChoiceScreen)
-        assert [node for node, _ in top.screen.peers] == ["node-b"], "node-c is draining, node-d dead"
+        assert isinstance(top.screen, ChoiceScreen)
+        assert [node for node, _ in top.screen.choices] == ["node-b"], "node-c is draining, node-d dead"
         await pilot.press("escape")
-        assert not isinstance(top.screen, PeerChoiceScreen) and source.actions == []
+        assert not isinstance(top.screen, ChoiceScreen) and source.actions == []
         await pilot.press("m", "1")
         assert isinstance(top.screen, ConfirmScreen)
         assert top.screen.question.endswith("to node-b?")
@@ -139,3 +139,29 @@ async def test_migration_goes_to_the_chosen_peer_after_a_confirmation() -> None:
                 break
             await pilot.pause(0.05)
         assert source.actions == [("migrate", chosen, "node-b")]
+
+
+def test_resize_asks_how_many_devices(snap_compare: Compare) -> None:
+    """`z` on a running job of 4 ranks on 2 devices offers 1, 3 and 4 devices."""
+    assert snap_compare(app(), terminal_size=SIZE, run_before=settled, press=["z"])
+
+
+async def test_resize_goes_to_the_chosen_size_after_a_confirmation() -> None:
+    source = FixedSource()
+    top = TopApp(source, refresh_seconds=3600)
+    async with top.run_test(size=SIZE) as pilot:
+        await settled(pilot)
+        chosen = top.selected
+        assert chosen is not None and top.jobs[chosen].ranks == 4 and top.jobs[chosen].gpus == 2
+        await pilot.press("z")
+        assert isinstance(top.screen, ChoiceScreen)
+        assert [size for size, _ in top.screen.choices] == ["1", "3", "4"]
+        await pilot.press("2")
+        assert isinstance(top.screen, ConfirmScreen)
+        assert top.screen.question.endswith("to 3 devices?")
+        await pilot.press("y")
+        for _ in range(200):
+            if source.actions:
+                break
+            await pilot.pause(0.05)
+        assert source.actions == [("resize", chosen, "3")]

@@ -27,7 +27,7 @@ from singularity.cli.errors import CliError
 from singularity.cli.output import duration
 from singularity.cli.source import ACTIONS, DataSource, LogStream, Snapshot
 from singularity.cli.top import view
-from singularity.cli.top.screens import ConfirmScreen, HelpScreen, PeerChoiceScreen
+from singularity.cli.top.screens import ChoiceScreen, ConfirmScreen, HelpScreen
 from singularityd.api.v1 import singularity_pb2 as pb
 
 ACTION_BY_NAME = {action.name: action for action in ACTIONS}
@@ -112,7 +112,7 @@ class TopApp(App[None]):
     #filter.shown { display: block; }
     #detail { height: 45%; }
     #overview { padding: 0 1; }
-    ConfirmScreen, HelpScreen, PeerChoiceScreen { align: center middle; }
+    ConfirmScreen, HelpScreen, ChoiceScreen { align: center middle; }
     #dialog { width: 64; height: auto; border: thick $error; background: $surface; padding: 1 2; }
     #explanation { margin: 1 0; }
     #buttons { height: auto; align: center middle; }
@@ -574,12 +574,17 @@ class TopApp(App[None]):
         if name == "migrate":
             self._choose_peer(job)
             return
+        if name == "resize":
+            self._choose_size(job)
+            return
         self._confirm(name, job)
 
     def _confirm(self, name: str, job: pb.Job, target: str = "") -> None:
         """Ask once, then run the action (migrate: to the target peer) in a worker."""
         action = ACTION_BY_NAME[name]
         where = f" to {target}" if target else ""
+        if name == "resize":
+            where += " device" if target == "1" else " devices"
         question = f"{name.capitalize()} job {job.id} ({job.name}, {job.state}){where}?"
         detail = f"This will {action.explanation}."
 
@@ -601,11 +606,28 @@ class TopApp(App[None]):
         if not targets:
             self._announce(f"migrate: no peer is alive with {job.gpus} free device(s)", "error")
             return
-        choices = [(p.node, f"{p.free}/{p.devices} devices free, {p.address}") for p in targets]
+        choices = [(p.node, f"{p.node}: {p.free}/{p.devices} devices free, {p.address}") for p in targets]
 
         def chosen(peer: str | None) -> None:
             """Confirm the move to the chosen peer."""
             if peer:
                 self._confirm("migrate", job, peer)
 
-        self.push_screen(PeerChoiceScreen(f"Move job {job.id} ({job.name}) to which peer?", choices), chosen)
+        self.push_screen(ChoiceScreen(f"Move job {job.id} ({job.name}) to which peer?", choices), chosen)
+
+    def _choose_size(self, job: pb.Job) -> None:
+        """Ask how many devices a running job of several ranks should have, then confirm."""
+        refusal = view.resize_refusal(job)
+        if refusal:
+            self._announce(f"resize: {refusal}", "error")
+            return
+        sizes = [n for n in range(1, job.ranks + 1) if n != job.gpus]
+        choices = [(str(n), f"{n} device{'s' if n != 1 else ''}") for n in sizes]
+
+        def chosen(size: str | None) -> None:
+            """Confirm the resize to the chosen size."""
+            if size:
+                self._confirm("resize", job, size)
+
+        question = f"Resize job {job.id} ({job.name}, {job.ranks} ranks on {job.gpus}) to how many devices?"
+        self.push_screen(ChoiceScreen(question, choices), chosen)

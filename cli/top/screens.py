@@ -1,5 +1,5 @@
-"""The modal screens of `sing top`: the choice of a peer, the confirmation before an action, and
-the help."""
+"""The modal screens of `sing top`: a choice (a peer, a number of devices), the confirmation before
+an action, and the help."""
 
 from __future__ import annotations
 
@@ -51,42 +51,43 @@ class ConfirmScreen(ModalScreen[bool]):
         self.dismiss(answer)
 
 
-class PeerChoiceScreen(ModalScreen[str | None]):
-    """Asks which peer to move a job to; dismissed with the peer's node name, or None (Escape)."""
+class ChoiceScreen(ModalScreen[str | None]):
+    """Asks for one of a few choices (the peer to move a job to, its new number of devices);
+    dismissed with the chosen value, or None (Escape)."""
 
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "Cancel")]
 
-    def __init__(self, question: str, peers: list[tuple[str, str]]) -> None:
+    def __init__(self, question: str, choices: list[tuple[str, str]]) -> None:
         super().__init__()
         self.question = question
-        self.peers = peers
+        self.choices = choices
 
     def compose(self) -> ComposeResult:
-        """The question and one button per peer (its name and what it has free), then Cancel."""
+        """The question and one numbered button per choice (value, label), then Cancel."""
         with Vertical(id="dialog"):
             yield Static(Text(self.question, style="bold"), id="question")
             with Vertical(id="choices"):
-                for number, (node, label) in enumerate(self.peers, start=1):
-                    yield Button(f"{number}. {node}: {label}", id=f"peer-{number}", name=node)
+                for number, (value, label) in enumerate(self.choices, start=1):
+                    yield Button(f"{number}. {label}", id=f"choice-{number}", name=value)
             with Horizontal(id="buttons"):
                 yield Button("Cancel (Esc)", variant="primary", id="cancel")
 
     def on_mount(self) -> None:
-        """Cancel is focused, so Enter alone moves nothing."""
+        """Cancel is focused, so Enter alone does nothing."""
         self.query_one("#cancel", Button).focus()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
-        """A click (or Enter) on a peer chooses it; on Cancel, nothing."""
+        """A click (or Enter) on a choice takes it; on Cancel, nothing."""
         self.dismiss(event.button.name if event.button.id != "cancel" else None)
 
     def on_key(self, event: Any) -> None:
-        """A digit chooses the peer of that number."""
-        if event.character and event.character.isdigit() and 1 <= int(event.character) <= len(self.peers):
+        """A digit takes the choice of that number."""
+        if event.character and event.character.isdigit() and 1 <= int(event.character) <= len(self.choices):
             event.stop()
-            self.dismiss(self.peers[int(event.character) - 1][0])
+            self.dismiss(self.choices[int(event.character) - 1][0])
 
     def action_cancel(self) -> None:
-        """Escape: no peer."""
+        """Escape: no choice."""
         self.dismiss(None)
 
 

@@ -240,6 +240,15 @@ def migration_targets(peers: pb.ListPeersResponse, devices_needed: int) -> list[
     return [p for p in peers.peers if p.state == "alive" and not p.draining and p.free >= devices_needed]
 
 
+def resize_refusal(job: pb.Job) -> str:
+    """Why the job cannot be resized now ('' when it can): only a running job of several ranks."""
+    if job.ranks < 2:
+        return f"job {job.id} has one rank: only a job of several ranks can be resized"
+    if job.state != "RUNNING":
+        return f"job {job.id} is {job.state}; only a RUNNING job can be resized"
+    return ""
+
+
 def title_text(info: pb.DaemonInfo, where: str, jobs: Sequence[pb.Job], now: float) -> Text:
     """The top line: the daemon, where it is, its uptime and the jobs by state."""
     text = Text(f"singularityd {info.version}", style="bold")

@@ -23,7 +23,7 @@ from textual.widgets import DataTable
 from singularity.cli.source import DaemonSource
 from singularity.cli.top import view
 from singularity.cli.top.app import TopApp
-from singularity.cli.top.screens import PeerChoiceScreen
+from singularity.cli.top.screens import ChoiceScreen
 from singularityd.checkpoint import CheckpointUnavailable, locate_criu
 from singularityd.federation.pki import Pki
 from tests.federation import netns
@@ -438,8 +438,8 @@ async def test_sing_top_shows_the_peers_and_migrates_a_job(lab: Lab) -> None:
         await pilot.press("slash", *"top-move", "enter")
         await until(lambda: app.selected == job)
         await pilot.press("m")
-        assert isinstance(app.screen, PeerChoiceScreen)
-        number = 1 + [node for node, _ in app.screen.peers].index("node-b")
+        assert isinstance(app.screen, ChoiceScreen)
+        number = 1 + [node for node, _ in app.screen.choices].index("node-b")
         await pilot.press(str(number), "y")
         await until(lambda: any(n == f"job {job}: moved to node-b" for n in app.notices), timeout=300)
     wait_state(b, job, "RUNNING")
