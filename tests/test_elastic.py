@@ -2,13 +2,13 @@
 into idle devices, shrinks when another job arrives and grows back when it leaves, and prints
 exactly what it prints on 4 devices throughout.
 
-No step depends on timing: the other jobs and the elastic job end only when the test creates
-their files, and each change is awaited from the daemon's own view (devices held, events).
+No step depends on timing: the other jobs and the elastic job end, and the elastic job passes
+its gates (steps 15, 30, 45), only when the test creates their files, and each change is awaited
+from the daemon's own view (devices held, events).
 """
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import pytest
@@ -17,9 +17,12 @@ from tests.conftest import requires_root
 from tests.helpers import Daemon, running_daemon, wait_until
 from tests.proxy.conftest import PYTHON
 from tests.test_collectives import JOB_OPTIONS, run_job, steps_done
-from tests.test_splicing import ARGS, RANKS, STEPS, devices_of, finish, refused, steps_beyond
+from tests.test_splicing import ARGS, RANKS, STEPS, devices_of, finish, refused
 
 ELASTIC = ["--ranks", str(RANKS), "--min-gpus", "1", "--max-gpus", str(RANKS)]
+GATES = (15, 30, 45)
+"""Steps before which the elastic job waits for the test: each size trains a known span of steps
+(0-14 on 1 device, 15-29 on 4, 30-44 on 2, 45-59 on 4)."""
 
 
 def hold_devices(daemon: Daemon, gpus: int, release: Path) -> int:
@@ -30,13 +33,16 @@ def hold_devices(daemon: Daemon, gpus: int, release: Path) -> int:
     return job
 
 
-def trained_on(daemon: Daemon, job: int, gpus: int) -> None:
-    """Wait until the job runs on `gpus` devices and then trains further (unless it is done)."""
+def on_devices(daemon: Daemon, job: int, gpus: int) -> None:
+    """Wait until the job runs on `gpus` devices."""
     wait_until(
         lambda: daemon.job(job)["state"] == "RUNNING" and len(devices_of(daemon, job)) == gpus, timeout=300
     )
-    seen = steps_done(daemon, job, RANKS)
-    wait_until(functools.partial(steps_beyond, daemon, job, min(seen, STEPS - 1)), timeout=300)
+
+
+def at_gate(daemon: Daemon, job: int, step: int) -> None:
+    """Wait until every rank has printed `step` steps (it then waits at the gate before the next)."""
+    wait_until(lambda: steps_done(daemon, job, RANKS) >= step, timeout=300)
 
 
 def resized_to(daemon: Daemon, job: int) -> list[int]:
@@ -49,7 +55,8 @@ def resized_to(daemon: Daemon, job: int) -> list[int]:
 @pytest.mark.timeout(1800)
 def test_an_elastic_job_grows_shrinks_and_grows_back_exactly(daemon_root: Path) -> None:
     """Started on the 1 device left free, the job grows to 4 when the other job ends, shrinks to 2
-    for a job of 2 devices and grows back to 4 when that one ends: same bytes as on 4 devices."""
+    for a job of 2 devices and grows back to 4 when that one ends, training a span of steps on
+    each size: every rank prints the same bytes as on 4 devices."""
     config = {"elastic_grow_seconds": 1.0}
     with running_daemon(daemon_root, virtual_devices=RANKS, config=config) as daemon:
         on_four = run_job(daemon, "ddp_train.py", ARGS, ranks=RANKS, gpus=RANKS)
@@ -57,20 +64,26 @@ def test_an_elastic_job_grows_shrinks_and_grows_back_exactly(daemon_root: Path) 
 
         first = hold_devices(daemon, 3, daemon_root / "release-first")
         release = daemon_root / "release-elastic"
-        job = daemon.submit(
-            PYTHON, "ddp_train.py", *ARGS, "--hold", str(release), options=[*JOB_OPTIONS, *ELASTIC]
-        )
+        gates = [arg for step in GATES for arg in ("--gate", f"{step}:{daemon_root / f'gate-{step}'}")]
+        program = [PYTHON, "ddp_train.py", *ARGS, *gates, "--hold", str(release)]
+        job = daemon.submit(*program, options=[*JOB_OPTIONS, *ELASTIC])
         try:
-            trained_on(daemon, job, 1)
+            on_devices(daemon, job, 1)
+            at_gate(daemon, job, GATES[0])
             (daemon_root / "release-first").touch()
             assert daemon.sing("wait", str(first), timeout=120).code == 0
-            trained_on(daemon, job, 4)
+            on_devices(daemon, job, 4)
+            (daemon_root / f"gate-{GATES[0]}").touch()
+            at_gate(daemon, job, GATES[1])
             second = hold_devices(daemon, 2, daemon_root / "release-second")
+            on_devices(daemon, job, 2)
             assert sorted(devices_of(daemon, second) + devices_of(daemon, job)) == [0, 1, 2, 3]
-            trained_on(daemon, job, 2)
+            (daemon_root / f"gate-{GATES[1]}").touch()
+            at_gate(daemon, job, GATES[2])
             (daemon_root / "release-second").touch()
             assert daemon.sing("wait", str(second), timeout=120).code == 0
-            trained_on(daemon, job, 4)
+            on_devices(daemon, job, 4)
+            (daemon_root / f"gate-{GATES[2]}").touch()
         except BaseException:
             daemon.sing("cancel", str(job))
             raise
