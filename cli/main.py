@@ -121,7 +121,9 @@ def _wait_for(stub: Any, job_id: int) -> pb.Job:
 @app.command(context_settings={"allow_interspersed_args": False})
 def submit(
     command: list[str] = typer.Argument(None, help="The program and its arguments, after --."),
-    gpus: int = typer.Option(1, "--gpus", "-g", help="Devices the job needs (all at once)."),
+    gpus: int = typer.Option(
+        None, "--gpus", "-g", help="Devices the job needs, all at once (default 1; elastic: --max-gpus)."
+    ),
     name: str = typer.Option("", "--name", "-n", help="Job name (default: the program's name)."),
     priority: int = typer.Option(0, "--priority", "-p", help="Higher runs first."),
     ranks: int = typer.Option(1, "--ranks", help="Processes to start (torchrun-style ranks)."),
@@ -133,6 +135,12 @@ def submit(
     ),
     max_restarts: int = typer.Option(
         0, "--max-restarts", help="Failures after which the job resumes from its last checkpoint (0-100)."
+    ),
+    min_gpus: int = typer.Option(
+        0, "--min-gpus", help="Elastic: fewest devices the job runs on (default 1 with --max-gpus)."
+    ),
+    max_gpus: int = typer.Option(
+        0, "--max-gpus", help="Elastic: most devices the job grows to (default --ranks with --min-gpus)."
     ),
     output_format: str = typer.Option(None, "--output", "-o", help="id (default) or json: the job queued."),
     anywhere: bool = typer.Option(
@@ -160,13 +168,16 @@ def submit(
     request = pb.SubmitRequest(
         command=command,
         name=name,
-        gpus=gpus,
         priority=priority,
         ranks=ranks,
         cwd=directory,
         env=job_env,
         max_restarts=max_restarts,
+        min_gpus=min_gpus,
+        max_gpus=max_gpus,
     )
+    if gpus is not None:
+        request.gpus = gpus
     if checkpoint_every is not None:
         request.checkpoint_interval = checkpoint_every
     if anywhere is not None:

@@ -66,6 +66,8 @@ def job_dict(job: pb.Job) -> dict[str, Any]:
         "rss_bytes": job.rss_bytes,
         "attempt": job.attempt,
         "max_restarts": job.max_restarts,
+        "min_gpus": job.min_gpus,
+        "max_gpus": job.max_gpus,
         "restarts_used": job.restarts_used,
         "checkpoint_interval": job.checkpoint_interval,
         "checkpoints": job.checkpoints,
@@ -184,15 +186,28 @@ def exit_text(job: pb.Job) -> str:
     return "-"
 
 
+def gpus_cell(job: pb.Job) -> str:
+    """A job's devices for `sing ps`: the count, with an elastic job's range, e.g. '2 (1-4)'."""
+    return f"{job.gpus} ({job.min_gpus}-{job.max_gpus})" if job.max_gpus else str(job.gpus)
+
+
+def gpus_text(job: pb.Job) -> str:
+    """A job's devices for `sing show`, e.g. '2 (elastic 1-4; 4 ranks share them)'."""
+    notes = [f"elastic {job.min_gpus}-{job.max_gpus}"] if job.max_gpus else []
+    if 0 < job.gpus < job.ranks:
+        notes.append(f"{job.ranks} ranks share them")
+    return f"{job.gpus}" + (f" ({'; '.join(notes)})" if notes else "")
+
+
 def job_row(job: pb.Job, wide: bool, now: float) -> list[str]:
     """One line of `sing ps`."""
     if not wide:
         return [
-            str(job.id), job.name, job.user, job.state, str(job.priority), str(job.gpus),
+            str(job.id), job.name, job.user, job.state, str(job.priority), gpus_cell(job),
             duration(run_time(job, now)), devices_or_reason(job),
         ]  # fmt: skip
     return [
-        str(job.id), job.name, job.user, job.state, str(job.priority), str(job.gpus),
+        str(job.id), job.name, job.user, job.state, str(job.priority), gpus_cell(job),
         str(job.ranks), duration(run_time(job, now)), f"{job.cpu_seconds:.1f}s",
         human_bytes(job.rss_bytes), exit_text(job), timestamp(job.submitted_at), str(job.checkpoints),
         *last_checkpoint_cells(job, now), " ".join(job.command), devices_or_reason(job),
@@ -226,7 +241,7 @@ def job_detail_text(detail: pb.JobDetail, wide: bool = False, header: bool = Tru
         f"Command:    {' '.join(job.command)}",
         f"Directory:  {job.cwd}",
         f"Priority:   {job.priority}",
-        f"GPUs:       {job.gpus}" + (f" ({job.ranks} ranks share them)" if 0 < job.gpus < job.ranks else ""),
+        f"GPUs:       {gpus_text(job)}",
         f"Ranks:      {job.ranks}",
         f"Devices:    {','.join(str(d) for d in job.devices) or '-'}",
         f"Submitted:  {timestamp(job.submitted_at)}",

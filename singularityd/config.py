@@ -70,6 +70,7 @@ class Config:
     shutdown_grace_seconds: float = 5.0
     criu: str = "auto"
     checkpoint_interval_seconds: float = 0.0
+    elastic_grow_seconds: float = 5.0
     checkpoint_keep: int = 2
     checkpoint_pre_copy: int = 1
     checkpoint_dir: Path | None = None
@@ -161,6 +162,9 @@ OPTIONS: dict[str, str] = {
     "criu": "'auto' (criu on PATH if `criu check` passes, else the private copy in the venv) "
     "or a path to a criu binary.",
     "checkpoint_interval_seconds": "Default periodic checkpoint interval; 0 disables (default 0).",
+    "elastic_grow_seconds": "How long devices stay idle, with no job waiting, before elastic jobs "
+    "(--min-gpus/--max-gpus) grow into them (default 5), so a device freed for a moment is not "
+    "taken and given back at once.",
     "checkpoint_keep": "How many complete checkpoints to keep per job (default 2).",
     "checkpoint_pre_copy": "Pre-copy rounds (CRIU pre-dumps while the job runs) before the final "
     "dump, so the pause grows with dirtied memory only; 0 disables (default 1).",
@@ -211,6 +215,14 @@ OPTIONS: dict[str, str] = {
     "come before discarding it (default 900).",
 }
 
+NON_NEGATIVE_SECONDS = (
+    "kill_grace_seconds",
+    "shutdown_grace_seconds",
+    "checkpoint_interval_seconds",
+    "elastic_grow_seconds",
+)
+"""Options in seconds where 0 is allowed (none, or at once)."""
+
 LIVE_OPTIONS = frozenset(
     {
         "log_level",
@@ -218,6 +230,7 @@ LIVE_OPTIONS = frozenset(
         "kill_grace_seconds",
         "shutdown_grace_seconds",
         "checkpoint_interval_seconds",
+        "elastic_grow_seconds",
         "checkpoint_keep",
         "checkpoint_pre_copy",
         "proxy_pre_copy",
@@ -279,10 +292,7 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         raise ConfigError(f"{source}: {name} must be more than 0")
     if name in ("checkpoint_pre_copy", "proxy_pre_copy") and coerced < 0:
         raise ConfigError(f"{source}: {name} must not be negative")
-    if (
-        name in ("kill_grace_seconds", "shutdown_grace_seconds", "checkpoint_interval_seconds")
-        and coerced < 0
-    ):
+    if name in NON_NEGATIVE_SECONDS and coerced < 0:
         raise ConfigError(f"{source}: {name} must not be negative")
     return coerced
 

@@ -18,6 +18,7 @@ import logging
 import time
 from asyncio import Future
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from typing import Any
 
 from singularityd.checkpoint.coordinator import BeforePause, Checkpoints, CheckpointTaken
@@ -45,16 +46,18 @@ from singularityd.core.jobs import (
     Requeued,
     Reschedule,
     RescheduleAfter,
+    ResizeRequested,
     RestoreFailed,
     RestoreProcesses,
     Started,
+    StillLaunching,
     Stimulus,
     TakeCheckpoint,
     TerminateProcesses,
     WatchProcesses,
     decide,
 )
-from singularityd.core.states import JobState, Transition
+from singularityd.core.states import InvalidTransition, JobState, Transition
 from singularityd.devices.access import DeviceAccess, DeviceError
 from singularityd.devices.inventory import Device, Inventory, refresh
 from singularityd.errors import StateConflict, not_found
@@ -68,6 +71,9 @@ from singularityd.store import JobRecord, Store
 log = logging.getLogger("singularityd")
 
 KILL_BACKSTOP_SECONDS = 2.0
+GROW_ROUND_MARGIN_SECONDS = 0.5
+"""While an elastic job could grow into idle devices, a round comes this much after they have been
+idle long enough (clocks differ slightly), and again after as long while the job is busy."""
 
 
 class Daemon:
@@ -99,6 +105,8 @@ class Daemon:
         """Per job being moved: awaited once its device state is pre-copied, before its final pause."""
         self._schedule_requested = False
         self._timers: set[asyncio.TimerHandle] = set()
+        self._idle_since: float | None = None
+        self._grow_round_due = False
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # Start and stop
@@ -399,19 +407,75 @@ class Daemon:
     def _schedule(self) -> None:
         self._schedule_requested = False
         began = time.perf_counter()
-        view = self.cluster_view()
-        if not view.queued:
+        view = self._with_idle(self.cluster_view())
+        elastic = any(job.max_devices and job.state is JobState.RUNNING for job in view.jobs)
+        if not view.queued and not elastic:
             return
         if self.holding_queue:
             self.store.set_pending_reasons({job.job_id: self.holding_queue for job in view.queued})
             return
         plan = plan_round(view)
+        wanted = {job.job_id: job.devices_wanted for job in view.queued}
         for job_id, devices in plan.starts:
+            if len(devices) != wanted[job_id]:
+                self.store.set_gpus(job_id, len(devices))
             self.apply(job_id, Started(devices))
         for job_id in plan.preemptions:
             self.apply(job_id, PreemptionWanted())
+        for job_id, gpus in plan.resizes:
+            self._resize_for_scheduler(job_id, gpus)
         self.store.set_pending_reasons(plan.pending_reasons)
         for job_id in plan.pending_reasons:
             self.feed.publish(job_id)
         seconds = time.perf_counter() - began
         self.feed.report(RoundPlanned(seconds, len(view.queued), len(plan.starts), len(plan.preemptions)))
+
+    def _with_idle(self, view: ClusterView) -> ClusterView:
+        """The view with since when devices have been idle with nothing queued; while an elastic
+        job could grow into them, a round is due once it may."""
+        grow_after = self.config.elastic_grow_seconds
+        if view.queued or not view.free_devices:
+            self._idle_since = None
+            return view
+        if self._idle_since is None:
+            self._idle_since = view.now
+        left = self._idle_since + grow_after - view.now
+        growable = view.can_preempt and any(
+            job.state is JobState.RUNNING and len(job.devices) < job.max_devices for job in view.jobs
+        )
+        if growable and not self._grow_round_due:
+            self._grow_round_due = True
+            self._later(max(left, 0.0) + GROW_ROUND_MARGIN_SECONDS, self._grow_round)
+        return replace(view, idle_since=self._idle_since, grow_after=grow_after)
+
+    def _grow_round(self) -> None:
+        """The round due once devices have been idle long enough for elastic jobs to grow."""
+        self._grow_round_due = False
+        self.request_schedule()
+
+    def _resize_for_scheduler(self, job_id: int, gpus: int) -> None:
+        """Start moving a running elastic job to `gpus` devices (nothing if it cannot be now)."""
+        previous = self.get_job(job_id).spec.gpus
+        try:
+            decision = self.apply(job_id, ResizeRequested("the scheduler", gpus))
+        except (InvalidTransition, StillLaunching):
+            return
+        if any(isinstance(action, TakeCheckpoint) for action in decision.actions):
+            self.spawn(self._logged_resize(job_id, gpus, previous))
+
+    async def _logged_resize(self, job_id: int, gpus: int, previous: int) -> None:
+        """A scheduler's resize to its end; a failed one leaves the job running as it was."""
+        try:
+            await self.follow_resize(job_id, gpus, previous)
+        except Exception as error:
+            log.warning("job %d: resize to %d devices failed: %s", job_id, gpus, error)
+
+    async def follow_resize(self, job_id: int, gpus: int, previous: int) -> CheckpointTaken:
+        """Store the job's new size while its stopping checkpoint is taken; put `previous` back
+        if the checkpoint fails (the job then runs on as it was)."""
+        self.store.set_gpus(job_id, gpus)
+        try:
+            return await self.checkpoint_outcome(job_id)
+        except BaseException:
+            self.store.set_gpus(job_id, previous)
+            raise

@@ -240,12 +240,7 @@ class Requests:
         decision = await self._apply_once_started(job_id, ResizeRequested(caller.user, gpus))
         if not any(isinstance(action, TakeCheckpoint) for action in decision.actions):
             return self.daemon.get_job(job_id)
-        self.daemon.store.set_gpus(job_id, gpus)
-        try:
-            await self.daemon.checkpoint_outcome(job_id)
-        except BaseException:
-            self.daemon.store.set_gpus(job_id, job.spec.gpus)
-            raise
+        await self.daemon.follow_resize(job_id, gpus, job.spec.gpus)
         return self.daemon.get_job(job_id)
 
     def resume(self, caller: Caller, job_id: int) -> JobRecord:

@@ -51,7 +51,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     init_pid INTEGER,
     init_start_ticks INTEGER,
     max_restarts INTEGER NOT NULL DEFAULT 0,
-    restarts_used INTEGER NOT NULL DEFAULT 0
+    restarts_used INTEGER NOT NULL DEFAULT 0,
+    min_gpus INTEGER NOT NULL DEFAULT 0,
+    max_gpus INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state);
 CREATE TABLE IF NOT EXISTS events (
@@ -75,6 +77,8 @@ CREATE TABLE IF NOT EXISTS holdings (job_id TEXT PRIMARY KEY, holding TEXT NOT N
 ADDED_COLUMNS = {
     "max_restarts": "INTEGER NOT NULL DEFAULT 0",
     "restarts_used": "INTEGER NOT NULL DEFAULT 0",
+    "min_gpus": "INTEGER NOT NULL DEFAULT 0",
+    "max_gpus": "INTEGER NOT NULL DEFAULT 0",
 }
 """Columns of the jobs table that a database created before them gets on open (their defaults
 keep its jobs' behaviour)."""
@@ -85,6 +89,7 @@ IMPORTED_COLUMNS = frozenset(
         "id", "name", "uid", "gid", "user", "priority", "gpus", "ranks", "command", "env", "cwd",
         "submitted_at", "started_at", "ended_at", "exit_code", "signal", "cpu_seconds",
         "max_rss_bytes", "attempt", "checkpoint_interval", "max_restarts", "restarts_used",
+        "min_gpus", "max_gpus",
     }
 )  # fmt: skip
 """Columns that travel with a job to a peer (its state, pending reason, cancel flag and processes
@@ -112,6 +117,14 @@ class JobSpec:
     checkpoint_interval: float | None = None
     max_restarts: int = 0
     """How often a failed job is restored from its last checkpoint (or restarted) instead."""
+    min_gpus: int = 0
+    max_gpus: int = 0
+    """An elastic job's range of devices (both 0: not elastic); `gpus` is its current size."""
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the scheduler may resize the job within its range."""
+        return self.max_gpus > 0
 
 
 @dataclass(frozen=True)
@@ -227,9 +240,9 @@ class Store:
                 raise StoreUnwritable(f"this node has given out every job id of its block ({first}-{last})")
             db.execute(
                 """INSERT INTO jobs (id, name, uid, gid, user, priority, gpus, ranks, command, env, cwd,
-                                     checkpoint_interval, max_restarts, state, reason, pending_reason,
-                                     submitted_at)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                                     checkpoint_interval, max_restarts, min_gpus, max_gpus, state, reason,
+                                     pending_reason, submitted_at)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
                 (
                     job_id,
                     spec.name,
@@ -244,6 +257,8 @@ class Store:
                     spec.cwd,
                     spec.checkpoint_interval,
                     spec.max_restarts,
+                    spec.min_gpus,
+                    spec.max_gpus,
                     JobState.PENDING.value,
                     reason,
                     "waiting for the scheduler",
@@ -317,6 +332,8 @@ class Store:
             cwd=row["cwd"],
             checkpoint_interval=row["checkpoint_interval"],
             max_restarts=row["max_restarts"],
+            min_gpus=row["min_gpus"],
+            max_gpus=row["max_gpus"],
         )
         return JobRecord(
             id=row["id"],

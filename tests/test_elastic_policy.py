@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from singularityd.core.jobs import Activity, TakeCheckpoint
+from singularityd.core.states import JobState
 from singularityd.scheduling.elastic import ElasticJob, Resize, grow_into, plan_elastic, shrink_for
+from singularityd.scheduling.round import ClusterView, JobView, plan_round
 
 
 def job(
@@ -56,3 +61,62 @@ def test_plan_shrinks_for_a_blocked_job_and_grows_otherwise() -> None:
     assert plan_elastic(jobs, free=0, blocked=(1, 0)) == (Resize(1, 1),)
     assert plan_elastic(jobs, free=1, blocked=(1, 0)) == ()
     assert plan_elastic(jobs, free=0, blocked=(4, 0)) is None
+
+
+DEVICES = (0, 1, 2, 3)
+
+
+def elastic_job(job_id: int, devices: tuple[int, ...], activity: Activity | None = None) -> JobView:
+    """A running elastic 4-rank job (range 1-4) holding `devices`."""
+    return JobView(
+        job_id,
+        JobState.RUNNING,
+        0,
+        len(devices),
+        devices=devices,
+        activity=activity or Activity(),
+        min_devices=1,
+        max_devices=4,
+    )
+
+
+def test_a_round_shrinks_an_elastic_job_for_a_waiting_one_instead_of_preempting_it() -> None:
+    """A higher-priority job needing 2 of 4 held devices gets them by a resize to 2, not a preemption."""
+    view = ClusterView(
+        DEVICES, (elastic_job(1, DEVICES), JobView(2, JobState.PENDING, 5, 2)), 0.0, can_preempt=True
+    )
+    plan = plan_round(view)
+    assert (plan.resizes, plan.preemptions) == (((1, 2),), ())
+    assert plan.pending_reasons[2] == "Resources: shrinking elastic job(s) 1"
+
+
+def test_a_round_grows_an_elastic_job_only_once_devices_have_been_idle_long_enough() -> None:
+    """Idle devices go to the elastic job after `grow_after` seconds with nothing queued."""
+    jobs = (elastic_job(1, (0,)),)
+    early = ClusterView(DEVICES, jobs, 10.0, can_preempt=True, idle_since=8.0, grow_after=5.0)
+    assert plan_round(early).resizes == ()
+    due = replace(early, now=13.0)
+    assert plan_round(due).resizes == ((1, 4),)
+    assert plan_round(replace(due, idle_since=None)).resizes == ()
+    assert plan_round(replace(due, can_preempt=False)).resizes == ()
+
+
+def test_a_round_leaves_elastic_jobs_alone_while_a_job_is_stopping() -> None:
+    """While one resize's checkpoint is under way, no other change is decided."""
+    stopping = Activity(checkpoint=TakeCheckpoint(True))
+    view = ClusterView(
+        DEVICES,
+        (elastic_job(1, (0, 1), stopping), elastic_job(3, (2,)), JobView(2, JobState.PENDING, 0, 2)),
+        0.0,
+        can_preempt=True,
+    )
+    assert plan_round(view).resizes == ()
+
+
+def test_a_queued_elastic_job_starts_on_the_devices_free_when_they_reach_its_minimum() -> None:
+    """Wanting 4 with 2 free and a minimum of 1, an elastic job starts on the 2."""
+    held = JobView(1, JobState.RUNNING, 0, 2, devices=(0, 1))
+    elastic = JobView(2, JobState.PENDING, 0, 4, min_devices=1, max_devices=4)
+    assert plan_round(ClusterView(DEVICES, (held, elastic), 0.0, can_preempt=True)).starts == ((2, (2, 3)),)
+    rigid = JobView(2, JobState.PENDING, 0, 4)
+    assert plan_round(ClusterView(DEVICES, (held, rigid), 0.0, can_preempt=True)).starts == ()

@@ -119,6 +119,8 @@ def test_a_database_from_before_restarts_gets_them_with_none_allowed(tmp_path: P
     with sqlite3.connect(path) as db:
         db.execute("ALTER TABLE jobs DROP COLUMN max_restarts")
         db.execute("ALTER TABLE jobs DROP COLUMN restarts_used")
+        db.execute("ALTER TABLE jobs DROP COLUMN min_gpus")
+        db.execute("ALTER TABLE jobs DROP COLUMN max_gpus")
         db.execute(
             "INSERT INTO jobs (id, name, uid, gid, user, priority, gpus, ranks, command, env, cwd, state,"
             " reason, submitted_at) VALUES (5, 'old', 0, 0, 'root', 0, 1, 1, '[\"true\"]', '{}', '/',"
@@ -129,6 +131,7 @@ def test_a_database_from_before_restarts_gets_them_with_none_allowed(tmp_path: P
         job = store.get(5)
         assert job is not None
         assert (job.spec.max_restarts, job.restarts_used) == (0, 0)
+        assert (job.spec.min_gpus, job.spec.max_gpus, job.spec.elastic) == (0, 0, False)
         store.count_restart(5)
         counted = store.get(5)
         assert counted is not None and counted.restarts_used == 1

@@ -69,6 +69,13 @@ def test_defaults_and_a_command_string() -> None:
     assert args.command == ("sh", "-c", "echo hi there")
     assert (args.gpus, args.ranks, args.priority, args.name) == (1, 1, 0, "nightly")
     assert args.cwd == me().pw_dir and args.checkpoint_interval is None and args.max_restarts == 0
+    assert (args.min_gpus, args.max_gpus) == (0, 0)
+
+
+def test_an_elastic_job_file_asks_for_its_maximum_by_default() -> None:
+    """min_gpus/max_gpus make the job elastic; without gpus it asks for max_gpus at start."""
+    args = job_arguments('command = "true"\nranks = 4\nmin_gpus = 1\nmax_gpus = 3\n', me(), "elastic")
+    assert (args.gpus, args.ranks, args.min_gpus, args.max_gpus) == (3, 4, 1, 3)
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from typing import Any
 
 from rich.text import Text
 
-from singularity.cli.output import ago, devices_or_reason, duration, exit_text, run_time
+from singularity.cli.output import ago, devices_or_reason, duration, exit_text, gpus_cell, run_time
 from singularityd.api.v1 import singularity_pb2 as pb
 from singularityd.units import human_bytes
 
@@ -119,7 +119,7 @@ JOB_COLUMNS: tuple[Column, ...] = (
     Column("user", "USER", 8, lambda j, n: j.user, lambda j, n: j.user),
     Column("state", "STATE", 9, lambda j, n: state_text(j), lambda j, n: j.state),
     Column("priority", "PRI", 4, lambda j, n: priority_text(j.priority), lambda j, n: j.priority),
-    Column("gpus", "GPUS", 4, lambda j, n: str(j.gpus), lambda j, n: j.gpus),
+    Column("gpus", "GPUS", 4, lambda j, n: gpus_cell(j), lambda j, n: j.gpus),
     Column("devices", "DEVICES", 7, lambda j, n: _devices_cell(j), lambda j, n: list(j.devices)),
     Column("age", "AGE", 8, lambda j, n: duration(n - j.submitted_at), lambda j, n: n - j.submitted_at),
     Column("time", "TIME", 8, lambda j, n: duration(run_time(j, n)), lambda j, n: run_time(j, n)),

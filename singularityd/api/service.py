@@ -30,7 +30,7 @@ from singularityd.errors import (
 from singularityd.federation.facts import JoinInfo, MoveReport, listing_fields
 from singularityd.federation.v1 import peer_pb2
 from singularityd.identity import Caller
-from singularityd.jobs.submission import SubmitArgs
+from singularityd.jobs.submission import SubmitArgs, default_gpus
 from singularityd.store import JobRecord
 
 Response = TypeVar("Response")
@@ -106,6 +106,8 @@ def job_message(job: JobRecord, jobs: JobService) -> pb.Job:
         starting=live.starting,
         max_restarts=job.spec.max_restarts,
         restarts_used=job.restarts_used,
+        min_gpus=job.spec.min_gpus,
+        max_gpus=job.spec.max_gpus,
     )
     if live.last_checkpoint is not None:
         message.last_checkpoint.CopyFrom(checkpoint_message(live.last_checkpoint))
@@ -182,20 +184,27 @@ class SingularityService(pb_grpc.SingularityServicer):  # type: ignore[misc]
 
     @_translating_errors
     async def Submit(self, request: pb.SubmitRequest, context: Any) -> pb.SubmitResponse:
+        ranks = request.ranks if request.HasField("ranks") else 1
         job = self.jobs.submit(
             self.caller,
             SubmitArgs(
                 command=tuple(request.command),
                 name=request.name,
-                gpus=request.gpus if request.HasField("gpus") else 1,
+                gpus=(
+                    request.gpus
+                    if request.HasField("gpus")
+                    else default_gpus(ranks, request.min_gpus, request.max_gpus)
+                ),
                 priority=request.priority,
-                ranks=request.ranks if request.HasField("ranks") else 1,
+                ranks=ranks,
                 cwd=request.cwd,
                 env=dict(request.env),
                 checkpoint_interval=(
                     request.checkpoint_interval if request.HasField("checkpoint_interval") else None
                 ),
                 max_restarts=request.max_restarts,
+                min_gpus=request.min_gpus,
+                max_gpus=request.max_gpus,
             ),
             request.anywhere if request.HasField("anywhere") else None,
         )

@@ -31,6 +31,36 @@ class SubmitArgs:
     env: dict[str, str]
     checkpoint_interval: float | None = None
     max_restarts: int = 0
+    min_gpus: int = 0
+    max_gpus: int = 0
+
+
+def default_gpus(ranks: int, min_gpus: int, max_gpus: int) -> int:
+    """The devices a job asks for when `--gpus` is not given: an elastic job its maximum (the
+    ranks when only --min-gpus is given), any other one."""
+    return max_gpus or (ranks if min_gpus else 1)
+
+
+def elastic_range(args: SubmitArgs) -> tuple[int, int]:
+    """The job's elastic range of devices, (0, 0) when it is not elastic; a missing end defaults
+    to 1 (min) or the job's ranks (max); InvalidRequest when the range cannot hold."""
+    if not args.min_gpus and not args.max_gpus:
+        return (0, 0)
+    low, high = args.min_gpus or 1, args.max_gpus or args.ranks
+    if low < 1:
+        raise InvalidRequest(f"--min-gpus must be at least 1, not {low}")
+    if low > high:
+        raise InvalidRequest(f"--min-gpus {low} is more than --max-gpus {high}")
+    if high > args.ranks:
+        raise InvalidRequest(
+            f"--max-gpus {high} is more than --ranks {args.ranks}: "
+            "an elastic job uses at most one device per rank"
+        )
+    if not low <= args.gpus <= high:
+        raise InvalidRequest(
+            f"--gpus {args.gpus} is outside the elastic range {low}-{high} (--min-gpus/--max-gpus)"
+        )
+    return (low, high)
 
 
 def validated_spec(caller: Caller, args: SubmitArgs, total_devices: int) -> JobSpec:
@@ -45,6 +75,7 @@ def validated_spec(caller: Caller, args: SubmitArgs, total_devices: int) -> JobS
         raise InvalidRequest(f"--ranks must be at most {MAX_RANKS}, not {args.ranks}")
     if not 0 <= args.max_restarts <= MAX_RESTARTS:
         raise InvalidRequest(f"--max-restarts must be between 0 and {MAX_RESTARTS}, not {args.max_restarts}")
+    low, high = elastic_range(args)
     if args.ranks > 1 and args.gpus > args.ranks:
         raise InvalidRequest(
             f"--gpus {args.gpus} is more than --ranks {args.ranks}: each rank runs on one device, "
@@ -77,6 +108,8 @@ def validated_spec(caller: Caller, args: SubmitArgs, total_devices: int) -> JobS
         cwd=args.cwd,
         checkpoint_interval=interval,
         max_restarts=args.max_restarts,
+        min_gpus=low,
+        max_gpus=high,
     )
 
 
@@ -88,6 +121,10 @@ def check_resize(job: JobRecord, gpus: int, total_devices: int) -> None:
         raise InvalidRequest(f"job {job.id} has one rank: only a job of several ranks can be resized")
     if not 1 <= gpus <= ranks:
         raise InvalidRequest(f"--gpus must be between 1 and the job's {ranks} ranks, not {gpus}")
+    if job.spec.elastic and not job.spec.min_gpus <= gpus <= job.spec.max_gpus:
+        raise InvalidRequest(
+            f"--gpus {gpus} is outside job {job.id}'s elastic range {job.spec.min_gpus}-{job.spec.max_gpus}"
+        )
     if gpus > total_devices:
         raise Unsatisfiable(f"requested {gpus} devices but this machine has {total_devices}")
     if job.state is not JobState.RUNNING:

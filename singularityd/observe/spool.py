@@ -32,7 +32,7 @@ from typing import Any
 
 from singularityd.errors import RequestError
 from singularityd.identity import Caller
-from singularityd.jobs.submission import SubmitArgs
+from singularityd.jobs.submission import SubmitArgs, default_gpus
 from singularityd.observe.feed import SpoolFileHandled
 from singularityd.observe.watch import FolderWatch
 from singularityd.store import JobRecord
@@ -48,7 +48,7 @@ MAX_FILE_BYTES = 64 * 1024
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 FIELDS = (
     "command", "gpus", "ranks", "name", "priority", "env", "cwd", "checkpoint_every", "max_restarts",
-    "user", "uid",
+    "min_gpus", "max_gpus", "user", "uid",
 )  # fmt: skip
 
 
@@ -180,16 +180,20 @@ def job_arguments(text: str, owner: pwd.struct_passwd, default_name: str) -> Sub
         "SHELL": owner.pw_shell or "/bin/sh",
         "PATH": DEFAULT_PATH,
     }
+    ranks = _integer(data, "ranks", 1)
+    min_gpus, max_gpus = _integer(data, "min_gpus", 0), _integer(data, "max_gpus", 0)
     return SubmitArgs(
         command=_command(data),
         name=_text(data, "name", default_name),
-        gpus=_integer(data, "gpus", 1),
+        gpus=_integer(data, "gpus", default_gpus(ranks, min_gpus, max_gpus)),
         priority=_integer(data, "priority", 0),
-        ranks=_integer(data, "ranks", 1),
+        ranks=ranks,
         cwd=_text(data, "cwd", owner.pw_dir),
         env={**base, **env},
         checkpoint_interval=None if interval is None else float(interval),
         max_restarts=_integer(data, "max_restarts", 0),
+        min_gpus=min_gpus,
+        max_gpus=max_gpus,
     )
 
 

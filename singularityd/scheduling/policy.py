@@ -20,6 +20,8 @@ class QueuedJob:
     priority: int
     submit_seq: int
     devices_wanted: int
+    devices_min: int = 0
+    """An elastic job starts on fewer devices than it wants, not below this (0: not elastic)."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ class Plan:
     starts: tuple[tuple[int, tuple[int, ...]], ...] = ()
     preemptions: tuple[int, ...] = ()
     pending_reasons: dict[int, str] = field(default_factory=dict)
+    resizes: tuple[tuple[int, int], ...] = ()
+    """Running elastic jobs to move to another number of devices: (job id, devices)."""
 
 
 def queue_order(job: QueuedJob) -> tuple[int, int]:
@@ -78,8 +82,10 @@ def plan_starts(
     """Start jobs in priority-then-FIFO order while each gets all its devices at once.
 
     The queue is strict: once a job cannot start, the jobs behind it wait too, so a large job
-    is never starved by a stream of small ones. When the blocked job outranks running jobs and
-    preemption is possible, the policy preempts the fewest lower-priority jobs that make room.
+    is never starved by a stream of small ones. An elastic job starts on as many free devices as
+    it wants or, when fewer are free, on all of them if that reaches its minimum. When the
+    blocked job outranks running jobs and preemption is possible, the policy preempts the fewest
+    lower-priority jobs that make room.
     """
     free = sorted(free_devices)
     starts: list[tuple[int, tuple[int, ...]]] = []
@@ -95,8 +101,9 @@ def plan_starts(
         if blocker is not None:
             reasons[job.job_id] = f"Priority: queued behind job {blocker.job_id}"
             continue
-        if job.devices_wanted <= len(free):
-            granted, free = tuple(free[: job.devices_wanted]), free[job.devices_wanted :]
+        if job.devices_wanted <= len(free) or 0 < job.devices_min <= len(free):
+            count = min(job.devices_wanted, len(free))
+            granted, free = tuple(free[:count]), free[count:]
             starts.append((job.job_id, granted))
             continue
         blocker = job

@@ -5,6 +5,8 @@ exercise what DDP offers: a communication hook, gradient accumulation under `no_
 `find_unused_parameters` (with a branch used every other step), `gradient_as_bucket_view`, small
 buckets (several allreduces per step). `--device cpu` runs it directly with gloo, for comparison.
 With --hold FILE every rank waits, before its checksum, until FILE exists (a test's signal to end).
+With --gate STEP:FILE (repeatable) every rank waits before that step until FILE exists, so a test
+can change the job's devices at a known point of its training.
 With --die-once RANK:STEP that rank kills itself once as it starts that step, when the test says
 (files in its working directory; a rank restored from a checkpoint finds it died before).
 """
@@ -35,6 +37,9 @@ parser.add_argument(
 parser.add_argument("--bucket-view", action="store_true", help="gradient_as_bucket_view")
 parser.add_argument("--sleep", type=float, default=0.0)
 parser.add_argument("--hold", help="before the checksum, wait until this file exists")
+parser.add_argument(
+    "--gate", action="append", default=[], help="STEP:FILE: before that step, wait until FILE exists"
+)
 parser.add_argument("--crash", help="RANK:STEP: that rank dies (exit 3) as it starts that step")
 parser.add_argument("--die-once", help="RANK:STEP: that rank is killed (SIGKILL) once, see die_once")
 args = parser.parse_args()
@@ -99,7 +104,10 @@ labels = torch.randint(0, 4, (256,), generator=generator)
 
 crash_rank, _, crash_step = (args.crash or "-1:-1").partition(":")
 die_rank, _, die_step = (args.die_once or "-1:-1").partition(":")
+gates = {int(step): path for step, _, path in (gate.partition(":") for gate in args.gate)}
 for step in range(args.steps):
+    while step in gates and not os.path.exists(gates[step]):
+        time.sleep(0.05)
     if rank == int(die_rank) and step == int(die_step):
         die_once()
     if rank == int(crash_rank) and step == int(crash_step):

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("command", "name", "gpus", "priority", "ranks", "cwd", "env", "checkpoint_interval", "anywhere", "max_restarts")
+    __slots__ = ("command", "name", "gpus", "priority", "ranks", "cwd", "env", "checkpoint_interval", "anywhere", "max_restarts", "min_gpus", "max_gpus")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,8 @@ class SubmitRequest(_message.Message):
     CHECKPOINT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     ANYWHERE_FIELD_NUMBER: _ClassVar[int]
     MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    MIN_GPUS_FIELD_NUMBER: _ClassVar[int]
+    MAX_GPUS_FIELD_NUMBER: _ClassVar[int]
     command: _containers.RepeatedScalarFieldContainer[str]
     name: str
     gpus: int
@@ -35,7 +37,9 @@ class SubmitRequest(_message.Message):
     checkpoint_interval: float
     anywhere: bool
     max_restarts: int
-    def __init__(self, command: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., gpus: _Optional[int] = ..., priority: _Optional[int] = ..., ranks: _Optional[int] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., checkpoint_interval: _Optional[float] = ..., anywhere: _Optional[bool] = ..., max_restarts: _Optional[int] = ...) -> None: ...
+    min_gpus: int
+    max_gpus: int
+    def __init__(self, command: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., gpus: _Optional[int] = ..., priority: _Optional[int] = ..., ranks: _Optional[int] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., checkpoint_interval: _Optional[float] = ..., anywhere: _Optional[bool] = ..., max_restarts: _Optional[int] = ..., min_gpus: _Optional[int] = ..., max_gpus: _Optional[int] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("job",)
@@ -52,7 +56,7 @@ class ResizeRequest(_message.Message):
     def __init__(self, id: _Optional[int] = ..., gpus: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "user", "uid", "state", "reason", "pending_reason", "priority", "gpus", "ranks", "devices", "command", "submitted_at", "started_at", "ended_at", "exit_code", "signal", "cpu_seconds", "rss_bytes", "cwd", "attempt", "checkpoint_interval", "checkpoints", "checkpoint_bytes", "last_checkpoint", "starting", "node", "move", "max_restarts", "restarts_used")
+    __slots__ = ("id", "name", "user", "uid", "state", "reason", "pending_reason", "priority", "gpus", "ranks", "devices", "command", "submitted_at", "started_at", "ended_at", "exit_code", "signal", "cpu_seconds", "rss_bytes", "cwd", "attempt", "checkpoint_interval", "checkpoints", "checkpoint_bytes", "last_checkpoint", "starting", "node", "move", "max_restarts", "restarts_used", "min_gpus", "max_gpus")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +87,8 @@ class Job(_message.Message):
     MOVE_FIELD_NUMBER: _ClassVar[int]
     MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_USED_FIELD_NUMBER: _ClassVar[int]
+    MIN_GPUS_FIELD_NUMBER: _ClassVar[int]
+    MAX_GPUS_FIELD_NUMBER: _ClassVar[int]
     id: int
     name: str
     user: str
@@ -113,7 +119,9 @@ class Job(_message.Message):
     move: MoveInfo
     max_restarts: int
     restarts_used: int
-    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., user: _Optional[str] = ..., uid: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., pending_reason: _Optional[str] = ..., priority: _Optional[int] = ..., gpus: _Optional[int] = ..., ranks: _Optional[int] = ..., devices: _Optional[_Iterable[int]] = ..., command: _Optional[_Iterable[str]] = ..., submitted_at: _Optional[float] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., cpu_seconds: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., cwd: _Optional[str] = ..., attempt: _Optional[int] = ..., checkpoint_interval: _Optional[float] = ..., checkpoints: _Optional[int] = ..., checkpoint_bytes: _Optional[int] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., starting: _Optional[bool] = ..., node: _Optional[str] = ..., move: _Optional[_Union[MoveInfo, _Mapping]] = ..., max_restarts: _Optional[int] = ..., restarts_used: _Optional[int] = ...) -> None: ...
+    min_gpus: int
+    max_gpus: int
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., user: _Optional[str] = ..., uid: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., pending_reason: _Optional[str] = ..., priority: _Optional[int] = ..., gpus: _Optional[int] = ..., ranks: _Optional[int] = ..., devices: _Optional[_Iterable[int]] = ..., command: _Optional[_Iterable[str]] = ..., submitted_at: _Optional[float] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., cpu_seconds: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., cwd: _Optional[str] = ..., attempt: _Optional[int] = ..., checkpoint_interval: _Optional[float] = ..., checkpoints: _Optional[int] = ..., checkpoint_bytes: _Optional[int] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., starting: _Optional[bool] = ..., node: _Optional[str] = ..., move: _Optional[_Union[MoveInfo, _Mapping]] = ..., max_restarts: _Optional[int] = ..., restarts_used: _Optional[int] = ..., min_gpus: _Optional[int] = ..., max_gpus: _Optional[int] = ...) -> None: ...
 
 class MoveInfo(_message.Message):
     __slots__ = ("peer", "phase", "moved", "total", "sent")
