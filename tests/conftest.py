@@ -42,6 +42,19 @@ def _kill_jobs_under(state_dir: Path) -> None:
                 os.kill(pid, signal.SIGKILL)
         except (psutil.Error, ProcessLookupError):
             continue
+    _kill_holders_of(state_dir.parent)
+
+
+def _kill_holders_of(root: Path) -> None:
+    """Kill any process left with a file open under the test's folder (a server whose record was
+    never written, a job's orphan): nothing a test started may outlive it."""
+    prefix = str(root) + os.sep
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if any(os.readlink(fd).startswith(prefix) for fd in (entry / "fd").iterdir()):
+                os.kill(int(entry.name), signal.SIGKILL)
 
 
 @pytest.fixture

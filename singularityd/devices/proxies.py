@@ -334,7 +334,7 @@ class JobProxies:
             for index, device, data, control in bound:
                 peers = {j: sock for (i, j), sock in links.items() if i == index}
                 request = self._request(job_id, identity, index, device, temporary, data, control, peers)
-                pid = await asyncio.to_thread(spawner.spawn, request)
+                pid = await asyncio.to_thread(self._spawn_and_record, spawner, request, job_id, device)
                 data.close()
                 control.close()
                 for sock in peers.values():
@@ -385,17 +385,28 @@ class JobProxies:
             log_path=str(self._log(job_id, device)),
         )
 
-    def _note_started(self, job_id: int, device: int, pid: int, uid: int) -> None:
-        """Record and watch a server that started (or stop it, if its job was forgotten meanwhile)."""
-        if job_id not in self._starting:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            return
+    def _spawn_and_record(
+        self, spawner: SpawnerClient, request: SpawnRequest, job_id: int, device: int
+    ) -> int:
+        """Spawn one server and record it at once, in the same thread: a daemon stopped meanwhile
+        (which cancels the task awaiting this thread, not the thread) leaves no unrecorded server
+        behind, so the next daemon adopts it or stops it."""
+        pid = spawner.spawn(request)
         record = self._record(job_id, device)
         temporary_record = record.with_suffix(".tmp")
         ticks = process_start_ticks(pid) or 0
         temporary_record.write_text(json.dumps({"job": job_id, "device": device, "pid": pid, "ticks": ticks}))
         temporary_record.replace(record)
+        return pid
+
+    def _note_started(self, job_id: int, device: int, pid: int, uid: int) -> None:
+        """Watch a server that started and was recorded (or stop it, if its job was forgotten
+        meanwhile)."""
+        if job_id not in self._starting:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            self._record(job_id, device).unlink(missing_ok=True)
+            return
         log.info("job %d: proxy server of device %d started as uid %d (pid %d)", job_id, device, uid, pid)
         self._watch(job_id, device, pid)
 
