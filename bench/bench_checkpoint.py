@@ -20,6 +20,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -209,17 +210,17 @@ def table_rows(rows: list[Row]) -> list[tuple[str, ...]]:
     ]
 
 
-def plain_table(rows: list[tuple[str, ...]]) -> str:
+def plain_table(rows: list[tuple[str, ...]], header: Sequence[str] = HEADER) -> str:
     """A fixed-width text table."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADER)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(HEADER, widths, strict=True))]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     return "\n".join(lines)
 
 
-def markdown_table(rows: list[tuple[str, ...]]) -> str:
+def markdown_table(rows: list[tuple[str, ...]], header: Sequence[str] = HEADER) -> str:
     """The same table in Markdown, for BENCHMARKS.md."""
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---:|" * len(HEADER)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
 

@@ -29,6 +29,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.bench_checkpoint import markdown_table, plain_table  # noqa: E402
 from tests.helpers import Daemon, running_daemon, wait_until  # noqa: E402
 from tests.proxy.conftest import PROGRAMS, PYTHON  # noqa: E402
 from tests.test_pause import longest_stall  # noqa: E402
@@ -156,21 +157,6 @@ def cells(row: Row, copy_gbs: float) -> tuple[str, ...]:
     )
 
 
-def plain_table(rows: list[tuple[str, ...]]) -> str:
-    """A fixed-width text table."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADER)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(HEADER, widths, strict=True))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join(lines)
-
-
-def markdown_table(rows: list[tuple[str, ...]]) -> str:
-    """The same table in Markdown, for BENCHMARKS.md."""
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---:|" * len(HEADER)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def main() -> None:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -202,9 +188,9 @@ def main() -> None:
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     )
     print()
-    print(plain_table(table))
+    print(plain_table(table, HEADER))
     print()
-    print(markdown_table(table))
+    print(markdown_table(table, HEADER))
 
 
 if __name__ == "__main__":
