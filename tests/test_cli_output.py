@@ -10,6 +10,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -108,7 +109,15 @@ def test_read_commands_take_output_and_header_flags(daemon: Daemon) -> None:
     assert len(daemon.sing("devices", "--no-header").out.splitlines()) == 4
     listed = daemon.sing("devices", "-o", "json").json()
     held = [d for d in listed if d["jobs"] == [job]]
-    assert len(held) == 1 and held[0]["proxy"] == "up" and held[0]["sessions"] == [], "a server, unused"
+    assert len(held) == 1 and held[0]["proxy"] in ("starting", "up"), "its server, bound at once"
+
+    def server_up() -> list[dict[str, Any]]:
+        nonlocal listed
+        listed = daemon.sing("devices", "-o", "json").json()
+        return [d for d in listed if d["jobs"] == [job] and d["proxy"] == "up"]
+
+    held = wait_until(server_up)
+    assert held[0]["sessions"] == [], "a server, unused"
     assert all(d["proxy"] == "idle" and d["sessions"] == [] for d in listed if d not in held)
 
     shown = daemon.sing("show", str(job)).out

@@ -177,13 +177,15 @@ def device_jobs_text(device: pb.Device, jobs: dict[int, pb.Job]) -> Text:
 
 
 def proxy_text(device: pb.Device) -> Text:
-    """Proxy health: up in green, idle dimmed, down in red, '-' without proxies."""
+    """Proxy health: up in green, starting in yellow, idle dimmed, down in red, '-' without proxies."""
     if not device.proxy:
         return Text("-", style="dim")
     if device.proxy == "up":
         return Text("up", style="green")
     if device.proxy == "idle":
         return Text("idle", style="dim")
+    if device.proxy == "starting":
+        return Text("starting", style="yellow")
     return Text(device.proxy, style="bold red")
 
 

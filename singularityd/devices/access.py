@@ -47,7 +47,8 @@ class DeviceSession:
 class DeviceHealth:
     """How the way to a device is doing, for people watching it (`sing top`, `sing devices`).
 
-    `proxy` is "up", "idle" (its server starts on a job's first use of the device), "down: <why>",
+    `proxy` is "up", "idle" (no job's server runs on it), "starting" (a job's server is being
+    spawned; the job's connections wait for it), "down: <why>",
     or "" where jobs use devices without proxies; `allocated` is the device memory the proxy
     server holds for jobs (None when it is not known).
     """
@@ -340,9 +341,10 @@ class ProxiedDevices:
         return _translated(lambda: self.pool.reconnect(job_id, devices, images, connections, layout))
 
     def health(self, device: int) -> DeviceHealth:
-        """Idle while no job's server runs on it; then up, with its sessions, if the server answers."""
+        """Idle while no job's server runs on it, starting while one is being spawned; then up,
+        with its sessions, if the server answers."""
         if not self.pool.serving(device):
-            return DeviceHealth("idle")
+            return DeviceHealth("starting" if self.pool.starting(device) else "idle")
         status = self.pool.status(device, STATUS_TIMEOUT_SECONDS)
         if status is None:
             return DeviceHealth("down: its proxy server does not answer")

@@ -188,6 +188,8 @@ class JobProxies:
         self._watches: dict[tuple[int, int], ProcessWatch] = {}
         self._starting: dict[int, asyncio.Future[None]] = {}
         """Jobs whose servers are being spawned (forgetting a job makes late ones stop)."""
+        self._unspawned: set[tuple[int, int]] = set()
+        """The (job, device) servers whose sockets are bound but which are not spawned yet."""
         self._owner_mode = os.geteuid() == 0
 
     # -- places -------------------------------------------------------------------------------------
@@ -269,6 +271,10 @@ class JobProxies:
         """Whether some job's server runs on this device."""
         return any(index == device for _, index in self._watches)
 
+    def starting(self, device: int) -> bool:
+        """Whether a job's server for this device is bound (its job may connect) but not spawned yet."""
+        return any(index == device for _, index in self._unspawned)
+
     def jobs(self) -> set[int]:
         """The jobs that have servers."""
         return {job_id for job_id, _ in self._watches}
@@ -310,6 +316,7 @@ class JobProxies:
                 sock.close()
             self.forget(job_id)
             raise
+        self._unspawned.update((job_id, device) for device in devices)
         task = asyncio.ensure_future(self._spawn_servers(job_id, identity, temporary, bound, links))
         self._starting[job_id] = task
 
@@ -340,12 +347,16 @@ class JobProxies:
                 for sock in peers.values():
                     sock.close()
                 self._note_started(job_id, device, pid, identity.uid)
+                self._unspawned.discard((job_id, device))
         except (SpawnError, OSError) as error:
             log.error("job %d: cannot start its proxy servers: %s", job_id, error)
         finally:
-            for _, _, data, control in bound:
+            current = self._starting.get(job_id) is asyncio.current_task()
+            for _, device, data, control in bound:
                 data.close()
                 control.close()
+                if current:
+                    self._unspawned.discard((job_id, device))
             for sock in links.values():
                 sock.close()
 
@@ -424,6 +435,7 @@ class JobProxies:
     def forget(self, job_id: int) -> None:
         """Stop the job's servers and remove everything they had: sockets, temporary files, records."""
         self._starting.pop(job_id, None)
+        self._unspawned = {key for key in self._unspawned if key[0] != job_id}
         for job, device in [key for key in self._watches if key[0] == job_id]:
             watch = self._watches.pop((job, device))
             watch.signal(signal.SIGKILL)
