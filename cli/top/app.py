@@ -12,88 +12,28 @@ import codecs
 import contextlib
 import threading
 from collections.abc import Callable
-from functools import partial, wraps
-from typing import Any, ClassVar, TypeVar, cast
+from functools import partial
+from typing import Any, ClassVar
 
 from rich.text import Text
-from textual.app import App, ComposeResult
+from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import VerticalScroll
-from textual.css.query import NoMatches
-from textual.message import Message
 from textual.widgets import DataTable, Footer, Input, Log, Static, TabbedContent, TabPane
 
 from singularity.cli.errors import CliError
 from singularity.cli.output import duration
-from singularity.cli.source import ACTIONS, DataSource, LogStream, Snapshot
+from singularity.cli.source import ACTIONS, DataSource, LogStream
 from singularity.cli.top import view
-from singularity.cli.top.screens import ChoiceScreen, ConfirmScreen, HelpScreen
+from singularity.cli.top.actions import JobActions
+from singularity.cli.top.messages import ActionDone, LogData, LogEnded, Refreshed, Unreachable, while_shown
+from singularity.cli.top.screens import HelpScreen
 from singularityd.api.v1 import singularity_pb2 as pb
-
-ACTION_BY_NAME = {action.name: action for action in ACTIONS}
-Handler = TypeVar("Handler", bound=Callable[..., None])
-
-
-def while_shown(handler: Handler) -> Handler:
-    """For handlers of the threads' messages, which may arrive while the app is being torn down."""
-
-    @wraps(handler)
-    def guarded(*args: Any) -> None:
-        """The handler, ignoring widgets that are already gone."""
-        with contextlib.suppress(NoMatches):
-            handler(*args)
-
-    return cast(Handler, guarded)
-
 
 DETAIL_TABS = ("overview", "checkpoints", "events", "log")
 
 
-class Refreshed(Message):
-    """The refresh thread read the daemon: everything, plus the chosen job's detail."""
-
-    def __init__(self, snapshot: Snapshot, detail: pb.JobDetail | None) -> None:
-        super().__init__()
-        self.snapshot = snapshot
-        self.detail = detail
-
-
-class Unreachable(Message):
-    """The refresh thread could not reach the daemon."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__()
-        self.reason = reason
-
-
-class LogData(Message):
-    """New output of the followed job's log."""
-
-    def __init__(self, job_id: int, text: str) -> None:
-        super().__init__()
-        self.job_id = job_id
-        self.text = text
-
-
-class LogEnded(Message):
-    """The followed log ended (the job ended), or following it failed."""
-
-    def __init__(self, job_id: int, error: str) -> None:
-        super().__init__()
-        self.job_id = job_id
-        self.error = error
-
-
-class ActionDone(Message):
-    """An action on a job finished; what came of it."""
-
-    def __init__(self, text: str, ok: bool) -> None:
-        super().__init__()
-        self.text = text
-        self.ok = ok
-
-
-class TopApp(App[None]):
+class TopApp(JobActions):
     """The `sing top` application over any DataSource."""
 
     TITLE = "sing top"
@@ -250,14 +190,6 @@ class TopApp(App[None]):
             self.post_message(LogEnded(job_id, ""))
         except CliError as error:
             self.post_message(LogEnded(job_id, error.message))
-
-    def _run_action(self, name: str, job_id: int, target: str = "") -> None:
-        """Thread: do an action on a job, post what came of it and wake the refresh."""
-        try:
-            self.post_message(ActionDone(self.source.act(name, job_id, target), True))
-        except CliError as error:
-            self.post_message(ActionDone(f"{name} job {job_id}: {error.message}", False))
-        self._wake.set()
 
     # Messages from the threads
 
@@ -499,15 +431,6 @@ class TopApp(App[None]):
         if banner.has_class("notice"):
             banner.set_classes("")
 
-    def _record(self, text: str) -> None:
-        """Keep what the app told the user (tests read it)."""
-        self.notices.append(text)
-
-    def _announce(self, text: str, severity: str = "information") -> None:
-        """Tell the user something in a toast, and keep it."""
-        self._record(text)
-        self.notify(text, severity="error" if severity == "error" else "information", timeout=8)
-
     # Key actions
 
     def action_help(self) -> None:
@@ -560,74 +483,3 @@ class TopApp(App[None]):
     def action_tab(self, tab: str) -> None:
         """Show one of the detail tabs."""
         self.query_one("#detail", TabbedContent).active = f"{tab}-tab"
-
-    def action_job(self, name: str) -> None:
-        """Act on the chosen job, after a confirmation."""
-        action = ACTION_BY_NAME[name]
-        job = self.jobs.get(self.selected) if self.selected is not None else None
-        if job is None:
-            self._announce("choose a job first", "error")
-            return
-        if action.unavailable:
-            self._announce(f"{name}: {action.unavailable}", "error")
-            return
-        if name == "migrate":
-            self._choose_peer(job)
-            return
-        if name == "resize":
-            self._choose_size(job)
-            return
-        self._confirm(name, job)
-
-    def _confirm(self, name: str, job: pb.Job, target: str = "") -> None:
-        """Ask once, then run the action (migrate: to the target peer) in a worker."""
-        action = ACTION_BY_NAME[name]
-        where = f" to {target}" if target else ""
-        if name == "resize":
-            where += " device" if target == "1" else " devices"
-        question = f"{name.capitalize()} job {job.id} ({job.name}, {job.state}){where}?"
-        detail = f"This will {action.explanation}."
-
-        def answered(yes: bool | None) -> None:
-            """Run the action once the user said yes."""
-            if yes:
-                self._announce(f"{name}: job {job.id}{where}…")
-                work = partial(self._run_action, name, job.id, target)
-                self.run_worker(work, thread=True, group="actions", exit_on_error=False)
-
-        self.push_screen(ConfirmScreen(question, detail), callback=answered)
-
-    def _choose_peer(self, job: pb.Job) -> None:
-        """Ask which peer to move the job to (those alive with room for it), then confirm."""
-        if not self.peers.node:
-            self._announce("migrate: this daemon is in no cluster (sing cluster init / join)", "error")
-            return
-        targets = view.migration_targets(self.peers, job.gpus)
-        if not targets:
-            self._announce(f"migrate: no peer is alive with {job.gpus} free device(s)", "error")
-            return
-        choices = [(p.node, f"{p.node}: {p.free}/{p.devices} devices free, {p.address}") for p in targets]
-
-        def chosen(peer: str | None) -> None:
-            """Confirm the move to the chosen peer."""
-            if peer:
-                self._confirm("migrate", job, peer)
-
-        self.push_screen(ChoiceScreen(f"Move job {job.id} ({job.name}) to which peer?", choices), chosen)
-
-    def _choose_size(self, job: pb.Job) -> None:
-        """Ask how many devices a running job of several ranks should have, then confirm."""
-        refusal = view.resize_refusal(job)
-        if refusal:
-            self._announce(f"resize: {refusal}", "error")
-            return
-        sizes = [n for n in range(1, job.ranks + 1) if n != job.gpus]
-        choices = [(str(n), f"{n} device{'s' if n != 1 else ''}") for n in sizes]
-
-        def chosen(size: str | None) -> None:
-            """Confirm the resize to the chosen size."""
-            if size:
-                self._confirm("resize", job, size)
-
-        question = f"Resize job {job.id} ({job.name}, {job.ranks} ranks on {job.gpus}) to how many devices?"
-        self.push_screen(ChoiceScreen(question, choices), chosen)
