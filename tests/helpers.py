@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import grp
 import json
@@ -25,6 +26,7 @@ from singularityd.checkpoint.precheck import CAP_SYS_RESOURCE, have_capability
 from singularityd.jobs.launch import probe_user_namespaces
 
 OWNER = "sing-alice"
+ACCOUNTS_LOCK = "/tmp/sing-test-accounts.lock"
 BIN = Path(sys.executable).parent
 SING = str(BIN / "sing")
 SINGULARITYD = str(BIN / "singularityd")
@@ -265,7 +267,14 @@ def run_sing(
 
 
 def ensure_user(name: str, groups: Sequence[str] = ()) -> pwd.struct_passwd:
-    """Create a system user for the test if missing (needs root), in the given groups."""
+    """Create a system user for the test if missing (needs root), in the given groups; one test
+    process at a time, since useradd refuses to run while another holds the account files."""
+    with open(ACCOUNTS_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _ensure_user(name, groups)
+
+
+def _ensure_user(name: str, groups: Sequence[str]) -> pwd.struct_passwd:
     for group in groups:
         try:
             grp.getgrnam(group)

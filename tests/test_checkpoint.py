@@ -71,7 +71,7 @@ from tests.checkpoint_helpers import (
     wait_exit,
     wait_for_line,
 )
-from tests.helpers import wait_until
+from tests.helpers import ensure_user, wait_until
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="needs root (CRIU, PID namespaces, users)")
@@ -346,14 +346,6 @@ def test_post_dump_script_records_sizes(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- real CRIU
 
 
-def _user(name: str) -> pwd.struct_passwd:
-    try:
-        return pwd.getpwnam(name)
-    except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", name], check=True)
-        return pwd.getpwnam(name)
-
-
 def _as_user(user: pwd.struct_passwd, *argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups", *argv],
@@ -584,7 +576,7 @@ def test_corrupt_newest_falls_back(criu_info: CriuInfo, work: Path, jobs: list[i
 @needs_root
 def test_images_readable_by_owner_only(criu_info: CriuInfo, work: Path, jobs: list[int]) -> None:
     """A checkpoint directory is the job user's, mode 0700; another user can read nothing."""
-    owner, other = _user(TEST_USER), _user(OTHER_USER)
+    owner, other = ensure_user(TEST_USER), ensure_user(OTHER_USER)
     script = _script(work, "count.py", COUNTER)
     release = work / "release"
     job = _launch(work, "perm", [SYSTEM_PYTHON, script, "100000", str(release)], jobs)
@@ -719,7 +711,7 @@ def _mk(p: Path) -> Path:
 @needs_root
 def test_ranks_of_another_user(criu_info: CriuInfo, work: Path, jobs: list[int]) -> None:
     """Ranks that dropped to the job's user: dumped where CRIU can, else a clear reason."""
-    user = _user(TEST_USER)
+    user = ensure_user(TEST_USER)
     script = _script(work, "count.py", COUNTER)
     release = work / "release"
     job = _launch(work, "user", [SYSTEM_PYTHON, script, "120", str(release)], jobs, user=user)

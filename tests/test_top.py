@@ -65,7 +65,7 @@ async def test_devices_jobs_detail_and_live_log(daemon: Daemon) -> None:
         assert cell(app, "jobs", str(waiting), "priority") == "-1"
         assert cell(app, "devices", "dev0", "jobs") == f"{counter}:counter"
         assert cell(app, "devices", "dev2", "jobs") == "idle"
-        assert cell(app, "devices", "dev0", "proxy") in ("starting", "up"), "the job's server, spawned at once"
+        assert cell(app, "devices", "dev0", "proxy") in ("starting", "up"), "its server, spawned at once"
         title = str(app.query_one("#title", Static).render())
         assert "singularityd 0.1.0" in title and "1 running" in title and "1 pending" in title
 

@@ -39,7 +39,8 @@ from tests.federation.test_lab import Background, lab_problem
 from tests.helpers import wait_until
 from tests.proxy.conftest import PYTHON
 
-pytestmark = [pytest.mark.root, pytest.mark.slow]
+# One lab serves the whole module: its tests run in one test process.
+pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.xdist_group("fault-lab")]
 
 NODES = ("node-a", "node-b", "node-c")
 TICKER = Path(__file__).resolve().parents[1] / "programs" / "ticker.py"

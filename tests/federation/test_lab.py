@@ -33,7 +33,8 @@ from tests.proxy.conftest import PYTHON
 from tests.test_daemon_proxy import JOB_OPTIONS, direct_output
 from tests.test_preempt import DDP_SCRIPT, JOB_ENV, direct_ddp_outputs, without_name_lookup_warnings
 
-pytestmark = [pytest.mark.root, pytest.mark.slow]
+# One lab serves the whole module: its tests run in one test process.
+pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.xdist_group("lab")]
 
 NODES = ("node-a", "node-b", "node-c")
 STEPS = 300

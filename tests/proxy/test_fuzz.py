@@ -127,6 +127,9 @@ def attack(server: ProxyServer, job: str, kind: str, payload: Any) -> None:
         session.close()
 
 
+pytestmark = pytest.mark.xdist_group("fuzz")  # one server serves the whole module
+
+
 @pytest.fixture(scope="module")
 def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyServer]:
     """The server the victim and the attacker share (256 MiB)."""

@@ -25,6 +25,9 @@ from tests.proxy.raw_client import RawSession, error, values
 SYNC = [protocol.REQ_SYNC]
 
 
+pytestmark = pytest.mark.xdist_group("hostile")  # one server serves the whole module
+
+
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyServer]:
     """A virtual device with 64 MiB."""
