@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shlex
+import shutil
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from singularityd.checkpoint.errors import CheckpointError, NoValidCheckpoint
 from singularityd.checkpoint.manifest import IMAGES_DIR, Manifest, Skipped, Verdict
 from singularityd.checkpoint.namespaces import ExternalMounts, read_external_mounts
 from singularityd.checkpoint.precheck import dump_problems, tree_pids
+from singularityd.checkpoint.staging import Staged, StagingArea, mark_staged, move_images
 from singularityd.checkpoint.store import (
     ImageStore,
     JobUsage,
@@ -80,6 +82,12 @@ class CheckpointResult:
     pre_copy_skipped: str
     wall_s: float
     pruned: tuple[int, ...] = ()
+    staged: bool = False
+    """Whether CRIU wrote the process images to memory, moved to disk after the job ran again."""
+    staging_note: str = ""
+    """Why the images went straight to disk although staging is on ('' otherwise)."""
+    move_s: float = 0.0
+    """Seconds the staged images took to reach the disk (copied, flushed and hashed)."""
 
     @property
     def pause_s(self) -> float:
@@ -114,11 +122,21 @@ class RestoreResult:
 class Checkpointer:
     """Checkpoints and restores jobs; serialises operations per job through the store's lock."""
 
-    def __init__(self, criu: Criu, store: ImageStore, *, keep: int = 3, pre_copy: int = 0) -> None:
+    def __init__(
+        self,
+        criu: Criu,
+        store: ImageStore,
+        *,
+        keep: int = 3,
+        pre_copy: int = 0,
+        staging: StagingArea | None = None,
+    ) -> None:
         self.criu = criu
         self.store = store
         self.keep = max(1, keep)
         self.pre_copy = pre_copy
+        self.staging = staging
+        """Where checkpoints taken in place are dumped first (None: straight to disk)."""
         self.userns_problem = ""
         """Why jobs do not run in user namespaces here ("" if they do or need not): told to users
         whose jobs cannot be checkpointed for want of one."""
@@ -154,8 +172,10 @@ class Checkpointer:
         tree still frozen no more); the mapping it returns is kept in the manifest's stats, and if
         it fails the checkpoint fails. `prefixes` (read when the manifest is written, so they may
         be filled in by `before_final_dump`) are hashes of the beginnings of files of the checkpoint
-        that are only appended to since (see ImageStore.finish). Once started, a checkpoint runs to
-        its end even if the awaiting task is cancelled.
+        that are only appended to since (see ImageStore.finish). With a staging area, a
+        checkpoint in place is dumped to memory and moved to disk once `after_final_dump` returned
+        (checkpoint.staging), when the area has room for it. Once started, a checkpoint runs to its
+        end even if the awaiting task is cancelled.
         """
         return await run_to_completion(
             self._checkpoint(
@@ -213,7 +233,10 @@ class Checkpointer:
                 owner_gid=owner_gid,
                 needed_bytes=needed,
             )
+            staged = Staged(None)
             try:
+                if leave_running and not rounds:
+                    staged = await asyncio.to_thread(self._stage, pending, needed)
                 if not leave_running:
                     intent = {
                         "criu_version": info.version_text,
@@ -226,6 +249,7 @@ class Checkpointer:
                     await asyncio.to_thread(self.store.record_intent, pending, intent)
                 pre_stats, dump_stats, sizes = await self._dump(
                     pending,
+                    staged.folder or pending.images,
                     pid,
                     rounds,
                     leave_running,
@@ -235,13 +259,23 @@ class Checkpointer:
                     before_final_dump,
                 )
                 after = dict(await after_final_dump(dump_stats)) if after_final_dump else {}
+                moved: dict[str, PrefixHash] = {}
+                move_s = 0.0
+                if staged.folder is not None:
+                    began = time.monotonic()
+                    moved = await asyncio.to_thread(move_images, staged.folder, pending.images, pending.path)
+                    move_s = time.monotonic() - began
             except BaseException:
                 await asyncio.to_thread(self.store.abort, pending)
                 raise
+            finally:
+                if staged.folder is not None:
+                    await asyncio.to_thread(shutil.rmtree, staged.folder, True)
             stats = {
                 "dump": dump_stats.as_dict(),
                 "pre_dumps": [p.as_dict() for p in pre_stats],
                 "pre_copy_skipped": skipped,
+                "staging": {"staged": staged.folder is not None, "move_s": move_s, "reason": staged.reason},
                 **after,
             }
             try:
@@ -256,7 +290,7 @@ class Checkpointer:
                     rewind_sizes=sizes,
                     stats=stats,
                     extra=extra,
-                    prefixes=prefixes,
+                    prefixes={**(prefixes or {}), **moved},
                 )
             except BaseException as e:
                 if leave_running:
@@ -279,11 +313,34 @@ class Checkpointer:
             pre_copy_skipped=skipped,
             wall_s=time.monotonic() - start,
             pruned=tuple(pruned),
+            staged=staged.folder is not None,
+            staging_note=staged.reason,
+            move_s=move_s,
         )
+
+    def _stage(self, pending: PendingCheckpoint, expected_bytes: int) -> Staged:
+        """A staging folder for this checkpoint's dump, marked in its folder on disk, or why the
+        dump goes straight to disk (blocking)."""
+        if self.staging is None:
+            return Staged(None)
+        problem = self.staging.room_problem(expected_bytes)
+        if problem:
+            return Staged(None, problem)
+        folder: Path | None = None
+        try:
+            folder = self.staging.folder_for(pending.job_id, pending.seq)
+            mark_staged(pending.path, folder)
+        except OSError as e:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+            why = f"the memory staging area cannot be used ({e.strerror or e})"
+            return Staged(None, f"{why}: process images written straight to disk")
+        return Staged(folder)
 
     async def _dump(
         self,
         pending: PendingCheckpoint,
+        image_dir: Path,
         pid: int,
         rounds: int,
         leave_running: bool,
@@ -323,7 +380,7 @@ class Checkpointer:
         try:
             dump_stats = await self.criu.dump(
                 pid,
-                pending.images,
+                image_dir,
                 log_file=dump_log,
                 leave_running=leave_running,
                 parent_image_dir=parent,
