@@ -1,9 +1,11 @@
-"""Process images staged in memory: real CRIU dumps to a tmpfs, moved to disk after the job runs again.
+"""A short freeze: process images staged in memory, and CRIU's network lock only where TCP needs it.
 
-A checkpoint taken in place through a staging area restores to a byte-identical run; a staging
-tmpfs without room sends the images straight to disk, saying so; a real daemon killed (at a fault
-point) while it moves a checkpoint's images to disk restarts with that checkpoint removed, never
-used half-written, and its job runs on to an exact end.
+Real CRIU, real process trees. A checkpoint taken in place through a staging area (a tmpfs, moved to
+disk after the job runs again) restores to a byte-identical run; a staging tmpfs without room sends
+the images straight to disk, saying so; a real daemon killed (at a fault point) while it moves a
+checkpoint's images to disk restarts with that checkpoint removed, never used half-written, and its
+job runs on to an exact end. A tree without TCP sockets is dumped without CRIU's network lock; one
+with them under it, and a TCP connection found in a dump taken without it fails that checkpoint.
 """
 
 from __future__ import annotations
@@ -18,15 +20,38 @@ from pathlib import Path
 import pytest
 
 from singularityd import faults
-from singularityd.checkpoint import Checkpointer, Criu, CriuInfo, ImageStore
+from singularityd.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointResult,
+    Criu,
+    CriuInfo,
+    ImageStore,
+    service,
+)
 from singularityd.checkpoint.staging import RECORD_NAME, StagingArea, staging_need
-from tests.checkpoint_helpers import kill_tree, small_tmpfs, wait_for_line
+from tests.checkpoint_helpers import kill_tree, pid_alive, small_tmpfs, wait_for_line
 from tests.conftest import requires_root
 from tests.helpers import running_daemon, submit_counter, wait_until
-from tests.test_checkpoint import COUNTER, SYSTEM_PYTHON, TRAIN, _finish, _launch, _script, _track, needs_root
+from tests.test_checkpoint import (
+    COUNTER,
+    HOLD,
+    SYSTEM_PYTHON,
+    TRAIN,
+    _finish,
+    _launch,
+    _script,
+    _track,
+    needs_root,
+)
 from tests.test_pause import events
 
-IN_PLACE = {"owner_uid": 0, "owner_gid": 0, "leave_running": True}
+
+def in_place(cp: Checkpointer, job: str, pid: int, log: Path) -> CheckpointResult:
+    """Checkpoint a root-owned job in place, its log to be rewound on restore."""
+    return asyncio.run(
+        cp.checkpoint(job, pid, owner_uid=0, owner_gid=0, leave_running=True, rewind_paths=[str(log)])
+    )
 
 
 def test_staging_needs_room_beyond_the_expected_size() -> None:
@@ -48,11 +73,10 @@ def test_staged_checkpoint_restores_exactly(criu_info: CriuInfo, work: Path, job
     staging = StagingArea.open(work / "memory", store.root)
     cp = Checkpointer(Criu(criu_info), store, staging=staging)
     assert wait_for_line(log, "step 5 ", 60)
-    r = asyncio.run(
-        cp.checkpoint("train", job.pid, owner_uid=0, owner_gid=0, leave_running=True, rewind_paths=[str(log)])
-    )
+    r = in_place(cp, "train", job.pid, log)
     assert r.staged and not r.staging_note and r.move_s > 0
     assert r.manifest.stats["staging"]["staged"] is True
+    assert r.manifest.stats["network_locked"] is False, "a tree without TCP sockets needs no network lock"
     assert os.listdir(staging.root) == [], "the staged images were moved, not copied and left"
     assert any(name.endswith(".img") for name in os.listdir(r.path / "images"))
     for name in os.listdir(r.path / "images"):
@@ -86,11 +110,7 @@ def test_staging_area_without_room_writes_to_disk(criu_info: CriuInfo, work: Pat
         store = ImageStore(work / "store")
         cp = Checkpointer(Criu(criu_info), store, staging=StagingArea.open(small, store.root))
         assert wait_for_line(log, "5\n", 30)
-        r = asyncio.run(
-            cp.checkpoint(
-                "full", job.pid, owner_uid=0, owner_gid=0, leave_running=True, rewind_paths=[str(log)]
-            )
-        )
+        r = in_place(cp, "full", job.pid, log)
         assert not r.staged
         assert "free" in r.staging_note and "straight to disk" in r.staging_note, r.staging_note
         assert r.manifest.stats["staging"] == {"staged": False, "move_s": 0.0, "reason": r.staging_note}
@@ -102,6 +122,51 @@ def test_staging_area_without_room_writes_to_disk(criu_info: CriuInfo, work: Pat
         release.touch()
         _finish(restored.pid, job)
         assert log.read_text() == "".join(f"{i}\n" for i in range(200)) + "done\n"
+
+
+TCP_PAIR = (
+    HOLD
+    + """
+import socket, sys, time
+server = socket.create_server(("127.0.0.1", 0))
+client = socket.create_connection(server.getsockname())
+peer, _ = server.accept()
+for i in range(int(sys.argv[1])):
+    client.sendall(b"x")
+    assert peer.recv(1) == b"x"
+    print(i, flush=True)
+    time.sleep(0.02)
+hold(sys.argv[2])
+print("done", flush=True)
+"""
+)
+
+
+@needs_root
+def test_network_lock_is_skipped_only_without_tcp(
+    criu_info: CriuInfo, work: Path, jobs: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tree holding TCP connections is dumped under CRIU's network lock. Were one to appear in a
+    dump taken without it (the tree held none when checked), the checkpoint fails and the job runs on."""
+    script = _script(work, "tcp.py", TCP_PAIR)
+    release = work / "release"
+    job = _launch(work, "tcp", [SYSTEM_PYTHON, script, "300", str(release)], jobs)
+    log = job.log()
+    cp = Checkpointer(Criu(criu_info), ImageStore(work / "store"))
+    assert wait_for_line(log, "5\n", 30)
+    locked = in_place(cp, "tcp", job.pid, log)
+    assert locked.manifest.stats["network_locked"] is True
+    monkeypatch.setattr(service, "tree_holds_tcp", lambda pids: False)
+    with pytest.raises(CheckpointError, match="opened a TCP connection while it was checkpointed"):
+        in_place(cp, "tcp", job.pid, log)
+    assert cp.store.seqs("tcp") == [locked.seq] and pid_alive(job.pid)
+    assert wait_for_line(log, "100\n", 30)
+    kill_tree(job.pid)
+    restored = asyncio.run(cp.restore_latest("tcp"))
+    _track(jobs, restored.pid)
+    release.touch()
+    _finish(restored.pid, job)
+    assert log.read_text() == "".join(f"{i}\n" for i in range(300)) + "done\n"
 
 
 def staging_folder(state_dir: Path) -> Path:

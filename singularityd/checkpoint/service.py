@@ -28,7 +28,7 @@ from singularityd.checkpoint.criu import (
 from singularityd.checkpoint.errors import CheckpointError, NoValidCheckpoint
 from singularityd.checkpoint.manifest import IMAGES_DIR, Manifest, Skipped, Verdict
 from singularityd.checkpoint.namespaces import ExternalMounts, read_external_mounts
-from singularityd.checkpoint.precheck import dump_problems, tree_pids
+from singularityd.checkpoint.precheck import dump_problems, tree_holds_tcp, tree_pids
 from singularityd.checkpoint.staging import Staged, StagingArea, mark_staged, move_images
 from singularityd.checkpoint.store import (
     ImageStore,
@@ -39,6 +39,8 @@ from singularityd.checkpoint.store import (
     tree_anon_bytes,
 )
 
+TCP_STREAM_IMAGES = "tcp-stream-*.img"
+"""CRIU's image of an established TCP connection: one may not appear in a dump without the lock."""
 InheritFds = Mapping[str, int] | Callable[[Manifest], Mapping[str, int]]
 AfterDump = Callable[[DumpStats], Awaitable[Mapping[str, Any]]]
 
@@ -225,7 +227,9 @@ class Checkpointer:
         rounds = wanted if info.dirty_tracking else 0
         skipped = "" if rounds or not wanted else info.dirty_tracking_reason
         with self.store.locked(job_id):
-            needed = await asyncio.to_thread(tree_anon_bytes, tree_pids(pid))
+            pids = await asyncio.to_thread(tree_pids, pid)
+            needed = await asyncio.to_thread(tree_anon_bytes, pids)
+            lock_network = not leave_running or await asyncio.to_thread(tree_holds_tcp, pids)
             pending = await asyncio.to_thread(
                 self.store.begin,
                 job_id,
@@ -257,6 +261,7 @@ class Checkpointer:
                     mounts,
                     rewind_paths,
                     before_final_dump,
+                    lock_network,
                 )
                 after = dict(await after_final_dump(dump_stats)) if after_final_dump else {}
                 moved: dict[str, PrefixHash] = {}
@@ -276,6 +281,7 @@ class Checkpointer:
                 "pre_dumps": [p.as_dict() for p in pre_stats],
                 "pre_copy_skipped": skipped,
                 "staging": {"staged": staged.folder is not None, "move_s": move_s, "reason": staged.reason},
+                "network_locked": lock_network,
                 **after,
             }
             try:
@@ -348,6 +354,7 @@ class Checkpointer:
         mounts: ExternalMounts | None,
         rewind_paths: Sequence[str],
         before_final_dump: Callable[[Path], Any] | None,
+        lock_network: bool,
     ) -> tuple[list[DumpStats], DumpStats, dict[str, int]]:
         logs = self.store.logs_dir(pending.job_id)
         tag = f"{pending.seq:08d}"
@@ -388,7 +395,13 @@ class Checkpointer:
                 external_unix_inodes=external_unix_inodes,
                 action_script=script,
                 external_mounts=mounts,
+                lock_network=lock_network,
             )
+            if not lock_network and any(image_dir.glob(TCP_STREAM_IMAGES)):
+                raise CheckpointError(
+                    f"job {pending.job_id} opened a TCP connection while it was checkpointed without "
+                    "CRIU's network lock (it held none before); checkpoint it again"
+                )
             if not leave_running:
                 faults.reached(faults.STOPPING_DUMP_DONE)
             sizes: dict[str, int] = {}
