@@ -30,7 +30,7 @@ from singularityd.checkpoint import (
     service,
 )
 from singularityd.checkpoint.staging import RECORD_NAME, StagingArea, staging_need
-from tests.checkpoint_helpers import kill_tree, pid_alive, small_tmpfs, wait_for_line
+from tests.checkpoint_helpers import LaunchedJob, kill_tree, pid_alive, small_tmpfs, wait_for_line
 from tests.conftest import requires_root
 from tests.helpers import running_daemon, submit_counter, wait_until
 from tests.test_checkpoint import (
@@ -45,6 +45,16 @@ from tests.test_checkpoint import (
     needs_root,
 )
 from tests.test_pause import events
+
+
+def crash_and_restore(cp: Checkpointer, name: str, job: LaunchedJob, jobs: list[int], release: Path) -> None:
+    """Once the job printed line 100, kill it, restore its newest checkpoint and let it finish."""
+    assert wait_for_line(job.log(), "100\n", 30)
+    kill_tree(job.pid)
+    restored = asyncio.run(cp.restore_latest(name))
+    _track(jobs, restored.pid)
+    release.touch()
+    _finish(restored.pid, job)
 
 
 def in_place(cp: Checkpointer, job: str, pid: int, log: Path) -> CheckpointResult:
@@ -115,12 +125,7 @@ def test_staging_area_without_room_writes_to_disk(criu_info: CriuInfo, work: Pat
         assert "free" in r.staging_note and "straight to disk" in r.staging_note, r.staging_note
         assert r.manifest.stats["staging"] == {"staged": False, "move_s": 0.0, "reason": r.staging_note}
         assert os.listdir(next(small.iterdir())) == []
-        assert wait_for_line(log, "100\n", 30)
-        kill_tree(job.pid)
-        restored = asyncio.run(cp.restore_latest("full"))
-        _track(jobs, restored.pid)
-        release.touch()
-        _finish(restored.pid, job)
+        crash_and_restore(cp, "full", job, jobs, release)
         assert log.read_text() == "".join(f"{i}\n" for i in range(200)) + "done\n"
 
 
@@ -160,12 +165,7 @@ def test_network_lock_is_skipped_only_without_tcp(
     with pytest.raises(CheckpointError, match="opened a TCP connection while it was checkpointed"):
         in_place(cp, "tcp", job.pid, log)
     assert cp.store.seqs("tcp") == [locked.seq] and pid_alive(job.pid)
-    assert wait_for_line(log, "100\n", 30)
-    kill_tree(job.pid)
-    restored = asyncio.run(cp.restore_latest("tcp"))
-    _track(jobs, restored.pid)
-    release.touch()
-    _finish(restored.pid, job)
+    crash_and_restore(cp, "tcp", job, jobs, release)
     assert log.read_text() == "".join(f"{i}\n" for i in range(300)) + "done\n"
 
 
