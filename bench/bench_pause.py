@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_checkpoint import markdown_table, plain_table  # noqa: E402
+from bench.bench_checkpoint import print_tables, root_scratch  # noqa: E402
 from tests.helpers import Daemon, running_daemon, wait_until  # noqa: E402
 from tests.proxy.conftest import PROGRAMS, PYTHON  # noqa: E402
 from tests.test_pause import longest_stall  # noqa: E402
@@ -183,16 +182,12 @@ def main() -> None:
         help="pre-copy (on/off) and where CRIU writes the process images (memory/disk), each a daemon",
     )
     args = parser.parse_args()
-    if os.geteuid() != 0:
-        print("bench_pause: run as root (the daemon and CRIU need it)", file=sys.stderr)
-        raise SystemExit(2)
     sizes = [int(s) for s in args.sizes.split(",")]
     modes = [tuple(m.split("-")) for m in args.modes.split(",")]
     if any(len(m) != 2 or m[0] not in ("on", "off") or m[1] not in ("memory", "disk") for m in modes):
         print(f"bench_pause: --modes takes on|off-memory|disk, not {args.modes!r}", file=sys.stderr)
         raise SystemExit(2)
-    root = Path(tempfile.mkdtemp(prefix="sing-bench-pause-", dir=args.dir))
-    root.chmod(0o755)
+    root = root_scratch("bench_pause", args.dir, "the daemon and CRIU need it")
     rows: list[Row] = []
     try:
         warm_gbs, fresh_gbs = copy_bandwidth_gbs()
@@ -212,15 +207,12 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     rows.sort(key=lambda r: (r.mib, not r.pre_copy, not r.staged))
     table = [cells(r, warm_gbs) for r in rows]
-    print(
+    summary = (
         f"memory copy bandwidth (1 thread, 1 GiB): {warm_gbs:.2f} GB/s into touched memory, "
         f"{fresh_gbs:.2f} GB/s into fresh memory; disk write bandwidth ({args.dir}): {disk_gbs:.2f} GB/s; "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     )
-    print()
-    print(plain_table(table, HEADER))
-    print()
-    print(markdown_table(table, HEADER))
+    print_tables(summary, table, HEADER)
 
 
 if __name__ == "__main__":

@@ -183,7 +183,7 @@ def test_daemon_killed_while_moving_images_removes_that_checkpoint(
     to disk. Restarted, it removes that checkpoint and the old staging folder; the job, re-adopted,
     keeps its earlier complete checkpoint, takes new ones, and ends with an exact output."""
     release = daemon_root / "release"
-    with running_daemon(daemon_root, virtual_devices=1) as daemon:
+    with running_daemon(daemon_root, virtual_devices=1, config={"checkpoint_staging": "/dev/shm"}) as daemon:
         job = submit_counter(daemon, release)
         daemon.wait_state(job, "RUNNING", timeout=60)
         log = daemon.state_dir / "jobs" / str(job) / "logs" / "rank-0.log"
