@@ -225,6 +225,25 @@ def markdown_table(rows: list[tuple[str, ...]], header: Sequence[str] = HEADER) 
     return "\n".join(lines)
 
 
+def print_tables(summary: str, rows: list[tuple[str, ...]], header: Sequence[str]) -> None:
+    """Print a benchmark's one-line summary, then its table as text and in Markdown."""
+    print(summary)
+    print()
+    print(plain_table(rows, header))
+    print()
+    print(markdown_table(rows, header))
+
+
+def root_scratch(bench: str, base: str, why: str) -> Path:
+    """A fresh folder under `base` (mode 0755) for a benchmark that must run as root, else exit 2."""
+    if os.geteuid() != 0:
+        print(f"{bench}: run as root ({why})", file=sys.stderr)
+        raise SystemExit(2)
+    folder = Path(tempfile.mkdtemp(prefix=f"sing-{bench.replace('_', '-')}-", dir=base))
+    folder.chmod(0o755)
+    return folder
+
+
 async def main_async(args: argparse.Namespace) -> int:
     """Run the benchmark and print both tables."""
     try:

@@ -1,12 +1,16 @@
-"""Checkpoint pause as the program feels it, for 256 MiB to 4 GiB of device state, with and without pre-copy.
+"""Checkpoint pause as the program feels it, for 256 MiB to 4 GiB of device state, with and without
+pre-copy, with the process images staged in memory or written straight to disk.
 
 Run as root: .venv/bin/python bench/bench_pause.py [--sizes 256,1024,4096] [--dir /var/tmp]
+    [--modes on-memory,on-disk,off-memory,off-disk]
 
 A real daemon (virtual device, proxy servers, CRIU) runs tests/programs/stall_probe.py holding
 SIZE MiB of tensors on its device and training a small model; the bench takes `sing checkpoint`
 and reads the program's own longest step around it (by the wall clock), the pause the daemon
-reports, CRIU's freeze, and the time until the checkpoint is complete. Each size is measured with
-the proxies' pre-copy on (proxy_pre_copy = 2) and off (0), the two one after the other. Beside
+reports, CRIU's freeze, and the time until the checkpoint is complete. Each size is measured in
+each mode: the proxies' pre-copy on (proxy_pre_copy = 2) or off (0), and CRIU's process images
+staged in memory (checkpoint_staging = /dev/shm, moved to disk after the job runs again) or
+written straight to disk (checkpoint_staging = ''), one daemon per mode, one after the other. Beside
 them, in the same run: the machine's memory copy bandwidth (1 GiB, into memory already touched
 and into fresh memory) and the disk's write bandwidth where the images go, since the pause is
 bounded by the one and the time to complete by the other.
@@ -19,17 +23,17 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_checkpoint import markdown_table, plain_table  # noqa: E402
+from bench.bench_checkpoint import print_tables, root_scratch  # noqa: E402
 from tests.helpers import Daemon, running_daemon, wait_until  # noqa: E402
 from tests.proxy.conftest import PROGRAMS, PYTHON  # noqa: E402
 from tests.test_pause import longest_stall  # noqa: E402
@@ -44,11 +48,13 @@ class Row:
 
     mib: int
     pre_copy: bool
+    staged: bool
     felt_s: float
     reported_s: float
     frozen_s: float
     copied_in_pause_mib: float
     pre_copy_s: float
+    move_s: float
     request_to_complete_s: float
     complete_after_pause_s: float
 
@@ -85,16 +91,16 @@ def disk_write_gbs(folder: Path, mib: int = 1024) -> float:
     return mib * MiB / seconds / 1e9
 
 
-def manifest_pause(daemon: Daemon, job: int, seq: int) -> dict[str, object]:
-    """The pause a checkpoint's manifest records."""
+def manifest_stats(daemon: Daemon, job: int, seq: int) -> dict[str, Any]:
+    """The figures a checkpoint's manifest records (its pause, its staging)."""
     path = daemon.state_dir / "checkpoints" / str(job) / f"{seq:08d}" / "manifest.json"
-    pause: dict[str, object] = json.loads(path.read_text())["stats"]["pause"]
-    return pause
+    stats: dict[str, Any] = json.loads(path.read_text())["stats"]
+    return stats
 
 
-def measure(daemon: Daemon, root: Path, mib: int, pre_copy: bool) -> Row:
+def measure(daemon: Daemon, root: Path, mib: int, pre_copy: bool, staged: bool) -> Row:
     """One job holding `mib` MiB, checkpointed once in place."""
-    hold = root / f"hold-{mib}-{pre_copy}"
+    hold = root / f"hold-{mib}-{pre_copy}-{staged}"
     job = daemon.submit(PYTHON, "stall_probe.py", str(hold), str(mib), options=JOB_OPTIONS)
     log = daemon.state_dir / "jobs" / str(job) / "logs" / "rank-0.log"
     try:
@@ -106,17 +112,21 @@ def measure(daemon: Daemon, root: Path, mib: int, pre_copy: bool) -> Row:
         assert result.code == 0, result.err
         listed = daemon.job(job)["checkpoint_list"][-1]
         felt = wait_until(lambda: longest_stall(log, began), timeout=60)
-        pause = manifest_pause(daemon, job, listed["seq"])
+        stats = manifest_stats(daemon, job, listed["seq"])
+        pause, staging = stats["pause"], stats["staging"]
+        assert staging["staged"] == staged, staging
         device = pause["device"]
         assert isinstance(device, dict)
         return Row(
             mib=mib,
             pre_copy=pre_copy,
+            staged=staged,
             felt_s=felt,
             reported_s=listed["pause_seconds"],
             frozen_s=float(str(pause["frozen_s"])),
             copied_in_pause_mib=listed["paused_bytes"] / MiB,
             pre_copy_s=float(device["precopy_seconds"]),
+            move_s=float(staging["move_s"]),
             request_to_complete_s=request_s,
             complete_after_pause_s=listed["complete_seconds"],
         )
@@ -129,11 +139,13 @@ def measure(daemon: Daemon, root: Path, mib: int, pre_copy: bool) -> Row:
 HEADER = (
     "device state MiB",
     "pre-copy",
+    "process images",
     "pause felt s",
     "pause reported s",
     "CRIU freeze s",
     "copied in pause MiB",
     "pre-copy s",
+    "images to disk s",
     "complete after pause s",
     "request to complete s",
     "pause / (size / copy bw)",
@@ -146,11 +158,13 @@ def cells(row: Row, copy_gbs: float) -> tuple[str, ...]:
     return (
         str(row.mib),
         "on" if row.pre_copy else "off",
+        "memory" if row.staged else "disk",
         f"{row.felt_s:.3f}",
         f"{row.reported_s:.3f}",
         f"{row.frozen_s:.3f}",
         f"{row.copied_in_pause_mib:.1f}",
         f"{row.pre_copy_s:.1f}" if row.pre_copy else "-",
+        f"{row.move_s:.2f}" if row.staged else "-",
         f"{row.complete_after_pause_s:.1f}",
         f"{row.request_to_complete_s:.1f}",
         f"{row.felt_s / copy_s:.2f}",
@@ -162,35 +176,43 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="256,1024,4096", help="device state sizes in MiB")
     parser.add_argument("--dir", default="/var/tmp", help="where the daemon's state and images go")
+    parser.add_argument(
+        "--modes",
+        default="on-memory,on-disk,off-memory,off-disk",
+        help="pre-copy (on/off) and where CRIU writes the process images (memory/disk), each a daemon",
+    )
     args = parser.parse_args()
-    if os.geteuid() != 0:
-        print("bench_pause: run as root (the daemon and CRIU need it)", file=sys.stderr)
-        raise SystemExit(2)
     sizes = [int(s) for s in args.sizes.split(",")]
-    root = Path(tempfile.mkdtemp(prefix="sing-bench-pause-", dir=args.dir))
-    root.chmod(0o755)
+    modes = [tuple(m.split("-")) for m in args.modes.split(",")]
+    if any(len(m) != 2 or m[0] not in ("on", "off") or m[1] not in ("memory", "disk") for m in modes):
+        print(f"bench_pause: --modes takes on|off-memory|disk, not {args.modes!r}", file=sys.stderr)
+        raise SystemExit(2)
+    root = root_scratch("bench_pause", args.dir, "the daemon and CRIU need it")
     rows: list[Row] = []
     try:
         warm_gbs, fresh_gbs = copy_bandwidth_gbs()
         disk_gbs = disk_write_gbs(root)
         memory = max(16, 2 * max(sizes) // 1024 + 2)
-        for pre_copy in (True, False):
-            config = {"proxy_pre_copy": 2 if pre_copy else 0, "virtual_device_memory_gib": memory}
-            with running_daemon(root / f"daemon-{pre_copy}", virtual_devices=1, config=config) as daemon:
-                rows += [measure(daemon, root, mib, pre_copy) for mib in sizes]
+        for copy_mode, image_mode in modes:
+            pre_copy, staged = copy_mode == "on", image_mode == "memory"
+            config = {
+                "proxy_pre_copy": 2 if pre_copy else 0,
+                "virtual_device_memory_gib": memory,
+                "checkpoint_staging": "/dev/shm" if staged else "",
+            }
+            folder = root / f"daemon-{copy_mode}-{image_mode}"
+            with running_daemon(folder, virtual_devices=1, config=config) as daemon:
+                rows += [measure(daemon, root, mib, pre_copy, staged) for mib in sizes]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    rows.sort(key=lambda r: (r.mib, not r.pre_copy))
+    rows.sort(key=lambda r: (r.mib, not r.pre_copy, not r.staged))
     table = [cells(r, warm_gbs) for r in rows]
-    print(
+    summary = (
         f"memory copy bandwidth (1 thread, 1 GiB): {warm_gbs:.2f} GB/s into touched memory, "
         f"{fresh_gbs:.2f} GB/s into fresh memory; disk write bandwidth ({args.dir}): {disk_gbs:.2f} GB/s; "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     )
-    print()
-    print(plain_table(table, HEADER))
-    print()
-    print(markdown_table(table, HEADER))
+    print_tables(summary, table, HEADER)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from singularityd.api.server import ApiServer
 from singularityd.checkpoint import Checkpointer, CheckpointUnavailable, Criu, ImageStore, locate_criu
 from singularityd.checkpoint.coordinator import Checkpoints, CriuStatus, JobCheckpoints, NoCheckpoints
 from singularityd.checkpoint.precheck import CAP_SYS_RESOURCE, have_capability
+from singularityd.checkpoint.staging import RECORD_NAME, StagingArea, remove_recorded
 from singularityd.config import (
     LIVE_OPTIONS,
     OPTIONS,
@@ -78,6 +79,22 @@ def device_access(config: Config, inventory: Inventory) -> DeviceAccess:
     return ProxiedDevices(pool)
 
 
+def staging_area(config: Config, images: ImageStore) -> StagingArea | None:
+    """The daemon's memory staging folder for process images (None when off or unusable), after
+    removing the one a previous daemon of this image store left."""
+    remove_recorded(images.root / RECORD_NAME)
+    if not config.checkpoint_staging:
+        return None
+    try:
+        area = StagingArea.open(Path(config.checkpoint_staging), images.root)
+    except OSError as error:
+        where = config.checkpoint_staging
+        log.warning("process images go straight to disk: no staging folder in %s: %s", where, error)
+        return None
+    log.info("process images of checkpoints in place are staged in %s", area.root)
+    return area
+
+
 async def checkpoints_for(config: Config, devices: DeviceAccess) -> Checkpoints:
     """CRIU checkpoints when a usable CRIU is found, else the reason there are none."""
     try:
@@ -86,8 +103,9 @@ async def checkpoints_for(config: Config, devices: DeviceAccess) -> Checkpoints:
         log.warning("checkpoints unavailable: %s", error)
         return NoCheckpoints(CriuStatus("", "", str(error)))
     images = ImageStore(config.checkpoints)
+    staging = await asyncio.to_thread(staging_area, config, images)
     checkpointer = Checkpointer(
-        Criu(info), images, keep=config.checkpoint_keep, pre_copy=config.checkpoint_pre_copy
+        Criu(info), images, keep=config.checkpoint_keep, pre_copy=config.checkpoint_pre_copy, staging=staging
     )
     log.info("CRIU %s (%s); checkpoints in %s", info.version_text, info.source, config.checkpoints)
     status = CriuStatus(" ".join(info.argv), info.version_text, "")
@@ -274,6 +292,8 @@ async def serve(source: ConfigSource, config: Config) -> None:
         await api.stop()
         await federation.stop()
         await daemon.stop()
+        if isinstance(daemon.checkpoints, JobCheckpoints) and daemon.checkpoints.checkpointer.staging:
+            daemon.checkpoints.checkpointer.staging.close()
     finally:
         lock.close()
 

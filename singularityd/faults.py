@@ -17,6 +17,9 @@ STOPPING_DUMP_RUNNING = "stopping-dump-running"
 """CRIU is dumping a job that the dump stops (a preemption or a move), and has not returned."""
 STOPPING_DUMP_DONE = "stopping-dump-done"
 """CRIU has dumped and stopped the job; the checkpoint's manifest is not written yet."""
+STAGED_MOVE_RUNNING = "staged-move-running"
+"""A checkpoint taken in place was dumped to memory, the job runs again, and its process images are
+being moved to disk (one file moved); the manifest is not written yet."""
 
 
 def reached(point: str) -> None:

@@ -13,8 +13,9 @@ import json
 import os
 import select
 import signal
+import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,3 +161,14 @@ def ns_pids(pid: int) -> list[int]:
         if line.startswith("NSpid:"):
             return [int(x) for x in line.split()[1:]]
     return [pid]
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (e.g. "8m") mounted on a new folder `path`, unmounted afterwards."""
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

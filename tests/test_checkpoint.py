@@ -66,6 +66,7 @@ from tests.checkpoint_helpers import (
     kill_tree,
     ns_pids,
     pid_alive,
+    small_tmpfs,
     socket_inodes,
     start_job,
     wait_exit,
@@ -602,10 +603,7 @@ def test_images_readable_by_owner_only(criu_info: CriuInfo, work: Path, jobs: li
 @needs_root
 def test_full_disk(criu_info: CriuInfo, work: Path, jobs: list[int]) -> None:
     """A dump onto a full disk fails clearly; the job runs on; the previous checkpoint is intact."""
-    mnt = work / "small"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m,mode=0755", "tmpfs", str(mnt)], check=True)
-    try:
+    with small_tmpfs(work / "small", "40m") as mnt:
         script = _script(work, "count.py", COUNTER)
         release = work / "release"
         job = _launch(work, "full", [SYSTEM_PYTHON, script, "100000", str(release)], jobs)
@@ -633,8 +631,6 @@ def test_full_disk(criu_info: CriuInfo, work: Path, jobs: list[int]) -> None:
         wait_until(lambda: log.stat().st_size > before, timeout=30)
         assert pid_alive(pid)
         assert cp.store.verify("full", 1).ok
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 @needs_root

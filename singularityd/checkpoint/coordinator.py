@@ -127,6 +127,10 @@ class Restoration:
 def checkpoint_summary(result: CheckpointResult, pause: Pause, complete_s: float) -> str:
     """What an event says about a checkpoint: its number, size, the pause and pre-copy."""
     text = f"checkpoint {result.seq} ({human_bytes(result.image_bytes)}, {pause_summary(pause, complete_s)}"
+    if result.staged:
+        text += f"; process images staged in memory, on disk {result.move_s:.2f}s after"
+    elif result.staging_note:
+        text += f"; {result.staging_note}"
     if result.pre_dumps:
         text += f"; after {len(result.pre_dumps)} CRIU pre-dump(s)"
     if result.pruned:

@@ -5,7 +5,9 @@ succeeds CRIU kills the job's processes as asked. Without the manifest the daemo
 written next, the job would look lost. At the next start, `settle_interrupted` waits for such a
 CRIU to end, then records the checkpoint from the intent stored before the dump if CRIU finished
 it (the job is stopped with that checkpoint), or removes the incomplete folder (CRIU resumed the
-processes on failure, or never started: they still run and are re-adopted).
+processes on failure, or never started: they still run and are re-adopted). A checkpoint in place
+whose images were staged in memory and not yet on disk (checkpoint.staging) is removed likewise:
+the job ran on, and the images in memory went with the staging folder the daemon had then.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from singularityd.checkpoint.service import Checkpointer, dump_files, parse_sizes
+from singularityd.checkpoint.staging import staged_folder
 from singularityd.checkpoint.store import PendingCheckpoint
 
 log = logging.getLogger(__name__)
@@ -54,6 +58,9 @@ async def settle_interrupted(checkpointer: Checkpointer, job_id: str, wait_s: fl
     """Finish or remove the checkpoint a dead daemon left half-recorded; what happened ('' if none)."""
     store = checkpointer.store
     with store.locked(job_id):
+        staged = await asyncio.to_thread(store.cut_short_staged, job_id)
+        if staged is not None:
+            return await _remove_staged(staged, wait_s)
         found = await asyncio.to_thread(store.interrupted, job_id)
         if found is None:
             return ""
@@ -76,6 +83,26 @@ async def settle_interrupted(checkpointer: Checkpointer, job_id: str, wait_s: fl
             for leftover in (script, sizes_file):
                 with contextlib.suppress(FileNotFoundError):
                     leftover.unlink()
+
+
+async def _remove_staged(pending: PendingCheckpoint, wait_s: float) -> str:
+    """Remove a checkpoint in place whose images were still in memory or on their way to disk when
+    its daemon died (the job ran on through it), once no CRIU dumps into its staging folder."""
+    folder = await asyncio.to_thread(staged_folder, pending.path)
+    deadline = time.monotonic() + wait_s
+    if folder is not None:
+        while await asyncio.to_thread(criu_dumping_into, folder):
+            if time.monotonic() > deadline:
+                return f"checkpoint {pending.seq} is still dumped by CRIU after {wait_s:.0f}s; left alone"
+            await asyncio.sleep(0.1)
+        await asyncio.to_thread(shutil.rmtree, folder, True)
+    await asyncio.to_thread(shutil.rmtree, pending.path, True)
+    note = (
+        f"checkpoint {pending.seq} was being moved from memory to disk when the daemon stopped; "
+        "removed incomplete (the job ran on)"
+    )
+    log.warning("job %s: %s", pending.job_id, note)
+    return note
 
 
 def _record(

@@ -154,6 +154,16 @@ def _tcp_inodes(pid: int) -> tuple[frozenset[int], frozenset[int]]:
     return frozenset(inodes), frozenset(connected)
 
 
+def tree_holds_tcp(pids: Sequence[int]) -> bool:
+    """Whether any of these processes has a TCP socket open (listening or connected): what CRIU's
+    network lock guards."""
+    for pid in pids:
+        facts = read_proc_facts(pid, with_tcp=True)
+        if facts is not None and facts.socket_inodes & facts.tcp_inodes:
+            return True
+    return False
+
+
 def read_proc_facts(pid: int, *, with_tcp: bool) -> ProcFacts | None:
     """Facts about one process from /proc, or None when it is gone."""
     try:

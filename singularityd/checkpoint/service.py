@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shlex
+import shutil
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +28,8 @@ from singularityd.checkpoint.criu import (
 from singularityd.checkpoint.errors import CheckpointError, NoValidCheckpoint
 from singularityd.checkpoint.manifest import IMAGES_DIR, Manifest, Skipped, Verdict
 from singularityd.checkpoint.namespaces import ExternalMounts, read_external_mounts
-from singularityd.checkpoint.precheck import dump_problems, tree_pids
+from singularityd.checkpoint.precheck import dump_problems, tree_holds_tcp, tree_pids
+from singularityd.checkpoint.staging import Staged, StagingArea, mark_staged, move_images
 from singularityd.checkpoint.store import (
     ImageStore,
     JobUsage,
@@ -37,6 +39,8 @@ from singularityd.checkpoint.store import (
     tree_anon_bytes,
 )
 
+TCP_STREAM_IMAGES = "tcp-stream-*.img"
+"""CRIU's image of an established TCP connection: one may not appear in a dump without the lock."""
 InheritFds = Mapping[str, int] | Callable[[Manifest], Mapping[str, int]]
 AfterDump = Callable[[DumpStats], Awaitable[Mapping[str, Any]]]
 
@@ -80,6 +84,12 @@ class CheckpointResult:
     pre_copy_skipped: str
     wall_s: float
     pruned: tuple[int, ...] = ()
+    staged: bool = False
+    """Whether CRIU wrote the process images to memory, moved to disk after the job ran again."""
+    staging_note: str = ""
+    """Why the images went straight to disk although staging is on ('' otherwise)."""
+    move_s: float = 0.0
+    """Seconds the staged images took to reach the disk (copied, flushed and hashed)."""
 
     @property
     def pause_s(self) -> float:
@@ -114,11 +124,21 @@ class RestoreResult:
 class Checkpointer:
     """Checkpoints and restores jobs; serialises operations per job through the store's lock."""
 
-    def __init__(self, criu: Criu, store: ImageStore, *, keep: int = 3, pre_copy: int = 0) -> None:
+    def __init__(
+        self,
+        criu: Criu,
+        store: ImageStore,
+        *,
+        keep: int = 3,
+        pre_copy: int = 0,
+        staging: StagingArea | None = None,
+    ) -> None:
         self.criu = criu
         self.store = store
         self.keep = max(1, keep)
         self.pre_copy = pre_copy
+        self.staging = staging
+        """Where checkpoints taken in place are dumped first (None: straight to disk)."""
         self.userns_problem = ""
         """Why jobs do not run in user namespaces here ("" if they do or need not): told to users
         whose jobs cannot be checkpointed for want of one."""
@@ -154,8 +174,10 @@ class Checkpointer:
         tree still frozen no more); the mapping it returns is kept in the manifest's stats, and if
         it fails the checkpoint fails. `prefixes` (read when the manifest is written, so they may
         be filled in by `before_final_dump`) are hashes of the beginnings of files of the checkpoint
-        that are only appended to since (see ImageStore.finish). Once started, a checkpoint runs to
-        its end even if the awaiting task is cancelled.
+        that are only appended to since (see ImageStore.finish). With a staging area, a
+        checkpoint in place is dumped to memory and moved to disk once `after_final_dump` returned
+        (checkpoint.staging), when the area has room for it. Once started, a checkpoint runs to its
+        end even if the awaiting task is cancelled.
         """
         return await run_to_completion(
             self._checkpoint(
@@ -205,7 +227,9 @@ class Checkpointer:
         rounds = wanted if info.dirty_tracking else 0
         skipped = "" if rounds or not wanted else info.dirty_tracking_reason
         with self.store.locked(job_id):
-            needed = await asyncio.to_thread(tree_anon_bytes, tree_pids(pid))
+            pids = await asyncio.to_thread(tree_pids, pid)
+            needed = await asyncio.to_thread(tree_anon_bytes, pids)
+            lock_network = not leave_running or await asyncio.to_thread(tree_holds_tcp, pids)
             pending = await asyncio.to_thread(
                 self.store.begin,
                 job_id,
@@ -213,7 +237,10 @@ class Checkpointer:
                 owner_gid=owner_gid,
                 needed_bytes=needed,
             )
+            staged = Staged(None)
             try:
+                if leave_running and not rounds:
+                    staged = await asyncio.to_thread(self._stage, pending, needed)
                 if not leave_running:
                     intent = {
                         "criu_version": info.version_text,
@@ -226,6 +253,7 @@ class Checkpointer:
                     await asyncio.to_thread(self.store.record_intent, pending, intent)
                 pre_stats, dump_stats, sizes = await self._dump(
                     pending,
+                    staged.folder or pending.images,
                     pid,
                     rounds,
                     leave_running,
@@ -233,15 +261,27 @@ class Checkpointer:
                     mounts,
                     rewind_paths,
                     before_final_dump,
+                    lock_network,
                 )
                 after = dict(await after_final_dump(dump_stats)) if after_final_dump else {}
+                moved: dict[str, PrefixHash] = {}
+                move_s = 0.0
+                if staged.folder is not None:
+                    began = time.monotonic()
+                    moved = await asyncio.to_thread(move_images, staged.folder, pending.images, pending.path)
+                    move_s = time.monotonic() - began
             except BaseException:
                 await asyncio.to_thread(self.store.abort, pending)
                 raise
+            finally:
+                if staged.folder is not None:
+                    await asyncio.to_thread(shutil.rmtree, staged.folder, True)
             stats = {
                 "dump": dump_stats.as_dict(),
                 "pre_dumps": [p.as_dict() for p in pre_stats],
                 "pre_copy_skipped": skipped,
+                "staging": {"staged": staged.folder is not None, "move_s": move_s, "reason": staged.reason},
+                "network_locked": lock_network,
                 **after,
             }
             try:
@@ -256,7 +296,7 @@ class Checkpointer:
                     rewind_sizes=sizes,
                     stats=stats,
                     extra=extra,
-                    prefixes=prefixes,
+                    prefixes={**(prefixes or {}), **moved},
                 )
             except BaseException as e:
                 if leave_running:
@@ -279,11 +319,34 @@ class Checkpointer:
             pre_copy_skipped=skipped,
             wall_s=time.monotonic() - start,
             pruned=tuple(pruned),
+            staged=staged.folder is not None,
+            staging_note=staged.reason,
+            move_s=move_s,
         )
+
+    def _stage(self, pending: PendingCheckpoint, expected_bytes: int) -> Staged:
+        """A staging folder for this checkpoint's dump, marked in its folder on disk, or why the
+        dump goes straight to disk (blocking)."""
+        if self.staging is None:
+            return Staged(None)
+        problem = self.staging.room_problem(expected_bytes)
+        if problem:
+            return Staged(None, problem)
+        folder: Path | None = None
+        try:
+            folder = self.staging.folder_for(pending.job_id, pending.seq)
+            mark_staged(pending.path, folder)
+        except OSError as e:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+            why = f"the memory staging area cannot be used ({e.strerror or e})"
+            return Staged(None, f"{why}: process images written straight to disk")
+        return Staged(folder)
 
     async def _dump(
         self,
         pending: PendingCheckpoint,
+        image_dir: Path,
         pid: int,
         rounds: int,
         leave_running: bool,
@@ -291,6 +354,7 @@ class Checkpointer:
         mounts: ExternalMounts | None,
         rewind_paths: Sequence[str],
         before_final_dump: Callable[[Path], Any] | None,
+        lock_network: bool,
     ) -> tuple[list[DumpStats], DumpStats, dict[str, int]]:
         logs = self.store.logs_dir(pending.job_id)
         tag = f"{pending.seq:08d}"
@@ -323,7 +387,7 @@ class Checkpointer:
         try:
             dump_stats = await self.criu.dump(
                 pid,
-                pending.images,
+                image_dir,
                 log_file=dump_log,
                 leave_running=leave_running,
                 parent_image_dir=parent,
@@ -331,7 +395,13 @@ class Checkpointer:
                 external_unix_inodes=external_unix_inodes,
                 action_script=script,
                 external_mounts=mounts,
+                lock_network=lock_network,
             )
+            if not lock_network and any(image_dir.glob(TCP_STREAM_IMAGES)):
+                raise CheckpointError(
+                    f"job {pending.job_id} opened a TCP connection while it was checkpointed without "
+                    "CRIU's network lock (it held none before); checkpoint it again"
+                )
             if not leave_running:
                 faults.reached(faults.STOPPING_DUMP_DONE)
             sizes: dict[str, int] = {}

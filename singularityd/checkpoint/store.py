@@ -56,6 +56,9 @@ RESERVE_NAME = ".reserve"
 INTENT_NAME = ".intent.json"
 """Written before a dump that stops the job: what recording the checkpoint needs, so that a
 daemon restarted after dying in the middle can still record a dump that CRIU finished."""
+STAGED_MARK = ".staged.json"
+"""In a checkpoint folder whose process images are staged in memory (checkpoint.staging), removed
+once its manifest is written: a folder with it and no manifest was cut short and is removed."""
 RESERVE_BYTES = 1 << 20
 HASH_CHUNK = 4 << 20
 JOB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -288,6 +291,18 @@ class ImageStore:
         owner = int(intent["owner_uid"]), int(intent["owner_gid"])
         return PendingCheckpoint(job_id, seqs[-1], path, *owner), intent
 
+    def cut_short_staged(self, job_id: str) -> PendingCheckpoint | None:
+        """The job's newest checkpoint, if it has no manifest but a staging mark (its daemon died
+        before the images it dumped to memory were all on disk)."""
+        seqs = self.seqs(job_id)
+        if not seqs:
+            return None
+        path = self.checkpoint_dir(job_id, seqs[-1])
+        if (path / MANIFEST_NAME).exists() or not (path / STAGED_MARK).exists():
+            return None
+        st = os.lstat(path)
+        return PendingCheckpoint(job_id, seqs[-1], path, st.st_uid, st.st_gid)
+
     def abort(self, pending: PendingCheckpoint) -> None:
         """Remove a checkpoint directory whose dump failed."""
         shutil.rmtree(pending.path, ignore_errors=True)
@@ -349,6 +364,8 @@ class ImageStore:
                 f.flush()
                 os.fsync(f.fileno())
             os.rename(tmp, path / MANIFEST_NAME)
+            with contextlib.suppress(FileNotFoundError):
+                (path / STAGED_MARK).unlink()
             dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
             try:
                 os.fsync(dfd)
