@@ -2,11 +2,14 @@
 
 A copy of a job is a process whose command line holds the trial's marker; it belongs to the node
 whose mount namespace it lives in. A copy is *live* when it can execute the job's code: it exists,
-is not a zombie, is not stopped (`T`, SIGSTOP or CRIU's `--leave-stopped`) or held in a tracing
-stop (`t`, CRIU's ptrace freeze of a dump), and is not under a running `criu restore
---leave-stopped`: such a CRIU restores its tasks (which already show the job's command line while
-they run CRIU's restorer code), then stops them and detaches; none of them runs the job's code
-before someone continues it after CRIU is gone. Any other copy is *dormant*.
+is not a zombie, is not dying (exiting, or with a SIGKILL pending: it never returns to its code),
+is not stopped (`T`, SIGSTOP or CRIU's `--leave-stopped`) or held in a tracing stop (`t`, CRIU's
+ptrace freeze of a dump), and is not under a running `criu restore --leave-stopped`: such a CRIU
+restores its tasks (which already show the job's command line while they run CRIU's restorer
+code), then stops them and detaches; none of them runs the job's code before someone continues
+it after CRIU is gone. Any other copy is *dormant*. (Sampled through real restores with
+`--leave-stopped` followed by SIGKILL: every sample the earlier rule, "not stopped", called live
+was a task with CRIU as an ancestor, or one dying with SIGKILL pending or PF_EXITING set.)
 
 Two rules are checked on every sample:
 - never live copies on two nodes at once;
@@ -21,6 +24,7 @@ import collections
 import contextlib
 import json
 import os
+import signal
 import sqlite3
 import threading
 import time
@@ -33,6 +37,10 @@ from tests.federation.lab import Lab, Node
 
 RESTORE_LEAVING_STOPPED = (b"restore", b"--leave-stopped")
 """Arguments of a CRIU command line that restores tasks and leaves them stopped."""
+PF_FLAGS_FIELD = 6
+"""Index of the kernel's task flags among the fields of /proc/<pid>/stat after the command name."""
+PF_EXITING = 0x4
+SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
 
 
 def stored(node: Node, query: str, job: int | str) -> str | None:
@@ -73,11 +81,23 @@ def _under_stopping_restore(pid: int) -> bool:
     return False
 
 
+def _dying(pid: int, stat: list[str]) -> bool:
+    """Whether a process is exiting (PF_EXITING) or has a SIGKILL pending: it never runs its code again."""
+    if int(stat[PF_FLAGS_FIELD]) & PF_EXITING:
+        return True
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & SIGKILL_BIT:
+            return True
+    return False
+
+
 def is_live(pid: int) -> bool:
     """Whether a process can execute its program's code now (see the module's docstring)."""
     try:
-        state = _stat_fields(pid)[0]
-        return state not in "TtZX" and not _under_stopping_restore(pid)
+        stat = _stat_fields(pid)
+        if stat[0] in "TtZX" or _dying(pid, stat):
+            return False
+        return not _under_stopping_restore(pid)
     except (OSError, IndexError, ValueError):
         return False  # gone meanwhile
 
