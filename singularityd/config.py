@@ -218,8 +218,9 @@ OPTIONS: dict[str, str] = {
     "unanswered for half of it drops the connection).",
     "move_timeout_seconds": "A move not committed in this time is aborted and the job resumed here "
     "(default 600).",
-    "move_hold_seconds": "How long a node holds a job restored frozen for a move whose commit does not "
-    "come before discarding it (default 900).",
+    "move_hold_seconds": "How long a node holds a job arriving for a move (from PREPARE) without its "
+    "commit before discarding it; as a source, how long it asks a target to hold at most, and waits "
+    "before taking back a job whose move it aborted unanswered (default 900).",
 }
 
 NON_NEGATIVE_SECONDS = (

@@ -41,6 +41,7 @@ from singularityd.checkpoint import (
     Verdict,
     locate_criu,
 )
+from singularityd.checkpoint import store as store_module
 from singularityd.checkpoint.criu import (
     FORK_RETRY_PATTERN,
     parse_stats,
@@ -328,6 +329,33 @@ def test_a_file_hashed_in_two_goes_hashes_as_a_whole(tmp_path: Path) -> None:
     }
     state.write_bytes(b"short")
     assert hash_file(state, prefixes["images/proxy/cuda0.state"]) == (5, hashlib.sha256(b"short").hexdigest())
+
+
+def test_a_daemon_killed_while_recording_a_stopping_dump_leaves_it_recordable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The intent of a dump that stops the job stays until the manifest is durable: a daemon that
+    dies while `finish` hashes the images (CRIU done, the job's processes gone) leaves a checkpoint
+    its restart finds and records; a stale intent beside a manifest is cleared."""
+    store = ImageStore(tmp_path / "store")
+    uid, gid = os.getuid(), os.getgid()
+    pending = store.begin("7", owner_uid=uid, owner_gid=gid)
+    store.record_intent(pending, {"criu_version": "4.2"})
+    (pending.path / "images" / "core-1.img").write_bytes(b"image")
+
+    def killed(*args: object, **kwargs: object) -> None:
+        raise SystemExit("killed while hashing")
+
+    monkeypatch.setattr(store_module, "hash_files", killed)
+    with pytest.raises(SystemExit):
+        store.finish(pending, leave_running=False, criu_version="4.2")
+    monkeypatch.undo()
+    found = store.interrupted("7")
+    assert found is not None and found[0].seq == pending.seq and found[1]["criu_version"] == "4.2"
+    store.finish(pending, leave_running=False, criu_version="4.2")
+    assert not (pending.path / ".intent.json").exists()
+    store.record_intent(pending, {"criu_version": "4.2"})  # as if killed just after the manifest
+    assert store.interrupted("7") is None and not (pending.path / ".intent.json").exists()
 
 
 def test_post_dump_script_records_sizes(tmp_path: Path) -> None:

@@ -281,6 +281,8 @@ class ImageStore:
             return None
         path = self.checkpoint_dir(job_id, seqs[-1])
         if (path / MANIFEST_NAME).exists():
+            with contextlib.suppress(FileNotFoundError):  # left by a daemon killed right after `finish`
+                (path / INTENT_NAME).unlink()
             return None
         try:
             intent = json.loads((path / INTENT_NAME).read_text())
@@ -324,11 +326,12 @@ class ImageStore:
         """Hash every file, write the manifest last (atomically), hand the directory to its owner.
 
         `prefixes` (by path in the checkpoint) are hashes of the beginnings of append-only files
-        taken earlier (the device state pre-copied while the job ran): only the rest is read."""
+        taken earlier (the device state pre-copied while the job ran): only the rest is read. The
+        intent goes only once the manifest is durable, so a daemon killed while hashing leaves a
+        checkpoint its restart still records (`interrupted`)."""
         path = pending.path
-        for leftover in (RESERVE_NAME, INTENT_NAME):
-            with contextlib.suppress(FileNotFoundError):
-                (path / leftover).unlink()
+        with contextlib.suppress(FileNotFoundError):
+            (path / RESERVE_NAME).unlink()
         rels: list[str] = []
         links: dict[str, str] = {}
         for sub in (*pre_dumps, IMAGES_DIR):
@@ -371,6 +374,8 @@ class ImageStore:
                 os.fsync(dfd)
             finally:
                 os.close(dfd)
+            with contextlib.suppress(FileNotFoundError):
+                (path / INTENT_NAME).unlink()
         except OSError as e:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()

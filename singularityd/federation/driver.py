@@ -37,6 +37,12 @@ STEP_TO_PB = {
 PB_TO_STEP = {v: k for k, v in STEP_TO_PB.items()}
 
 
+def boot_clock() -> float:
+    """Seconds since boot, suspended time included: a clock that never jumps, for deadlines and holds
+    (a hold that one node measures must not end later, by the wall, than its peer reckons)."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
 class HoldingStore(Protocol):
     """Where holdings live; `save` must be durable when it returns."""
 
@@ -125,7 +131,8 @@ class Handoffs:
     channels: PeerChannels
     address_of: Callable[[str], str]
     settings: h.Settings = field(default_factory=h.Settings)
-    clock: Callable[[], float] = time.time
+    clock: Callable[[], float] = boot_clock
+    """Deadlines and holds are measured on it (see `boot_clock`)."""
     rpc_timeout_s: float = 30.0
     restore_timeout_s: float = 600.0
     _locks: dict[str, asyncio.Lock] = field(default_factory=lambda: defaultdict(asyncio.Lock))
@@ -160,7 +167,7 @@ class Handoffs:
         match step:
             case h.Step.PREPARE:
                 problem = await self.work.host_problem(request.job_id, request.spec_json)
-                stimulus = h.PrepareReceived(node, request.epoch, problem)
+                stimulus = h.PrepareReceived(node, request.epoch, problem, request.hold_seconds)
             case h.Step.RESTORE:
                 stimulus = h.RestoreReceived(node, request.epoch)
             case h.Step.COMMIT:
@@ -245,6 +252,7 @@ class Handoffs:
         request = pb.HandoffRequest(job_id=job_id, epoch=epoch, step=STEP_TO_PB[step])
         if step is h.Step.PREPARE:
             request.spec_json = self.work.spec_json(job_id)
+            request.hold_seconds = self.settings.hold_s
         try:
             stub = self.channels.stub(peer, self.address_of(peer))
             reply = await stub.Handoff(

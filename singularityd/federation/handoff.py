@@ -13,18 +13,26 @@ A move is decided by the source alone:
     OUT_COMMITTED (the decision, stored) --COMMIT--> OWNED e+1: only now the job runs there
     HANDED_OFF (local copy dropped once the target acknowledged)
 
-Safety never depends on clocks or on the failure detector:
-- the target runs a job only on a COMMIT for an epoch it holds restored, and it records whether
-  each incoming epoch was committed or discarded before answering, so it never does both;
+Safety never depends on the failure detector or on how long anything takes:
+- the target runs a job only on a COMMIT for an epoch it holds restored, and only while it holds
+  it: its hold starts when it accepts PREPARE, lasts at most the `hold_s` the source asked for,
+  is never extended (a restart gives it up), and ends in a discard, never a release;
+- the target records whether each incoming epoch was committed or discarded before answering,
+  so it never does both;
 - the source resumes the job itself only when it has recorded an abort (it never commits after
-  that), or when the target answered that it discarded the epoch (so it will never run it);
+  that) AND it knows the target's copy of the epoch can never run: no RESTORE was ever sent for
+  it, or the target answered that it aborted or discarded it (its copy is then dead), or the
+  target's hold has provably ended - `peer_hold_ends`, measured on the source's own clock from
+  the moment PREPARE's answer arrived (after the target's hold began) plus the hold and a margin;
 - the source keeps its own copy until the target acknowledged the commit;
 - every request carries an epoch; anything carrying an epoch the receiver has passed is refused.
-Deadlines only bring liveness: a source gives up on a hand-off that takes too long (abort), a
-target stops holding a frozen copy whose commit does not come (discard). A source that was
-paused or crashed and comes back finds its records and follows them: after a commit it never
-resumes the job, only retries telling the target, and takes the job back only if the target
-says it discarded that epoch.
+Both sides measure with a clock that never jumps (the driver's: CLOCK_BOOTTIME); a daemon that
+restarts never trusts a deadline stored by the process before it: the source waits a whole hold
+again, the target gives up what it held. Deadlines otherwise bring liveness: a source gives up
+on a hand-off that takes too long (abort), a target stops holding a frozen copy whose commit does
+not come (discard). A source that was paused or crashed and comes back finds its records and
+follows them: after a commit it never resumes the job, only retries telling the target, and takes
+the job back only if the target says it discarded that epoch.
 
 The steps, stimuli and actions are defined in `handoff_messages` and re-exported here.
 """
@@ -139,6 +147,8 @@ class Settings:
 
     attempt_timeout_s: float = 600.0
     hold_s: float = 900.0
+    hold_margin_s: float = 2.0
+    """How much longer than a target's hold a source waits, for the two clocks' drift."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +163,10 @@ class Holding:
     abort_pending: bool = False
     committed: tuple[int, ...] = ()
     discarded: tuple[int, ...] = ()
+    peer_hold_ends: float = 0.0
+    """Source: when the target's hold on this epoch has provably ended, by this node's clock."""
+    resume_pending: bool = False
+    """Source: the move was aborted, and the job resumes here once the target's copy cannot run."""
 
     @property
     def owns(self) -> bool:
@@ -185,14 +199,34 @@ def _remember(history: tuple[int, ...], epoch: int) -> tuple[int, ...]:
     return (*history, epoch)[-HISTORY:] if epoch not in history else history
 
 
-def _abort(h: Holding, reason: str) -> Decision:
-    """Record the abort of the current attempt, take the job back, and tell the target."""
-    stopped = h.phase in (Phase.OUT_TRANSFERRING, Phase.OUT_RESTORING)
+def _abort(h: Holding, reason: str, now: float) -> Decision:
+    """Record the abort of the current attempt, take the job back, and tell the target.
+
+    The job resumes here at once unless the target may hold a restored copy (RESTORE was sent)
+    whose hold has not provably ended: then only once the target confirms the abort, or its hold
+    ends (`_resume_if_safe`).
+    """
     actions: list[Action] = [Note(f"move to {h.peer} aborted: {reason}")]
-    if stopped:
+    waiting = h.phase is Phase.OUT_RESTORING and now < h.peer_hold_ends
+    if h.phase is Phase.OUT_TRANSFERRING or (h.phase is Phase.OUT_RESTORING and not waiting):
         actions.append(ResumeHere())
+    if waiting:
+        why = f"{h.peer} may hold a restored copy until it confirms the abort or its hold ends"
+        actions.append(Note(f"{why} (in {h.peer_hold_ends - now:.0f}s); the job resumes here then"))
     actions += [Send(Step.ABORT, h.peer, h.epoch), MoveFinished(False, reason)]
-    return Decision(replace(h, phase=Phase.OWNED, deadline=0.0, abort_pending=True), tuple(actions))
+    aborted = replace(h, phase=Phase.OWNED, deadline=0.0, abort_pending=True, resume_pending=waiting)
+    return Decision(aborted, tuple(actions))
+
+
+def _resume_if_safe(h: Holding, now: float, confirmed: bool) -> tuple[Holding, tuple[Action, ...]]:
+    """Resume an aborted job here once the target's copy can never run: the target `confirmed`
+    the abort (its copy is dead), or its hold has provably ended by our clock."""
+    if not h.resume_pending or not (confirmed or now >= h.peer_hold_ends):
+        return h, ()
+    why = f"the hold of {h.peer} on epoch {h.epoch} has ended"
+    if confirmed:
+        why = f"{h.peer} confirmed the abort"
+    return replace(h, resume_pending=False), (Note(f"{why}; resuming here"), ResumeHere())
 
 
 def _refuse(h: Holding | None, step: Step, epoch: int, reason: str, *, discarded: bool = False) -> Reply:
@@ -228,10 +262,13 @@ def _source(h: Holding | None, job_id: str, s: Stimulus, now: float, settings: S
                 if h.owns:
                     raise InvalidRequest(f"job {job_id} is already moving to {h.peer}")
                 raise InvalidRequest(f"job {job_id} is not owned by this node ({h.phase})")
+            if h.resume_pending:
+                why = f"its copy on {h.peer} may still be held there; it resumes here first"
+                raise InvalidRequest(f"job {job_id} cannot move yet: {why}")
             epoch = h.epoch + 1
             deadline = now + settings.attempt_timeout_s
             moving = replace(h, epoch=epoch, phase=Phase.OUT_PREPARING, peer=target, deadline=deadline)
-            moving = replace(moving, abort_pending=False)
+            moving = replace(moving, abort_pending=False, peer_hold_ends=0.0)
             note = Note(f"move to {target} started (epoch {epoch})")
             return Decision(moving, (note, Send(Step.PREPARE, target, epoch)))
         case StepAnswered(epoch=epoch) if epoch != h.epoch:
@@ -245,17 +282,22 @@ def _source(h: Holding | None, job_id: str, s: Stimulus, now: float, settings: S
                 return Decision(
                     taken_back, (Note(f"move to {h.peer} refused: {reason}"), MoveFinished(False, why))
                 )
-            transferring = replace(h, phase=Phase.OUT_TRANSFERRING)
+            # The target's hold began before its answer arrived: it has ended by then at the latest.
+            hold_ends = now + settings.hold_s + settings.hold_margin_s
+            transferring = replace(h, phase=Phase.OUT_TRANSFERRING, peer_hold_ends=hold_ends)
             return Decision(
                 transferring, (Note(f"{h.peer} accepted the job; stopping it"), StopForMove(h.epoch))
             )
-        case StepAnswered(step=Step.RESTORE, ok=ok, reason=reason):
+        case StepAnswered(step=Step.RESTORE, ok=ok, reason=reason, discarded=discarded):
             if h.phase is not Phase.OUT_RESTORING:
                 return Decision()
             if not ok:
-                return _abort(h, f"{h.peer} could not restore the job: {reason}")
+                aborted = _abort(h, f"{h.peer} could not restore the job: {reason}", now)
+                assert aborted.holding is not None
+                settled, resumed = _resume_if_safe(aborted.holding, now, confirmed=discarded)
+                return Decision(settled, (*aborted.actions, *resumed))
             if now > h.deadline:
-                return _abort(h, "the move took longer than its deadline")
+                return _abort(h, "the move took longer than its deadline", now)
             committed = replace(h, phase=Phase.OUT_COMMITTED, deadline=0.0)
             return Decision(
                 committed, (Note(f"commit to {h.peer} recorded"), Send(Step.COMMIT, h.peer, h.epoch))
@@ -281,15 +323,18 @@ def _source(h: Holding | None, job_id: str, s: Stimulus, now: float, settings: S
         case StepAnswered(step=Step.ABORT, ok=ok, reason=reason):
             if h.phase is not Phase.OWNED or not h.abort_pending:
                 return Decision()
-            settled = replace(h, abort_pending=False)
-            return Decision(settled, () if ok else (Note(f"{h.peer} refused the abort: {reason}"),))
+            if not ok:
+                refused = Note(f"{h.peer} refused the abort: {reason}")
+                return Decision(replace(h, abort_pending=False), (refused,))
+            settled, resumed = _resume_if_safe(replace(h, abort_pending=False), now, confirmed=True)
+            return Decision(settled, resumed)
         case StepFailed(step=step, epoch=epoch, error=error):
             if epoch != h.epoch:
                 return Decision()
             if step is Step.PREPARE and h.phase is Phase.OUT_PREPARING:
-                return _abort(h, f"no answer from {h.peer} to PREPARE: {error}")
+                return _abort(h, f"no answer from {h.peer} to PREPARE: {error}", now)
             if step is Step.RESTORE and h.phase is Phase.OUT_RESTORING:
-                return _abort(h, f"no answer from {h.peer} to RESTORE: {error}")
+                return _abort(h, f"no answer from {h.peer} to RESTORE: {error}", now)
             return Decision()
         case CheckpointReady(epoch=epoch):
             if h.phase is Phase.OUT_TRANSFERRING and epoch == h.epoch:
@@ -303,7 +348,7 @@ def _source(h: Holding | None, job_id: str, s: Stimulus, now: float, settings: S
             return Decision(restoring, (Note("checkpoint transferred"), Send(Step.RESTORE, h.peer, epoch)))
         case MoveWorkFailed(epoch=epoch, error=error):
             if h.phase in ABORTABLE and epoch == h.epoch:
-                return _abort(h, error)
+                return _abort(h, error, now)
             return _stopped_for_nothing(h)
         case Tick():
             return _tick(h, now)
@@ -314,18 +359,20 @@ def _source(h: Holding | None, job_id: str, s: Stimulus, now: float, settings: S
 
 def _stopped_for_nothing(h: Holding) -> Decision:
     """Local move work of an abandoned attempt ended: the job may be stopped although it should run."""
-    if h.phase in (Phase.OWNED, Phase.OUT_PREPARING):
+    if h.phase in (Phase.OWNED, Phase.OUT_PREPARING) and not h.resume_pending:
         return Decision(actions=(ResumeHere(),))
     return Decision()
 
 
 def _tick(h: Holding, now: float) -> Decision:
     if h.phase in ABORTABLE and now > h.deadline:
-        return _abort(h, "the move took longer than its deadline")
+        return _abort(h, "the move took longer than its deadline", now)
     if h.phase is Phase.OUT_COMMITTED:
         return Decision(actions=(Send(Step.COMMIT, h.peer, h.epoch),))
-    if h.phase is Phase.OWNED and h.abort_pending:
-        return Decision(actions=(Send(Step.ABORT, h.peer, h.epoch),))
+    if h.phase is Phase.OWNED and (h.abort_pending or h.resume_pending):
+        settled, resumed = _resume_if_safe(h, now, confirmed=False)
+        resend = (Send(Step.ABORT, h.peer, h.epoch),) if h.abort_pending else ()
+        return Decision(settled if resumed else None, (*resumed, *resend))
     if h.phase in INCOMING and now > h.deadline:
         return _discard(h, "no commit came in time")
     return Decision()
@@ -345,8 +392,12 @@ def _recover(h: Holding, now: float, settings: Settings) -> Decision:
 
 
 def _resume_after_restart(h: Holding, now: float, settings: Settings) -> Decision:
+    # A deadline stored by the process before this one is not trusted: a whole hold is waited again.
+    rearmed = replace(h, peer_hold_ends=now + settings.hold_s + settings.hold_margin_s)
+    if h.phase is Phase.OUT_RESTORING:
+        return _abort(rearmed, "this daemon restarted in the middle of the move", now)
     if h.phase in ABORTABLE:
-        decision = _abort(h, "this daemon restarted in the middle of the move")
+        decision = _abort(h, "this daemon restarted in the middle of the move", now)
         # The job may have been stopped by an interrupted StopForMove: always make sure it runs.
         rest = tuple(a for a in decision.actions if not isinstance(a, ResumeHere))
         return Decision(decision.holding, (ResumeHere(), *rest))
@@ -354,16 +405,19 @@ def _resume_after_restart(h: Holding, now: float, settings: Settings) -> Decisio
         note = Note("restarted after the commit; telling the target again")
         return Decision(actions=(note, Send(Step.COMMIT, h.peer, h.epoch)))
     if h.phase is Phase.OWNED:
+        resend = (Send(Step.ABORT, h.peer, h.epoch),) if h.abort_pending else ()
+        if h.resume_pending:
+            note = Note(f"restarted while {h.peer} may hold a copy; the job resumes once it cannot run")
+            return Decision(rearmed, (note, *resend))
         # A crash may have cut short the release of a committed job or the resume after an abort.
         actions: list[Action] = [ReleaseFrozen(h.epoch)] if h.epoch in h.committed else []
         actions.append(ResumeHere())
-        if h.abort_pending:
-            actions.append(Send(Step.ABORT, h.peer, h.epoch))
-        return Decision(actions=tuple(actions))
+        return Decision(actions=(*actions, *resend))
     if h.phase in (Phase.IN_PREPARED, Phase.IN_RESTORING):
         return _discard(h, "this daemon restarted before the job was restored")
     if h.phase is Phase.IN_RESTORED:
-        return Decision(replace(h, deadline=now + settings.hold_s))
+        # How long it held the copy before the restart is not known: the hold ends here.
+        return _discard(h, "this daemon restarted while it held the job; its hold ends")
     if h.phase is Phase.HANDED_OFF:
         return Decision(actions=(DropLocalCopy(h.peer),))
     return Decision()
@@ -397,9 +451,8 @@ def _target(h: Holding | None, job_id: str, s: Stimulus, now: float, settings: S
                 assert superseded.holding is not None
                 base = superseded.holding
                 actions += superseded.actions
-            prepared = replace(
-                base, epoch=epoch, phase=Phase.IN_PREPARED, peer=source, deadline=now + settings.hold_s
-            )
+            hold_s = min(settings.hold_s, s.hold_s) if s.hold_s > 0 else settings.hold_s
+            prepared = replace(base, epoch=epoch, phase=Phase.IN_PREPARED, peer=source, deadline=now + hold_s)
             actions.append(Note(f"accepted the job from {source} (epoch {epoch})"))
             actions.append(Reply(Step.PREPARE, epoch, True, recorded_epoch=epoch))
             return Decision(prepared, tuple(actions))
@@ -418,10 +471,12 @@ def _target(h: Holding | None, job_id: str, s: Stimulus, now: float, settings: S
                 return Decision(
                     actions=(DiscardIncoming(epoch), Reply(Step.RESTORE, epoch, False, reason, True))
                 )
-            if error:
-                dropped = _discard(h, f"restore failed: {error}")
-                return Decision(dropped.holding, (*dropped.actions, _refuse(h, Step.RESTORE, epoch, error)))
-            held = replace(h, phase=Phase.IN_RESTORED, deadline=now + settings.hold_s)
+            if error or now > h.deadline:
+                why = f"restore failed: {error}" if error else "restored after the hold ended"
+                dropped = _discard(h, why)
+                refusal = _refuse(h, Step.RESTORE, epoch, why, discarded=True)
+                return Decision(dropped.holding, (*dropped.actions, refusal))
+            held = replace(h, phase=Phase.IN_RESTORED)
             return Decision(
                 held,
                 (
@@ -432,7 +487,14 @@ def _target(h: Holding | None, job_id: str, s: Stimulus, now: float, settings: S
         case CommitReceived(source=source, epoch=epoch):
             if h is not None and h.outcome(epoch) == "committed":
                 return Decision(actions=(Reply(Step.COMMIT, epoch, True, recorded_epoch=h.epoch),))
-            if h is not None and h.phase is Phase.IN_RESTORED and h.epoch == epoch and h.peer == source:
+            ours = h is not None and (h.epoch, h.peer) == (epoch, source)
+            frozen_here = ours and h is not None and h.phase is Phase.IN_RESTORED
+            if h is not None and frozen_here and now > h.deadline:
+                # The job runs here only while it is held: once the hold has ended it never does.
+                dropped = _discard(h, "the commit came after the hold ended")
+                refusal = _refuse(h, Step.COMMIT, epoch, f"the hold on epoch {epoch} ended", discarded=True)
+                return Decision(dropped.holding, (*dropped.actions, refusal))
+            if h is not None and frozen_here:
                 owned = replace(h, phase=Phase.OWNED, deadline=0.0, committed=_remember(h.committed, epoch))
                 note = Note(f"commit from {source}: the job runs here (epoch {epoch})")
                 reply = Reply(Step.COMMIT, epoch, True, recorded_epoch=epoch)

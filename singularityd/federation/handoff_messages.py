@@ -86,11 +86,15 @@ class Recovered:
 
 @dataclass(frozen=True)
 class PrepareReceived:
-    """The source asks us to take the job at `epoch`; `problem` is why we cannot host it ('' if we can)."""
+    """The source asks us to take the job at `epoch`; `problem` is why we cannot host it ('' if we can).
+
+    `hold_s` is the longest the source lets us hold the job without its commit (0: our own limit).
+    """
 
     source: str
     epoch: int
     problem: str = ""
+    hold_s: float = 0.0
 
 
 @dataclass(frozen=True)

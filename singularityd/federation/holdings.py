@@ -32,6 +32,8 @@ def holding_from_json(text: str) -> Holding:
         abort_pending=bool(raw.get("abort_pending", False)),
         committed=tuple(int(e) for e in raw.get("committed", ())),
         discarded=tuple(int(e) for e in raw.get("discarded", ())),
+        peer_hold_ends=float(raw.get("peer_hold_ends", 0.0)),
+        resume_pending=bool(raw.get("resume_pending", False)),
     )
 
 

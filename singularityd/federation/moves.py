@@ -11,12 +11,17 @@ servers), `release_frozen` lets them run on COMMIT (MIGRATING -> RUNNING), `disc
 kills and deletes what arrived for an epoch that will never run here.
 
 The epoch of the copy restored frozen on this node is kept as a store setting (`arriving:<id>`),
-so that a clean-up for an old epoch never touches a newer copy. Every method is idempotent.
+so that a clean-up for an old epoch never touches a newer copy. A restore and a discard of the same
+job never overlap (`restoring`): a discard waits for a restore under way and then kills its copy,
+so once a discard has returned (and the source been told the epoch was aborted or discarded) no
+copy of that epoch exists here, and a restore that finds its epoch already given up does nothing.
+Every method is idempotent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -27,6 +32,7 @@ from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
+from singularityd import faults
 from singularityd.checkpoint.coordinator import Checkpoints, JobCheckpoints
 from singularityd.checkpoint.criu import Criu
 from singularityd.checkpoint.manifest import MANIFEST_NAME, parse_seq_dir_name
@@ -46,7 +52,7 @@ from singularityd.daemon import Daemon
 from singularityd.errors import RequestError
 from singularityd.federation import jobfiles, netlock
 from singularityd.federation.facts import MoveFacts
-from singularityd.federation.handoff import INCOMING, Holding, transfer_refusal
+from singularityd.federation.handoff import INCOMING, Holding, Phase, transfer_refusal
 from singularityd.federation.holdings import StoredHoldings
 from singularityd.federation.hosting import MoveSpec, gather_host_facts, hosting_problem, probe_cwd
 from singularityd.federation.peer import PeerChannels, Refused
@@ -124,6 +130,8 @@ class DaemonMoves:
         """Per job on its way out: what was sent of its device state while it still ran."""
         self._notes: dict[int, list[tuple[float, str]]] = {}
         """Events of jobs arriving here before their record exists (written once it does)."""
+        self.restoring: dict[int, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
+        """Per arriving job: held by its restore, so that a discard waits for it to end."""
 
     # Places
 
@@ -364,11 +372,20 @@ class DaemonMoves:
         return self.incoming(job_id, epoch)
 
     async def restore_frozen(self, job_id: str, epoch: int) -> None:
-        """Import the job, reserve its devices, place its files, restore its processes stopped."""
+        """Import the job, reserve its devices, place its files, restore its processes stopped
+        (nothing if the epoch was given up before the restore began)."""
+        async with self.restoring[int(job_id)]:
+            holding = self.holdings.load(job_id)
+            if holding is None or holding.phase is not Phase.IN_RESTORING or holding.epoch != epoch:
+                raise RuntimeError(f"epoch {epoch} of job {job_id} was given up before its restore began")
+            await self._restore_frozen(job_id, epoch, holding)
+            await faults.held_at(faults.RESTORED_FROZEN)
+
+    async def _restore_frozen(self, job_id: str, epoch: int, holding: Holding) -> None:
+        """See restore_frozen (the job's restore lock held)."""
         job_number = int(job_id)
         daemon = self.daemon
-        holding = self.holdings.load(job_id)
-        source = holding.peer if holding is not None else "a peer"
+        source = holding.peer
         incoming = self.incoming(job_id, epoch)
         arrival = await asyncio.to_thread(jobfiles.read_arrival, incoming)
         if arrival.job_id != job_number:
@@ -420,9 +437,16 @@ class DaemonMoves:
         daemon.apply(job_id, MoveAbandoned(f"{why}: queued to resume here"))
 
     async def discard_incoming(self, job_id: str, epoch: int) -> None:
-        """Kill what was restored for `epoch` and delete what was received for it."""
+        """Kill what was restored for `epoch` and delete what was received for it (after a restore
+        under way has ended: once this returns, no copy of the epoch exists here)."""
         job_number = int(job_id)
         self.receivers.cancel(job_id, epoch)
+        async with self.restoring[job_number]:
+            await self._discard_incoming(job_id, epoch)
+
+    async def _discard_incoming(self, job_id: str, epoch: int) -> None:
+        """See discard_incoming (the job's restore lock held)."""
+        job_number = int(job_id)
         self._notes.pop(job_number, None)
         await asyncio.to_thread(jobfiles.remove, self.incoming(job_id, epoch))
         holding = self.holdings.load(job_id)

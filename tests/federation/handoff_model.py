@@ -228,6 +228,7 @@ def _tick_matters(world: World, name: str, holding: h.Holding) -> bool:
     return (
         holding.phase is h.Phase.OUT_COMMITTED
         or (holding.phase is h.Phase.OWNED and holding.abort_pending)
+        or (holding.phase is h.Phase.OWNED and holding.resume_pending and world.now >= holding.peer_hold_ends)
         or ((holding.phase in h.ABORTABLE or holding.phase in h.INCOMING) and world.now > holding.deadline)
     )
 
@@ -306,11 +307,24 @@ def check_safety(world: World) -> None:
     for name, node in nodes.items():
         if node.running and (node.holding is None or not node.holding.owns):
             raise Violation(f"{name} runs the job without owning it ({node.holding})")
+        other = world.other(name)
+        if node.running and _may_release(world, world.node(other)):
+            raise Violation(f"{name} runs the job while {other} holds a copy it may still let run")
     owners = [n for n, x in nodes.items() if x.holding is not None and x.holding.phase is h.Phase.OWNED]
     if len(owners) > 1:
         raise Violation(f"two owners: {owners}")
     if not any(_holds_the_job(x) for x in nodes.values()):
         raise Violation("the job is lost: no daemon runs it or can resume it")
+
+
+def _may_release(world: World, node: Node) -> bool:
+    """Whether a daemon holds a restored copy (or is restoring one) that a commit could still let run:
+    an incoming epoch whose hold has not ended."""
+    holding = node.holding
+    if holding is None or holding.phase not in h.INCOMING or world.now > holding.deadline:
+        return False
+    restoring = any(kind == "restore" and epoch == holding.epoch for kind, epoch, _ in node.ops)
+    return restoring or holding.epoch in node.frozen
 
 
 def _holds_the_job(node: Node) -> bool:

@@ -7,8 +7,9 @@ commit), waits a random moment more, and then cuts the source's or the target's 
 SIGKILLs the source or the target daemon (started again after a
 while), or SIGSTOPs the source past every deadline of the move. Afterwards the job must run in
 exactly one place (the others know it as moved or not at all), and once told to stop its log must
-be exactly what an uninterrupted run of the same number of steps prints. A referee thread scans
-/proc throughout: no two nodes may ever have a live (not stopped) copy of a trial's job at once.
+be exactly what an uninterrupted run of the same number of steps prints. A referee thread
+(referee.py) scans /proc throughout: no two nodes may ever have a live copy of a trial's job at
+once, nor may one node have a live copy while another holds one it may still let run.
 
 CI runs a fixed sample of trials (one per fault kind and a few steps); SING_FAULT_TRIALS=N runs N
 random ones (SING_FAULT_SEED picks them) and prints a table of outcomes.
@@ -17,14 +18,10 @@ random ones (SING_FAULT_SEED picks them) and prints a table of outcomes.
 from __future__ import annotations
 
 import collections
-import contextlib
-import json
 import os
 import random
 import signal
-import sqlite3
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,6 +32,7 @@ import pytest
 
 from singularityd import faults
 from tests.federation.lab import Lab, Node, joined_lab
+from tests.federation.referee import Referee, holding_of, stored
 from tests.federation.test_lab import Background, lab_problem
 from tests.helpers import wait_until
 from tests.proxy.conftest import PYTHON
@@ -69,77 +67,15 @@ SAMPLE = [
 """The trials CI runs: (step, fault, extra delay in seconds after the step is seen)."""
 
 
-def stored(node: Node, query: str, job: int | str) -> str | None:
-    """One value a node's database holds for a job (read-only, never blocking the daemon)."""
-    database = node.state_dir / "singularity.db"
-    try:
-        with contextlib.closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True, timeout=1)) as db:
-            row = db.execute(query, (job,)).fetchone()
-    except sqlite3.Error:
-        return None
-    return str(row[0]) if row else None
-
-
 def phase(node: Node, job: int) -> str | None:
     """The phase of a node's stored hand-off record of a job."""
-    holding = stored(node, "SELECT holding FROM holdings WHERE job_id = ?", str(job))
-    return str(json.loads(holding)["phase"]) if holding else None
+    holding = holding_of(node, job)
+    return str(holding["phase"]) if holding else None
 
 
 def job_state(node: Node, job: int) -> str | None:
     """The job's stored state on a node."""
     return stored(node, "SELECT state FROM jobs WHERE id = ?", job)
-
-
-class Referee:
-    """Watches every process in /proc: a trial's job must never have live copies on two nodes."""
-
-    def __init__(self, lab: Lab) -> None:
-        self.lab = lab
-        self.marker = ""
-        self.violations: list[str] = []
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-
-    def _node_of(self) -> dict[int, str]:
-        inodes = {}
-        for node in self.lab.nodes.values():
-            with contextlib.suppress(OSError):
-                inodes[os.stat(node.pin).st_ino] = node.name
-        return inodes
-
-    def live_copies(self, marker: str) -> dict[str, int]:
-        """Live (not stopped, not dead) processes whose command line holds `marker`, by node."""
-        nodes = self._node_of()
-        found: dict[str, int] = collections.Counter()
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            with contextlib.suppress(OSError):
-                if marker.encode() not in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    continue
-                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-                node = nodes.get(os.stat(f"/proc/{entry}/ns/mnt").st_ino)
-                if node is not None and state not in "TtZX":
-                    found[node] += 1
-        return dict(found)
-
-    def _watch(self) -> None:
-        while not self._stop.is_set():
-            marker = self.marker
-            if marker:
-                copies = self.live_copies(marker)
-                self.samples += 1
-                if len(copies) > 1:
-                    self.violations.append(f"{marker}: live on {sorted(copies)}")
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        """Stop watching."""
-        self._stop.set()
-        self._thread.join(10)
 
 
 @dataclass
@@ -189,6 +125,15 @@ def uninterrupted(steps: int) -> str:
         [PYTHON, str(TICKER), "--steps", str(steps)], capture_output=True, text=True, timeout=120, check=True
     )
     return done.stdout
+
+
+def finish_exactly(owner: Node, job: int, until: Path) -> None:
+    """Tell the ticker to stop; its log must be what an uninterrupted run of as many steps prints."""
+    until.touch()
+    waited = owner.sing("wait", str(job), timeout=120)
+    assert waited.code == 0, waited
+    log = owner.sing("logs", str(job)).out
+    assert log == uninterrupted(int(log.rsplit("stopped after ", 1)[1].split()[0]))
 
 
 def states(lab: Lab, job: int) -> dict[str, str]:
@@ -247,7 +192,7 @@ def start_ticker(node: Node, referee: Referee, until: Path) -> int:
     submitted = node.sing("submit", "--", PYTHON, str(TICKER), "--until", str(until), "--sleep", "0.01")
     assert submitted.code == 0, submitted.err
     job = int(submitted.out)
-    referee.marker = str(until)
+    referee.watch(str(until), job)
     wait_until(lambda: (node.job(job) or {}).get("state") == "RUNNING", timeout=60, interval=0.1)
     wait_until(lambda: node.rank_log(job).exists() and node.rank_log(job).stat().st_size > 0, 60)
     return job
@@ -279,7 +224,7 @@ def run_trial(lab: Lab, referee: Referee, trial: Trial, rng: random.Random) -> T
     owner_name = wait_until(lambda: settled(lab, job), timeout=180, interval=0.25)
     trial.ended_on = owner_name
     owner = lab.node(owner_name)
-    referee.marker = ""
+    referee.watch("", None)
     shown: dict[str, Any] = owner.job(job) or {}
     if shown.get("state") == "FAILED":
         trial.lost = True
@@ -345,18 +290,79 @@ def test_source_killed_in_the_final_dump_keeps_the_job(fault_lab: Lab, referee: 
     assert mover.result().code != 0
     source.start()
     owner = wait_until(lambda: settled(fault_lab, job), timeout=180, interval=0.25)
-    referee.marker = ""
+    referee.watch("", None)
     assert owner == source.name
     shown = source.job(job) or {}
     reasons = [str(event["reason"]) for event in shown["events"]]
     assert shown["state"] == "RUNNING", reasons
     assert any("CRIU finished the dump after the daemon died" in reason for reason in reasons), reasons
-    until.touch()
-    waited = source.sing("wait", str(job), timeout=120)
-    assert waited.code == 0, waited
-    log = source.sing("logs", str(job)).out
-    assert log == uninterrupted(int(log.rsplit("stopped after ", 1)[1].split()[0]))
+    finish_exactly(source, job, until)
     assert referee.violations == []
+
+
+def move_until_held(source: Node, target: Node, job: int, reached: Path, attempts: int = 30) -> Background:
+    """Start moving the job until the target announces it holds at its fault point. A move to a
+    target just restarted may fail at PREPARE while the source's channel to it is still backing
+    off ("connection refused"): it is tried again, a second after the job is back at the source."""
+    for _ in range(attempts):
+        mover = Background(lambda: source.sing("migrate", str(job), "--to", target.name, timeout=300))
+
+        def reached_or_over(moving: Background = mover) -> bool:
+            return reached.exists() or moving.done()
+
+        wait_until(reached_or_over, timeout=120, interval=0.02)
+        if reached.exists():
+            return mover
+        print(f"move of {job} to {target.name} ended before the restore: {mover.result().err.strip()}")
+        wait_until(lambda: job_state(source, job) == "RUNNING" and phase(source, job) == "owned", 120, 0.1)
+        time.sleep(1.0)
+    raise AssertionError(f"job {job} never reached the restore on {target.name}")
+
+
+@pytest.mark.parametrize("heal", ["after-the-hold", "before-the-restore-ends"])
+def test_link_cut_while_the_target_restores_keeps_one_copy(
+    fault_lab: Lab, referee: Referee, heal: str
+) -> None:
+    """The target holds at an exact step (a fault point): its copy restored frozen, its hand-off
+    record still restoring. The source's link is cut, so RESTORE's answer never comes and the
+    source aborts. It must not resume its copy while the target may still let its own run: it
+    resumes only once the target confirmed the abort (the link healed before the restore ends: the
+    target's discard waits for the restore, kills its copy, then answers), or once the target's
+    hold has ended by the source's clock (the link still cut). The referee holds both sides to
+    that; the job ends on the source, once, its output exact."""
+    source, target = fault_lab.node("node-b"), fault_lab.node("node-c")
+    hold = fault_lab.paths.root / f"hold-{heal}"
+    target.kill(signal.SIGTERM)
+    target.start(env={faults.ENV: faults.RESTORED_FROZEN, faults.HOLD_ENV: str(hold)})
+    try:
+        until = fault_lab.paths.root / f"stop-restoring-{heal}"
+        job = start_ticker(source, referee, until)
+        mover = move_until_held(source, target, job, Path(f"{hold}.reached"))
+        assert phase(target, job) == "in-restoring"
+        frozen = referee.copies(str(until))
+        assert set(frozen) == {target.name} and frozen[target.name].dormant and not frozen[target.name].live
+        fault_lab.network.cut(source.name)
+        wait_until(lambda: (holding_of(source, job) or {}).get("resume_pending"), timeout=120, interval=0.05)
+        assert job_state(source, job) == "MIGRATING", "the source resumed while the target held a copy"
+        if heal == "before-the-restore-ends":
+            fault_lab.network.restore(source.name)
+            wait_until(lambda: phase(target, job) == "discarded", timeout=120, interval=0.05)
+        hold.touch()
+        wait_until(lambda: job_state(source, job) == "RUNNING", timeout=120, interval=0.05)
+        fault_lab.network.restore(source.name)
+        assert mover.result().code != 0
+        assert wait_until(lambda: settled(fault_lab, job), timeout=180, interval=0.25) == source.name
+        referee.watch("", None)
+        reasons = [str(event["reason"]) for event in (source.job(job) or {})["events"]]
+        assert any("resuming here" in reason for reason in reasons), reasons
+        finish_exactly(source, job, until)
+        assert not referee.copies(str(until))
+        assert referee.violations == []
+    finally:
+        hold.touch()
+        fault_lab.network.restore(source.name)
+        target.kill(signal.SIGTERM)
+        target.start()
 
 
 @pytest.mark.timeout(900 + 120 * int(os.environ.get("SING_FAULT_TRIALS", "0")))
@@ -382,7 +388,8 @@ def test_faults_at_each_step_leave_one_exact_copy(fault_lab: Lab, referee: Refer
             trial.failure = str(error).splitlines()[0][:300]
             done.append(trial)
             ensure_up(fault_lab)
-        print(f"trial {trial}", flush=True)
+        seen = f"referee: {referee.samples} samples, {len(referee.violations)} violations"
+        print(f"trial {trial} {seen}", flush=True)
     print(f"\n{len(done)} trials in {time.monotonic() - started:.0f}s, referee samples {referee.samples}")
     print(summary(done))
     failures = [trial for trial in done if trial.failure]

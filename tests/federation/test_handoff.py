@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from singularityd.federation import handoff as h
@@ -178,3 +180,109 @@ def test_the_model_catches_a_machine_that_runs_the_job_twice(monkeypatch: pytest
     monkeypatch.setattr(h, "decide", eager)
     with pytest.raises(model.Violation, match=r"two live copies|without owning"):
         model.explore(model.Budget(cuts=1))
+
+
+def restoring_at_source() -> h.Holding:
+    """Source A with j's checkpoint sent to B at epoch 2 and RESTORE asked (at time 10)."""
+    a, _ = run(h.initial_holding("j"), h.MoveRequested("B"))
+    a, _ = run(a, h.StepAnswered(h.Step.PREPARE, 2, True), now=10.0)
+    a, _ = run(a, h.CheckpointReady(2), now=10.0)
+    a, _ = run(a, h.TransferDone(2), now=10.0)
+    assert a is not None and a.phase is h.Phase.OUT_RESTORING
+    assert a.peer_hold_ends == 10.0 + S.hold_s + S.hold_margin_s
+    return a
+
+
+def test_an_abort_during_the_restore_resumes_only_once_the_target_cannot_run_its_copy() -> None:
+    """RESTORE got no answer (a cut link): B may be restoring. A resumes the job when B confirms
+    the abort, or when B's hold has ended by A's clock - not before, however often it ticks."""
+    a0 = restoring_at_source()
+    a, acts = run(a0, h.StepFailed(h.Step.RESTORE, 2, "UNAVAILABLE"), now=20.0)
+    assert a is not None and a.phase is h.Phase.OWNED and a.resume_pending and a.abort_pending
+    assert "ResumeHere" not in kinds(acts) and h.Send(h.Step.ABORT, "B", 2) in acts
+    with pytest.raises(h.InvalidRequest, match="cannot move yet"):
+        run(a, h.MoveRequested("C"), now=21.0)
+    waiting, acts = run(a, h.Tick(), now=a.peer_hold_ends - 0.1)
+    assert kinds(acts) == ["Send"] and waiting == a
+    late, acts = run(a, h.Tick(), now=a.peer_hold_ends)
+    assert late is not None and not late.resume_pending and kinds(acts) == ["ResumeHere", "Send"]
+    confirmed, acts = run(a, h.StepAnswered(h.Step.ABORT, 2, True), now=21.0)
+    assert confirmed is not None and not confirmed.resume_pending and not confirmed.abort_pending
+    assert kinds(acts) == ["ResumeHere"]
+
+
+def test_an_abort_before_the_restore_was_asked_resumes_at_once() -> None:
+    a, _ = run(h.initial_holding("j"), h.MoveRequested("B"))
+    a, _ = run(a, h.StepAnswered(h.Step.PREPARE, 2, True), now=10.0)
+    a, acts = run(a, h.MoveWorkFailed(2, "transfer failed"), now=11.0)
+    assert a is not None and not a.resume_pending and "ResumeHere" in kinds(acts)
+
+
+def test_a_restore_refused_as_discarded_resumes_at_once() -> None:
+    refused = h.StepAnswered(h.Step.RESTORE, 2, False, "restore failed", discarded=True)
+    a, acts = run(restoring_at_source(), refused, now=11.0)
+    assert a is not None and not a.resume_pending and "ResumeHere" in kinds(acts)
+
+
+def test_a_source_restarted_while_waiting_waits_a_whole_hold_again() -> None:
+    # Its clock may have restarted with it: the stored moment is not trusted.
+    a, acts = run(restoring_at_source(), h.Recovered(), now=5.0)
+    assert a is not None and a.resume_pending and "ResumeHere" not in kinds(acts)
+    assert a.peer_hold_ends == 5.0 + S.hold_s + S.hold_margin_s
+    again, acts = run(a, h.Recovered(), now=7.0)
+    assert again is not None and again.peer_hold_ends == 7.0 + S.hold_s + S.hold_margin_s
+    assert "ResumeHere" not in kinds(acts)
+
+
+def restored_at_target(hold_s: float = 0.0) -> h.Holding:
+    """Target B holding j restored frozen for epoch 2 (PREPARE accepted at time 10)."""
+    b, _ = run(None, h.PrepareReceived("A", 2, "", hold_s), now=10.0)
+    b, _ = run(b, h.RestoreReceived("A", 2), now=11.0)
+    b, _ = run(b, h.RestoreFinished(2), now=12.0)
+    assert b is not None and b.phase is h.Phase.IN_RESTORED
+    return b
+
+
+def test_the_target_lets_its_copy_run_only_while_it_holds_it() -> None:
+    """The hold starts at PREPARE, lasts what the source asked (at most our own), is not extended by
+    the restore, and a commit after it ends discards the copy instead of letting it run."""
+    b = restored_at_target(hold_s=60.0)
+    assert b.deadline == 70.0
+    assert restored_at_target(hold_s=1e6).deadline == 10.0 + S.hold_s
+    b2, acts = run(b, h.CommitReceived("A", 2), now=70.5)
+    assert b2 is not None and b2.phase is h.Phase.DISCARDED and b2.outcome(2) == "discarded"
+    assert kinds(acts) == ["DiscardIncoming", "Reply"] and "ReleaseFrozen" not in kinds(acts)
+    (reply,) = [a for a in acts if isinstance(a, h.Reply)]
+    assert not reply.ok and reply.discarded
+    owned, acts = run(b, h.CommitReceived("A", 2), now=69.0)
+    assert owned is not None and owned.phase is h.Phase.OWNED and "ReleaseFrozen" in kinds(acts)
+
+
+def test_a_restore_that_ends_after_the_hold_is_discarded() -> None:
+    b, _ = run(None, h.PrepareReceived("A", 2, "", 30.0), now=10.0)
+    b, _ = run(b, h.RestoreReceived("A", 2), now=11.0)
+    b, acts = run(b, h.RestoreFinished(2), now=41.0)
+    assert b is not None and b.phase is h.Phase.DISCARDED and kinds(acts) == ["DiscardIncoming", "Reply"]
+
+
+def test_a_target_restarted_while_holding_gives_its_copy_up() -> None:
+    b, acts = run(restored_at_target(), h.Recovered(), now=13.0)
+    assert b is not None and b.phase is h.Phase.DISCARDED and "DiscardIncoming" in kinds(acts)
+
+
+def test_the_model_catches_a_source_that_resumes_while_the_target_may_restore(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The search is able to fail: a source resuming as soon as it aborts during the restore is caught."""
+    original = h.decide
+
+    def hasty(holding: h.Holding | None, job: str, s: h.Stimulus, now: float, st: h.Settings) -> h.Decision:
+        decision = original(holding, job, s, now, st)
+        if decision.holding is not None and decision.holding.resume_pending:
+            resumed = replace(decision.holding, resume_pending=False)
+            return h.Decision(resumed, (*decision.actions, h.ResumeHere()))
+        return decision
+
+    monkeypatch.setattr(h, "decide", hasty)
+    with pytest.raises(model.Violation, match="may still let run"):
+        model.explore(model.Budget(cuts=1, time_jumps=1))

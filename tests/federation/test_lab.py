@@ -228,6 +228,10 @@ class Background:
         self._thread = threading.Thread(target=lambda: setattr(self, "_value", call()), daemon=True)
         self._thread.start()
 
+    def done(self) -> bool:
+        """Whether the call has returned."""
+        return not self._thread.is_alive()
+
     def result(self, timeout: float = 300.0) -> Any:
         """What the call returned, once it has."""
         self._thread.join(timeout)

@@ -149,16 +149,18 @@ class HeartbeatReply(_message.Message):
     def __init__(self, status: _Optional[_Union[NodeStatus, _Mapping]] = ..., known: _Optional[_Iterable[_Union[PeerAddress, _Mapping]]] = ...) -> None: ...
 
 class HandoffRequest(_message.Message):
-    __slots__ = ("job_id", "epoch", "step", "spec_json")
+    __slots__ = ("job_id", "epoch", "step", "spec_json", "hold_seconds")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    HOLD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     epoch: int
     step: HandoffStep
     spec_json: bytes
-    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[_Union[HandoffStep, str]] = ..., spec_json: _Optional[bytes] = ...) -> None: ...
+    hold_seconds: float
+    def __init__(self, job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[_Union[HandoffStep, str]] = ..., spec_json: _Optional[bytes] = ..., hold_seconds: _Optional[float] = ...) -> None: ...
 
 class HandoffReply(_message.Message):
     __slots__ = ("ok", "reason", "discarded", "epoch")
