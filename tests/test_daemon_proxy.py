@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from tests.conftest import requires_root
 from tests.helpers import Daemon, ensure_user, other_user, python_for_user, running_daemon, wait_until
@@ -50,6 +51,7 @@ def without_stderr_lines(log: str, stderr: str) -> str:
     )
 
 
+@pytest.mark.timeout(900)  # every corpus program twice, with the CPUs shared by parallel test processes
 def test_corpus_under_the_daemon_matches_direct_runs(daemon: Daemon) -> None:
     jobs = {
         program: daemon.submit(PYTHON, program, *proxy_args, options=JOB_OPTIONS)
