@@ -19,6 +19,7 @@ import time
 from typing import TYPE_CHECKING
 
 from singularity.proxy.control import splice_refusal
+from singularityd.checkpoint.coordinator import CheckpointTaken
 from singularityd.core.jobs import PreemptRequested, ResizeRequested, TakeCheckpoint
 from singularityd.core.states import InvalidTransition, JobState
 from singularityd.devices.access import DeviceError
@@ -89,7 +90,8 @@ class SpliceWatch:
 
     def _stop_splicing(self, job: JobRecord) -> None:
         """Resize the refused job to one device per rank if enough are free, else checkpoint it
-        and queue it for them; a stop that cannot start now is tried again later."""
+        and queue it for them; from now on it asks for one device per rank. A stop that cannot
+        start now, or fails, is tried again later."""
         daemon = self.daemon
         ranks = job.spec.ranks
         plan = unsplice(ranks, len(job.devices), len(daemon.cluster_view().free_devices))
@@ -100,14 +102,16 @@ class SpliceWatch:
             log.info("job %d: splicing not stopped yet: %s", job.id, error)
             self.retry_at[job.id] = time.monotonic() + RETRY_SECONDS
             return
-        if any(isinstance(action, TakeCheckpoint) for action in decision.actions):
-            daemon.spawn(self._follow(job.id, ranks, job.spec.gpus))
+        daemon.store.set_gpus(job.id, ranks)
+        record = daemon.records.get(job.id)
+        outcome = record.checkpoint_outcome if record is not None else None
+        if outcome is not None and any(isinstance(action, TakeCheckpoint) for action in decision.actions):
+            daemon.spawn(self._follow(job.id, outcome))
 
-    async def _follow(self, job_id: int, gpus: int, previous: int) -> None:
-        """The stop to its end: the job asks for one device per rank from now on (put back as it
-        was if the checkpoint fails, and tried again later)."""
+    async def _follow(self, job_id: int, outcome: asyncio.Future[CheckpointTaken]) -> None:
+        """The stop to its end; a failed one (the job runs on spliced) is tried again later."""
         try:
-            await self.daemon.follow_resize(job_id, gpus, previous)
+            await asyncio.shield(outcome)
         except Exception as error:
             log.warning("job %d: stopping its splicing failed: %s", job_id, error)
             self.retry_at[job_id] = time.monotonic() + RETRY_SECONDS
