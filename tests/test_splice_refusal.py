@@ -91,6 +91,8 @@ def test_ranks_that_are_not_replicas_stop_sharing_a_device(daemon_root: Path) ->
             refused(result, 2, REASON)
             assert "cannot splice: " in result.err and "need one device each" in result.err
             assert len(devices_of(daemon, job)) == RANKS
+            assert REASON in daemon.job(job)["splice_refusal"]
+            assert "Splicing:   refused, one device per rank (" + REASON in daemon.sing("show", str(job)).out
         except BaseException:
             daemon.sing("cancel", str(job))
             raise
