@@ -81,6 +81,8 @@ class SpliceWatch:
             current = daemon.store.get(job.id)
             if not refusal or current is None or current.state is not JobState.RUNNING:
                 continue
+            if not daemon.activity(job.id).idle:
+                continue  # a checkpoint began meanwhile: asked again once it is over
             daemon.store.set_splice_refusal(job.id, refusal)
             plan = unsplice(ranks, len(current.devices), len(daemon.cluster_view().free_devices))
             text = plan.describe(refusal)
