@@ -201,8 +201,11 @@ def _child(request: dict[str, Any], received: list[int], channel: socket.socket,
     try:
         channel.close()
         os.setsid()
-        for number in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGPIPE):
+        for number in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
             signal.signal(number, signal.SIG_DFL)
+        # As in any Python process: a peer that hangs up before its answer (a control client
+        # giving up) makes the write raise BrokenPipeError, not kill the server.
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         targets = [int(t) for t in request["targets"]]
         clear = max(targets, default=2) + 1
         """Descriptors at or above this are out of the way of the target numbers."""

@@ -53,7 +53,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     max_restarts INTEGER NOT NULL DEFAULT 0,
     restarts_used INTEGER NOT NULL DEFAULT 0,
     min_gpus INTEGER NOT NULL DEFAULT 0,
-    max_gpus INTEGER NOT NULL DEFAULT 0
+    max_gpus INTEGER NOT NULL DEFAULT 0,
+    splice_refusal TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state);
 CREATE TABLE IF NOT EXISTS events (
@@ -79,6 +80,7 @@ ADDED_COLUMNS = {
     "restarts_used": "INTEGER NOT NULL DEFAULT 0",
     "min_gpus": "INTEGER NOT NULL DEFAULT 0",
     "max_gpus": "INTEGER NOT NULL DEFAULT 0",
+    "splice_refusal": "TEXT NOT NULL DEFAULT ''",
 }
 """Columns of the jobs table that a database created before them gets on open (their defaults
 keep its jobs' behaviour)."""
@@ -89,7 +91,7 @@ IMPORTED_COLUMNS = frozenset(
         "id", "name", "uid", "gid", "user", "priority", "gpus", "ranks", "command", "env", "cwd",
         "submitted_at", "started_at", "ended_at", "exit_code", "signal", "cpu_seconds",
         "max_rss_bytes", "attempt", "checkpoint_interval", "max_restarts", "restarts_used",
-        "min_gpus", "max_gpus",
+        "min_gpus", "max_gpus", "splice_refusal",
     }
 )  # fmt: skip
 """Columns that travel with a job to a peer (its state, pending reason, cancel flag and processes
@@ -149,6 +151,9 @@ class JobRecord:
     init_start_ticks: int | None
     devices: tuple[int, ...]
     restarts_used: int = 0
+    splice_refusal: str = ""
+    """Why the job's ranks may not share devices ('' unless its proxies found them not to be
+    data-parallel replicas; scheduling/replicas.py)."""
 
 
 @dataclass(frozen=True)
@@ -354,6 +359,7 @@ class Store:
             init_start_ticks=row["init_start_ticks"],
             devices=devices,
             restarts_used=row["restarts_used"],
+            splice_refusal=row["splice_refusal"],
         )
 
     def record_transition(
@@ -444,6 +450,11 @@ class Store:
         """Change how many devices the job runs on (a resize; its processes see as many as before)."""
         with self._transaction() as db:
             db.execute("UPDATE jobs SET gpus = ? WHERE id = ?", (gpus, job_id))
+
+    def set_splice_refusal(self, job_id: int, reason: str) -> None:
+        """Mark the job's ranks as not to share devices again, for `reason`."""
+        with self._transaction() as db:
+            db.execute("UPDATE jobs SET splice_refusal = ? WHERE id = ?", (reason, job_id))
 
     def set_cancel_requested(self, job_id: int) -> None:
         """Remember that the job's coming exit is a cancellation."""

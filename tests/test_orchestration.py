@@ -13,6 +13,7 @@ import signal
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -176,6 +177,8 @@ class FakeDevices:
 
     calls: list[tuple[str, int]] = field(default_factory=list)
     retained: set[int] = field(default_factory=set)
+    verdict: dict[str, Any] = field(default_factory=dict)
+    """What every device says of a job's ranks when asked whether they are replicas."""
 
     def start(self) -> None: ...
 
@@ -223,6 +226,10 @@ class FakeDevices:
 
     def health(self, device: int) -> DeviceHealth:
         return DeviceHealth("")
+
+    async def verdicts(self, job_id: int, devices: Sequence[int]) -> list[dict[str, Any]]:
+        self.calls.append(("verdicts", job_id))
+        return [self.verdict for _ in devices]
 
 
 @dataclass

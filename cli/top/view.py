@@ -243,11 +243,14 @@ def migration_targets(peers: pb.ListPeersResponse, devices_needed: int) -> list[
 
 
 def resize_refusal(job: pb.Job) -> str:
-    """Why the job cannot be resized now ('' when it can): only a running job of several ranks."""
+    """Why the job cannot be resized now ('' when it can): only a running job of several ranks
+    that may share devices (one whose ranks are not replicas already has one device per rank)."""
     if job.ranks < 2:
         return f"job {job.id} has one rank: only a job of several ranks can be resized"
     if job.state != "RUNNING":
         return f"job {job.id} is {job.state}; only a RUNNING job can be resized"
+    if job.splice_refusal:
+        return f"job {job.id}'s ranks need one device each ({job.splice_refusal})"
     return ""
 
 

@@ -108,6 +108,7 @@ def job_message(job: JobRecord, jobs: JobService) -> pb.Job:
         restarts_used=job.restarts_used,
         min_gpus=job.spec.min_gpus,
         max_gpus=job.spec.max_gpus,
+        splice_refusal=job.splice_refusal,
     )
     if live.last_checkpoint is not None:
         message.last_checkpoint.CopyFrom(checkpoint_message(live.last_checkpoint))

@@ -9,6 +9,7 @@ while the job runs, park, capture in the pause, finish writing after it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -200,6 +201,10 @@ class DeviceAccess(Protocol):
     def health(self, device: int) -> DeviceHealth:
         """How the way to this device is doing (blocks for at most a couple of seconds)."""
 
+    async def verdicts(self, job_id: int, devices: Sequence[int]) -> list[dict[str, Any]]:
+        """What each of the job's devices says of its ranks there: data-parallel replicas or not
+        (proxy/control.py `replicas`; none where no proxy judges)."""
+
 
 def _translated(call: Callable[[], T]) -> T:
     """Run a proxy call, turning any of its failures into DeviceError."""
@@ -340,6 +345,22 @@ class ProxiedDevices:
         """Load the saved tensors into the servers and open the restored processes' connections."""
         return _translated(lambda: self.pool.reconnect(job_id, devices, images, connections, layout))
 
+    async def verdicts(self, job_id: int, devices: Sequence[int]) -> list[dict[str, Any]]:
+        """Each running server's verdict on the job's ranks there, as its status reports it (read
+        as the last collective left it: nothing is compared and the job is not stopped)."""
+        job = str(job_id)
+
+        def ask() -> list[dict[str, Any]]:
+            found = []
+            for device in devices:
+                if self.pool.running(job_id, device):
+                    control = self.pool.control(job_id, device)
+                    with ProxyControl(control, timeout=STATUS_TIMEOUT_SECONDS) as proxy:
+                        found.append(dict(proxy.status().get("splicing", {}).get(job, {})))
+            return found
+
+        return await _translated_async(asyncio.to_thread(ask))
+
     def health(self, device: int) -> DeviceHealth:
         """Idle while no job's server runs on it, starting while one is being spawned; then up,
         with its sessions, if the server answers."""
@@ -417,6 +438,10 @@ class DirectDevices:
         if connections:
             raise DeviceError("the job used device proxies, which are turned off in this daemon")
         return {}, []
+
+    async def verdicts(self, job_id: int, devices: Sequence[int]) -> list[dict[str, Any]]:
+        """No proxy judges the job's ranks."""
+        return []
 
     def health(self, device: int) -> DeviceHealth:
         """No proxy stands between jobs and the device."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from singularityd.core.states import JobState
 from singularityd.errors import InvalidRequest, StateConflict, Unsatisfiable
 from singularityd.identity import Caller
+from singularityd.scheduling.replicas import device_range, resize_refusal
 from singularityd.store import JobRecord, JobSpec
 
 MAX_PRIORITY = 1_000_000
@@ -121,10 +122,12 @@ def check_resize(job: JobRecord, gpus: int, total_devices: int) -> None:
         raise InvalidRequest(f"job {job.id} has one rank: only a job of several ranks can be resized")
     if not 1 <= gpus <= ranks:
         raise InvalidRequest(f"--gpus must be between 1 and the job's {ranks} ranks, not {gpus}")
-    if job.spec.elastic and not job.spec.min_gpus <= gpus <= job.spec.max_gpus:
-        raise InvalidRequest(
-            f"--gpus {gpus} is outside job {job.id}'s elastic range {job.spec.min_gpus}-{job.spec.max_gpus}"
-        )
+    refused = resize_refusal(job.id, ranks, gpus, job.splice_refusal)
+    if refused:
+        raise InvalidRequest(f"cannot splice: {refused}")
+    low, high = device_range(ranks, job.spec.min_gpus, job.spec.max_gpus, job.splice_refusal)
+    if job.spec.elastic and not low <= gpus <= high:
+        raise InvalidRequest(f"--gpus {gpus} is outside job {job.id}'s elastic range {low}-{high}")
     if gpus > total_devices:
         raise Unsatisfiable(f"requested {gpus} devices but this machine has {total_devices}")
     if job.state is not JobState.RUNNING:

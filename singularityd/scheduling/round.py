@@ -19,6 +19,7 @@ from singularityd.core.jobs import Activity
 from singularityd.core.states import JobState
 from singularityd.scheduling.elastic import ElasticJob, plan_elastic
 from singularityd.scheduling.policy import Plan, QueuedJob, RunningJob, plan_starts, queue_order
+from singularityd.scheduling.replicas import device_range, pending_reason
 from singularityd.store import JobRecord
 
 
@@ -37,21 +38,27 @@ class JobView:
     min_devices: int = 0
     max_devices: int = 0
     """An elastic job's range of devices (both 0: not elastic)."""
+    splice_refusal: str = ""
+    """Why the job's ranks may not share devices ('' when they may; scheduling/replicas.py)."""
 
     @classmethod
     def of(cls, job: JobRecord, activity: Activity) -> JobView:
-        """A stored job, with what is under way with its processes."""
+        """A stored job, with what is under way with its processes (a job whose ranks may not share
+        devices has a range that starts at its rank count)."""
+        spec, refusal = job.spec, job.splice_refusal
+        low, high = device_range(spec.ranks, spec.min_gpus, spec.max_gpus, refusal)
         return cls(
             job.id,
             job.state,
-            job.spec.priority,
-            job.spec.gpus,
+            spec.priority,
+            max(spec.gpus, spec.ranks) if refusal else spec.gpus,
             job.devices,
             job.started_at or 0.0,
             job.cancel_requested,
             activity,
-            job.spec.min_gpus,
-            job.spec.max_gpus,
+            low,
+            high,
+            refusal,
         )
 
 
@@ -142,4 +149,9 @@ def plan_round(view: ClusterView) -> Plan:
     ]
     running = [_running(job, view.now) for job in view.jobs if job.state is JobState.RUNNING]
     plan = plan_starts(queue, view.free_devices, len(view.devices), running, can_preempt=view.can_preempt)
-    return _fit_elastic(view, plan, queue, running)
+    plan = _fit_elastic(view, plan, queue, running)
+    refusals = {job.job_id: job.splice_refusal for job in view.queued if job.splice_refusal}
+    if not refusals:
+        return plan
+    reasons = {job: pending_reason(why, refusals.get(job, "")) for job, why in plan.pending_reasons.items()}
+    return replace(plan, pending_reasons=reasons)

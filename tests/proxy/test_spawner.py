@@ -109,6 +109,18 @@ def test_server_runs_as_the_user_with_no_capability(spawner: SpawnerClient, open
         os.kill(pid, 9)
 
 
+def test_a_client_hanging_up_before_its_answer_cannot_kill_the_server(
+    spawner: SpawnerClient, open_dir: Path
+) -> None:
+    """The server ignores SIGPIPE, as any Python process does: a control client that gives up (its
+    timeout) before the answer makes the write fail, and the server lives on."""
+    pid, _path = start_server_as_nobody(spawner, open_dir / "job")
+    try:
+        assert int(status_fields(pid)["SigIgn"], 16) & (1 << (signal.SIGPIPE - 1))
+    finally:
+        os.kill(pid, 9)
+
+
 def test_bad_request_is_refused_and_spawner_lives_on(spawner: SpawnerClient, open_dir: Path) -> None:
     with pytest.raises(SpawnError, match="between 3 and 4096"):
         spawner.spawn(SpawnRequest("singularity.proxy.server", [], 65534, 65534, fds={1: 0}))
