@@ -45,6 +45,7 @@ from singularityd.devices.proxies import JobProxies
 from singularityd.federation.service import Federation
 from singularityd.jobs.launch import probe_user_namespaces
 from singularityd.jobs.processes import HostProcesses
+from singularityd.jobs.splice_watch import SpliceWatch
 from singularityd.observe.feed import ConfigReloaded
 from singularityd.observe.metrics import DeviceSampler, Metrics
 from singularityd.observe.spool import Spool, SpoolRefusal
@@ -275,6 +276,7 @@ async def serve(source: ConfigSource, config: Config) -> None:
         api = ApiServer(requests, config)
         running = Running(source, daemon, api, requests)
         await daemon.start()
+        daemon.spawn(SpliceWatch(daemon).run())
         await federation.start()
         await api.start()
         running.start()

@@ -64,7 +64,6 @@ from singularityd.errors import StateConflict, not_found
 from singularityd.jobs import work
 from singularityd.jobs.processes import Processes, ProcessId
 from singularityd.jobs.record import JobRuntime
-from singularityd.jobs.splice_watch import SpliceWatch
 from singularityd.observe.feed import ChangeFeed, JobDecided, RoundPlanned
 from singularityd.scheduling.round import ClusterView, JobView, plan_round
 from singularityd.store import JobRecord, Store
@@ -116,7 +115,6 @@ class Daemon:
         """Get the devices ready, re-adopt or settle the jobs of a previous run, schedule."""
         self.devices.start()
         await self.recover()
-        self.spawn(SpliceWatch(self).run())
         self.request_schedule()
 
     async def stop(self) -> None:

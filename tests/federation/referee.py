@@ -3,7 +3,9 @@
 A copy of a job is a process whose command line holds the trial's marker; it belongs to the node
 whose mount namespace it lives in. A copy is *live* when it can execute the job's code: it exists,
 is not a zombie, is not dying (exiting, or with a SIGKILL pending: it never returns to its code),
-is not stopped (`T`, SIGSTOP or CRIU's `--leave-stopped`) or held in a tracing stop (`t`, CRIU's
+is not stopped (`T`, SIGSTOP or CRIU's `--leave-stopped`) or about to stop (a SIGSTOP pending,
+as CRIU's detach with SIGSTOP leaves it until the task is next scheduled: a pending signal is
+taken before any user code runs, and SIGSTOP cannot be blocked) or held in a tracing stop (`t`, CRIU's
 ptrace freeze of a dump), and is not under a running `criu restore --leave-stopped`: such a CRIU
 restores its tasks (which already show the job's command line while they run CRIU's restorer
 code), then stops them and detaches; none of them runs the job's code before someone continues
@@ -41,6 +43,7 @@ PF_FLAGS_FIELD = 6
 """Index of the kernel's task flags among the fields of /proc/<pid>/stat after the command name."""
 PF_EXITING = 0x4
 SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
+SIGSTOP_BIT = 1 << (signal.SIGSTOP - 1)
 
 
 def stored(node: Node, query: str, job: int | str) -> str | None:
@@ -81,12 +84,13 @@ def _under_stopping_restore(pid: int) -> bool:
     return False
 
 
-def _dying(pid: int, stat: list[str]) -> bool:
-    """Whether a process is exiting (PF_EXITING) or has a SIGKILL pending: it never runs its code again."""
+def _dying_or_stopping(pid: int, stat: list[str]) -> bool:
+    """Whether a process is exiting (PF_EXITING) or has a SIGKILL or SIGSTOP pending: it runs none
+    of its code before it is gone or stopped."""
     if int(stat[PF_FLAGS_FIELD]) & PF_EXITING:
         return True
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & SIGKILL_BIT:
+        if line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & (SIGKILL_BIT | SIGSTOP_BIT):
             return True
     return False
 
@@ -95,7 +99,7 @@ def is_live(pid: int) -> bool:
     """Whether a process can execute its program's code now (see the module's docstring)."""
     try:
         stat = _stat_fields(pid)
-        if stat[0] in "TtZX" or _dying(pid, stat):
+        if stat[0] in "TtZX" or _dying_or_stopping(pid, stat):
             return False
         return not _under_stopping_restore(pid)
     except (OSError, IndexError, ValueError):
