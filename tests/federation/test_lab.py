@@ -411,8 +411,8 @@ def test_drain_moves_every_job_away_and_undrain_takes_jobs_again(lab: Lab) -> No
     assert c.sing("undrain").code == 0
     local = c.sing("submit", "--here", "--", "sleep", "600")
     wait_state(c, int(local.out), "RUNNING")
+    owner = owner_of(lab, training)  # while it runs: `ps --cluster` lists no ended job
     release.touch()
-    owner = owner_of(lab, training)
     assert owner.sing("wait", str(training), timeout=300).code == 0
     assert owner.sing("logs", str(training)).out == expected
     for job in (sleeper, int(placed.out), int(local.out)):
