@@ -39,6 +39,11 @@ class ProcFacts:
         """Inodes of the sockets the process has open."""
         return {int(t[8:-1]) for t in self.fd_targets if t.startswith("socket:[") and t.endswith("]")}
 
+    @property
+    def holds_tcp(self) -> bool:
+        """Whether the process has a TCP socket open, listening or connected (read with TCP facts)."""
+        return bool(self.socket_inodes & self.tcp_inodes)
+
 
 @dataclass(frozen=True)
 class DaemonFacts:
@@ -90,7 +95,7 @@ def tree_problems(procs: Sequence[ProcFacts], daemon: DaemonFacts, *, tcp_proble
             break
     if tcp_problem_text:
         for p in procs:
-            if p.socket_inodes & p.tcp_inodes:
+            if p.holds_tcp:
                 problems.append(f"process {p.pid} ({p.name}) has TCP sockets: {tcp_problem_text}")
                 break
     return problems
@@ -159,7 +164,7 @@ def tree_holds_tcp(pids: Sequence[int]) -> bool:
     network lock guards."""
     for pid in pids:
         facts = read_proc_facts(pid, with_tcp=True)
-        if facts is not None and facts.socket_inodes & facts.tcp_inodes:
+        if facts is not None and facts.holds_tcp:
             return True
     return False
 
