@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from singularityd import faults
-from singularityd.checkpoint.store import HASH_CHUNK, STAGED_MARK, PrefixHash
+from singularityd.checkpoint.store import HASH_CHUNK, STAGED_MARK, PrefixHash, write_durably
 from singularityd.units import human_bytes
 
 RECORD_NAME = ".staging"
@@ -114,12 +114,7 @@ def remove_recorded(record: Path) -> None:
 
 def mark_staged(checkpoint: Path, folder: Path) -> None:
     """Note (durably) in a checkpoint folder that its process images are staged in `folder`."""
-    tmp = checkpoint / (STAGED_MARK + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps({"staging_folder": str(folder)}))
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, checkpoint / STAGED_MARK)
+    write_durably(checkpoint / STAGED_MARK, json.dumps({"staging_folder": str(folder)}))
 
 
 def staged_folder(checkpoint: Path) -> Path | None:

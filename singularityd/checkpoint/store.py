@@ -143,6 +143,22 @@ def _fact(path: Path) -> FileFact:
     return FileFact("other", st.st_uid, 0)
 
 
+def write_durably(target: Path, text: str) -> None:
+    """Replace `target` with `text` atomically and flushed to disk (a temporary file renamed over
+    it); raises OSError, leaving no temporary file behind."""
+    tmp = target.with_name(target.name + ".tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, target)
+    except OSError:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+
+
 def _space_message(path: Path, err: OSError) -> str:
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"no space left on the device of {path} for the checkpoint"
@@ -263,13 +279,8 @@ class ImageStore:
     def record_intent(self, pending: PendingCheckpoint, intent: Mapping[str, Any]) -> None:
         """Store (durably) what `finish` will need for this checkpoint, with its owner."""
         facts = {**intent, "owner_uid": pending.owner_uid, "owner_gid": pending.owner_gid}
-        tmp = pending.path / (INTENT_NAME + ".tmp")
         try:
-            with open(tmp, "w") as f:
-                f.write(json.dumps(facts))
-                f.flush()
-                os.fsync(f.fileno())
-            os.rename(tmp, pending.path / INTENT_NAME)
+            write_durably(pending.path / INTENT_NAME, json.dumps(facts))
         except OSError as e:
             raise CheckpointError(_space_message(pending.path, e)) from e
 
@@ -360,13 +371,8 @@ class ImageStore:
             stats=dict(stats or {}),
             extra=dict(extra or {}),
         )
-        tmp = path / (MANIFEST_NAME + ".tmp")
         try:
-            with open(tmp, "w") as f:
-                f.write(manifest.to_json())
-                f.flush()
-                os.fsync(f.fileno())
-            os.rename(tmp, path / MANIFEST_NAME)
+            write_durably(path / MANIFEST_NAME, manifest.to_json())
             with contextlib.suppress(FileNotFoundError):
                 (path / STAGED_MARK).unlink()
             dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -377,8 +383,6 @@ class ImageStore:
             with contextlib.suppress(FileNotFoundError):
                 (path / INTENT_NAME).unlink()
         except OSError as e:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
             raise CheckpointError(_space_message(path, e)) from e
         os.chown(path, pending.owner_uid, pending.owner_gid)
         os.chmod(path, 0o700)
