@@ -9,7 +9,6 @@ while the job runs, park, capture in the pause, finish writing after it.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -350,16 +349,10 @@ class ProxiedDevices:
         as the last collective left it: nothing is compared and the job is not stopped)."""
         job = str(job_id)
 
-        def ask() -> list[dict[str, Any]]:
-            found = []
-            for device in devices:
-                if self.pool.running(job_id, device):
-                    control = self.pool.control(job_id, device)
-                    with ProxyControl(control, timeout=STATUS_TIMEOUT_SECONDS) as proxy:
-                        found.append(dict(proxy.status().get("splicing", {}).get(job, {})))
-            return found
+        def verdict(proxy: ProxyControl, _: int) -> dict[str, Any]:
+            return dict(proxy.status().get("splicing", {}).get(job, {}))
 
-        return await _translated_async(asyncio.to_thread(ask))
+        return await _translated_async(self.pool.on_servers(job_id, devices, verdict, STATUS_TIMEOUT_SECONDS))
 
     def health(self, device: int) -> DeviceHealth:
         """Idle while no job's server runs on it, starting while one is being spawned; then up,

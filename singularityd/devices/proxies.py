@@ -490,17 +490,22 @@ class JobProxies:
         await asyncio.to_thread(run)
 
     async def on_servers(
-        self, job_id: int, devices: Sequence[int], call: Callable[[ProxyControl, int], Any]
+        self,
+        job_id: int,
+        devices: Sequence[int],
+        call: Callable[[ProxyControl, int], Any],
+        timeout: float | None = None,
     ) -> list[Any]:
         """Run a control call on each of the job's servers at once (index i is the job's cuda:i);
-        the results, by device. The connections have no timeout: `call` bounds its own wait."""
+        the results, by device. The connections wait `timeout` seconds for an answer (None: no
+        limit, `call` bounds its own wait)."""
         starting = self._starting.get(job_id)
         if starting is not None:
             await asyncio.shield(starting)
         live = [(index, device) for index, device in enumerate(devices) if self.running(job_id, device)]
 
         def run(index: int, device: int) -> Any:
-            with ProxyControl(self.control(job_id, device), timeout=None) as proxy:
+            with ProxyControl(self.control(job_id, device), timeout=timeout) as proxy:
                 return call(proxy, index)
 
         return list(await asyncio.gather(*(asyncio.to_thread(run, i, d) for i, d in live)))
