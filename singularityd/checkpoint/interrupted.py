@@ -46,6 +46,16 @@ def criu_dumping_into(images: Path) -> list[int]:
     return found
 
 
+async def criu_done_with(images: Path, wait_s: float) -> bool:
+    """Wait until no CRIU dumps into `images`; False if one still does after `wait_s` seconds."""
+    deadline = time.monotonic() + wait_s
+    while await asyncio.to_thread(criu_dumping_into, images):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.1)
+    return True
+
+
 def dump_finished(log_file: Path) -> bool:
     """Whether CRIU's log of a dump says it completed."""
     try:
@@ -65,13 +75,8 @@ async def settle_interrupted(checkpointer: Checkpointer, job_id: str, wait_s: fl
         if found is None:
             return ""
         pending, intent = found
-        deadline = time.monotonic() + wait_s
-        while await asyncio.to_thread(criu_dumping_into, pending.images):
-            if time.monotonic() > deadline:
-                return (
-                    f"checkpoint {pending.seq} is still being dumped by CRIU after {wait_s:.0f}s; left alone"
-                )
-            await asyncio.sleep(0.1)
+        if not await criu_done_with(pending.images, wait_s):
+            return f"checkpoint {pending.seq} is still being dumped by CRIU after {wait_s:.0f}s; left alone"
         dump_log, script, sizes_file = dump_files(store.logs_dir(job_id), pending.seq)
         try:
             if not await asyncio.to_thread(dump_finished, dump_log):
@@ -89,12 +94,9 @@ async def _remove_staged(pending: PendingCheckpoint, wait_s: float) -> str:
     """Remove a checkpoint in place whose images were still in memory or on their way to disk when
     its daemon died (the job ran on through it), once no CRIU dumps into its staging folder."""
     folder = await asyncio.to_thread(staged_folder, pending.path)
-    deadline = time.monotonic() + wait_s
     if folder is not None:
-        while await asyncio.to_thread(criu_dumping_into, folder):
-            if time.monotonic() > deadline:
-                return f"checkpoint {pending.seq} is still dumped by CRIU after {wait_s:.0f}s; left alone"
-            await asyncio.sleep(0.1)
+        if not await criu_done_with(folder, wait_s):
+            return f"checkpoint {pending.seq} is still dumped by CRIU after {wait_s:.0f}s; left alone"
         await asyncio.to_thread(shutil.rmtree, folder, True)
     await asyncio.to_thread(shutil.rmtree, pending.path, True)
     note = (
