@@ -57,7 +57,7 @@ def test_a_stopped_process_is_not_a_live_copy(tmp_path: Path) -> None:
 
 def liveness_under(tmp_path: Path, *parent_args: str) -> bool:
     """Whether a process whose parent has `parent_args` is a live copy (both ended afterwards)."""
-    marker = str(tmp_path / ("marker" + "-".join(parent_args)))
+    marker = str(tmp_path / f"marker-{len(parent_args)}-{'_'.join(parent_args)}-end")
     parent, pid = sleeper(marker, *parent_args)
     try:
         return copies_by_pid(marker)[pid]
@@ -65,6 +65,7 @@ def liveness_under(tmp_path: Path, *parent_args: str) -> bool:
         parent.kill()
         os.kill(pid, signal.SIGKILL)
         parent.wait(30)
+        wait_until(lambda: not copies_by_pid(marker), timeout=30, interval=0.02)
 
 
 def test_a_process_under_a_restore_that_leaves_it_stopped_is_not_live(tmp_path: Path) -> None:
