@@ -41,7 +41,11 @@ from singularity.proxy.bootstrap._singularity_proxy.protocol import FD_BASE, FD_
 
 
 class ControlError(RuntimeError):
-    """A control request failed in the proxy server."""
+    """A control request failed in the proxy server; the message is the server's, fit to show."""
+
+
+class JobNotOnServer(ControlError):
+    """The server has nothing of the job: its processes ended (or it never came to this device)."""
 
 
 def control_socket_path(socket_path: str | os.PathLike[str]) -> Path:
@@ -74,7 +78,7 @@ class ProxyControl:
         reply = protocol.recv_frame(self._sock)
         if reply.kind != protocol.CONTROL_OK:
             kind, message = reply.value()
-            raise ControlError(f"{kind}: {message}")
+            raise (JobNotOnServer if kind == protocol.CONTROL_JOB_NOT_HERE else ControlError)(str(message))
         return reply.value()
 
     def quiesce(self, job_id: str, timeout: float = 60.0) -> list[int]:

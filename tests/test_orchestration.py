@@ -111,7 +111,8 @@ class FakeProcesses:
         return None
 
     def alive(self, process: ProcessId) -> bool:
-        return False
+        watch = self.watches.get(process.pid)
+        return watch is not None and not watch.closed
 
     def usage(self, pid: int) -> Usage | None:
         return None
@@ -319,10 +320,13 @@ async def test_an_exit_during_a_failed_checkpoint_is_recorded_and_the_request_to
     h.processes.end(h.pid(job), job, exit_code=3)
     await settle()
     gate.set_result("the process tree vanished")
-    with pytest.raises(StateConflict, match="checkpoint failed: the process tree vanished"):
+    with pytest.raises(StateConflict, match=f"^job {job} ended while it was being checkpointed$"):
         await request
     assert h.job(job).state is JobState.FAILED and h.job(job).exit_code == 3
-    assert h.reasons(job)[-1] == "exited with code 3"
+    assert h.reasons(job)[-2:] == [
+        "the job ended during its checkpoint (checkpoint by root): none taken",
+        "exited with code 3",
+    ]
 
 
 async def test_the_exit_a_preemption_causes_does_not_end_the_job(harness: Harness) -> None:

@@ -136,3 +136,28 @@ async def test_a_refused_job_whose_stop_fails_is_tried_again(two_devices: Harnes
     await watch.check()
     await settle()
     assert h.job(job).state is JobState.RUNNING and h.job(job).devices == (0, 1)
+
+
+async def test_a_refused_job_that_ends_during_its_stop_ends_as_its_exit_says(two_devices: Harness) -> None:
+    """The job's processes end while the resize's checkpoint is under way and the checkpoint then
+    fails (its proxies have nothing of the job left): no failed checkpoint is reported, the job
+    completes as its exit says, and no later check tries to stop it again."""
+    h = two_devices
+    job = await spliced_job(h)
+    h.devices.verdict = NO
+    watch = SpliceWatch(h.daemon)
+    gate = h.checkpoints.hold()
+    await watch.check()
+    await settle()
+    h.processes.end(h.pid(job), job, exit_code=0)
+    await settle()
+    assert h.job(job).state is JobState.RUNNING, "the exit waits for the checkpoint under way"
+    gate.set_result("proxy: job 1 has nothing on device 0")
+    await settle()
+    assert h.job(job).state is JobState.COMPLETED
+    reasons = h.reasons(job)
+    assert not [r for r in reasons if "checkpoint failed" in r or "KeyError" in r], reasons
+    assert any(
+        r.startswith("the job ended during its checkpoint (resized to 2 devices by the daemon")
+        for r in reasons
+    ), reasons

@@ -30,11 +30,19 @@ from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
 
 from .service import Server
-from .session import Session
+from .session import JobNotHere, Session, error_message
 from .snapshot import SNAPSHOT_REQUESTS, Snapshots
 from .statefile import read_state
 
 MAX_CONTROL_FDS = 4
+
+
+def control_failure(error: BaseException) -> list[str]:
+    """What a failed control request answers: [kind, message]. The kind says whether the job has
+    nothing here (it ended: protocol.CONTROL_JOB_NOT_HERE) or something else failed; the message
+    is the error's own text, which the daemon shows as it is (no Python class names or quoting)."""
+    kind = protocol.CONTROL_JOB_NOT_HERE if isinstance(error, JobNotHere) else protocol.CONTROL_ERROR
+    return [kind, error_message(error) or "proxy: the request failed without saying why"]
 
 
 class ControlHandler:
@@ -225,7 +233,7 @@ class ControlHandler:
                     result = self.handle(request[0], tuple(request[1:]), fds)
                     protocol.send_message(sock, protocol.CONTROL_OK, result)
                 except Exception as e:
-                    protocol.send_message(sock, protocol.CONTROL_FAILED, [type(e).__name__, str(e)])
+                    protocol.send_message(sock, protocol.CONTROL_FAILED, control_failure(e))
                 finally:
                     for fd in fds:
                         with contextlib.suppress(OSError):

@@ -36,6 +36,18 @@ class ReportedFailure(Exception):
         self.info = info
 
 
+class JobNotHere(LookupError):
+    """A control request names a job with nothing on this device: its processes ended (or it never
+    came here)."""
+
+
+def error_message(error: BaseException) -> str:
+    """An exception's own text, without the quotes str() puts around a KeyError's key."""
+    if isinstance(error, KeyError):
+        return str(error.args[0]) if error.args else ""
+    return str(error)
+
+
 def exception_info(error: BaseException) -> list[str]:
     """[module, qualified name, message] of an exception, as sent in an ERROR message.
 
@@ -43,9 +55,7 @@ def exception_info(error: BaseException) -> list[str]:
     """
     if isinstance(error, ReportedFailure):
         return error.info
-    message = str(error)
-    if isinstance(error, KeyError):  # str() of a KeyError quotes its key
-        message = str(error.args[0]) if error.args else ""
+    message = error_message(error)
     if isinstance(error, ProtocolError):
         return ["_singularity_proxy.protocol", "ProtocolError", f"proxy: {message}"]
     # the server's own exception classes travel as their nearest standard base class

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .session import JobNotHere
 from .statefile import FORMAT, StateFileWriter, blob_of, is_plain, storage_bytes, tensor_entry
 
 if TYPE_CHECKING:
@@ -139,7 +140,7 @@ class JobSave:
     def _sessions(self) -> list[Session]:
         sessions = self.server.job_sessions(self.job_id)
         if not sessions:
-            raise KeyError(f"proxy: no job {self.job_id!r} on device {self.server.index}")
+            raise JobNotHere(f"proxy: job {self.job_id} has nothing on device {self.server.index}")
         return sessions
 
     def _unsaved(self, live: dict[int, LiveStorage]) -> list[LiveStorage]:
@@ -426,6 +427,8 @@ class Snapshots:
     def _save(self, job_id: str) -> JobSave:
         with self.lock:
             save = self.saves.get(job_id)
+        if save is None and not self.server.job_sessions(job_id):
+            raise JobNotHere(f"proxy: job {job_id} has nothing on device {self.server.index}")
         if save is None:
             raise RuntimeError(f"proxy: no save of job {job_id} is under way")
         return save

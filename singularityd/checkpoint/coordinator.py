@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from singularityd.checkpoint.criu import DumpStats
-from singularityd.checkpoint.errors import CheckpointError
+from singularityd.checkpoint.errors import CheckpointError, JobEnded
 from singularityd.checkpoint.interrupted import settle_interrupted
 from singularityd.checkpoint.manifest import IMAGES_DIR, MANIFEST_NAME, Manifest
 from singularityd.checkpoint.pause import (
@@ -34,7 +34,14 @@ from singularityd.checkpoint.pause import (
 from singularityd.checkpoint.precheck import tree_pids
 from singularityd.checkpoint.service import Checkpointer, CheckpointResult
 from singularityd.checkpoint.store import PrefixHash, hash_prefixes
-from singularityd.devices.access import DeviceAccess, DeviceError, DeviceStateSave, NoDeviceState, PreCopy
+from singularityd.devices.access import (
+    DeviceAccess,
+    DeviceError,
+    DeviceStateSave,
+    JobGoneFromDevice,
+    NoDeviceState,
+    PreCopy,
+)
 from singularityd.devices.splicing import SavedLayout
 from singularityd.units import human_bytes
 
@@ -413,6 +420,8 @@ class JobCheckpoints:
             if parked:
                 with contextlib.suppress(DeviceError):
                     await self.devices.resume(job_id, devices)
+            if isinstance(error, JobGoneFromDevice):
+                raise JobEnded(f"job {job_id} ended while it was being checkpointed") from None
             raise error if isinstance(error, CheckpointError) else CheckpointError(str(error)) from None
         finally:
             self._forget_cached(job_id)

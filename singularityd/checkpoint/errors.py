@@ -23,6 +23,11 @@ class CheckpointError(Exception):
         return f"{self.message} (CRIU log: {self.log_path})"
 
 
+class JobEnded(CheckpointError):
+    """The job's processes ended while it was being checkpointed: there is nothing left to save, and
+    the job ends as its exit says (not a failed checkpoint)."""
+
+
 class CheckpointUnavailable(CheckpointError):
     """Checkpoints cannot work here (no usable CRIU, user mode, a kernel feature missing)."""
 

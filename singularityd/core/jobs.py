@@ -150,9 +150,11 @@ class Checkpointed:
 
 @dataclass(frozen=True)
 class CheckpointFailed:
-    """The checkpoint under way did not complete; the job keeps running, previous images stay."""
+    """The checkpoint under way did not complete; previous images stay. The job keeps running, or,
+    with `job_ended`, its processes ended meanwhile (not a failure: its exit says how it ends)."""
 
     error: str
+    job_ended: bool = False
 
 
 @dataclass(frozen=True)
@@ -671,6 +673,12 @@ def decide(job: JobFacts, stimulus: Stimulus, now: float) -> Decision:
             under_way = job.activity.checkpoint
             reason = under_way.reason if under_way else "checkpoint"
             return _checkpoint_over(job, True, f"{reason}: {summary}", now, complete_s)
+        case CheckpointFailed(job_ended=True):
+            under_way = job.activity.checkpoint
+            reason = f" ({under_way.reason})" if under_way else ""
+            return _checkpoint_over(
+                job, False, f"the job ended during its checkpoint{reason}: none taken", now
+            )
         case CheckpointFailed(error=error):
             return _checkpoint_over(job, False, f"checkpoint failed, the job keeps running: {error}", now)
         case MoveStopRequested() | Arrived() | MoveAbandoned() | MovedAway():

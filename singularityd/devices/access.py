@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from singularity.proxy.control import ControlError, ProxyControl
+from singularity.proxy.control import ControlError, JobNotOnServer, ProxyControl
 from singularityd.checkpoint.pause import DeviceSaveFigures
 from singularityd.devices.proxies import (
     JobIdentity,
@@ -74,6 +74,10 @@ def sessions_of(status: Mapping[str, Any]) -> tuple[DeviceSession, ...]:
 
 class DeviceError(Exception):
     """The devices (their proxy servers) did not do what the daemon asked; the message says why."""
+
+
+class JobGoneFromDevice(DeviceError):
+    """A proxy server has nothing of the job: its processes ended meanwhile."""
 
 
 @dataclass(frozen=True)
@@ -205,12 +209,17 @@ class DeviceAccess(Protocol):
         (proxy/control.py `replicas`; none where no proxy judges)."""
 
 
+def _device_error(error: ProxyError | ControlError | OSError) -> DeviceError:
+    """The DeviceError a proxy call's failure means (JobGoneFromDevice: the job's processes ended)."""
+    return (JobGoneFromDevice if isinstance(error, JobNotOnServer) else DeviceError)(str(error))
+
+
 def _translated(call: Callable[[], T]) -> T:
     """Run a proxy call, turning any of its failures into DeviceError."""
     try:
         return call()
     except (ProxyError, ControlError, OSError) as error:
-        raise DeviceError(str(error)) from error
+        raise _device_error(error) from error
 
 
 async def _translated_async(call: Awaitable[T]) -> T:
@@ -218,7 +227,7 @@ async def _translated_async(call: Awaitable[T]) -> T:
     try:
         return await call
     except (ProxyError, ControlError, OSError) as error:
-        raise DeviceError(str(error)) from error
+        raise _device_error(error) from error
 
 
 class ProxyStateSave:

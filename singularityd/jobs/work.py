@@ -8,7 +8,7 @@ finished tasks back to their state machine).
 from __future__ import annotations
 
 from singularityd.checkpoint.coordinator import BeforePause, Checkpoints, CheckpointTaken, CheckpointTarget
-from singularityd.checkpoint.errors import CheckpointError
+from singularityd.checkpoint.errors import CheckpointError, JobEnded
 from singularityd.core.jobs import (
     Checkpointed,
     CheckpointFailed,
@@ -23,7 +23,7 @@ from singularityd.devices.proxies import JobIdentity
 from singularityd.devices.splicing import logical_devices
 from singularityd.errors import StateConflict
 from singularityd.jobs.launch import LaunchError, user_groups
-from singularityd.jobs.processes import Processes
+from singularityd.jobs.processes import Processes, ProcessId
 from singularityd.store import JobRecord
 
 
@@ -62,6 +62,13 @@ async def restore(
     return Restored(process.pid, process.start_ticks, restored.seq, restored.skipped, restored.problem, down)
 
 
+def still_runs(job: JobRecord, processes: Processes) -> bool:
+    """Whether the job's supervisor, as the store names it, is still there."""
+    if job.init_pid is None or job.init_start_ticks is None:
+        return True  # not known: the job is taken to run
+    return processes.alive(ProcessId(job.init_pid, job.init_start_ticks))
+
+
 async def checkpoint(
     job: JobRecord,
     take: TakeCheckpoint,
@@ -77,5 +84,8 @@ async def checkpoint(
         target = CheckpointTarget(job.id, job.init_pid, job.spec.uid, job.spec.gid, job.devices, logs)
         taken = await checkpoints.take(target, stop=take.stop, reason=take.reason, before_pause=before_pause)
     except CheckpointError as error:
+        if isinstance(error, JobEnded) or not still_runs(job, processes):
+            ended = f"job {job.id} ended while it was being checkpointed"
+            return CheckpointFailed(ended, job_ended=True), StateConflict(ended)
         return CheckpointFailed(str(error)), StateConflict(f"checkpoint failed: {error}")
     return Checkpointed(taken.summary, taken.image_bytes, taken.pause_s, taken.complete_s), taken

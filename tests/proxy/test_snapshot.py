@@ -11,15 +11,15 @@ from __future__ import annotations
 import os
 import random
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from singularity.proxy.bootstrap._singularity_proxy import protocol
-from singularity.proxy.control import ProxyControl
-from singularity.proxy.server.control import ControlHandler
+from singularity.proxy.control import JobNotOnServer, ProxyControl
+from singularity.proxy.server.control import ControlHandler, control_failure
 from singularity.proxy.server.service import Server
 from singularity.proxy.server.session import Session
 from singularity.proxy.server.statefile import SavedSession, read_state, storage_bytes
@@ -232,3 +232,25 @@ def test_the_work_a_session_received_and_its_groups_are_saved_and_restored(tmp_p
                     target.drop(restored)
     finally:
         source.drop(session)
+
+
+def test_a_save_of_a_job_with_nothing_here_says_so_plainly(server: ProxyServer, tmp_path: Path) -> None:
+    """A job whose processes ended has nothing on the device: the failure has its own kind, and its
+    message is the server's plain text (no Python class name, no quoting) the daemon can show."""
+    requests: list[Callable[[ProxyControl], object]] = [
+        lambda control: control.prepare("5", tmp_path / "gone.state", 1, 10.0),
+        lambda control: control.capture("5", copy=True),
+    ]
+    for request in requests:
+        with ProxyControl(server.control) as control, pytest.raises(JobNotOnServer) as failure:
+            request(control)
+        assert str(failure.value) == "proxy: job 5 has nothing on device 0", str(failure.value)
+
+
+def test_control_failures_carry_the_errors_own_text() -> None:
+    """Any other failure is answered with its message alone: a KeyError's without its quotes."""
+    assert control_failure(KeyError("proxy: no tensor 3")) == [protocol.CONTROL_ERROR, "proxy: no tensor 3"]
+    assert control_failure(TimeoutError()) == [
+        protocol.CONTROL_ERROR,
+        "proxy: the request failed without saying why",
+    ]

@@ -56,7 +56,7 @@ Daemon <-> server, on the control socket (proxy/control.py and the server's cont
     each request is one marker byte sent with sendmsg, carrying the request's file descriptors
     (save, load and prepare carry the device-state file; the others none), then the frame
     CONTROL_REQUEST: [name, *arguments]  name one of CONTROL_REQUESTS
-    CONTROL_OK: result    CONTROL_FAILED: [exception type name, message]
+    CONTROL_OK: result    CONTROL_FAILED: [kind (CONTROL_JOB_NOT_HERE or CONTROL_ERROR), message]
 """
 
 from __future__ import annotations
@@ -126,6 +126,10 @@ GOODBYE = 15
 CONTROL_REQUEST = 20
 CONTROL_OK = 21
 CONTROL_FAILED = 22
+CONTROL_JOB_NOT_HERE = "job_not_here"
+"""The kind of a failed control request for a job with nothing on the device (it ended, or never came)."""
+CONTROL_ERROR = "error"
+"""The kind of any other failed control request."""
 PEER_PLACE = 30
 PEER_PIECE = 31
 PEER_GONE = 32
