@@ -4,6 +4,7 @@ verdict the test sets). Milliseconds each; tests/test_splice_refusal.py does it 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -115,16 +116,22 @@ async def test_not_replicas_without_a_device_free_wait_for_one_per_rank(two_devi
     assert h.job(job).state is JobState.RUNNING and h.job(job).devices == (0, 1)
 
 
-async def test_a_refused_job_whose_stop_fails_is_tried_again(two_devices: Harness) -> None:
-    """A failed checkpoint leaves the job running spliced, marked and asking for 2 devices; the next
-    try after the wait stops it."""
-    h = two_devices
+async def refused_while_stopping(h: Harness) -> tuple[int, SpliceWatch, asyncio.Future[str]]:
+    """A spliced job refused by its servers, whose stop's checkpoint waits for the returned gate."""
     job = await spliced_job(h)
     h.devices.verdict = NO
     watch = SpliceWatch(h.daemon)
     gate = h.checkpoints.hold()
     await watch.check()
     await settle()
+    return job, watch, gate
+
+
+async def test_a_refused_job_whose_stop_fails_is_tried_again(two_devices: Harness) -> None:
+    """A failed checkpoint leaves the job running spliced, marked and asking for 2 devices; the next
+    try after the wait stops it."""
+    h = two_devices
+    job, watch, gate = await refused_while_stopping(h)
     gate.set_result("No space left on device")
     await settle()
     assert h.job(job).state is JobState.RUNNING and h.job(job).devices == (0,) and h.job(job).spec.gpus == 2
@@ -141,14 +148,9 @@ async def test_a_refused_job_whose_stop_fails_is_tried_again(two_devices: Harnes
 async def test_a_refused_job_that_ends_during_its_stop_ends_as_its_exit_says(two_devices: Harness) -> None:
     """The job's processes end while the resize's checkpoint is under way and the checkpoint then
     fails (its proxies have nothing of the job left): no failed checkpoint is reported, the job
-    completes as its exit says, and no later check tries to stop it again."""
+    completes as its exit says."""
     h = two_devices
-    job = await spliced_job(h)
-    h.devices.verdict = NO
-    watch = SpliceWatch(h.daemon)
-    gate = h.checkpoints.hold()
-    await watch.check()
-    await settle()
+    job, watch, gate = await refused_while_stopping(h)
     h.processes.end(h.pid(job), job, exit_code=0)
     await settle()
     assert h.job(job).state is JobState.RUNNING, "the exit waits for the checkpoint under way"
