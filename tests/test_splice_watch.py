@@ -150,7 +150,7 @@ async def test_a_refused_job_that_ends_during_its_stop_ends_as_its_exit_says(two
     fails (its proxies have nothing of the job left): no failed checkpoint is reported, the job
     completes as its exit says."""
     h = two_devices
-    job, watch, gate = await refused_while_stopping(h)
+    job, _watch, gate = await refused_while_stopping(h)
     h.processes.end(h.pid(job), job, exit_code=0)
     await settle()
     assert h.job(job).state is JobState.RUNNING, "the exit waits for the checkpoint under way"
