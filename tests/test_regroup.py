@@ -48,17 +48,17 @@ def test_session_slots_follow_the_logical_device() -> None:
     assert moves == {(0, 0): 0, (1, 1): 0, (2, 2): 1, (3, 3): 1}
     assert session_slots(connections, device_slots(4, 1), device_slots(4, 3)) == {
         (0, 0): 0,
-        (1, 0): 0,
-        (2, 0): 1,
-        (3, 0): 2,
+        (1, 1): 0,
+        (2, 2): 1,
+        (3, 3): 2,
     }
 
 
-def test_two_devices_of_one_rank_cannot_share_a_slot() -> None:
-    """A rank using cuda:0 and cuda:1 cannot be squeezed onto one device: a clear refusal."""
+def test_two_devices_of_one_rank_may_share_a_slot() -> None:
+    """A rank using cuda:0 and cuda:1 keeps a session for each, wherever they are served."""
     connections = [{"rank": 0, "index": 0}, {"rank": 0, "index": 1}]
-    with pytest.raises(RegroupError, match="rank 0 uses cuda:0 and cuda:1"):
-        session_slots(connections, device_slots(2, 2), device_slots(2, 1))
+    assert session_slots(connections, device_slots(2, 2), device_slots(2, 1)) == {(0, 0): 0, (0, 1): 0}
+    assert session_slots(connections, device_slots(2, 1), device_slots(2, 2)) == {(0, 0): 0, (0, 1): 1}
 
 
 def write_state(path: Path, slot: int, sessions: dict[int, dict[int, torch.Tensor]]) -> None:
@@ -84,8 +84,8 @@ def write_state(path: Path, slot: int, sessions: dict[int, dict[int, torch.Tenso
             blobs[str(rank)] = [writer.append(plans), len(plans)]
             entries.append(
                 {
-                    "job_id": "7", "rank": rank, "uid": 0, "ops": {}, "peak": 0, "pending_error": None,
-                    "plans": rank, "queue": None, "groups": {}, "tensors": table,
+                    "job_id": "7", "rank": rank, "index": rank, "uid": 0, "ops": {}, "peak": 0,
+                    "pending_error": None, "plans": rank, "queue": None, "groups": {}, "tensors": table,
                 }
             )  # fmt: skip
         index = {"format": statefile.FORMAT, "device": slot, "storages": storages, "blobs": blobs}

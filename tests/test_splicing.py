@@ -135,3 +135,55 @@ def test_spliced_ranks_see_every_device(daemon: Daemon) -> None:
     lines = printed(rank_logs(daemon, job, RANKS), keep="4 ")
     assert lines == [f"4 cuda:{r} {2.0 * r} cuda:{(r + 2) % 4} 2.0\n" for r in range(RANKS)]
     assert "4 ranks share them" in daemon.sing("show", str(job)).out
+
+
+TWO_DEVICE_STEPS = 12
+TWO_DEVICE_ARGS = ["--steps", str(TWO_DEVICE_STEPS), "--sleep", "0.05"]
+
+
+@requires_root
+@pytest.mark.timeout(1200)
+def test_ranks_using_two_devices_served_by_one_survive_restores(daemon_root: Path) -> None:
+    """2 ranks each training a model split over cuda:0 and cuda:1: on 1 device (both of a rank's
+    devices served by one proxy), and resized 2 -> 1, preempted and resumed there, and resized back
+    to 2, they print exactly what they print on 2 devices uninterrupted."""
+    ranks = 2
+    with running_daemon(daemon_root, virtual_devices=2) as daemon:
+        expected = run_job(daemon, "two_devices.py", TWO_DEVICE_ARGS, ranks=ranks, gpus=2)
+        for rank, text in enumerate(expected):
+            assert text.startswith(f"rank {rank} sees 2 devices\n"), expected
+            assert f"rank {rank} step {TWO_DEVICE_STEPS - 1} " in text and f"rank {rank} final " in text
+        assert run_job(daemon, "two_devices.py", TWO_DEVICE_ARGS, ranks=ranks, gpus=1) == expected
+
+        release = daemon_root / "release-two-devices"
+        options = [*JOB_OPTIONS, "--ranks", str(ranks), "--gpus", "2"]
+        job = daemon.submit(
+            PYTHON, "two_devices.py", *TWO_DEVICE_ARGS, "--hold", str(release), options=options
+        )
+        daemon.wait_state(job, "RUNNING")
+        try:
+            for command, devices in (
+                (("resize", "--gpus", "1"), 1),
+                (("preempt",), 1),
+                (("resize", "--gpus", "2"), 2),
+            ):
+                beyond = min(steps_done(daemon, job, ranks), TWO_DEVICE_STEPS - 1)
+                wait_until(functools.partial(ranks_beyond, daemon, job, ranks, beyond), timeout=300)
+                result = daemon.sing(command[0], str(job), *command[1:], timeout=300)
+                assert result.code == 0, result.err
+                daemon.wait_state(job, "RUNNING", timeout=300)
+                assert len(devices_of(daemon, job)) == devices
+        except BaseException:
+            daemon.sing("cancel", str(job))
+            raise
+        release.touch()
+        assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, ranks)
+        assert printed(rank_logs(daemon, job, ranks)) == expected
+        reasons = [e["reason"] for e in daemon.job(job)["events"]]
+        assert sum(r.startswith("resized to") for r in reasons) == 2, reasons
+        assert any(r.startswith("preempted by") for r in reasons), reasons
+
+
+def ranks_beyond(daemon: Daemon, job: int, ranks: int, beyond: int) -> bool:
+    """Whether every one of the job's `ranks` printed more than `beyond` steps."""
+    return steps_done(daemon, job, ranks) > beyond

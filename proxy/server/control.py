@@ -30,7 +30,7 @@ from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
 
 from .service import Server
-from .session import JobNotHere, Session, error_message
+from .session import UNKNOWN_DEVICE, JobNotHere, Session, error_message
 from .snapshot import SNAPSHOT_REQUESTS, Snapshots
 from .statefile import read_state
 
@@ -114,11 +114,11 @@ class ControlHandler:
         loaded = 0
         with server.executor.lock:
             for state in saved:
-                key = (job_id, state.rank)
+                index = UNKNOWN_DEVICE if state.index is None else state.index
                 with server.state_lock:
-                    if key in server.sessions:
-                        raise RuntimeError(f"proxy: job {job_id} rank {key[1]} already here")
-                    session = Session(job_id, key[1], state.uid, server.memory)
+                    if (job_id, state.rank, index) in server.sessions:
+                        raise RuntimeError(f"proxy: job {job_id} rank {state.rank} cuda:{index} already here")
+                    session = Session(job_id, state.rank, state.uid, server.memory, index)
                     session.parked = True
                     session.parked_event.set()
                     for op_id, (namespace, name, overload) in state.ops.items():
@@ -165,9 +165,20 @@ class ControlHandler:
         server = self.server
         executor = server.executor
         with server.state_lock:
-            jobs = {job for job, _rank in server.sessions}
+            jobs = {job for job, _rank, _index in server.sessions}
         splicing = {job: server.dedup.summary(job, share=False) for job in sorted(jobs)}
         with server.state_lock:
+            processes: dict[
+                str, dict[str, Any]
+            ] = {}  # a process's sessions of several devices here: one entry
+            for (job, rank, _index), session in server.sessions.items():
+                seen = processes.setdefault(
+                    f"{job}/{rank}", {"bytes": 0, "parked": True, "waiting": False, "connected": False}
+                )
+                seen["bytes"] += session.held_bytes
+                seen["parked"] = seen["parked"] and session.parked
+                seen["waiting"] = seen["waiting"] or session.waiting
+                seen["connected"] = seen["connected"] or session.connection is not None
             return {
                 "splicing": splicing,
                 "index": server.index,
@@ -182,15 +193,7 @@ class ControlHandler:
                 "operations": executor.operations,
                 "batches": executor.batches,
                 "busy_seconds": executor.busy_seconds,
-                "jobs": {
-                    f"{job}/{rank}": {
-                        "bytes": session.held_bytes,
-                        "parked": session.parked,
-                        "waiting": session.waiting,
-                        "connected": session.connection is not None,
-                    }
-                    for (job, rank), session in server.sessions.items()
-                },
+                "jobs": processes,
             }
 
     def handle(self, name: str, args: tuple[Any, ...], fds: list[int]) -> Any:

@@ -261,7 +261,11 @@ class Dedup:
         """At the end of a round: whether the job's ranks here behave like data-parallel replicas."""
         if min(self._state(s).rounds for s in sessions) < REPLICA_ROUNDS:
             return
-        figures = {s.rank: self._long_lived(s) for s in sessions}
+        figures: dict[int, tuple[int, int]] = {}
+        for session in sessions:  # a rank's sessions of several devices here count together
+            total, shared = self._long_lived(session)
+            before = figures.get(session.rank, (0, 0))
+            figures[session.rank] = (before[0] + total, before[1] + shared)
         if not any(total for total, _shared in figures.values()):
             return
         worst = min(figures, key=lambda r: figures[r][1] / figures[r][0] if figures[r][0] else 1.0)
@@ -290,7 +294,7 @@ class Dedup:
         if share:
             self.share_job(job_id)
         sessions = self.job_sessions(job_id)  # read without the device lock: status never waits
-        ranks = [s.rank for s in sessions]
+        ranks = sorted({s.rank for s in sessions})
         shared: dict[int, int] = {}
         private: dict[str, int] = {}
         for session in sessions:
@@ -300,13 +304,13 @@ class Dedup:
                     shared[key] = nbytes
                 else:
                     mine += nbytes
-            private[str(session.rank)] = mine
+            private[str(session.rank)] = private.get(str(session.rank), 0) + mine
         shared_bytes = sum(shared.values())
         known = [self.ranks.get(s) for s in sessions]
         rounds = min((state.rounds if state else 0 for state in known), default=0)
         replicas, reason = self.verdicts.get(job_id, ("unknown", ""))
-        if len(sessions) < 2:
-            replicas, reason = "unknown", f"{len(sessions)} rank(s) of job {job_id} on this device"
+        if len(ranks) < 2:
+            replicas, reason = "unknown", f"{len(ranks)} rank(s) of job {job_id} on this device"
         elif not reason:
             reason = f"{rounds} of {REPLICA_ROUNDS} rounds of collectives seen"
         return {
@@ -314,7 +318,9 @@ class Dedup:
             "shared_bytes": shared_bytes,
             "private_bytes": private,
             "device_bytes": shared_bytes + sum(private.values()),
-            "held_bytes": {str(s.rank): s.held_bytes for s in sessions},
+            "held_bytes": {
+                str(rank): sum(s.held_bytes for s in sessions if s.rank == rank) for rank in ranks
+            },
             "rounds": rounds,
             "replicas": replicas,
             "reason": reason,

@@ -1,7 +1,7 @@
 """The proxy server of one device: its sessions and the job connections that feed them.
 
 `Server` knows the device, admits job processes (a hello names the job; the kernel names
-the uid), keeps one session per (job id, rank), and reads each job connection in its own
+the uid), keeps one session per (job id, rank, logical device), and reads each job connection in its own
 thread into the session's queue, which the session's own thread runs (runner.py). The
 collectives of the job's processes run here and, over the job's links, with the servers of its
 other devices (collectives.py). The daemon's requests arrive on a separate control channel
@@ -28,7 +28,7 @@ from .collectives import Collectives
 from .dedup import Dedup
 from .executor import Executor
 from .runner import Runner, Work
-from .session import Connection, DeviceMemory, Session, exception_info
+from .session import UNKNOWN_DEVICE, Connection, DeviceMemory, Session, exception_info
 
 
 def _refusal(kind: type[BaseException], message: str) -> list[str]:
@@ -80,8 +80,8 @@ class Server:
         self.dedup = Dedup(self.memory, self.executor.lock, self.job_sessions)
         """Storages identical across the ranks of a job here, kept once (replica splicing)."""
         self.collectives.dedup = self.dedup
-        self.sessions: dict[tuple[str, int], Session] = {}
-        self.runners: dict[tuple[str, int], Runner] = {}
+        self.sessions: dict[tuple[str, int, int], Session] = {}
+        self.runners: dict[tuple[str, int, int], Runner] = {}
         """The queue and thread of each session."""
         self.state_lock = threading.RLock()
         """Held while sessions are added, removed or looked up."""
@@ -91,7 +91,7 @@ class Server:
         self, session: Session, saved_queue: list[Any] | None = None, groups: dict[str, Any] | None = None
     ) -> Runner:
         """Hold a new session and start its thread (a restored one holds its saved work until resumed)."""
-        key = (session.job_id, session.rank)
+        key = session.key
         with self.state_lock:
             runner = Runner(session, self.executor, self.collectives, saved_queue, groups)
             self.sessions[key] = session
@@ -100,7 +100,7 @@ class Server:
 
     def drop(self, session: Session) -> None:
         """Stop a session's thread, free everything it holds and forget it."""
-        key = (session.job_id, session.rank)
+        key = session.key
         with self.state_lock:
             runner = self.runners.get(key) if self.sessions.get(key) is session else None
             if runner is not None:
@@ -114,8 +114,8 @@ class Server:
     def job_runners(self, job_id: str) -> list[Runner]:
         """The runners of a job's sessions, by rank."""
         with self.state_lock:
-            found = (r for (job, _rank), r in self.runners.items() if job == job_id)
-            return sorted(found, key=lambda r: r.session.rank)
+            found = (r for (job, _rank, _index), r in self.runners.items() if job == job_id)
+            return sorted(found, key=lambda r: (r.session.rank, r.session.index))
 
     def wait_idle(self, job_id: str, timeout: float) -> bool:
         """Wait until nothing of the job's sessions can run here (see runner.Runner.idle)."""
@@ -133,8 +133,8 @@ class Server:
     def job_sessions(self, job_id: str) -> list[Session]:
         """The sessions of a job, by rank."""
         with self.state_lock:
-            found = (s for (job, _rank), s in self.sessions.items() if job == job_id)
-            return sorted(found, key=lambda s: s.rank)
+            found = (s for (job, _rank, _index), s in self.sessions.items() if job == job_id)
+            return sorted(found, key=lambda s: (s.rank, s.index))
 
     def admission_problem(self, job_id: str, uid: int) -> str:
         """Why a process of this uid may not open a session for this job ('' when it may).
@@ -161,16 +161,19 @@ class Server:
             or len(body) != 4
             or type(body[0]) is not str
             or type(body[1]) is not int
+            or type(body[2]) is not int
             or type(body[3]) is not bool
         ):
             connection.send(
                 protocol.ERROR, _refusal(PermissionError, "proxy: the first message must be a hello")
             )
             return None
-        job_id, rank, _index, resume = body
-        key = (job_id, rank)
+        job_id, rank, index, resume = body
+        key = (job_id, rank, index)
         with self.state_lock:
             existing = self.sessions.get(key)
+            if resume and existing is None:
+                existing = self.sessions.get((job_id, rank, UNKNOWN_DEVICE))
             if resume:
                 if existing is None or uid not in (0, self.daemon_uid):
                     connection.send(
@@ -189,7 +192,7 @@ class Server:
                     return None
                 if existing is not None:
                     self.drop(existing)
-                session = Session(job_id, rank, uid, self.memory)
+                session = Session(job_id, rank, uid, self.memory, index)
                 self.add_session(session)
             session.connection = connection
         return session
@@ -208,7 +211,7 @@ class Server:
             if session is None:
                 return
             connection.send(protocol.WELCOME, self.info)
-            runner = self.runners[(session.job_id, session.rank)]
+            runner = self.runners[session.key]
             while True:
                 self._take(session, runner, protocol.recv_frame(sock, protocol.JOB_FRAME_LIMITS))
         except ProtocolError as e:  # the framing is broken: nothing after it can be trusted
@@ -232,7 +235,7 @@ class Server:
             session.connection = None
             if session.parked:
                 return
-            runner = self.runners.get((session.job_id, session.rank))
+            runner = self.runners.get(session.key)
         if runner is not None:
             runner.finish()
             self.collectives.rank_gone(runner)

@@ -1,6 +1,6 @@
 """What one job process holds on a device, and the device's memory accounting.
 
-A session is keyed by (job id, rank). It owns the process's tensors by handle, the operators
+A session is keyed by (job id, rank, logical device). It owns the process's tensors by handle, the operators
 the process defined, its memory figures, the first error of an operation not yet reported,
 and its park state. Memory is counted per storage (views share their base's bytes), per
 session and for the whole device, whose capacity is what the program sees as total memory.
@@ -178,12 +178,19 @@ class DeviceMemory:
         )
 
 
-class Session:
-    """Everything one job process (job id, rank) holds on this device."""
+UNKNOWN_DEVICE = -1
+"""The logical device of a session restored from a file that did not name it (the rank's only one)."""
 
-    def __init__(self, job_id: str, rank: int, uid: int, memory: DeviceMemory) -> None:
+
+class Session:
+    """Everything one job process (job id, rank) holds on this device through one of the devices
+    it sees (`index`, its cuda:index): a process whose cuda:0 and cuda:1 are both served here has a
+    session for each, as on two GPUs."""
+
+    def __init__(self, job_id: str, rank: int, uid: int, memory: DeviceMemory, index: int = 0) -> None:
         self.job_id = job_id
         self.rank = rank
+        self.index = index
         self.uid = uid
         self.memory = memory
         self.tensors: dict[int, torch.Tensor] = {}
@@ -226,6 +233,12 @@ class Session:
         tensors' version counters it tells a pre-copy whether the bytes may have changed."""
 
     # -- what the job refers to -------------------------------------------------------------------
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """(job id, rank, logical device): what the server holds the session under."""
+        return (self.job_id, self.rank, self.index)
+
     def tensor(self, handle: Any) -> torch.Tensor:
         """The tensor the session holds under `handle`; ProtocolError if it holds none."""
         found = self.tensors.get(handle) if type(handle) is int else None

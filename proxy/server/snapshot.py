@@ -82,7 +82,7 @@ def live_storages(sessions: Sequence[Session]) -> dict[int, LiveStorage]:
             if tensor.is_inference():
                 parts.append(None)
             else:
-                parts.append((session.rank, handle, tensor._version, marks.get(key)))
+                parts.append((session.rank, session.index, handle, tensor._version, marks.get(key)))
     for key, parts in holders.items():
         if None not in parts:
             head, rest = parts[:2], sorted(parts[2:])
@@ -279,8 +279,8 @@ class JobSave:
             unsaved = {s.key for s in self._unsaved(live)}
             pending: list[tuple[int, torch.Tensor]] = []
             blobs: list[tuple[int, bytes]] = []
-            runners = {runner.session.rank: runner for runner in self.server.job_runners(self.job_id)}
-            table_sessions = [self._describe(s, runners[s.rank], ids, blobs) for s in sessions]
+            runners = {runner.session.key: runner for runner in self.server.job_runners(self.job_id)}
+            table_sessions = [self._describe(s, runners[s.key], ids, blobs) for s in sessions]
             storages: dict[int, list[int]] = {}
             for key, storage in live.items():
                 if key in unsaved:
@@ -341,6 +341,7 @@ class JobSave:
         return {
             "job_id": session.job_id,
             "rank": session.rank,
+            "index": session.index,
             "uid": session.uid,
             "plans": plans,
             "queue": queue,

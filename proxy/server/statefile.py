@@ -16,7 +16,7 @@ Layout (format 2):
 
 Index: {"format": 2, "device": i,
         "storages": {id: [offset, nbytes]}, "blobs": {id: [offset, nbytes]},
-        "sessions": [{"job_id", "rank", "uid", "ops": {op_id: [namespace, name, overload]},
+        "sessions": [{"job_id", "rank", "index", "uid", "ops": {op_id: [namespace, name, overload]},
                       "peak", "pending_error", "plans": blob id | null, "queue": blob id | null,
                       "groups": {name: [global rank, members]},
                       "tensors": {handle: ["s", storage id, dtype, shape, stride, offset, flags]
@@ -70,6 +70,9 @@ class SavedSession:
     """Frames received and not yet run (runner.Work.saved), run after the restore."""
     groups: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     """Process groups of its collectives: name -> (the process's global rank, members)."""
+    index: int | None = None
+    """The logical device (the process's cuda:index) the session served; None in files older
+    than the field (then the rank's only session on the device)."""
 
 
 def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -275,6 +278,7 @@ def read_state(fd: int, device: torch.device) -> tuple[int, list[SavedSession]]:
                 blobs[int(state["plans"])] if state.get("plans") is not None else {},
                 list(blobs[int(state["queue"])]) if state.get("queue") is not None else [],
                 _groups(state.get("groups")),
+                protocol.integer(state["index"]) if state.get("index") is not None else None,
             )
         )
     return int(index["device"]), sessions

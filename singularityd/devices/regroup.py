@@ -2,8 +2,9 @@
 by session, without loading a tensor.
 
 A checkpoint holds one device-state file per slot of the job (proxy/server/statefile.py), each
-with the sessions (ranks) that slot served. Restoring on another number of devices, each session
-goes to the slot that now serves the logical device its process used (splicing.py); the records
+with the sessions that slot served: one per process and logical device (rank, cuda:j). Restoring
+on another number of devices, each session goes to the slot that now serves its logical device
+(splicing.py), so two logical devices of one rank may land on one slot, as two sessions; the records
 a session refers to are copied byte for byte into the file of its new slot, with their ids
 renumbered, so storages that several sessions share stay shared.
 """
@@ -61,25 +62,16 @@ def read_index(path: Path) -> SavedFile:
 def session_slots(
     connections: Sequence[Mapping[str, int]], old_slots: Sequence[int], new_slots: Sequence[int]
 ) -> dict[tuple[int, int], int]:
-    """{(rank, old slot): new slot} for every session a restored process reconnects to.
+    """{(rank, logical device): new slot} for every session a restored process reconnects to.
 
     A process's connection to logical device cuda:j was served by old_slots[j]; its session
-    goes to new_slots[j]. Two sessions of one rank landing on one slot cannot be merged."""
+    goes to new_slots[j] (new_slots is indexed like old_slots: the job sees the same devices)."""
     moves: dict[tuple[int, int], int] = {}
-    taken: dict[tuple[int, int], int] = {}
     for entry in connections:
         rank, logical = int(entry["rank"]), int(entry["index"])
-        if not 0 <= logical < len(old_slots):
+        if not 0 <= logical < min(len(old_slots), len(new_slots)):
             raise RegroupError(f"rank {rank} used cuda:{logical}, beyond the job's {len(old_slots)} devices")
-        new = new_slots[logical]
-        other = taken.get((rank, new))
-        if other is not None and other != logical:
-            raise RegroupError(
-                f"rank {rank} uses cuda:{other} and cuda:{logical}, which would share one device; "
-                "a rank's devices must stay apart"
-            )
-        taken[(rank, new)] = logical
-        moves[(rank, old_slots[logical])] = new
+        moves[(rank, logical)] = new_slots[logical]
     return moves
 
 
@@ -155,11 +147,16 @@ def regroup(
     folder.mkdir(parents=True, exist_ok=True)
     saved = [read_index(path) if path is not None else None for path in sources]
     wanted: dict[int, list[tuple[SavedFile, dict[str, Any]]]] = {}
-    for old, found in enumerate(saved):
+    for found in saved:
         if found is None:
             continue
         for session in found.index.get("sessions", []):
-            new = moves.get((int(session["rank"]), old))
+            if session.get("index") is None:
+                raise RegroupError(
+                    f"{found.path.name} was saved before sessions named their device: "
+                    "it can be restored on its own number of devices only"
+                )
+            new = moves.get((int(session["rank"]), int(session["index"])))
             if new is not None:
                 wanted.setdefault(new, []).append((found, session))
     results: list[Path | None] = []
