@@ -71,6 +71,7 @@ class Config:
     criu: str = "auto"
     checkpoint_interval_seconds: float = 0.0
     elastic_grow_seconds: float = 5.0
+    splice_verdict_seconds: float = 1.0
     checkpoint_keep: int = 2
     checkpoint_pre_copy: int = 1
     checkpoint_dir: Path | None = None
@@ -166,6 +167,9 @@ OPTIONS: dict[str, str] = {
     "elastic_grow_seconds": "How long devices stay idle, with no job waiting, before elastic jobs "
     "(--min-gpus/--max-gpus) grow into them (default 5), so a device freed for a moment is not "
     "taken and given back at once.",
+    "splice_verdict_seconds": "How often the proxy servers of each job whose ranks share devices are "
+    "asked whether those ranks are data-parallel replicas (a status read per device; default 1). A "
+    "job refused stops sharing devices at most this long after its servers decide.",
     "checkpoint_keep": "How many complete checkpoints to keep per job (default 2).",
     "checkpoint_pre_copy": "Pre-copy rounds (CRIU pre-dumps while the job runs) before the final "
     "dump, so the pause grows with dirtied memory only; 0 disables (default 1).",
@@ -239,6 +243,7 @@ LIVE_OPTIONS = frozenset(
         "shutdown_grace_seconds",
         "checkpoint_interval_seconds",
         "elastic_grow_seconds",
+        "splice_verdict_seconds",
         "checkpoint_keep",
         "checkpoint_pre_copy",
         "proxy_pre_copy",
@@ -296,7 +301,14 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     if name in ("metrics_port", "peer_port", "join_port") and not 0 <= coerced <= 65535:
         raise ConfigError(f"{source}: {name} must be between 0 and 65535")
     if (
-        name in ("heartbeat_seconds", "peer_keepalive_seconds", "move_timeout_seconds", "move_hold_seconds")
+        name
+        in (
+            "heartbeat_seconds",
+            "peer_keepalive_seconds",
+            "move_timeout_seconds",
+            "move_hold_seconds",
+            "splice_verdict_seconds",
+        )
         and not coerced > 0
     ):
         raise ConfigError(f"{source}: {name} must be more than 0")

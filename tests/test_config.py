@@ -101,6 +101,7 @@ def test_show_config_says_which_options_change_live() -> None:
         ("metrics_port = 70000\n", "metrics_port must be between 0 and 65535"),
         ("log_level = 'loud'\n", "log_level must be one of debug, info, warning, error"),
         ("metrics = 'perhaps'\n", "not a valid value"),
+        ("splice_verdict_seconds = 0\n", "splice_verdict_seconds must be more than 0"),
     ],
 )
 def test_new_options_are_checked(tmp_path: Path, text: str, message: str) -> None:

@@ -1,7 +1,7 @@
 """Watching spliced jobs: the daemon asks their proxy servers whether the ranks sharing a device
 are data-parallel replicas, and stops splicing a job whose ranks are not.
 
-Every `VERDICT_POLL_SECONDS`, each running job with more ranks than devices and nothing under way
+Every `splice_verdict_seconds` (a daemon setting, singularityd/config.py), each running job with more ranks than devices and nothing under way
 has its servers asked for the verdict they keep from its collectives (proxy/server/dedup.py): a
 status read, no comparison, the job does not stop. A server says "no" after a few rounds of
 collectives (3 per device). Then the job is marked with the servers' reason and an event says
@@ -32,8 +32,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("singularityd")
 
-VERDICT_POLL_SECONDS = 1.0
-"""How often the servers of spliced jobs are asked their verdict (one status read per device)."""
 RETRY_SECONDS = 60.0
 """How long after a failed stop a refused job still spliced is tried again."""
 REFUSED_BY = "the daemon (its ranks are not data-parallel replicas)"
@@ -42,16 +40,18 @@ REFUSED_BY = "the daemon (its ranks are not data-parallel replicas)"
 class SpliceWatch:
     """Asks the servers of spliced jobs for their verdict and stops splicing the refused ones."""
 
-    def __init__(self, daemon: Daemon, every: float = VERDICT_POLL_SECONDS) -> None:
+    def __init__(self, daemon: Daemon, every: float | None = None) -> None:
         self.daemon = daemon
         self.every = every
+        """Seconds between looks; None: the daemon's splice_verdict_seconds, as it is at each look
+        (a reloaded config applies from the next one)."""
         self.retry_at: dict[int, float] = {}
         """Job -> when (time.monotonic) a refused job whose stop failed may be tried again."""
 
     async def run(self) -> None:
         """Check every `every` seconds until cancelled (the daemon stops)."""
         while True:
-            await asyncio.sleep(self.every)
+            await asyncio.sleep(self.every or self.daemon.config.splice_verdict_seconds)
             try:
                 await self.check()
             except Exception:
