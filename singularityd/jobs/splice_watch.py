@@ -1,14 +1,14 @@
 """Watching spliced jobs: the daemon asks their proxy servers whether the ranks sharing a device
 are data-parallel replicas, and stops splicing a job whose ranks are not.
 
-Every `splice_verdict_seconds` (a daemon setting, singularityd/config.py), each running job with more ranks than devices and nothing under way
-has its servers asked for the verdict they keep from its collectives (proxy/server/dedup.py): a
-status read, no comparison, the job does not stop. A server says "no" after a few rounds of
-collectives (3 per device). Then the job is marked with the servers' reason and an event says
-what follows (scheduling/replicas.py decides): resized to one device per rank when that many are
-free counting its own, else checkpointed and queued until they are, the reason in its pending
-reason. A marked job whose stop fails (a checkpoint error) is tried again after
-`RETRY_SECONDS`. "yes" and "unknown" change nothing.
+Every `splice_verdict_seconds` (a daemon setting, singularityd/config.py), each running job with
+more ranks than devices and nothing under way has its servers asked for the verdict they keep
+from its collectives (proxy/server/dedup.py): a status read, no comparison, the job does not
+stop. A server says "no" after a few rounds of collectives (3 per device). Then the job is marked
+with the servers' reason and an event says what follows (scheduling/replicas.py decides): resized
+to one device per rank when that many are free counting its own, else checkpointed and queued
+until they are, the reason in its pending reason. A marked job whose stop fails (a checkpoint
+error) is tried again after `RETRY_SECONDS`. "yes" and "unknown" change nothing.
 """
 
 from __future__ import annotations
