@@ -187,17 +187,29 @@ def exit_text(job: pb.Job) -> str:
     return "-"
 
 
+ENDED_STATES = ("COMPLETED", "FAILED", "CANCELLED", "MOVED")
+"""States of a job that will hold no device again here."""
+
+
 def gpus_cell(job: pb.Job) -> str:
-    """A job's devices for `sing ps`: the count, with an elastic job's range, e.g. '2 (1-4)'."""
-    return f"{job.gpus} ({job.min_gpus}-{job.max_gpus})" if job.max_gpus else str(job.gpus)
+    """A job's devices for `sing ps`: how many it holds now (else asks for), with an elastic job's
+    range, e.g. '2 (1-4)'."""
+    count = len(job.devices) or job.gpus
+    return f"{count} ({job.min_gpus}-{job.max_gpus})" if job.max_gpus else str(count)
 
 
-def gpus_text(job: pb.Job) -> str:
-    """A job's devices for `sing show`, e.g. '2 (elastic 1-4; 4 ranks share them)'."""
-    notes = [f"elastic {job.min_gpus}-{job.max_gpus}"] if job.max_gpus else []
-    if 0 < job.gpus < job.ranks:
-        notes.append(f"{job.ranks} ranks share them")
-    return f"{job.gpus}" + (f" ({'; '.join(notes)})" if notes else "")
+def devices_text(job: pb.Job) -> str:
+    """A job's devices for `sing show`, as Slurm and kubectl users read them: how many it holds now,
+    its elastic range, and which, e.g. '2 (elastic 1-4; 4 ranks share them): 0,1'; a job holding
+    none says how many it waits for, or ran on last."""
+    elastic = [f"elastic {job.min_gpus}-{job.max_gpus}"] if job.max_gpus else []
+    count = len(job.devices) or job.gpus
+    shared = [f"{job.ranks} ranks share them"] if 0 < count < job.ranks else []
+    if not job.devices:
+        wanted = f"ran on {count}" if job.state in ENDED_STATES else f"waits for {count}"
+        return f"none held ({'; '.join([wanted, *elastic, *shared])})"
+    notes = f" ({'; '.join([*elastic, *shared])})" if elastic or shared else ""
+    return f"{count}{notes}: {','.join(map(str, job.devices))}"
 
 
 def job_row(job: pb.Job, wide: bool, now: float) -> list[str]:
@@ -242,10 +254,9 @@ def job_detail_text(detail: pb.JobDetail, wide: bool = False, header: bool = Tru
         f"Command:    {' '.join(job.command)}",
         f"Directory:  {job.cwd}",
         f"Priority:   {job.priority}",
-        f"GPUs:       {gpus_text(job)}",
+        f"Devices:    {devices_text(job)}",
         f"Ranks:      {job.ranks}",
         *([f"Splicing:   refused, one device per rank ({job.splice_refusal})"] if job.splice_refusal else []),
-        f"Devices:    {','.join(str(d) for d in job.devices) or '-'}",
         f"Submitted:  {timestamp(job.submitted_at)}",
         f"Started:    {timestamp(job.started_at)}",
         f"Ended:      {timestamp(job.ended_at)}",

@@ -36,6 +36,25 @@ def test_version() -> None:
         assert (result.code, result.out, result.err) == (0, f"sing {__version__}\n", "")
 
 
+def test_show_says_how_many_devices_a_job_holds_and_its_range() -> None:
+    """What a Slurm or kubectl user expects: the devices held now, then the elastic range (not the
+    size asked at submission), which ones, and for a job holding none, what it waits for."""
+
+    def shown(**fields: Any) -> str:
+        text = output.job_detail_text(pb.JobDetail(job=pb.Job(id=7, ranks=4, **fields)))
+        return next(line for line in text.splitlines() if line.startswith("Devices:"))
+
+    elastic = {"gpus": 4, "min_gpus": 1, "max_gpus": 4}
+    assert shown(state="RUNNING", devices=[2, 3], **elastic) == (
+        "Devices:    2 (elastic 1-4; 4 ranks share them): 2,3"
+    )
+    assert shown(state="RUNNING", devices=[0, 1, 2, 3], **elastic) == "Devices:    4 (elastic 1-4): 0,1,2,3"
+    assert shown(state="RUNNING", devices=[0, 1, 2, 3], gpus=4) == "Devices:    4: 0,1,2,3"
+    assert shown(state="PREEMPTED", **elastic) == "Devices:    none held (waits for 4; elastic 1-4)"
+    assert shown(state="COMPLETED", gpus=2) == "Devices:    none held (ran on 2; 4 ranks share them)"
+    assert output.gpus_cell(pb.Job(state="RUNNING", devices=[2, 3], **elastic)) == "2 (1-4)"
+
+
 def test_show_and_checkpoint_print_each_checkpoints_pause() -> None:
     checkpoints = [
         pb.CheckpointInfo(seq=1, created_at=1.0, bytes=1 << 30, complete=True, pause_seconds=0.614,

@@ -90,7 +90,7 @@ def test_an_elastic_job_grows_shrinks_and_grows_back_exactly(daemon_root: Path) 
         assert finish(daemon, job, release) == on_four
         assert resized_to(daemon, job) == [4, 2, 4]
         shown = daemon.sing("show", str(job)).out
-        assert "GPUs:       4 (elastic 1-4)" in shown, shown
+        assert "Devices:    none held (ran on 4; elastic 1-4)" in shown, shown
 
 
 def test_bad_elastic_requests_are_refused(daemon: Daemon) -> None:
@@ -111,5 +111,8 @@ def test_bad_elastic_requests_are_refused(daemon: Daemon) -> None:
     refused(daemon.sing("resize", str(done), "--gpus", "1"), 2, f"outside job {done}'s elastic range 2-3")
     shown = daemon.job(done)
     assert (shown["gpus"], shown["min_gpus"], shown["max_gpus"]) == (3, 2, 3)
-    assert "GPUs:       3 (elastic 2-3; 4 ranks share them)" in daemon.sing("show", str(done)).out
+    assert (
+        "Devices:    none held (ran on 3; elastic 2-3; 4 ranks share them)"
+        in daemon.sing("show", str(done)).out
+    )
     assert "3 (2-3)" in daemon.sing("ps", "-a").out
