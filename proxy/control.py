@@ -168,8 +168,9 @@ class ProxyControl:
 
     def replicas(self, job_id: str) -> dict[str, Any]:
         """The job's memory on this device once what its ranks hold alike is shared (shared_bytes,
-        private_bytes per rank, device_bytes) and whether its ranks here are data-parallel replicas
-        ("replicas": "yes", "no" or "unknown", with "reason"); see proxy/server/dedup.py."""
+        private_bytes per rank, device_bytes; "measured" false: not compared yet, the figures are
+        not a measurement) and whether its ranks here are data-parallel replicas ("replicas": "yes",
+        "no" or "unknown", with "reason"); see proxy/server/dedup.py."""
         return dict(self._call("replicas", job_id))
 
     def stop(self) -> None:

@@ -110,6 +110,9 @@ class Dedup:
         """Storages a collective is about to write: never shared until it is done."""
         self.verdicts: dict[str, tuple[str, str]] = {}
         """Job -> (replicas: "yes" or "no", why) at its last complete round."""
+        self.compared: set[str] = set()
+        """Jobs whose sessions here have been compared since they came (a collective, a quiesce, a
+        load): until then their sharing figures are not measured yet, not zero."""
         self.compare_seconds = 0.0
         """Time spent comparing and moving storages since the server started."""
         self.compared_bytes = 0
@@ -130,6 +133,7 @@ class Dedup:
         with self.device_lock:
             state = self._state(session)
             self._share(session, peers, state.handles_before)
+            self.compared.add(session.job_id)
             state.rounds += 1
             handles = set(session.tensors)
             state.long_lived = state.handles_before & handles
@@ -150,6 +154,7 @@ class Dedup:
             return
         for session in sessions:
             self._share(session, [s for s in sessions if s is not session])
+        self.compared.add(job_id)
 
     def _share(self, session: Session, peers: list[Session], lasting: set[int] | None = None) -> None:
         """Move the session's changed storages onto identical storages of its peers (with `lasting`,
@@ -290,7 +295,9 @@ class Dedup:
     def summary(self, job_id: str, share: bool = True) -> dict[str, Any]:
         """The job's memory on this device (shared and per-rank private bytes) and whether its ranks
         here are data-parallel replicas: "yes", "no" or "unknown", with the reason. With `share`,
-        what the ranks hold alike is shared first (else the figures are as the last collective left them)."""
+        what the ranks hold alike is shared first (else the figures are as the last collective left them).
+        "measured" is false while the ranks here have not been compared yet (no collective, quiesce
+        or load since they came): then shared_bytes is 0 because nothing was measured."""
         if share:
             self.share_job(job_id)
         sessions = self.job_sessions(job_id)  # read without the device lock: status never waits
@@ -322,6 +329,7 @@ class Dedup:
                 str(rank): sum(s.held_bytes for s in sessions if s.rank == rank) for rank in ranks
             },
             "rounds": rounds,
+            "measured": job_id in self.compared,
             "replicas": replicas,
             "reason": reason,
             "compare_seconds": self.compare_seconds,
@@ -332,3 +340,4 @@ class Dedup:
     def forget(self, job_id: str) -> None:
         """Drop the verdict of a job whose sessions are gone."""
         self.verdicts.pop(job_id, None)
+        self.compared.discard(job_id)

@@ -100,7 +100,9 @@ def test_identical_storages_are_kept_once_and_copied_before_a_write(server: Serv
 
 def test_a_save_holds_a_shared_storage_once_and_loads_it_shared(server: Server, tmp_path: Path) -> None:
     """A quiesced job whose ranks share storages saves them once; loaded on another device, the
-    ranks share them again, hold the same bytes, and a write still reaches only its own rank."""
+    ranks share them again (the sharing figure, read before any step, says so: the state is
+    restored, not measured anew), hold the same bytes, and a write still reaches only its own rank.
+    Ranks never compared yet say their figures are not measured, rather than sharing nothing."""
     sessions = open_sessions(server, 3)
     generator = torch.Generator().manual_seed(5)
     weights = torch.randn(FLOATS, generator=generator)
@@ -108,7 +110,10 @@ def test_a_save_holds_a_shared_storage_once_and_loads_it_shared(server: Server, 
         session.add(1, weights.clone())
         session.add(2, torch.randn(FLOATS, generator=generator))
         session.parked = True
+    fresh = server.dedup.summary(JOB, share=False)
+    assert (fresh["measured"], fresh["shared_bytes"]) == (False, 0), fresh
     server.dedup.share_job(JOB)
+    assert server.dedup.summary(JOB, share=False)["shared_bytes"] == FLOATS * 4
     path = tmp_path / "state"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -125,6 +130,8 @@ def test_a_save_holds_a_shared_storage_once_and_loads_it_shared(server: Server, 
         finally:
             os.close(fd)
         assert loaded_on.memory.used == server.memory.used == 4 * FLOATS * 4
+        restored = loaded_on.dedup.summary(JOB, share=False)  # as a status read sees it, before any step
+        assert (restored["measured"], restored["shared_bytes"]) == (True, FLOATS * 4), restored
         loaded = loaded_on.job_sessions(JOB)
         for mine, saved in zip(loaded, sessions, strict=True):
             for number in (1, 2):
