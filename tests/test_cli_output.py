@@ -44,7 +44,7 @@ def test_show_says_how_many_devices_a_job_holds_and_its_range() -> None:
         text = output.job_detail_text(pb.JobDetail(job=pb.Job(id=7, ranks=4, **fields)))
         return next(line for line in text.splitlines() if line.startswith("Devices:"))
 
-    elastic = {"gpus": 4, "min_gpus": 1, "max_gpus": 4}
+    elastic: dict[str, Any] = {"gpus": 4, "min_gpus": 1, "max_gpus": 4}
     assert shown(state="RUNNING", devices=[2, 3], **elastic) == (
         "Devices:    2 (elastic 1-4; 4 ranks share them): 2,3"
     )
