@@ -57,6 +57,7 @@ from singularityd.core.jobs import (
     WatchProcesses,
     decide,
 )
+from singularityd.core.lost_processes import NewestCheckpoint, StopPurpose, after_lost_processes
 from singularityd.core.states import InvalidTransition, JobState, Transition
 from singularityd.devices.access import DeviceAccess, DeviceError
 from singularityd.devices.inventory import Device, Inventory, refresh
@@ -184,10 +185,32 @@ class Daemon:
             elif process is None:
                 self.apply(job.id, Requeued("launch interrupted by a daemon restart; queued again"))
             else:
-                detail = "the job's processes ended while the daemon was down, without an exit status"
-                self.apply(job.id, ProcessesLost(detail))
+                self._settle_lost(job)
         holding = self.store.list_jobs(states=(JobState.RUNNING, JobState.MIGRATING))
         self.devices.retain({job.id for job in holding})
+
+    def _settle_lost(self, job: JobRecord) -> None:
+        """A RUNNING job's processes ended without an exit status while the daemon was down: the
+        stop its newest checkpoint completed, when the daemon died before recording it; else lost."""
+        detail = "the job's processes ended while the daemon was down, without an exit status"
+        latest = self.checkpoints.latest(job.id)
+        newest = None
+        if latest is not None:
+            newest = NewestCheckpoint(latest.seq, latest.created_at, StopPurpose.from_dict(latest.stop))
+        began = [
+            e.at
+            for e in self.store.events(job.id)
+            if e.to_state is JobState.RUNNING and e.from_state is not JobState.RUNNING
+        ]
+        outcome = after_lost_processes(newest, max(began, default=None), detail)
+        if isinstance(outcome, ProcessesLost):
+            self.apply(job.id, outcome)
+            return
+        log.warning("job %d: %s", job.id, outcome.outcome.summary)
+        if outcome.gpus:
+            self.store.set_gpus(job.id, outcome.gpus)
+        self.records.setdefault(job.id, JobRuntime(job.id)).update(Activity(checkpoint=outcome.take))
+        self.apply(job.id, outcome.outcome)
 
     # Decisions
 

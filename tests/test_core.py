@@ -205,7 +205,7 @@ def test_preempt_and_suspend_take_a_stopping_checkpoint(hold: bool, note: str, r
 def test_a_resize_takes_a_stopping_checkpoint_and_is_refused_while_one_is_under_way() -> None:
     """A resize stops the job through a checkpoint (the new size is in the store); not twice at once."""
     decision = decide(running(), ResizeRequested("alice", 2), 0)
-    take = TakeCheckpoint(stop=True, reason="resized to 2 devices by alice")
+    take = TakeCheckpoint(stop=True, reason="resized to 2 devices by alice", gpus=2)
     assert decision.actions == (Note("resize to 2 devices requested by alice: checkpointing"), take)
     with pytest.raises(InvalidTransition, match="already being checkpointed"):
         decide(running(Activity(checkpoint=take)), ResizeRequested("alice", 1), 0)

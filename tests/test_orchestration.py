@@ -154,7 +154,13 @@ class FakeCheckpoints:
         return self.gate
 
     async def take(
-        self, target: CheckpointTarget, *, stop: bool, reason: str, before_pause: BeforePause | None = None
+        self,
+        target: CheckpointTarget,
+        *,
+        stop: bool,
+        reason: str,
+        before_pause: BeforePause | None = None,
+        purpose: Mapping[str, Any] | None = None,
     ) -> CheckpointTaken:
         self.taken.append((target.job_id, stop, reason))
         error = await self.gate if self.gate is not None else ""

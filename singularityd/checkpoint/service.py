@@ -306,6 +306,8 @@ class Checkpointer:
                     f"job {job_id} was dumped and stopped, but recording checkpoint "
                     f"{pending.seq} failed ({e}); its images are left in {pending.path}"
                 ) from e
+            if not leave_running:
+                faults.reached(faults.STOPPED_DUMP_RECORDED)
             pruned: list[int] = []
             if prune:
                 pruned = await asyncio.to_thread(self.store.prune, job_id, self.keep)

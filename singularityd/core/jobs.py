@@ -283,6 +283,8 @@ class TakeCheckpoint:
     periodic: bool = False
     for_scheduler: bool = False
     for_move: bool = False
+    gpus: int = 0
+    """For a resize: the number of devices the job is restored on (0 otherwise)."""
 
 
 @dataclass(frozen=True)
@@ -634,7 +636,7 @@ def decide(job: JobFacts, stimulus: Stimulus, now: float) -> Decision:
         case ResizeRequested(by=by, gpus=gpus):
             _require_idle_running(job, "resized")
             where = f"{gpus} device{'s' if gpus != 1 else ''}"
-            take = TakeCheckpoint(True, reason=f"resized to {where} by {by}")
+            take = TakeCheckpoint(True, reason=f"resized to {where} by {by}", gpus=gpus)
             return _checkpointing(job, take, Note(f"resize to {where} requested by {by}: checkpointing"))
         case PreemptionWanted():
             try:

@@ -18,6 +18,7 @@ from singularityd.core.jobs import (
     RestoreFailed,
     TakeCheckpoint,
 )
+from singularityd.core.lost_processes import StopPurpose
 from singularityd.devices.access import DeviceAccess, DeviceError
 from singularityd.devices.proxies import JobIdentity
 from singularityd.devices.splicing import logical_devices
@@ -75,7 +76,14 @@ async def checkpoint(
             raise CheckpointError(f"job {job.id} is still starting")
         logs = tuple(processes.paths(job.id).rewind_paths(job.spec.ranks))
         target = CheckpointTarget(job.id, job.init_pid, job.spec.uid, job.spec.gid, job.devices, logs)
-        taken = await checkpoints.take(target, stop=take.stop, reason=take.reason, before_pause=before_pause)
+        purpose = StopPurpose.of(take)
+        taken = await checkpoints.take(
+            target,
+            stop=take.stop,
+            reason=take.reason,
+            before_pause=before_pause,
+            purpose=purpose.as_dict() if purpose else None,
+        )
     except CheckpointError as error:
         return CheckpointFailed(str(error)), StateConflict(f"checkpoint failed: {error}")
     return Checkpointed(taken.summary, taken.image_bytes, taken.pause_s, taken.complete_s), taken
