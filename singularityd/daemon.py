@@ -202,7 +202,7 @@ class Daemon:
             for e in self.store.events(job.id)
             if e.to_state is JobState.RUNNING and e.from_state is not JobState.RUNNING
         ]
-        outcome = after_lost_processes(newest, max(began, default=None), detail)
+        outcome = after_lost_processes(newest, max(began, default=None), detail, job.cancel_requested)
         if isinstance(outcome, ProcessesLost):
             self.apply(job.id, outcome)
             return

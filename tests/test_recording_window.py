@@ -2,13 +2,15 @@
 
 The pure decision (core.lost_processes) is tested on its own; then a real daemon is killed at that
 exact step (the fault point stopped-dump-recorded) while it preempts or suspends a real training
-job with real CRIU. Restarted, it finds the job RUNNING with no processes and a complete
-checkpoint taken to stop it: the job must become what the stop was for (queued and resumed, or
-held until resumed), and its output must equal an uninterrupted run's byte for byte.
+job, or resizes a real 2-rank DDP job, with real CRIU. Restarted, it finds the job RUNNING with no
+processes and a complete checkpoint taken to stop it: the job must become what the stop was for
+(queued and resumed, held until resumed, or restored on the new number of devices), and its
+output must equal an uninterrupted run's byte for byte.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +27,10 @@ from singularityd.core.lost_processes import (
     after_lost_processes,
 )
 from tests.conftest import requires_root
-from tests.helpers import Daemon, running_daemon
+from tests.helpers import Daemon, running_daemon, wait_until
+from tests.proxy.conftest import PYTHON
+from tests.test_collectives import JOB_OPTIONS, direct_ranks, printed, rank_logs
+from tests.test_collectives import steps_done as steps_of_ranks
 from tests.test_preempt import (
     events,
     release_file,
@@ -36,6 +41,7 @@ from tests.test_preempt import (
 )
 
 LOST = "the job's processes ended while the daemon was down, without an exit status"
+RECORDED = "(complete on disk when the daemon stopped, before it recorded the job stopped"
 RUN_BEGAN = 1000.0
 
 
@@ -104,17 +110,35 @@ def test_anything_else_is_lost_processes(newest: NewestCheckpoint | None) -> Non
     assert after_lost_processes(newest, RUN_BEGAN, LOST) == ProcessesLost(LOST)
 
 
-def test_a_job_that_never_ran_here_is_lost_processes() -> None:
+def test_a_job_that_never_ran_here_or_was_being_cancelled_is_lost_processes() -> None:
     purpose = StopPurpose(StopKind.PREEMPT, "preempted by root")
     assert after_lost_processes(checkpoint(purpose), None, LOST) == ProcessesLost(LOST)
+    assert after_lost_processes(checkpoint(purpose), RUN_BEGAN, LOST, cancel_requested=True) == ProcessesLost(
+        LOST
+    )
+
+
+@contextlib.contextmanager
+def dying_at_the_fault_point(daemon_root: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Daemon]:
+    """A daemon with 2 devices that kills itself at stopped-dump-recorded (its restarts do not)."""
+    monkeypatch.setenv(faults.ENV, faults.STOPPED_DUMP_RECORDED)
+    with running_daemon(daemon_root, virtual_devices=2, config={"checkpoint_keep": 3}) as daemon:
+        monkeypatch.delenv(faults.ENV)
+        yield daemon
+
+
+def killed_at_the_fault_point(daemon: Daemon) -> None:
+    """Wait until the daemon has killed itself at the fault point; start it again."""
+    assert daemon.process is not None
+    assert daemon.process.wait(120) == -signal.SIGKILL, "the daemon must die at the fault point"
+    daemon.process = None
+    daemon.start()
 
 
 @pytest.fixture
 def dying_daemon(daemon_root: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Daemon]:
     """A daemon with working checkpoints that kills itself at stopped-dump-recorded."""
-    monkeypatch.setenv(faults.ENV, faults.STOPPED_DUMP_RECORDED)
-    with running_daemon(daemon_root, virtual_devices=2, config={"checkpoint_keep": 3}) as daemon:
-        monkeypatch.delenv(faults.ENV)
+    with dying_at_the_fault_point(daemon_root, monkeypatch) as daemon:
         info = daemon.sing("doctor")
         if "checkpoints unavailable" in info.out:
             pytest.fail(f"CRIU must work for these tests (run scripts/setup):\n{info.out}")
@@ -133,26 +157,51 @@ def test_a_daemon_killed_before_it_stored_a_stop_settles_the_job_as_the_stop_ask
     daemon.wait_state(job, "RUNNING")
     wait_progress(daemon, job, 10, steps=120)
     asked = daemon.sing(verb, str(job), timeout=120)
-    assert daemon.process is not None
-    assert daemon.process.wait(120) == -signal.SIGKILL, "the daemon must die at the fault point"
-    daemon.process = None
-    assert asked.code != 0
     stopped_at = steps_done(daemon, job)
-    daemon.start()
+    killed_at_the_fault_point(daemon)
+    assert asked.code != 0
     reasons = [str(e["reason"]) for e in events(daemon, job)]
-    recorded = "(complete on disk when the daemon stopped, before it recorded the job stopped"
     if verb == "suspend":
         held = daemon.wait_state(job, "SUSPENDED")
         assert held["devices"] == [] and held["reason"].startswith("suspended by root: checkpoint ")
-        assert recorded in held["reason"] and held["reason"].endswith("held until resumed"), reasons
+        assert RECORDED in held["reason"] and held["reason"].endswith("held until resumed"), reasons
         assert steps_done(daemon, job) == stopped_at
         resumed = daemon.sing("resume", str(job))
         assert resumed.code == 0, resumed.err
     else:
-        assert any(r.startswith("preempted by root: checkpoint ") and recorded in r for r in reasons), reasons
+        assert any(r.startswith("preempted by root: checkpoint ") and RECORDED in r for r in reasons), reasons
     daemon.wait_state(job, "RUNNING", timeout=120)
     assert not any("without an exit status" in r for r in reasons), reasons
     release.touch()
     assert daemon.sing("wait", str(job), timeout=300).code == 0
     assert daemon.sing("logs", str(job)).out == uninterrupted_output(120)
     assert any(str(e["reason"]).startswith("restored from checkpoint") for e in events(daemon, job))
+
+
+@requires_root
+@pytest.mark.slow
+def test_a_daemon_killed_before_it_stored_a_resize_restores_the_job_on_the_new_size(
+    daemon_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 2-rank DDP job on 2 devices, resized to 1: the daemon dies once the resize's checkpoint is
+    complete, and restarted restores the job on 1 device; every rank prints what it prints directly."""
+    args = ["--steps", "30", "--hook", "allreduce"]
+    expected = direct_ranks("ddp_train.py", [*args, "--device", "cpu"], 2)
+    with dying_at_the_fault_point(daemon_root, monkeypatch) as daemon:
+        release = daemon_root / "release-resize"
+        options = [*JOB_OPTIONS, "--ranks", "2", "--gpus", "2"]
+        job = daemon.submit(PYTHON, "ddp_train.py", *args, "--hold", str(release), options=options)
+        daemon.wait_state(job, "RUNNING", timeout=120)
+        wait_until(lambda: steps_of_ranks(daemon, job, 2) > 3, timeout=300)
+        asked = daemon.sing("resize", str(job), "--gpus", "1", timeout=300)
+        killed_at_the_fault_point(daemon)
+        assert asked.code != 0
+        reasons = [str(e["reason"]) for e in events(daemon, job)]
+        assert any(
+            r.startswith("resized to 1 device by root: checkpoint ") and RECORDED in r for r in reasons
+        ), reasons
+        shown = daemon.wait_state(job, "RUNNING", timeout=300)
+        assert len(shown["devices"]) == 1 and shown["gpus"] == 1, shown
+        release.touch()
+        assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, 2)
+        assert printed(rank_logs(daemon, job, 2)) == expected

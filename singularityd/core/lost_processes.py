@@ -113,12 +113,13 @@ class MissedStop:
 
 
 def after_lost_processes(
-    newest: NewestCheckpoint | None, run_began_at: float | None, detail: str
+    newest: NewestCheckpoint | None, run_began_at: float | None, detail: str, cancel_requested: bool = False
 ) -> MissedStop | ProcessesLost:
     """What a RUNNING job whose processes ended without an exit status while the daemon was down
     becomes: the stop its newest checkpoint was taken for, when that checkpoint stopped the job
-    during its current run (begun at `run_began_at`) and was not a move; else ProcessesLost."""
-    if newest is None or newest.purpose is None or run_began_at is None:
+    during its current run (begun at `run_began_at`) and was not a move; else ProcessesLost (also
+    when a cancel was asked meanwhile: the job ends cancelled)."""
+    if newest is None or newest.purpose is None or run_began_at is None or cancel_requested:
         return ProcessesLost(detail)
     if newest.purpose.kind is StopKind.MOVE or newest.created_at < run_began_at:
         return ProcessesLost(detail)
