@@ -232,6 +232,16 @@ def test_a_stopping_checkpoint_that_completes_frees_the_devices(
     assert decision.activity == Activity()
 
 
+@pytest.mark.parametrize("hold", [False, True])
+def test_a_stopping_checkpoint_that_completes_after_a_cancel_ends_the_job_cancelled(hold: bool) -> None:
+    take = TakeCheckpoint(stop=True, hold=hold, reason="preempted by alice")
+    job = running(Activity(checkpoint=take), cancel_requested=True)
+    decision = decide(job, Checkpointed("checkpoint 2 (10M)"), 0)
+    assert decision.transition is not None and decision.transition.to_state is JobState.CANCELLED
+    assert "cancelled (asked while the checkpoint ran)" in decision.transition.reason
+    assert decision.actions == (ReleaseDevices(), Reschedule())
+
+
 def test_an_in_place_checkpoint_that_completes_is_noted() -> None:
     take = TakeCheckpoint(stop=False, reason="checkpoint by alice")
     decision = decide(running(Activity(checkpoint=take)), Checkpointed("checkpoint 4 (1M)"), 0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import signal
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -205,3 +206,37 @@ def test_a_daemon_killed_before_it_stored_a_resize_restores_the_job_on_the_new_s
         release.touch()
         assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, 2)
         assert printed(rank_logs(daemon, job, 2)) == expected
+
+
+@requires_root
+@pytest.mark.slow
+def test_a_cancel_asked_while_a_preemption_checkpoints_ends_the_job_cancelled(
+    daemon_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`sing cancel` while `sing preempt`'s checkpoint is being recorded: the job ends CANCELLED
+    and is never resumed from that checkpoint."""
+    hold = daemon_root / "hold-at-recorded"
+    monkeypatch.setenv(faults.ENV, faults.STOPPED_DUMP_RECORDED)
+    monkeypatch.setenv(faults.HOLD_ENV, str(hold))
+    with running_daemon(daemon_root, virtual_devices=2) as daemon:
+        monkeypatch.delenv(faults.ENV)
+        monkeypatch.delenv(faults.HOLD_ENV)
+        release = release_file(daemon)
+        job = submit_training(daemon, steps=120, hold=release)
+        daemon.wait_state(job, "RUNNING")
+        wait_progress(daemon, job, 10, steps=120)
+        with ThreadPoolExecutor(1) as pool:
+            preempting = pool.submit(daemon.sing, "preempt", str(job), timeout=120)
+            wait_until(Path(f"{hold}.reached").exists, timeout=120)
+            cancelled = daemon.sing("cancel", str(job))
+            assert cancelled.code == 0, cancelled.err
+            hold.touch()
+            preempted = preempting.result()
+        ended = daemon.wait_state(job, "CANCELLED", timeout=60)
+        assert "cancelled (asked while the checkpoint ran)" in ended["reason"]
+        assert ended["devices"] == []
+        release.touch()
+        assert daemon.sing("wait", str(job), timeout=60).code != 0
+        assert daemon.job(job)["state"] == "CANCELLED", preempted.out + preempted.err
+        reasons = [str(e["reason"]) for e in events(daemon, job)]
+        assert not any(r.startswith("restored from checkpoint") for r in reasons), reasons

@@ -307,7 +307,7 @@ class Checkpointer:
                     f"{pending.seq} failed ({e}); its images are left in {pending.path}"
                 ) from e
             if not leave_running:
-                faults.reached(faults.STOPPED_DUMP_RECORDED)
+                await faults.held_at(faults.STOPPED_DUMP_RECORDED)
             pruned: list[int] = []
             if prune:
                 pruned = await asyncio.to_thread(self.store.prune, job_id, self.keep)

@@ -491,6 +491,10 @@ def _checkpoint_over(
         raise InvalidTransition(f"job {job.job_id} has no checkpoint under way")
     activity = replace(job.activity, checkpoint=None, deferred_exit=None)
     if succeeded and take.stop:
+        if job.cancel_requested:
+            reason = f"{text}; cancelled (asked while the checkpoint ran), not resumed"
+            transition = check_transition(job.job_id, job.state, JobState.CANCELLED, reason, now)
+            return Decision(transition, (ReleaseDevices(), Reschedule()), activity)
         if take.for_move:
             target, reason = JobState.MIGRATING, f"{text}; its checkpoint is on the way"
         elif take.hold:
