@@ -171,6 +171,9 @@ class FakeCheckpoints:
     async def settle_interrupted(self, job_id: int) -> str:
         return ""
 
+    def close(self) -> None:
+        """Nothing is held."""
+
 
 @dataclass
 class FakeDevices:

@@ -197,6 +197,7 @@ def test_daemon_killed_while_moving_images_removes_that_checkpoint(
         assert old_staging.is_dir() and os.listdir(old_staging) == []
 
         daemon.stop()
+        assert not old_staging.exists(), "a daemon that stops removes its staging folder"
         monkeypatch.setenv(faults.ENV, faults.STAGED_MOVE_RUNNING)
         daemon.start()
         monkeypatch.delenv(faults.ENV)
