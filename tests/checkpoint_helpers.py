@@ -275,6 +275,23 @@ def launch_job(
     return job
 
 
+def counting_job(
+    work: Path,
+    name: str,
+    jobs: list[int],
+    count: int = 100_000,
+    *,
+    user: pwd.struct_passwd | None = None,
+    shown: str = "2\n",
+) -> LaunchedJob:
+    """A COUNTER job printing 0 to `count` - 1 (then "done" once `work`/release exists), returned
+    when it has printed `shown`."""
+    script = write_script(work, "count.py", COUNTER)
+    job = launch_job(work, name, [SYSTEM_PYTHON, script, str(count), str(work / "release")], jobs, user=user)
+    assert wait_for_line(job.log(), shown, 30)
+    return job
+
+
 def track(jobs: list[int], pid: int) -> int:
     """Add a (restored) job's PID to those the test kills at its end; the PID."""
     jobs.append(pid)

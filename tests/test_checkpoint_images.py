@@ -16,18 +16,14 @@ import pytest
 
 from singularityd.checkpoint import CheckpointError, Criu, CriuError, CriuInfo, NoValidCheckpoint
 from tests.checkpoint_helpers import (
-    COUNTER,
-    SYSTEM_PYTHON,
     TEST_USER,
     checkpointer_in,
+    counting_job,
     finish_job,
     kill_tree,
-    launch_job,
     pid_alive,
     small_tmpfs,
     track,
-    wait_for_line,
-    write_script,
 )
 from tests.conftest import requires_root
 from tests.helpers import ensure_user, wait_until
@@ -48,12 +44,10 @@ def _as_user(user: pwd.struct_passwd, *argv: str) -> subprocess.CompletedProcess
 @requires_root
 def test_corrupt_newest_falls_back(criu_info: CriuInfo, work: Path, jobs: list[int]) -> None:
     """Flipped bytes in the newest image: it is refused, the previous one restores, and why."""
-    script = write_script(work, "count.py", COUNTER)
     n = 150
     release = work / "release"
-    job = launch_job(work, "corrupt", [SYSTEM_PYTHON, script, str(n), str(release)], jobs)
+    job = counting_job(work, "corrupt", jobs, n, shown="3\n")
     pid, log = job.pid, job.log()
-    assert wait_for_line(log, "3\n", 30)
     cp = checkpointer_in(criu_info, work / "store", keep=5)
 
     async def two() -> None:
@@ -93,11 +87,8 @@ def test_corrupt_newest_falls_back(criu_info: CriuInfo, work: Path, jobs: list[i
 def test_images_readable_by_owner_only(criu_info: CriuInfo, work: Path, jobs: list[int]) -> None:
     """A checkpoint directory is the job user's, mode 0700; another user can read nothing."""
     owner, other = ensure_user(TEST_USER), ensure_user(OTHER_USER)
-    script = write_script(work, "count.py", COUNTER)
-    release = work / "release"
-    job = launch_job(work, "perm", [SYSTEM_PYTHON, script, "100000", str(release)], jobs)
-    pid, log = job.pid, job.log()
-    assert wait_for_line(log, "2\n", 30)
+    job = counting_job(work, "perm", jobs)
+    pid = job.pid
     cp = checkpointer_in(criu_info, work / "store")
     r = asyncio.run(
         cp.checkpoint("perm", pid, owner_uid=owner.pw_uid, owner_gid=owner.pw_gid, leave_running=True)
@@ -121,11 +112,8 @@ def test_images_readable_by_owner_only(criu_info: CriuInfo, work: Path, jobs: li
 def test_full_disk(criu_info: CriuInfo, work: Path, jobs: list[int]) -> None:
     """A dump onto a full disk fails clearly; the job runs on; the previous checkpoint is intact."""
     with small_tmpfs(work / "small", "40m") as mnt:
-        script = write_script(work, "count.py", COUNTER)
-        release = work / "release"
-        job = launch_job(work, "full", [SYSTEM_PYTHON, script, "100000", str(release)], jobs)
+        job = counting_job(work, "full", jobs)
         pid, log = job.pid, job.log()
-        assert wait_for_line(log, "2\n", 30)
         cp = checkpointer_in(criu_info, mnt / "store")
         first = asyncio.run(cp.checkpoint("full", pid, owner_uid=0, owner_gid=0, leave_running=True))
         size = first.image_bytes
@@ -155,11 +143,8 @@ def test_full_disk(criu_info: CriuInfo, work: Path, jobs: list[int]) -> None:
 @requires_root
 def test_usage_prune_and_busy_lock(criu_info: CriuInfo, work: Path, jobs: list[int]) -> None:
     """Keep the last K, report disk usage, refuse a second concurrent operation on a job."""
-    script = write_script(work, "count.py", COUNTER)
-    release = work / "release"
-    job = launch_job(work, "keep", [SYSTEM_PYTHON, script, "100000", str(release)], jobs)
-    pid, log = job.pid, job.log()
-    assert wait_for_line(log, "2\n", 30)
+    job = counting_job(work, "keep", jobs)
+    pid = job.pid
     cp = checkpointer_in(criu_info, work / "store", keep=2)
 
     async def four() -> list[tuple[int, ...]]:

@@ -34,6 +34,7 @@ from tests.checkpoint_helpers import (
     TRAIN,
     checkpointer_in,
     children,
+    counting_job,
     finish_job,
     kill_tree,
     launch_job,
@@ -186,11 +187,8 @@ def test_two_rank_gloo_allreduce(criu_info: CriuInfo, work: Path, jobs: list[int
 @requires_root
 def test_restore_twice_while_original_runs(criu_info: CriuInfo, work: Path, jobs: list[int]) -> None:
     """Restores never need the original PIDs: two copies restore while the original runs."""
-    script = write_script(work, "count.py", COUNTER)
-    release = work / "release"
-    job = launch_job(work, "twice", [SYSTEM_PYTHON, script, "100000", str(release)], jobs)
+    job = counting_job(work, "twice", jobs, shown="3\n")
     pid, log = job.pid, job.log()
-    assert wait_for_line(log, "3\n", 30)
     cp = checkpointer_in(criu_info, work / "store")
     r = asyncio.run(cp.checkpoint("twice", pid, owner_uid=0, owner_gid=0, leave_running=True))
     orig_ns = ns_pids(pid)
@@ -285,11 +283,9 @@ def _mk(p: Path) -> Path:
 def test_ranks_of_another_user(criu_info: CriuInfo, work: Path, jobs: list[int]) -> None:
     """Ranks that dropped to the job's user: dumped where CRIU can, else a clear reason."""
     user = ensure_user(TEST_USER)
-    script = write_script(work, "count.py", COUNTER)
     release = work / "release"
-    job = launch_job(work, "user", [SYSTEM_PYTHON, script, "120", str(release)], jobs, user=user)
+    job = counting_job(work, "user", jobs, 120, user=user)
     pid, log = job.pid, job.log()
-    assert wait_for_line(log, "2\n", 30)
     cp = checkpointer_in(criu_info, work / "store")
     caps = int(
         next(
@@ -315,11 +311,9 @@ def test_ranks_of_another_user(criu_info: CriuInfo, work: Path, jobs: list[int])
 @requires_root
 def test_pre_copy(criu_info: CriuInfo, work: Path, jobs: list[int]) -> None:
     """With dirty tracking, pre-dumps then a short final dump; without, a clear reason."""
-    script = write_script(work, "count.py", COUNTER)
     release = work / "release"
-    job = launch_job(work, "pre", [SYSTEM_PYTHON, script, "150", str(release)], jobs)
+    job = counting_job(work, "pre", jobs, 150)
     pid, log = job.pid, job.log()
-    assert wait_for_line(log, "2\n", 30)
     cp = checkpointer_in(criu_info, work / "store")
     if not criu_info.dirty_tracking:
         with pytest.raises(CheckpointUnavailable, match="dirty tracking"):
