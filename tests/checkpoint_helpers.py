@@ -304,3 +304,12 @@ def finish_job(pid: int, job: LaunchedJob, timeout: float = 60) -> dict[str, Any
     status = job.status()
     assert (status["exit_code"], status["signal"]) == (0, None), status
     return status
+
+
+def finish_counting(pid: int, job: LaunchedJob, jobs: list[int], release: Path, count: int) -> None:
+    """Let a (restored) COUNTER job end: it must succeed having printed 0 to `count` - 1, then
+    "done", each exactly once."""
+    track(jobs, pid)
+    release.touch()
+    finish_job(pid, job)
+    assert job.log().read_text() == "".join(f"{i}\n" for i in range(count)) + "done\n"

@@ -19,11 +19,10 @@ from tests.checkpoint_helpers import (
     TEST_USER,
     checkpointer_in,
     counting_job,
-    finish_job,
+    finish_counting,
     kill_tree,
     pid_alive,
     small_tmpfs,
-    track,
 )
 from tests.conftest import requires_root
 from tests.helpers import ensure_user, wait_until
@@ -75,10 +74,7 @@ def test_corrupt_newest_falls_back(criu_info: CriuInfo, work: Path, jobs: list[i
     reasons = {s.seq: s.reason for s in rr.skipped}
     assert "no manifest" in reasons[3]
     assert f"{pages.relative_to(store.checkpoint_dir('c', 2))} fails its sha256 check" in reasons[2]
-    track(jobs, rr.pid)
-    release.touch()
-    finish_job(rr.pid, job)
-    assert log.read_text() == "".join(f"{i}\n" for i in range(n)) + "done\n"
+    finish_counting(rr.pid, job, jobs, release, n)
     with pytest.raises(NoValidCheckpoint):
         asyncio.run(cp.restore_latest("nothing-here"))
 

@@ -35,6 +35,7 @@ from tests.checkpoint_helpers import (
     checkpointer_in,
     children,
     counting_job,
+    finish_counting,
     finish_job,
     kill_tree,
     launch_job,
@@ -255,10 +256,7 @@ def test_external_unix_socket(criu_info: CriuInfo, work: Path, jobs: list[int]) 
 
         rr = asyncio.run(cp.restore_latest("ux", inherit_fds=fds))
         fresh.close()
-        track(jobs, rr.pid)
-        release.touch()
-        finish_job(rr.pid, job)
-        assert log.read_text() == "".join(f"{i}\n" for i in range(150)) + "done\n"
+        finish_counting(rr.pid, job, jobs, release, 150)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not (len(conns) == 2 and b"149\n" in b"".join(conns[1])):
             time.sleep(0.05)
@@ -285,7 +283,7 @@ def test_ranks_of_another_user(criu_info: CriuInfo, work: Path, jobs: list[int])
     user = ensure_user(TEST_USER)
     release = work / "release"
     job = counting_job(work, "user", jobs, 120, user=user)
-    pid, log = job.pid, job.log()
+    pid = job.pid
     cp = checkpointer_in(criu_info, work / "store")
     caps = int(
         next(
@@ -302,10 +300,7 @@ def test_ranks_of_another_user(criu_info: CriuInfo, work: Path, jobs: list[int])
         return
     asyncio.run(cp.checkpoint("user", pid, owner_uid=user.pw_uid, owner_gid=user.pw_gid, leave_running=False))
     rr = asyncio.run(cp.restore_latest("user"))
-    track(jobs, rr.pid)
-    release.touch()
-    finish_job(rr.pid, job)
-    assert log.read_text() == "".join(f"{i}\n" for i in range(120)) + "done\n"
+    finish_counting(rr.pid, job, jobs, release, 120)
 
 
 @requires_root
@@ -313,7 +308,7 @@ def test_pre_copy(criu_info: CriuInfo, work: Path, jobs: list[int]) -> None:
     """With dirty tracking, pre-dumps then a short final dump; without, a clear reason."""
     release = work / "release"
     job = counting_job(work, "pre", jobs, 150)
-    pid, log = job.pid, job.log()
+    pid = job.pid
     cp = checkpointer_in(criu_info, work / "store")
     if not criu_info.dirty_tracking:
         with pytest.raises(CheckpointUnavailable, match="dirty tracking"):
@@ -327,10 +322,7 @@ def test_pre_copy(criu_info: CriuInfo, work: Path, jobs: list[int]) -> None:
     assert len(r.pre_dumps) == 2 and r.manifest.pre_dumps == ("pre-1", "pre-2")
     assert r.dump.pages_skipped_parent > 0
     rr = asyncio.run(cp.restore_latest("pre"))
-    track(jobs, rr.pid)
-    release.touch()
-    finish_job(rr.pid, job)
-    assert log.read_text() == "".join(f"{i}\n" for i in range(150)) + "done\n"
+    finish_counting(rr.pid, job, jobs, release, 150)
 
 
 @requires_root
