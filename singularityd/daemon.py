@@ -119,7 +119,8 @@ class Daemon:
         self.request_schedule()
 
     async def stop(self) -> None:
-        """Stop acting and close the store; jobs keep running and are re-adopted on restart."""
+        """Stop acting and close the checkpoints and the store; jobs keep running and are re-adopted
+        on restart."""
         self.devices.stop()
         for record in self.records.values():
             record.close()
@@ -127,6 +128,7 @@ class Daemon:
             timer.cancel()
         for task in list(self._tasks):
             task.cancel()
+        self.checkpoints.close()
         self.store.close()
 
     def spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:

@@ -32,7 +32,8 @@ from singularityd.core.states import JobState
 from singularityd.daemon import Daemon
 from singularityd.devices.access import DeviceHealth
 from singularityd.devices.inventory import Inventory, virtual_devices
-from singularityd.devices.proxies import JobIdentity, ProxyConnection
+from singularityd.devices.proxies import ProxyConnection
+from singularityd.devices.proxy_servers import JobIdentity
 from singularityd.errors import StateConflict
 from singularityd.identity import Caller
 from singularityd.jobs.paths import JobPaths
@@ -175,6 +176,9 @@ class FakeCheckpoints:
 
     async def settle_interrupted(self, job_id: int) -> str:
         return ""
+
+    def close(self) -> None:
+        """Nothing is held."""
 
 
 @dataclass

@@ -194,6 +194,9 @@ class Checkpoints(Protocol):
         """Record or remove a dump that stops the job, cut short by the daemon's death (see
         checkpoint.interrupted); what was done, '' when there was none."""
 
+    def close(self) -> None:
+        """Let go of what checkpoints hold while the daemon runs (the daemon stops)."""
+
 
 class NoCheckpoints:
     """Checkpoints cannot work here; every attempt fails with the reason."""
@@ -245,6 +248,9 @@ class NoCheckpoints:
         """No dump was ever started here."""
         return ""
 
+    def close(self) -> None:
+        """Nothing is held."""
+
 
 class JobCheckpoints:
     """Checkpoints with CRIU, coordinated with the job's devices.
@@ -274,6 +280,10 @@ class JobCheckpoints:
     def available(self) -> bool:
         """Always: CRIU was found and works."""
         return True
+
+    def close(self) -> None:
+        """Remove the staging folder of process images, if there is one (the daemon stops)."""
+        self.checkpointer.close()
 
     def has_checkpoint(self, job_id: int) -> bool:
         """Whether the job has at least one complete checkpoint (verified only when restoring)."""

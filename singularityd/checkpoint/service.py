@@ -143,6 +143,11 @@ class Checkpointer:
         """Why jobs do not run in user namespaces here ("" if they do or need not): told to users
         whose jobs cannot be checkpointed for want of one."""
 
+    def close(self) -> None:
+        """Remove the staging folder, if there is one (the daemon stops; the next one opens its own)."""
+        if self.staging is not None:
+            self.staging.close()
+
     async def checkpoint(
         self,
         job_id: str,

@@ -20,7 +20,7 @@ from singularityd.core.jobs import (
 )
 from singularityd.core.lost_processes import StopPurpose
 from singularityd.devices.access import DeviceAccess, DeviceError
-from singularityd.devices.proxies import JobIdentity
+from singularityd.devices.proxy_servers import JobIdentity
 from singularityd.devices.splicing import logical_devices
 from singularityd.errors import StateConflict
 from singularityd.jobs.launch import LaunchError, user_groups
