@@ -29,9 +29,9 @@ from singularityd.core.lost_processes import (
 )
 from tests.conftest import requires_root
 from tests.helpers import Daemon, running_daemon, wait_until
+from tests.helpers import steps_done as steps_of_ranks
 from tests.proxy.conftest import PYTHON
 from tests.test_collectives import JOB_OPTIONS, direct_ranks, printed, rank_logs
-from tests.test_collectives import steps_done as steps_of_ranks
 from tests.test_preempt import (
     events,
     release_file,
