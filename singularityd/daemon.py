@@ -1,7 +1,7 @@
 """The daemon's core: turns what happens into stimuli, records each decision, carries it out.
 
 Requests, process exits and the outcomes of long work (launch, restore, checkpoint) all become
-stimuli for the pure job state machine (singularityd.core.jobs). The daemon records the
+stimuli for the pure job state machine (singularityd.core.decisions). The daemon records the
 transition it returns in the store first, keeps the job's activity in the job's runtime record,
 then carries out the actions in order; long work runs as a task that reports its outcome as the
 next stimulus. Jobs outlive the daemon: on start it re-adopts the ones still running.
@@ -24,41 +24,39 @@ from typing import Any
 from singularityd.checkpoint.coordinator import BeforePause, Checkpoints, CheckpointTaken
 from singularityd.checkpoint.errors import CheckpointError
 from singularityd.config import Config
-from singularityd.core.jobs import (
+from singularityd.core.actions import (
     Action,
-    Activity,
     ArmPeriodicCheckpoint,
-    Arrived,
     CountRestart,
-    Decision,
-    Exited,
-    JobFacts,
-    LaunchFailed,
     LaunchProcesses,
     MarkCancelRequested,
     Note,
+    ReleaseDevices,
+    Replay,
+    Reschedule,
+    RescheduleAfter,
+    RestoreProcesses,
+    TakeCheckpoint,
+    TerminateProcesses,
+    WatchProcesses,
+)
+from singularityd.core.decisions import Activity, Decision, JobFacts, StillLaunching, decide
+from singularityd.core.lost_processes import NewestCheckpoint, StopPurpose, after_lost_processes
+from singularityd.core.states import InvalidTransition, JobState, Transition
+from singularityd.core.stimuli import (
+    Arrived,
+    Exited,
+    LaunchFailed,
     PeriodicCheckpointDue,
     PreemptionWanted,
     ProcessesLost,
     ProcessesRunning,
-    ReleaseDevices,
-    Replay,
     Requeued,
-    Reschedule,
-    RescheduleAfter,
     ResizeRequested,
     RestoreFailed,
-    RestoreProcesses,
     Started,
-    StillLaunching,
     Stimulus,
-    TakeCheckpoint,
-    TerminateProcesses,
-    WatchProcesses,
-    decide,
 )
-from singularityd.core.lost_processes import NewestCheckpoint, StopPurpose, after_lost_processes
-from singularityd.core.states import InvalidTransition, JobState, Transition
 from singularityd.devices.access import DeviceAccess, DeviceError
 from singularityd.devices.inventory import Device, Inventory, refresh
 from singularityd.errors import StateConflict, not_found

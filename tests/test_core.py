@@ -6,45 +6,49 @@ import signal
 
 import pytest
 
-from singularityd.core.jobs import (
+from singularityd.core.actions import (
+    ArmPeriodicCheckpoint,
+    LaunchProcesses,
+    MarkCancelRequested,
+    Note,
+    ReleaseDevices,
+    Replay,
+    Reschedule,
+    RescheduleAfter,
+    RestoreProcesses,
+    TakeCheckpoint,
+    TerminateProcesses,
+    WatchProcesses,
+)
+from singularityd.core.decisions import (
     PREEMPTION_BACKOFF_SECONDS,
     Activity,
-    ArmPeriodicCheckpoint,
+    Decision,
+    JobFacts,
+    StillLaunching,
+    decide,
+    shell_exit_status,
+)
+from singularityd.core.states import ALLOWED_TRANSITIONS, InvalidTransition, JobState, check_transition
+from singularityd.core.stimuli import (
     CancelRequested,
     Checkpointed,
     CheckpointFailed,
     CheckpointRequested,
-    Decision,
     Exited,
-    JobFacts,
     LaunchFailed,
-    LaunchProcesses,
-    MarkCancelRequested,
-    Note,
     PeriodicCheckpointDue,
     PreemptionWanted,
     PreemptRequested,
     ProcessesLost,
     ProcessesRunning,
-    ReleaseDevices,
-    Replay,
     Requeued,
-    Reschedule,
-    RescheduleAfter,
     ResizeRequested,
     Restored,
     RestoreFailed,
-    RestoreProcesses,
     ResumeRequested,
     Started,
-    StillLaunching,
-    TakeCheckpoint,
-    TerminateProcesses,
-    WatchProcesses,
-    decide,
-    shell_exit_status,
 )
-from singularityd.core.states import ALLOWED_TRANSITIONS, InvalidTransition, JobState, check_transition
 
 
 def facts(state: JobState, cancel: bool = False) -> JobFacts:

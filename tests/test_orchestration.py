@@ -27,7 +27,7 @@ from singularityd.checkpoint.coordinator import (
 )
 from singularityd.checkpoint.errors import CheckpointError
 from singularityd.config import Config
-from singularityd.core.jobs import PREEMPTION_BACKOFF_SECONDS, Activity
+from singularityd.core.decisions import PREEMPTION_BACKOFF_SECONDS, Activity
 from singularityd.core.states import JobState
 from singularityd.daemon import Daemon
 from singularityd.devices.access import DeviceHealth

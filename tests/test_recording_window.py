@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from singularityd import faults
-from singularityd.core.jobs import Checkpointed, ProcessesLost, TakeCheckpoint
+from singularityd.core.actions import TakeCheckpoint
 from singularityd.core.lost_processes import (
     MissedStop,
     NewestCheckpoint,
@@ -27,6 +27,7 @@ from singularityd.core.lost_processes import (
     StopPurpose,
     after_lost_processes,
 )
+from singularityd.core.stimuli import Checkpointed, ProcessesLost
 from tests.conftest import requires_root
 from tests.helpers import Daemon, running_daemon, wait_until
 from tests.helpers import steps_done as steps_of_ranks

@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from singularityd.core.jobs import Checkpointed, ProcessesLost, TakeCheckpoint
+from singularityd.core.actions import TakeCheckpoint
+from singularityd.core.stimuli import Checkpointed, ProcessesLost
 
 
 class StopKind(enum.StrEnum):

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 from singularityd.checkpoint.coordinator import BeforePause, Checkpoints, CheckpointTaken, CheckpointTarget
 from singularityd.checkpoint.errors import CheckpointError
-from singularityd.core.jobs import (
+from singularityd.core.actions import TakeCheckpoint
+from singularityd.core.lost_processes import StopPurpose
+from singularityd.core.stimuli import (
     Checkpointed,
     CheckpointFailed,
     LaunchFailed,
     ProcessesRunning,
     Restored,
     RestoreFailed,
-    TakeCheckpoint,
 )
-from singularityd.core.lost_processes import StopPurpose
 from singularityd.devices.access import DeviceAccess, DeviceError
 from singularityd.devices.proxy_servers import JobIdentity
 from singularityd.devices.splicing import logical_devices
