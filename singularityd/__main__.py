@@ -294,8 +294,6 @@ async def serve(source: ConfigSource, config: Config) -> None:
         await api.stop()
         await federation.stop()
         await daemon.stop()
-        if isinstance(daemon.checkpoints, JobCheckpoints) and daemon.checkpoints.checkpointer.staging:
-            daemon.checkpoints.checkpointer.staging.close()
     finally:
         lock.close()
 

@@ -99,6 +99,7 @@ class Config:
     peer_keepalive_seconds: float = 20.0
     move_timeout_seconds: float = 600.0
     move_hold_seconds: float = 900.0
+    move_connect_seconds: float = 10.0
 
     @property
     def user_mode(self) -> bool:
@@ -225,10 +226,13 @@ OPTIONS: dict[str, str] = {
     "move_hold_seconds": "How long a node holds a job arriving for a move (from PREPARE) without its "
     "commit before discarding it; as a source, how long it asks a target to hold at most, and waits "
     "before taking back a job whose move it aborted unanswered (default 900).",
+    "move_connect_seconds": "How long a move keeps trying to reach a target that refuses connections "
+    "(a daemon restarting) before it gives up and the job runs on here (default 10; 0: no retry).",
 }
 
 NON_NEGATIVE_SECONDS = (
     "kill_grace_seconds",
+    "move_connect_seconds",
     "shutdown_grace_seconds",
     "checkpoint_interval_seconds",
     "elastic_grow_seconds",

@@ -1,7 +1,7 @@
 """The daemon's core: turns what happens into stimuli, records each decision, carries it out.
 
 Requests, process exits and the outcomes of long work (launch, restore, checkpoint) all become
-stimuli for the pure job state machine (singularityd.core.jobs). The daemon records the
+stimuli for the pure job state machine (singularityd.core.decisions). The daemon records the
 transition it returns in the store first, keeps the job's activity in the job's runtime record,
 then carries out the actions in order; long work runs as a task that reports its outcome as the
 next stimulus. Jobs outlive the daemon: on start it re-adopts the ones still running.
@@ -24,40 +24,39 @@ from typing import Any
 from singularityd.checkpoint.coordinator import BeforePause, Checkpoints, CheckpointTaken
 from singularityd.checkpoint.errors import CheckpointError
 from singularityd.config import Config
-from singularityd.core.jobs import (
+from singularityd.core.actions import (
     Action,
-    Activity,
     ArmPeriodicCheckpoint,
-    Arrived,
     CountRestart,
-    Decision,
-    Exited,
-    JobFacts,
-    LaunchFailed,
     LaunchProcesses,
     MarkCancelRequested,
     Note,
+    ReleaseDevices,
+    Replay,
+    Reschedule,
+    RescheduleAfter,
+    RestoreProcesses,
+    TakeCheckpoint,
+    TerminateProcesses,
+    WatchProcesses,
+)
+from singularityd.core.decisions import Activity, Decision, JobFacts, StillLaunching, decide
+from singularityd.core.lost_processes import NewestCheckpoint, StopPurpose, after_lost_processes
+from singularityd.core.states import InvalidTransition, JobState, Transition
+from singularityd.core.stimuli import (
+    Arrived,
+    Exited,
+    LaunchFailed,
     PeriodicCheckpointDue,
     PreemptionWanted,
     ProcessesLost,
     ProcessesRunning,
-    ReleaseDevices,
-    Replay,
     Requeued,
-    Reschedule,
-    RescheduleAfter,
     ResizeRequested,
     RestoreFailed,
-    RestoreProcesses,
     Started,
-    StillLaunching,
     Stimulus,
-    TakeCheckpoint,
-    TerminateProcesses,
-    WatchProcesses,
-    decide,
 )
-from singularityd.core.states import InvalidTransition, JobState, Transition
 from singularityd.devices.access import DeviceAccess, DeviceError
 from singularityd.devices.inventory import Device, Inventory, refresh
 from singularityd.errors import StateConflict, not_found
@@ -118,7 +117,8 @@ class Daemon:
         self.request_schedule()
 
     async def stop(self) -> None:
-        """Stop acting and close the store; jobs keep running and are re-adopted on restart."""
+        """Stop acting and close the checkpoints and the store; jobs keep running and are re-adopted
+        on restart."""
         self.devices.stop()
         for record in self.records.values():
             record.close()
@@ -126,6 +126,7 @@ class Daemon:
             timer.cancel()
         for task in list(self._tasks):
             task.cancel()
+        self.checkpoints.close()
         self.store.close()
 
     def spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
@@ -184,10 +185,32 @@ class Daemon:
             elif process is None:
                 self.apply(job.id, Requeued("launch interrupted by a daemon restart; queued again"))
             else:
-                detail = "the job's processes ended while the daemon was down, without an exit status"
-                self.apply(job.id, ProcessesLost(detail))
+                self._settle_lost(job)
         holding = self.store.list_jobs(states=(JobState.RUNNING, JobState.MIGRATING))
         self.devices.retain({job.id for job in holding})
+
+    def _settle_lost(self, job: JobRecord) -> None:
+        """A RUNNING job's processes ended without an exit status while the daemon was down: the
+        stop its newest checkpoint completed, when the daemon died before recording it; else lost."""
+        detail = "the job's processes ended while the daemon was down, without an exit status"
+        latest = self.checkpoints.latest(job.id)
+        newest = None
+        if latest is not None:
+            newest = NewestCheckpoint(latest.seq, latest.created_at, StopPurpose.from_dict(latest.stop))
+        began = [
+            e.at
+            for e in self.store.events(job.id)
+            if e.to_state is JobState.RUNNING and e.from_state is not JobState.RUNNING
+        ]
+        outcome = after_lost_processes(newest, max(began, default=None), detail, job.cancel_requested)
+        if isinstance(outcome, ProcessesLost):
+            self.apply(job.id, outcome)
+            return
+        log.warning("job %d: %s", job.id, outcome.outcome.summary)
+        if outcome.gpus:
+            self.store.set_gpus(job.id, outcome.gpus)
+        self.records.setdefault(job.id, JobRuntime(job.id)).update(Activity(checkpoint=outcome.take))
+        self.apply(job.id, outcome.outcome)
 
     # Decisions
 

@@ -24,6 +24,9 @@ STOPPING_DUMP_RUNNING = "stopping-dump-running"
 """CRIU is dumping a job that the dump stops (a preemption or a move), and has not returned."""
 STOPPING_DUMP_DONE = "stopping-dump-done"
 """CRIU has dumped and stopped the job; the checkpoint's manifest is not written yet."""
+STOPPED_DUMP_RECORDED = "stopped-dump-recorded"
+"""A dump that stops the job is complete and its manifest durable; the job's new state (stopped)
+is not stored yet."""
 STAGED_MOVE_RUNNING = "staged-move-running"
 """A checkpoint taken in place was dumped to memory, the job runs again, and its process images are
 being moved to disk (one file moved); the manifest is not written yet."""

@@ -17,18 +17,17 @@ from pathlib import Path
 from singularityd import __version__
 from singularityd.api.protocol import DaemonFacts, DeviceFacts, LiveFacts
 from singularityd.checkpoint.coordinator import CheckpointTaken, StoredCheckpoint
-from singularityd.core.jobs import (
+from singularityd.core.actions import TakeCheckpoint
+from singularityd.core.decisions import Decision, StillLaunching
+from singularityd.core.states import InvalidTransition
+from singularityd.core.stimuli import (
     CancelRequested,
     CheckpointRequested,
-    Decision,
     PreemptRequested,
     ResizeRequested,
     ResumeRequested,
-    StillLaunching,
     Stimulus,
-    TakeCheckpoint,
 )
-from singularityd.core.states import InvalidTransition
 from singularityd.daemon import Daemon
 from singularityd.errors import InvalidRequest, PermissionDenied, StateConflict
 from singularityd.federation.facts import ClusterJobs, JoinInfo, MoveReport, PeersView

@@ -3,14 +3,18 @@
 `start_job` runs a command the way the daemon runs a job (singularityd.jobs.launch): a PID
 namespace whose init is the job's supervisor, one process per rank as the job's user, O_APPEND
 logs, a status file when it ends. The launcher exits at once, so the supervisor is reparented
-away from the caller, as under the daemon. The rest are small /proc helpers.
+away from the caller, as under the daemon. `launch_job` starts one for a test (killed at its end),
+`finish_job` waits for one to succeed; the job scripts (TRAIN, COUNTER) wait for the test's
+release file before their last line. The rest are small /proc helpers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
+import pwd
 import select
 import signal
 import subprocess
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from singularityd.checkpoint import Checkpointer, Criu, CriuInfo, ImageStore
 from singularityd.core.states import JobState
 from singularityd.jobs.launch import launch_spec, run_launcher
 from singularityd.jobs.paths import JobPaths
@@ -172,3 +177,139 @@ def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+SYSTEM_PYTHON = "/usr/bin/python3"
+"""A Python without torch, for jobs that need none (they start faster)."""
+TEST_USER = "sing-test-job"
+"""The user that checkpoint tests run jobs as when the job must not be root's."""
+
+# The job scripts below wait before their last line for the test's release file (the last argument).
+HOLD = """
+def hold(path):
+    import os, time
+    while not os.path.exists(path):
+        time.sleep(0.05)
+"""
+
+TRAIN = (
+    HOLD
+    + """
+import hashlib, sys, time
+import torch
+torch.set_num_threads(1)
+torch.manual_seed(1234)
+steps = int(sys.argv[1])
+X = torch.randn(512, 64)
+y = X @ torch.randn(64, 1) + 0.1 * torch.randn(512, 1)
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+for step in range(steps):
+    idx = torch.randint(0, 512, (64,))
+    loss = torch.nn.functional.mse_loss(model(X[idx]), y[idx])
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    print(f"step {step} loss {loss.item():.10f}", flush=True)
+    time.sleep(0.02)
+hold(sys.argv[2])
+h = hashlib.sha256()
+for p in model.parameters():
+    h.update(p.detach().numpy().tobytes())
+print("checksum", h.hexdigest(), flush=True)
+"""
+)
+
+COUNTER = (
+    HOLD
+    + """
+import sys, time
+for i in range(int(sys.argv[1])):
+    print(i, flush=True)
+    time.sleep(0.02)
+hold(sys.argv[2])
+print("done", flush=True)
+"""
+)
+
+
+def checkpointer_in(info: CriuInfo, root: Path, keep: int = 3) -> Checkpointer:
+    """A checkpointer with this CRIU keeping the newest `keep` checkpoints of each job under `root`."""
+    return Checkpointer(Criu(info), ImageStore(root), keep=keep)
+
+
+def write_script(work: Path, name: str, text: str) -> str:
+    """Write a job's script into `work`, readable by every user; its path."""
+    p = work / name
+    p.write_text(text)
+    p.chmod(0o644)
+    return str(p)
+
+
+def _job_env() -> dict[str, str]:
+    """The environment of a test job: torch.distributed without libuv (CRIU cannot dump io_uring)."""
+    return {
+        "PATH": "/usr/bin:/bin",
+        "USE_LIBUV": "0",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def launch_job(
+    work: Path,
+    name: str,
+    command: list[str],
+    jobs: list[int],
+    *,
+    ranks: int = 1,
+    user: pwd.struct_passwd | None = None,
+) -> LaunchedJob:
+    """Start `command` as a job (as `user`, else root) with the daemon's launcher; kill it at the end."""
+    uid, gid, login = (user.pw_uid, user.pw_gid, user.pw_name) if user else (0, 0, "root")
+    job = asyncio.run(
+        start_job(work / name, command, ranks=ranks, uid=uid, gid=gid, user=login, env=_job_env(), cwd=work)
+    )
+    jobs.append(job.pid)
+    return job
+
+
+def counting_job(
+    work: Path,
+    name: str,
+    jobs: list[int],
+    count: int = 100_000,
+    *,
+    user: pwd.struct_passwd | None = None,
+    shown: str = "2\n",
+) -> LaunchedJob:
+    """A COUNTER job printing 0 to `count` - 1 (then "done" once `work`/release exists), returned
+    when it has printed `shown`."""
+    script = write_script(work, "count.py", COUNTER)
+    job = launch_job(work, name, [SYSTEM_PYTHON, script, str(count), str(work / "release")], jobs, user=user)
+    assert wait_for_line(job.log(), shown, 30)
+    return job
+
+
+def track(jobs: list[int], pid: int) -> int:
+    """Add a (restored) job's PID to those the test kills at its end; the PID."""
+    jobs.append(pid)
+    return pid
+
+
+def finish_job(pid: int, job: LaunchedJob, timeout: float = 60) -> dict[str, Any]:
+    """Wait for the job's (possibly restored) supervisor to end; its status, which must be success."""
+    assert wait_exit(pid, timeout), f"job {pid} did not finish"
+    status = job.status()
+    assert (status["exit_code"], status["signal"]) == (0, None), status
+    return status
+
+
+def finish_counting(pid: int, job: LaunchedJob, jobs: list[int], release: Path, count: int) -> None:
+    """Let a (restored) COUNTER job end: it must succeed having printed 0 to `count` - 1, then
+    "done", each exactly once."""
+    track(jobs, pid)
+    release.touch()
+    finish_job(pid, job)
+    assert job.log().read_text() == "".join(f"{i}\n" for i in range(count)) + "done\n"

@@ -336,3 +336,49 @@ def other_user() -> str:
         pytest.skip(f"root lacks CAP_SYS_RESOURCE and user namespaces do not work: {problem}")
     ensure_user(OWNER)
     return OWNER
+
+
+def steps_done(daemon: Daemon, job: int, ranks: int) -> int:
+    """The fewest steps any rank of the job has printed so far."""
+    logs = [daemon.state_dir / "jobs" / str(job) / "logs" / f"rank-{rank}.log" for rank in range(ranks)]
+    return min(log.read_text().count(" step ") if log.exists() else 0 for log in logs)
+
+
+def trained_beyond(daemon: Daemon, job: int, ranks: int, beyond: int) -> bool:
+    """Whether every rank of the job printed more than `beyond` steps."""
+    return steps_done(daemon, job, ranks) > beyond
+
+
+def preempt_while_training(
+    daemon: Daemon,
+    job: int,
+    ranks: int,
+    total: int,
+    times: int,
+    *,
+    wait_timeout: float,
+    before: Callable[[], object] = lambda: None,
+    after: Callable[[], object] = lambda: None,
+    still_training: bool = False,
+) -> None:
+    """Preempt a running job `times` times, each once every rank trained past the steps seen when
+    it ran again the time before (at most `total`), and wait for it to run again. `before` runs
+    before each preemption, `after` once the job runs again; with `still_training`, the job must
+    not have printed all its `total` steps by the last. A job left by a failure is cancelled: it
+    would wait for its release file forever."""
+    try:
+        seen = 0
+        for _ in range(times):
+            beyond = min(seen, total - 1)
+            wait_until(functools.partial(trained_beyond, daemon, job, ranks, beyond), timeout=wait_timeout)
+            before()
+            result = daemon.sing("preempt", str(job), timeout=300)
+            assert result.code == 0, result.err
+            daemon.wait_state(job, "RUNNING", timeout=300)
+            after()
+            seen = steps_done(daemon, job, ranks)
+        if still_training:
+            assert seen < total, "the job was still training when preempted the last time"
+    except BaseException:
+        daemon.sing("cancel", str(job))
+        raise

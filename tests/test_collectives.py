@@ -8,7 +8,6 @@ a rank that dies fails the job with its reason, never a hang.
 
 from __future__ import annotations
 
-import functools
 import os
 import random
 import subprocess
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import requires_root
-from tests.helpers import Daemon, running_daemon, wait_until
+from tests.helpers import Daemon, preempt_while_training, running_daemon
 from tests.proxy.conftest import PROGRAMS, PYTHON, base_env
 
 JOB_OPTIONS = ["--env", "OMP_NUM_THREADS=1", "--cwd", str(PROGRAMS)]
@@ -88,17 +87,6 @@ def test_ddp_two_ranks_equal_direct_gloo(daemon: Daemon) -> None:
     )
 
 
-def steps_done(daemon: Daemon, job: int, ranks: int) -> int:
-    """The fewest steps any rank of the job has printed so far."""
-    logs = [daemon.state_dir / "jobs" / str(job) / "logs" / f"rank-{rank}.log" for rank in range(ranks)]
-    return min(log.read_text().count(" step ") if log.exists() else 0 for log in logs)
-
-
-def trained_beyond(daemon: Daemon, job: int, ranks: int, beyond: int) -> bool:
-    """Whether every rank of the job printed more than `beyond` steps."""
-    return steps_done(daemon, job, ranks) > beyond
-
-
 @requires_root
 @pytest.mark.timeout(1200)
 def test_ddp_four_ranks_preempted_five_times_is_exact(daemon_root: Path) -> None:
@@ -113,20 +101,16 @@ def test_ddp_four_ranks_preempted_five_times_is_exact(daemon_root: Path) -> None
         expected = run_job(daemon, "ddp_train.py", args, ranks=ranks, gpus=ranks)
         job = daemon.submit(PYTHON, "ddp_train.py", *args, "--hold", str(release), options=options)
         daemon.wait_state(job, "RUNNING")
-        try:
-            seen = 0
-            for _ in range(5):
-                beyond = min(seen, total - 1)
-                wait_until(functools.partial(trained_beyond, daemon, job, ranks, beyond), timeout=300)
-                time.sleep(rng.uniform(0.0, 0.5))
-                result = daemon.sing("preempt", str(job), timeout=300)
-                assert result.code == 0, result.err
-                daemon.wait_state(job, "RUNNING", timeout=300)
-                seen = steps_done(daemon, job, ranks)
-            assert seen < total, "the job was still training when preempted the last time"
-        except BaseException:
-            daemon.sing("cancel", str(job))  # it would wait for `release` forever
-            raise
+        preempt_while_training(
+            daemon,
+            job,
+            ranks,
+            total,
+            5,
+            wait_timeout=300,
+            before=lambda: time.sleep(rng.uniform(0.0, 0.5)),
+            still_training=True,
+        )
         release.touch()
         assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, ranks)
         assert printed(rank_logs(daemon, job, ranks)) == expected

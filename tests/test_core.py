@@ -6,45 +6,49 @@ import signal
 
 import pytest
 
-from singularityd.core.jobs import (
+from singularityd.core.actions import (
+    ArmPeriodicCheckpoint,
+    LaunchProcesses,
+    MarkCancelRequested,
+    Note,
+    ReleaseDevices,
+    Replay,
+    Reschedule,
+    RescheduleAfter,
+    RestoreProcesses,
+    TakeCheckpoint,
+    TerminateProcesses,
+    WatchProcesses,
+)
+from singularityd.core.decisions import (
     PREEMPTION_BACKOFF_SECONDS,
     Activity,
-    ArmPeriodicCheckpoint,
+    Decision,
+    JobFacts,
+    StillLaunching,
+    decide,
+    shell_exit_status,
+)
+from singularityd.core.states import ALLOWED_TRANSITIONS, InvalidTransition, JobState, check_transition
+from singularityd.core.stimuli import (
     CancelRequested,
     Checkpointed,
     CheckpointFailed,
     CheckpointRequested,
-    Decision,
     Exited,
-    JobFacts,
     LaunchFailed,
-    LaunchProcesses,
-    MarkCancelRequested,
-    Note,
     PeriodicCheckpointDue,
     PreemptionWanted,
     PreemptRequested,
     ProcessesLost,
     ProcessesRunning,
-    ReleaseDevices,
-    Replay,
     Requeued,
-    Reschedule,
-    RescheduleAfter,
     ResizeRequested,
     Restored,
     RestoreFailed,
-    RestoreProcesses,
     ResumeRequested,
     Started,
-    StillLaunching,
-    TakeCheckpoint,
-    TerminateProcesses,
-    WatchProcesses,
-    decide,
-    shell_exit_status,
 )
-from singularityd.core.states import ALLOWED_TRANSITIONS, InvalidTransition, JobState, check_transition
 
 
 def facts(state: JobState, cancel: bool = False) -> JobFacts:
@@ -205,7 +209,7 @@ def test_preempt_and_suspend_take_a_stopping_checkpoint(hold: bool, note: str, r
 def test_a_resize_takes_a_stopping_checkpoint_and_is_refused_while_one_is_under_way() -> None:
     """A resize stops the job through a checkpoint (the new size is in the store); not twice at once."""
     decision = decide(running(), ResizeRequested("alice", 2), 0)
-    take = TakeCheckpoint(stop=True, reason="resized to 2 devices by alice")
+    take = TakeCheckpoint(stop=True, reason="resized to 2 devices by alice", gpus=2)
     assert decision.actions == (Note("resize to 2 devices requested by alice: checkpointing"), take)
     with pytest.raises(InvalidTransition, match="already being checkpointed"):
         decide(running(Activity(checkpoint=take)), ResizeRequested("alice", 1), 0)
@@ -230,6 +234,16 @@ def test_a_stopping_checkpoint_that_completes_frees_the_devices(
     assert decision.transition.reason == f"preempted by alice: checkpoint 2 (10M){ending}"
     assert decision.actions == (ReleaseDevices(), Reschedule())
     assert decision.activity == Activity()
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_a_stopping_checkpoint_that_completes_after_a_cancel_ends_the_job_cancelled(hold: bool) -> None:
+    take = TakeCheckpoint(stop=True, hold=hold, reason="preempted by alice")
+    job = running(Activity(checkpoint=take), cancel_requested=True)
+    decision = decide(job, Checkpointed("checkpoint 2 (10M)"), 0)
+    assert decision.transition is not None and decision.transition.to_state is JobState.CANCELLED
+    assert "cancelled (asked while the checkpoint ran)" in decision.transition.reason
+    assert decision.actions == (ReleaseDevices(), Reschedule())
 
 
 def test_an_in_place_checkpoint_that_completes_is_noted() -> None:

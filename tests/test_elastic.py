@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import requires_root
-from tests.helpers import Daemon, running_daemon, wait_until
+from tests.helpers import Daemon, running_daemon, steps_done, wait_until
 from tests.proxy.conftest import PYTHON
-from tests.test_collectives import JOB_OPTIONS, run_job, steps_done
+from tests.test_collectives import JOB_OPTIONS, run_job
 from tests.test_splicing import ARGS, RANKS, STEPS, devices_of, finish, refused
 
 ELASTIC = ["--ranks", str(RANKS), "--min-gpus", "1", "--max-gpus", str(RANKS)]

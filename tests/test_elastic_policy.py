@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from singularityd.core.jobs import Activity, TakeCheckpoint
+from singularityd.core.actions import TakeCheckpoint
+from singularityd.core.decisions import Activity
 from singularityd.core.states import JobState
 from singularityd.scheduling.elastic import ElasticJob, Resize, grow_into, plan_elastic, shrink_for
 from singularityd.scheduling.round import ClusterView, JobView, plan_round

@@ -138,7 +138,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_walk_sees_the_packages_and_their_imports() -> None:
     graph = import_graph()
     assert "singularityd.daemon" in graph and "singularity.cli.main" in graph
-    assert "singularityd.core.jobs" in graph["singularityd.daemon"]
+    assert "singularityd.core.decisions" in graph["singularityd.daemon"]
     assert "singularityd.api.protocol" in graph["singularityd.api.service"]
 
 

@@ -27,12 +27,13 @@ from singularityd.checkpoint.coordinator import (
 )
 from singularityd.checkpoint.errors import CheckpointError
 from singularityd.config import Config
-from singularityd.core.jobs import PREEMPTION_BACKOFF_SECONDS, Activity
+from singularityd.core.decisions import PREEMPTION_BACKOFF_SECONDS, Activity
 from singularityd.core.states import JobState
 from singularityd.daemon import Daemon
 from singularityd.devices.access import DeviceHealth
 from singularityd.devices.inventory import Inventory, virtual_devices
-from singularityd.devices.proxies import JobIdentity, ProxyConnection
+from singularityd.devices.proxies import ProxyConnection
+from singularityd.devices.proxy_servers import JobIdentity
 from singularityd.errors import StateConflict
 from singularityd.identity import Caller
 from singularityd.jobs.paths import JobPaths
@@ -155,7 +156,13 @@ class FakeCheckpoints:
         return self.gate
 
     async def take(
-        self, target: CheckpointTarget, *, stop: bool, reason: str, before_pause: BeforePause | None = None
+        self,
+        target: CheckpointTarget,
+        *,
+        stop: bool,
+        reason: str,
+        before_pause: BeforePause | None = None,
+        purpose: Mapping[str, Any] | None = None,
     ) -> CheckpointTaken:
         self.taken.append((target.job_id, stop, reason))
         error = await self.gate if self.gate is not None else ""
@@ -170,6 +177,9 @@ class FakeCheckpoints:
 
     async def settle_interrupted(self, job_id: int) -> str:
         return ""
+
+    def close(self) -> None:
+        """Nothing is held."""
 
 
 @dataclass

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from singularityd.core.jobs import Activity
+from singularityd.core.decisions import Activity
 from singularityd.core.states import JobState
 from singularityd.errors import InvalidRequest
 from singularityd.jobs.submission import check_resize

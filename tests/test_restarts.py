@@ -14,17 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from singularityd.core.jobs import (
-    CountRestart,
-    Decision,
-    Exited,
-    JobFacts,
-    ProcessesLost,
-    ReleaseDevices,
-    Reschedule,
-    decide,
-)
+from singularityd.core.actions import CountRestart, ReleaseDevices, Reschedule
+from singularityd.core.decisions import Decision, JobFacts, decide
 from singularityd.core.states import JobState
+from singularityd.core.stimuli import Exited, ProcessesLost
 from singularityd.store import Store
 from tests.helpers import Daemon, wait_until
 from tests.proxy.conftest import PROGRAMS, PYTHON

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from singularityd.core.jobs import Activity, TakeCheckpoint
+from singularityd.core.actions import TakeCheckpoint
+from singularityd.core.decisions import Activity
 from singularityd.core.states import JobState
 from singularityd.scheduling.policy import QueuedJob, RunningJob, plan_starts
 from singularityd.scheduling.round import ClusterView, JobView, plan_round

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import requires_root
-from tests.helpers import Daemon, running_daemon, wait_until
+from tests.helpers import Daemon, running_daemon, steps_done, wait_until
 from tests.proxy.conftest import PYTHON
-from tests.test_collectives import JOB_OPTIONS, printed, rank_logs, run_job, steps_done
+from tests.test_collectives import JOB_OPTIONS, printed, rank_logs, run_job
 
 RANKS = 4
 STEPS = 60

@@ -30,20 +30,23 @@ from singularityd.checkpoint import (
     service,
 )
 from singularityd.checkpoint.staging import RECORD_NAME, StagingArea, staging_need
-from tests.checkpoint_helpers import LaunchedJob, kill_tree, pid_alive, small_tmpfs, wait_for_line
-from tests.conftest import requires_root
-from tests.helpers import running_daemon, submit_counter, wait_until
-from tests.test_checkpoint import (
+from tests.checkpoint_helpers import (
     COUNTER,
     HOLD,
     SYSTEM_PYTHON,
     TRAIN,
-    _finish,
-    _launch,
-    _script,
-    _track,
-    needs_root,
+    LaunchedJob,
+    finish_job,
+    kill_tree,
+    launch_job,
+    pid_alive,
+    small_tmpfs,
+    track,
+    wait_for_line,
+    write_script,
 )
+from tests.conftest import requires_root
+from tests.helpers import running_daemon, submit_counter, wait_until
 from tests.test_pause import events
 
 
@@ -52,9 +55,9 @@ def crash_and_restore(cp: Checkpointer, name: str, job: LaunchedJob, jobs: list[
     assert wait_for_line(job.log(), "100\n", 30)
     kill_tree(job.pid)
     restored = asyncio.run(cp.restore_latest(name))
-    _track(jobs, restored.pid)
+    track(jobs, restored.pid)
     release.touch()
-    _finish(restored.pid, job)
+    finish_job(restored.pid, job)
 
 
 def in_place(cp: Checkpointer, job: str, pid: int, log: Path) -> CheckpointResult:
@@ -69,14 +72,14 @@ def test_staging_needs_room_beyond_the_expected_size() -> None:
     assert staging_need(400 << 20) == (500 + 64) << 20
 
 
-@needs_root
+@requires_root
 def test_staged_checkpoint_restores_exactly(criu_info: CriuInfo, work: Path, jobs: list[int]) -> None:
     """Dumped to memory, moved to disk once the job ran again, restored after a crash: the output is
     byte-identical to an uninterrupted run, and nothing is left in the staging folder."""
-    script = _script(work, "train.py", TRAIN)
+    script = write_script(work, "train.py", TRAIN)
     steps, release = "300", work / "release"
-    ref = _launch(work, "ref", [sys.executable, script, steps, str(release)], jobs)
-    job = _launch(work, "run", [sys.executable, script, steps, str(release)], jobs)
+    ref = launch_job(work, "ref", [sys.executable, script, steps, str(release)], jobs)
+    job = launch_job(work, "run", [sys.executable, script, steps, str(release)], jobs)
     log = job.log()
     (work / "memory").mkdir()
     store = ImageStore(work / "store")
@@ -98,24 +101,24 @@ def test_staged_checkpoint_restores_exactly(criu_info: CriuInfo, work: Path, job
     kill_tree(job.pid)
     restored = asyncio.run(cp.restore_latest("train"))
     assert restored.seq == r.seq and restored.rewound
-    _track(jobs, restored.pid)
+    track(jobs, restored.pid)
     release.touch()
-    _finish(restored.pid, job)
-    _finish(ref.pid, ref)
+    finish_job(restored.pid, job)
+    finish_job(ref.pid, ref)
     expected = ref.log().read_bytes()
     assert b"checksum" in expected and log.read_bytes() == expected
     staging.close()
     assert not staging.root.exists() and not (store.root / RECORD_NAME).exists()
 
 
-@needs_root
+@requires_root
 def test_staging_area_without_room_writes_to_disk(criu_info: CriuInfo, work: Path, jobs: list[int]) -> None:
     """A staging tmpfs smaller than the job's memory: the dump goes to disk, the result says why,
     and the checkpoint restores exactly."""
     with small_tmpfs(work / "small", "8m") as small:
-        script = _script(work, "count.py", COUNTER)
+        script = write_script(work, "count.py", COUNTER)
         release = work / "release"
-        job = _launch(work, "full", [SYSTEM_PYTHON, script, "200", str(release)], jobs)
+        job = launch_job(work, "full", [SYSTEM_PYTHON, script, "200", str(release)], jobs)
         log = job.log()
         store = ImageStore(work / "store")
         cp = Checkpointer(Criu(criu_info), store, staging=StagingArea.open(small, store.root))
@@ -147,15 +150,15 @@ print("done", flush=True)
 )
 
 
-@needs_root
+@requires_root
 def test_network_lock_is_skipped_only_without_tcp(
     criu_info: CriuInfo, work: Path, jobs: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A tree holding TCP connections is dumped under CRIU's network lock. Were one to appear in a
     dump taken without it (the tree held none when checked), the checkpoint fails and the job runs on."""
-    script = _script(work, "tcp.py", TCP_PAIR)
+    script = write_script(work, "tcp.py", TCP_PAIR)
     release = work / "release"
-    job = _launch(work, "tcp", [SYSTEM_PYTHON, script, "300", str(release)], jobs)
+    job = launch_job(work, "tcp", [SYSTEM_PYTHON, script, "300", str(release)], jobs)
     log = job.log()
     cp = Checkpointer(Criu(criu_info), ImageStore(work / "store"))
     assert wait_for_line(log, "5\n", 30)
@@ -194,6 +197,7 @@ def test_daemon_killed_while_moving_images_removes_that_checkpoint(
         assert old_staging.is_dir() and os.listdir(old_staging) == []
 
         daemon.stop()
+        assert not old_staging.exists(), "a daemon that stops removes its staging folder"
         monkeypatch.setenv(faults.ENV, faults.STAGED_MOVE_RUNNING)
         daemon.start()
         monkeypatch.delenv(faults.ENV)

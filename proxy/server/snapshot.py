@@ -92,7 +92,8 @@ def live_storages(sessions: Sequence[Session]) -> dict[int, LiveStorage]:
 
 @dataclass
 class SaveReport:
-    """Figures of one save, returned by `finish` (bytes, seconds)."""
+    """Figures of one save on this device, returned by `finish` (bytes, seconds); the daemon sums
+    those of a job's devices into its DeviceSaveFigures (singularityd/checkpoint/pause.py)."""
 
     precopy_rounds: int = 0
     precopy_written_bytes: int = 0

@@ -104,6 +104,8 @@ class StoredCheckpoint:
     complete: bool
     pause: Pause | None = None
     frozen_s: float = 0.0
+    stop: Mapping[str, Any] | None = None
+    """For a checkpoint that stopped the job: what for (core.lost_processes.StopPurpose's form)."""
 
     @property
     def pause_s(self) -> float:
@@ -173,12 +175,20 @@ class Checkpoints(Protocol):
         """The job's newest complete checkpoint, or None when it has none."""
 
     async def take(
-        self, target: CheckpointTarget, *, stop: bool, reason: str, before_pause: BeforePause | None = None
+        self,
+        target: CheckpointTarget,
+        *,
+        stop: bool,
+        reason: str,
+        before_pause: BeforePause | None = None,
+        purpose: Mapping[str, Any] | None = None,
     ) -> CheckpointTaken:
         """Checkpoint the job (stopping it when `stop`); CheckpointError says why it failed.
 
         `before_pause` is awaited with the images folder once the device state is pre-copied into
-        it, while the job still runs (a move sends that part to the peer then)."""
+        it, while the job still runs (a move sends that part to the peer then). `purpose` (small
+        JSON: why a stopping dump stops the job) is kept with the dump's intent and manifest, so a
+        daemon killed before it stored the job's new state finds it (core.lost_processes)."""
 
     async def restore(self, job_id: int, devices: tuple[int, ...], logical: int | None = None) -> Restoration:
         """Restore the job onto these devices, seen as `logical` ones; CheckpointError says why it
@@ -190,6 +200,9 @@ class Checkpoints(Protocol):
     async def settle_interrupted(self, job_id: int) -> str:
         """Record or remove a dump that stops the job, cut short by the daemon's death (see
         checkpoint.interrupted); what was done, '' when there was none."""
+
+    def close(self) -> None:
+        """Let go of what checkpoints hold while the daemon runs (the daemon stops)."""
 
 
 class NoCheckpoints:
@@ -220,7 +233,13 @@ class NoCheckpoints:
         return None
 
     async def take(
-        self, target: CheckpointTarget, *, stop: bool, reason: str, before_pause: BeforePause | None = None
+        self,
+        target: CheckpointTarget,
+        *,
+        stop: bool,
+        reason: str,
+        before_pause: BeforePause | None = None,
+        purpose: Mapping[str, Any] | None = None,
     ) -> CheckpointTaken:
         """Always fails, saying why."""
         raise CheckpointError(f"checkpoints are unavailable here: {self.status.unavailable_reason}")
@@ -235,6 +254,9 @@ class NoCheckpoints:
     async def settle_interrupted(self, job_id: int) -> str:
         """No dump was ever started here."""
         return ""
+
+    def close(self) -> None:
+        """Nothing is held."""
 
 
 class JobCheckpoints:
@@ -266,6 +288,10 @@ class JobCheckpoints:
         """Always: CRIU was found and works."""
         return True
 
+    def close(self) -> None:
+        """Remove the staging folder of process images, if there is one (the daemon stops)."""
+        self.checkpointer.close()
+
     def has_checkpoint(self, job_id: int) -> bool:
         """Whether the job has at least one complete checkpoint (verified only when restoring)."""
         return any(
@@ -295,8 +321,15 @@ class JobCheckpoints:
         manifest = self._manifest(job_id, seq)
         if manifest is None:
             return StoredCheckpoint(seq, 0.0, 0, False)
+        stop = manifest.extra.get("stop")
         return StoredCheckpoint(
-            seq, manifest.created_at, manifest.total_bytes, True, manifest_pause(manifest), manifest.pause_s
+            seq,
+            manifest.created_at,
+            manifest.total_bytes,
+            True,
+            manifest_pause(manifest),
+            manifest.pause_s,
+            stop if isinstance(stop, Mapping) else None,
         )
 
     def listing(self, job_id: int) -> list[StoredCheckpoint]:
@@ -319,7 +352,13 @@ class JobCheckpoints:
         self._manifests.pop(job_id, None)
 
     async def take(
-        self, target: CheckpointTarget, *, stop: bool, reason: str, before_pause: BeforePause | None = None
+        self,
+        target: CheckpointTarget,
+        *,
+        stop: bool,
+        reason: str,
+        before_pause: BeforePause | None = None,
+        purpose: Mapping[str, Any] | None = None,
     ) -> CheckpointTaken:
         """Checkpoint the job with the shortest pause its devices allow, then release or resume them.
 
@@ -409,6 +448,7 @@ class JobCheckpoints:
                     "reason": reason,
                     "devices": list(devices),
                     "proxy_connections": [c.as_dict() for c in connections],
+                    **({"stop": dict(purpose)} if stop and purpose else {}),
                 },
             )
         except (CheckpointError, DeviceError, OSError) as error:

@@ -26,7 +26,8 @@ def wall_clock(monotonic: float) -> float:
 
 @dataclass(frozen=True)
 class DeviceSaveFigures:
-    """What saving the device state cost, summed over the job's devices (bytes, seconds)."""
+    """What saving the device state cost, summed over the job's devices (bytes, seconds): the
+    figures of each server's SaveReport (proxy/server/snapshot.py) that a manifest keeps."""
 
     live_bytes: int = 0
     precopy_rounds: int = 0

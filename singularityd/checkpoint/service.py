@@ -143,6 +143,11 @@ class Checkpointer:
         """Why jobs do not run in user namespaces here ("" if they do or need not): told to users
         whose jobs cannot be checkpointed for want of one."""
 
+    def close(self) -> None:
+        """Remove the staging folder, if there is one (the daemon stops; the next one opens its own)."""
+        if self.staging is not None:
+            self.staging.close()
+
     async def checkpoint(
         self,
         job_id: str,
@@ -306,6 +311,8 @@ class Checkpointer:
                     f"job {job_id} was dumped and stopped, but recording checkpoint "
                     f"{pending.seq} failed ({e}); its images are left in {pending.path}"
                 ) from e
+            if not leave_running:
+                await faults.held_at(faults.STOPPED_DUMP_RECORDED)
             pruned: list[int] = []
             if prune:
                 pruned = await asyncio.to_thread(self.store.prune, job_id, self.keep)

@@ -18,14 +18,8 @@ from typing import Any, Protocol, TypeVar
 
 from singularity.proxy.control import ControlError, JobNotOnServer, ProxyControl
 from singularityd.checkpoint.pause import DeviceSaveFigures
-from singularityd.devices.proxies import (
-    JobIdentity,
-    JobProxies,
-    ProxyConnection,
-    ProxyError,
-    device_state_file,
-    job_connections,
-)
+from singularityd.devices.proxies import JobProxies, ProxyConnection, device_state_file, job_connections
+from singularityd.devices.proxy_servers import JobIdentity, ProxyError
 from singularityd.devices.splicing import SavedLayout
 
 T = TypeVar("T")

@@ -25,6 +25,7 @@ import grpc.aio
 from singularityd.federation import handoff as h
 from singularityd.federation.peer import PeerChannels, Refused
 from singularityd.federation.v1 import peer_pb2 as pb
+from singularityd.federation.v1 import peer_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,10 @@ STEP_TO_PB = {
     h.Step.ABORT: pb.ABORT,
 }
 PB_TO_STEP = {v: k for k, v in STEP_TO_PB.items()}
+CONNECT_RETRY_FIRST_S = 0.25
+CONNECT_RETRY_MAX_S = 2.0
+"""The pauses between PREPARE's attempts to reach a target that refuses connections: doubling
+from the first to the longest (gRPC's channel reconnects on its own backoff meanwhile)."""
 
 
 def boot_clock() -> float:
@@ -103,6 +108,10 @@ class MoveWork(Protocol):
         ...
 
 
+class Unreachable(Exception):
+    """A peer could not be reached for as long as a step keeps trying; the message says which."""
+
+
 @dataclass
 class MemoryStore:
     """Holdings in a dict: for tests and simulations (not durable)."""
@@ -135,6 +144,8 @@ class Handoffs:
     """Deadlines and holds are measured on it (see `boot_clock`)."""
     rpc_timeout_s: float = 30.0
     restore_timeout_s: float = 600.0
+    connect_retry_s: float = 10.0
+    """How long PREPARE keeps trying to reach a target it cannot connect to (a daemon restarting)."""
     _locks: dict[str, asyncio.Lock] = field(default_factory=lambda: defaultdict(asyncio.Lock))
     _replies: dict[tuple[str, h.Step, int], list[asyncio.Future[h.Reply]]] = field(
         default_factory=lambda: defaultdict(list)
@@ -254,20 +265,56 @@ class Handoffs:
             request.spec_json = self.work.spec_json(job_id)
             request.hold_seconds = self.settings.hold_s
         try:
-            stub = self.channels.stub(peer, self.address_of(peer))
-            reply = await stub.Handoff(
-                request, timeout=self.restore_timeout_s if step is h.Step.RESTORE else self.rpc_timeout_s
-            )
-        except (grpc.aio.AioRpcError, KeyError) as e:
-            error = (
-                f"{e.code().name}: {e.details()}"
-                if isinstance(e, grpc.aio.AioRpcError)
-                else f"unknown peer {peer}"
-            )
+            address = self.address_of(peer)
+            stub = self.channels.stub(peer, address)
+            if step is h.Step.PREPARE:
+                reply = await self._prepare(job_id, stub, request, peer, address)
+            else:
+                timeout = self.restore_timeout_s if step is h.Step.RESTORE else self.rpc_timeout_s
+                reply = await stub.Handoff(request, timeout=timeout)
+        except (grpc.aio.AioRpcError, KeyError, Unreachable) as e:
+            if isinstance(e, grpc.aio.AioRpcError):
+                error = f"{e.code().name}: {e.details()}"
+            else:
+                error = str(e) if isinstance(e, Unreachable) else f"unknown peer {peer}"
             await self.feed(job_id, h.StepFailed(step, epoch, error))
             return
         answer = h.StepAnswered(step, epoch, reply.ok, reply.reason, reply.discarded, reply.epoch)
         await self.feed(job_id, answer)
+
+    async def _prepare(
+        self, job_id: str, stub: pb_grpc.PeerStub, request: pb.HandoffRequest, peer: str, address: str
+    ) -> pb.HandoffReply:
+        """Send PREPARE, trying again with backoff for `connect_retry_s` while the target cannot be
+        reached (UNAVAILABLE: it refuses connections, or the connection broke); Unreachable after.
+
+        Sending PREPARE again is safe even if an attempt reached the target: the target answers
+        the same epoch from the same source as it did (handoff._target), or refuses it as stale
+        once it gave that epoch up, and the source's reckoning of the target's hold starts from
+        the answer it gets, after the hold began either way.
+        """
+        began = time.monotonic()
+        pause = CONNECT_RETRY_FIRST_S
+        while True:
+            try:
+                reply: pb.HandoffReply = await stub.Handoff(request, timeout=self.rpc_timeout_s)
+                return reply
+            except grpc.aio.AioRpcError as e:
+                if e.code() is not grpc.StatusCode.UNAVAILABLE:
+                    raise
+                waited = time.monotonic() - began
+                why = (e.details() or "unavailable").rsplit(": ", 1)[-1]  # gRPC's last error, e.g. refused
+                if waited + pause > self.connect_retry_s:
+                    raise Unreachable(f"cannot reach {peer} at {address} for {waited:.0f}s ({why})") from e
+                if pause == CONNECT_RETRY_FIRST_S:  # the first failure
+                    self.work.note(
+                        job_id,
+                        f"PREPARE: cannot reach {peer} at {address} ({why}); "
+                        f"trying again for up to {self.connect_retry_s:g}s",
+                    )
+                log.info("job %s: PREPARE: %s unreachable, again in %.2fs", job_id, peer, pause)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, CONNECT_RETRY_MAX_S)
 
     async def _local(self, job_id: str, work: Any, success: h.Stimulus, epoch: int) -> None:
         try:

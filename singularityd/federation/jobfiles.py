@@ -27,7 +27,7 @@ from typing import Any
 
 from singularityd.checkpoint.manifest import IMAGES_DIR
 from singularityd.checkpoint.store import ImageStore
-from singularityd.devices.proxies import PROXY_DIR
+from singularityd.devices.proxy_servers import PROXY_DIR
 from singularityd.jobs.launch import prepare_job_dir
 from singularityd.jobs.paths import JobPaths
 

@@ -39,15 +39,10 @@ from singularityd.checkpoint.manifest import MANIFEST_NAME, parse_seq_dir_name
 from singularityd.checkpoint.precheck import tree_pids
 from singularityd.checkpoint.service import Checkpointer
 from singularityd.checkpoint.store import ImageStore
-from singularityd.core.jobs import (
-    Arrived,
-    MoveAbandoned,
-    MovedAway,
-    MoveStopRequested,
-    StillLaunching,
-    TakeCheckpoint,
-)
+from singularityd.core.actions import TakeCheckpoint
+from singularityd.core.decisions import StillLaunching
 from singularityd.core.states import InvalidTransition, JobState
+from singularityd.core.stimuli import Arrived, MoveAbandoned, MovedAway, MoveStopRequested
 from singularityd.daemon import Daemon
 from singularityd.errors import RequestError
 from singularityd.federation import jobfiles, netlock

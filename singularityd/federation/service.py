@@ -115,7 +115,14 @@ class Federation:
         holdings = StoredHoldings(daemon.store)
         moves = DaemonMoves(daemon, holdings, channels, self.address_of, draining=lambda: self.draining)
         settings = h.Settings(config.move_timeout_seconds, config.move_hold_seconds)
-        handoffs = Handoffs(holdings, moves, channels, self.address_of, settings=settings)
+        handoffs = Handoffs(
+            holdings,
+            moves,
+            channels,
+            self.address_of,
+            settings=settings,
+            connect_retry_s=config.move_connect_seconds,
+        )
         heartbeats = Heartbeats(membership, channels, self.local_status)
         service = PeerService(heartbeats=heartbeats, handoffs=handoffs, transfers=moves.receivers, jobs=self)
         bind = f"{config.peer_address}:{config.peer_port}"

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import psutil
 
-from singularityd.core.jobs import Exited
+from singularityd.core.stimuli import Exited
 from singularityd.jobs.launch import LaunchError, launch_spec, run_launcher
 from singularityd.jobs.paths import JobPaths
 from singularityd.store import JobRecord

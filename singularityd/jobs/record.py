@@ -12,7 +12,7 @@ import signal
 from dataclasses import dataclass, field
 
 from singularityd.checkpoint.coordinator import CheckpointTaken
-from singularityd.core.jobs import Activity
+from singularityd.core.decisions import Activity
 from singularityd.jobs.processes import Watch
 
 

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING
 
 from singularity.proxy.control import splice_refusal
 from singularityd.checkpoint.coordinator import CheckpointTaken
-from singularityd.core.jobs import PreemptRequested, ResizeRequested, TakeCheckpoint
+from singularityd.core.actions import TakeCheckpoint
 from singularityd.core.states import InvalidTransition, JobState
+from singularityd.core.stimuli import PreemptRequested, ResizeRequested
 from singularityd.devices.access import DeviceError
 from singularityd.devices.splicing import spliced
 from singularityd.scheduling.replicas import unsplice, wants_verdict

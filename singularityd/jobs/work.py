@@ -9,17 +9,18 @@ from __future__ import annotations
 
 from singularityd.checkpoint.coordinator import BeforePause, Checkpoints, CheckpointTaken, CheckpointTarget
 from singularityd.checkpoint.errors import CheckpointError, JobEnded
-from singularityd.core.jobs import (
+from singularityd.core.actions import TakeCheckpoint
+from singularityd.core.lost_processes import StopPurpose
+from singularityd.core.stimuli import (
     Checkpointed,
     CheckpointFailed,
     LaunchFailed,
     ProcessesRunning,
     Restored,
     RestoreFailed,
-    TakeCheckpoint,
 )
 from singularityd.devices.access import DeviceAccess, DeviceError
-from singularityd.devices.proxies import JobIdentity
+from singularityd.devices.proxy_servers import JobIdentity
 from singularityd.devices.splicing import logical_devices
 from singularityd.errors import StateConflict
 from singularityd.jobs.launch import LaunchError, user_groups
@@ -82,7 +83,14 @@ async def checkpoint(
             raise CheckpointError(f"job {job.id} is still starting")
         logs = tuple(processes.paths(job.id).rewind_paths(job.spec.ranks))
         target = CheckpointTarget(job.id, job.init_pid, job.spec.uid, job.spec.gid, job.devices, logs)
-        taken = await checkpoints.take(target, stop=take.stop, reason=take.reason, before_pause=before_pause)
+        purpose = StopPurpose.of(take)
+        taken = await checkpoints.take(
+            target,
+            stop=take.stop,
+            reason=take.reason,
+            before_pause=before_pause,
+            purpose=purpose.as_dict() if purpose else None,
+        )
     except CheckpointError as error:
         if isinstance(error, JobEnded) or not still_runs(job, processes):
             ended = f"job {job.id} ended while it was being checkpointed"

@@ -14,8 +14,9 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from singularityd.core.jobs import Activity, Decision, Stimulus
+from singularityd.core.decisions import Activity, Decision
 from singularityd.core.states import JobState
+from singularityd.core.stimuli import Stimulus
 
 log = logging.getLogger(__name__)
 

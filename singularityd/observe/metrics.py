@@ -27,15 +27,9 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from singularityd import __version__
-from singularityd.core.jobs import (
-    Checkpointed,
-    CheckpointFailed,
-    Restored,
-    RestoreFailed,
-    RestoreProcesses,
-    TakeCheckpoint,
-)
+from singularityd.core.actions import RestoreProcesses, TakeCheckpoint
 from singularityd.core.states import JobState
+from singularityd.core.stimuli import Checkpointed, CheckpointFailed, Restored, RestoreFailed
 from singularityd.devices.inventory import Inventory, refresh
 from singularityd.devices.proxies import JobProxies
 from singularityd.observe.feed import (

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from singularityd.core.jobs import Activity
+from singularityd.core.decisions import Activity
 from singularityd.core.states import JobState
 from singularityd.scheduling.elastic import ElasticJob, plan_elastic
 from singularityd.scheduling.policy import Plan, QueuedJob, RunningJob, plan_starts, queue_order

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -151,9 +152,37 @@ async def test_an_unreachable_target_aborts_the_move_and_the_job_keeps_running(
     pair: dict[str, Daemon],
 ) -> None:
     a = pair["node-a"]
+    a.driver.connect_retry_s = 1.0
     await pair["node-b"].server.stop(0)
     result = await asyncio.wait_for(a.driver.move("j", "node-b"), 60)
     assert not result.ok and "no answer from node-b to PREPARE" in result.detail
+    assert re.search(r"cannot reach node-b at 127\.0\.0\.1:\d+ for \d+s \(.+\)$", result.detail), (
+        result.detail
+    )
+    assert "\n" not in result.detail
+    assert [n for n in a.work.notes if n.startswith("PREPARE: cannot reach node-b")], a.work.notes
     assert a.work.calls == [] and a.store.holdings["j"].abort_pending  # the abort is retried on ticks
     with pytest.raises(h.InvalidRequest, match="not owned"):
         await pair["node-b"].driver.move("j", "node-a")
+
+
+async def test_a_target_that_comes_back_while_prepare_retries_takes_the_job(pair: dict[str, Daemon]) -> None:
+    """The target's server is down when the move starts (a daemon restarting): PREPARE is refused
+    a connection, tried again, and reaches the target once it listens again on its address."""
+    a, b = pair["node-a"], pair["node-b"]
+    a.driver.connect_retry_s = 60.0
+    address = b.server.bind.replace(":0", f":{b.server.port}")
+    await b.server.stop(0)
+    moving = asyncio.ensure_future(a.driver.move("j", "node-b"))
+    for _ in range(3000):
+        if any(n.startswith("PREPARE: cannot reach node-b") for n in a.work.notes) or moving.done():
+            break
+        await asyncio.sleep(0.01)
+    assert not moving.done() and b.work.calls == [], a.work.notes
+    b.server = PeerServer(b.server.identity, address, PeerService(handoffs=b.driver))
+    await b.server.start()
+    result = await asyncio.wait_for(moving, 60)
+    assert result == h.MoveFinished(True, "node-b"), a.work.notes
+    await settle(a, b)
+    assert a.work.calls == ["stop j 2", "send j node-b 2", "drop j node-b"]
+    assert b.work.calls == ["restore j 2", "release j 2"]

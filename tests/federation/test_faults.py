@@ -301,9 +301,11 @@ def test_source_killed_in_the_final_dump_keeps_the_job(fault_lab: Lab, referee: 
 
 
 def move_until_held(source: Node, target: Node, job: int, reached: Path, attempts: int = 30) -> Background:
-    """Start moving the job until the target announces it holds at its fault point. A move to a
-    target just restarted may fail at PREPARE while the source's channel to it is still backing
-    off ("connection refused"): it is tried again, a second after the job is back at the source."""
+    """Start moving the job until the target announces it holds at its fault point. While a target
+    just restarted cannot be reached (gRPC UNAVAILABLE: it refuses connections, or the source's
+    channel to it still backs off), the source sends PREPARE again for `move_connect_seconds`
+    (10 s here); a move that still ends before the target's restore (the target unreachable for
+    longer, or its PREPARE refused) is tried again, a second after the job is back at the source."""
     for _ in range(attempts):
         mover = Background(lambda: source.sing("migrate", str(job), "--to", target.name, timeout=300))
 

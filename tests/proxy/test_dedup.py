@@ -10,7 +10,6 @@ different weights are judged not replicas, with the reason.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -25,16 +24,9 @@ from singularity.proxy.server.control import ControlHandler
 from singularity.proxy.server.service import Server
 from singularity.proxy.server.session import Session
 from tests.conftest import requires_root
-from tests.helpers import Daemon, running_daemon, wait_until
+from tests.helpers import Daemon, preempt_while_training, running_daemon, wait_until
 from tests.proxy.conftest import PYTHON, ProxyServer, start_linked_servers, start_ranks, stop_server
-from tests.test_collectives import (
-    JOB_OPTIONS,
-    printed,
-    rank_logs,
-    steps_done,
-    succeeded,
-    trained_beyond,
-)
+from tests.test_collectives import JOB_OPTIONS, printed, rank_logs, succeeded
 
 JOB = "job"
 FLOATS = 4096
@@ -288,19 +280,12 @@ def test_a_spliced_job_preempted_and_resumed_is_exact(daemon_root: Path) -> None
             PYTHON, "splice_train.py", *args, "--hold", str(release), options=[*options, "--gpus", "1"]
         )
         daemon.wait_state(job, "RUNNING")
-        try:
-            seen = 0
-            for _ in range(3):
-                beyond = min(seen, total - 1)
-                wait_until(functools.partial(trained_beyond, daemon, job, ranks, beyond), timeout=600)
-                result = daemon.sing("preempt", str(job), timeout=300)
-                assert result.code == 0, result.err
-                daemon.wait_state(job, "RUNNING", timeout=300)
-                assert shared_now(daemon, job) >= 0  # the restored server answers for the job
-                seen = steps_done(daemon, job, ranks)
-        except BaseException:
-            daemon.sing("cancel", str(job))  # it would wait for `release` forever
-            raise
+
+        def restored_server_answers() -> None:
+            """The restored server answers for the job."""
+            assert shared_now(daemon, job) >= 0
+
+        preempt_while_training(daemon, job, ranks, total, 3, wait_timeout=600, after=restored_server_answers)
         release.touch()
         assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, ranks)
         assert printed(rank_logs(daemon, job, ranks)) == expected

@@ -12,6 +12,7 @@ import os
 import random
 import subprocess
 from collections.abc import Callable, Iterator
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,9 @@ from singularity.proxy.control import JobNotOnServer, ProxyControl
 from singularity.proxy.server.control import ControlHandler, control_failure
 from singularity.proxy.server.service import Server
 from singularity.proxy.server.session import Session
+from singularity.proxy.server.snapshot import SaveReport
 from singularity.proxy.server.statefile import SavedSession, read_state, storage_bytes
+from singularityd.checkpoint.pause import DeviceSaveFigures
 from tests.proxy.conftest import PROGRAMS, PYTHON, ProxyServer, proxy_env, start_server, stop_server
 
 
@@ -254,3 +257,27 @@ def test_control_failures_carry_the_errors_own_text() -> None:
         protocol.CONTROL_ERROR,
         "proxy: the request failed without saying why",
     ]
+
+
+def test_the_daemon_sums_the_figures_each_server_reports_for_its_device() -> None:
+    """A server's SaveReport (one device's save) carries every figure the daemon's
+    DeviceSaveFigures (the job's save, over its devices) sums: bytes add up, the longest time
+    counts, one unsettled pre-copy makes the job's unsettled."""
+    assert {f.name for f in fields(DeviceSaveFigures)} <= {f.name for f in fields(SaveReport)}
+    first = SaveReport(
+        live_bytes=100, precopy_rounds=2, precopy_written_bytes=80, precopy_dirtied_bytes=8,
+        precopy_seconds=1.5, precopy_sync_seconds=0.25, precopy_ended="settled", reused_bytes=70,
+        paused_copied_bytes=30, pause_copy_seconds=0.5, written_after_bytes=30, write_after_seconds=2.0,
+    )  # fmt: skip
+    second = SaveReport(
+        live_bytes=50, precopy_rounds=3, precopy_written_bytes=40, precopy_dirtied_bytes=40,
+        precopy_seconds=1.0, precopy_sync_seconds=0.5, precopy_ended="unsettled", reused_bytes=10,
+        paused_copied_bytes=40, pause_copy_seconds=0.75, written_after_bytes=40, write_after_seconds=1.0,
+        written_in_pause=True, ranks=2, parked_at=[1.0, 2.0],
+    )  # fmt: skip
+    assert DeviceSaveFigures.summed([first.as_dict(), second.as_dict()]) == DeviceSaveFigures(
+        live_bytes=150, precopy_rounds=3, precopy_written_bytes=120, precopy_dirtied_bytes=48,
+        precopy_seconds=1.5, precopy_sync_seconds=0.5, precopy_ended="unsettled", reused_bytes=80,
+        paused_copied_bytes=70, pause_copy_seconds=0.75, written_after_bytes=70, write_after_seconds=2.0,
+        written_in_pause=True,
+    )  # fmt: skip

@@ -12,7 +12,47 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass, field, replace
 
+from singularityd.core.actions import (
+    Action,
+    ArmPeriodicCheckpoint,
+    CountRestart,
+    LaunchProcesses,
+    MarkCancelRequested,
+    Note,
+    ReleaseDevices,
+    Replay,
+    Reschedule,
+    RescheduleAfter,
+    RestoreProcesses,
+    TakeCheckpoint,
+    TerminateProcesses,
+    WatchProcesses,
+)
 from singularityd.core.states import InvalidTransition, JobState, Transition, check_transition
+from singularityd.core.stimuli import (
+    Arrived,
+    CancelRequested,
+    Checkpointed,
+    CheckpointFailed,
+    CheckpointRequested,
+    Exited,
+    LaunchFailed,
+    MoveAbandoned,
+    MovedAway,
+    MoveStopRequested,
+    PeriodicCheckpointDue,
+    PreemptionWanted,
+    PreemptRequested,
+    ProcessesLost,
+    ProcessesRunning,
+    Requeued,
+    ResizeRequested,
+    Restored,
+    RestoreFailed,
+    ResumeRequested,
+    Started,
+    Stimulus,
+)
 
 
 class StillLaunching(InvalidTransition):
@@ -20,314 +60,6 @@ class StillLaunching(InvalidTransition):
 
 
 PREEMPTION_BACKOFF_SECONDS = 60.0
-
-
-# Stimuli: things that happened to a job.
-
-
-@dataclass(frozen=True)
-class Started:
-    """The scheduler gave the job devices; its processes are launched (or restored) next."""
-
-    devices: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class ProcessesRunning:
-    """The job's supervisor runs: just launched, or found running after a daemon restart."""
-
-    pid: int
-    start_ticks: int
-
-
-@dataclass(frozen=True)
-class Restored:
-    """The job's processes were restored from checkpoint `seq`; newer ones were `skipped`.
-
-    `problem` is set when the processes run but the device proxies did not take them back: the
-    job cannot go on and is stopped.
-    """
-
-    pid: int
-    start_ticks: int
-    seq: int
-    skipped: tuple[tuple[int, str], ...] = ()
-    problem: str = ""
-    downtime: str = ""
-    """How long the job was down, as the restore event says it (empty when not measured)."""
-
-
-@dataclass(frozen=True)
-class LaunchFailed:
-    """The job's processes could not be started."""
-
-    error: str
-
-
-@dataclass(frozen=True)
-class Exited:
-    """The job's processes ended; exactly one of exit_code/signal is usually set."""
-
-    exit_code: int | None
-    signal: int | None
-    error: str = ""
-    cpu_seconds: float | None = None
-    max_rss_bytes: int | None = None
-
-
-@dataclass(frozen=True)
-class CancelRequested:
-    """A user asked to cancel the job."""
-
-    by: str
-
-
-@dataclass(frozen=True)
-class ProcessesLost:
-    """The job's processes vanished without an exit status (e.g. while the daemon was down)."""
-
-    detail: str
-
-
-@dataclass(frozen=True)
-class Requeued:
-    """The job's launch was interrupted before its processes existed; it may run again."""
-
-    detail: str
-
-
-@dataclass(frozen=True)
-class PreemptRequested:
-    """Checkpoint the job and stop it: back to the queue, or held until resumed by hand."""
-
-    by: str
-    hold: bool = False
-
-
-@dataclass(frozen=True)
-class ResizeRequested:
-    """Checkpoint the job and stop it, to be restored on `gpus` devices (its processes see no change)."""
-
-    by: str
-    gpus: int
-
-
-@dataclass(frozen=True)
-class PreemptionWanted:
-    """The scheduler wants the job's devices for a higher-priority job."""
-
-
-@dataclass(frozen=True)
-class ResumeRequested:
-    """Release a held (SUSPENDED) job back into the queue."""
-
-    by: str
-
-
-@dataclass(frozen=True)
-class CheckpointRequested:
-    """Checkpoint the job and let it keep running."""
-
-    by: str
-
-
-@dataclass(frozen=True)
-class PeriodicCheckpointDue:
-    """The job's periodic checkpoint interval has passed."""
-
-
-@dataclass(frozen=True)
-class Checkpointed:
-    """The checkpoint under way completed; `summary` says what it wrote, `image_bytes` how much,
-    `pause_s` how long the job could not make progress for it."""
-
-    summary: str
-    image_bytes: int = 0
-    pause_s: float = 0.0
-    complete_s: float = 0.0
-    """From the start of the pause until the checkpoint was complete."""
-
-
-@dataclass(frozen=True)
-class CheckpointFailed:
-    """The checkpoint under way did not complete; previous images stay. The job keeps running, or,
-    with `job_ended`, its processes ended meanwhile (not a failure: its exit says how it ends)."""
-
-    error: str
-    job_ended: bool = False
-
-
-@dataclass(frozen=True)
-class RestoreFailed:
-    """No checkpoint of the job could be restored."""
-
-    error: str
-
-
-@dataclass(frozen=True)
-class MoveStopRequested:
-    """A hand-off to `peer` needs the job stopped with a complete final checkpoint (or queued
-    jobs just set aside)."""
-
-    peer: str
-
-
-@dataclass(frozen=True)
-class Arrived:
-    """The job's processes, restored here frozen for a move, were let run on `devices`."""
-
-    pid: int
-    start_ticks: int
-    devices: tuple[int, ...]
-    reason: str
-
-
-@dataclass(frozen=True)
-class MoveAbandoned:
-    """The job, set aside for a move, stays here: queued to resume from its checkpoint (or start)."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class MovedAway:
-    """The job lives on another node now, or a copy that was arriving here was given up."""
-
-    reason: str
-
-
-Stimulus = (
-    Started
-    | ProcessesRunning
-    | Restored
-    | LaunchFailed
-    | Exited
-    | CancelRequested
-    | ProcessesLost
-    | Requeued
-    | PreemptRequested
-    | ResizeRequested
-    | PreemptionWanted
-    | ResumeRequested
-    | CheckpointRequested
-    | PeriodicCheckpointDue
-    | Checkpointed
-    | CheckpointFailed
-    | RestoreFailed
-    | MoveStopRequested
-    | Arrived
-    | MoveAbandoned
-    | MovedAway
-)
-
-
-# Actions: what the daemon must carry out, in order.
-
-
-@dataclass(frozen=True)
-class LaunchProcesses:
-    """Start the job's processes from its command; report ProcessesRunning or LaunchFailed."""
-
-
-@dataclass(frozen=True)
-class RestoreProcesses:
-    """Restore the job's processes from its newest good checkpoint; report Restored or RestoreFailed."""
-
-
-@dataclass(frozen=True)
-class WatchProcesses:
-    """Record the job's supervisor (PID and start time) and watch it until it ends."""
-
-    pid: int
-    start_ticks: int
-
-
-@dataclass(frozen=True)
-class TerminateProcesses:
-    """Ask the job's processes to stop (SIGTERM, then SIGKILL after the grace period)."""
-
-
-@dataclass(frozen=True)
-class ReleaseDevices:
-    """Give the job's devices back to the pool and drop what the daemon holds for its processes."""
-
-
-@dataclass(frozen=True)
-class MarkCancelRequested:
-    """Remember that the job's coming exit is a cancellation."""
-
-
-@dataclass(frozen=True)
-class Reschedule:
-    """Run the scheduling policy again (devices freed or the queue changed)."""
-
-
-@dataclass(frozen=True)
-class RescheduleAfter:
-    """Run the scheduling policy again once `seconds` have passed."""
-
-    seconds: float
-
-
-@dataclass(frozen=True)
-class TakeCheckpoint:
-    """Checkpoint the job's processes; report Checkpointed or CheckpointFailed.
-
-    `stop`: the processes end with the dump (hold: keep the job off the queue afterwards;
-    for_move: set it aside as MIGRATING for a hand-off to a peer). `reason` starts the event that
-    records the checkpoint. `periodic` and `for_scheduler` say who asked, which decides what a
-    failure or success leads to.
-    """
-
-    stop: bool
-    hold: bool = False
-    reason: str = "checkpoint"
-    periodic: bool = False
-    for_scheduler: bool = False
-    for_move: bool = False
-
-
-@dataclass(frozen=True)
-class ArmPeriodicCheckpoint:
-    """Deliver PeriodicCheckpointDue after `after` seconds."""
-
-    after: float
-
-
-@dataclass(frozen=True)
-class CountRestart:
-    """Count one of the job's restarts after a failure (`sing submit --max-restarts`)."""
-
-
-@dataclass(frozen=True)
-class Note:
-    """Record an event in the job's log without changing its state."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class Replay:
-    """Feed a stimulus held back earlier (an exit seen during a checkpoint) to the state machine."""
-
-    stimulus: Exited | ProcessesLost
-
-
-Action = (
-    LaunchProcesses
-    | RestoreProcesses
-    | WatchProcesses
-    | TerminateProcesses
-    | ReleaseDevices
-    | MarkCancelRequested
-    | Reschedule
-    | RescheduleAfter
-    | TakeCheckpoint
-    | ArmPeriodicCheckpoint
-    | CountRestart
-    | Note
-    | Replay
-)
 
 
 @dataclass(frozen=True)
@@ -491,6 +223,10 @@ def _checkpoint_over(
         raise InvalidTransition(f"job {job.job_id} has no checkpoint under way")
     activity = replace(job.activity, checkpoint=None, deferred_exit=None)
     if succeeded and take.stop:
+        if job.cancel_requested:
+            reason = f"{text}; cancelled (asked while the checkpoint ran), not resumed"
+            transition = check_transition(job.job_id, job.state, JobState.CANCELLED, reason, now)
+            return Decision(transition, (ReleaseDevices(), Reschedule()), activity)
         if take.for_move:
             target, reason = JobState.MIGRATING, f"{text}; its checkpoint is on the way"
         elif take.hold:
@@ -636,7 +372,7 @@ def decide(job: JobFacts, stimulus: Stimulus, now: float) -> Decision:
         case ResizeRequested(by=by, gpus=gpus):
             _require_idle_running(job, "resized")
             where = f"{gpus} device{'s' if gpus != 1 else ''}"
-            take = TakeCheckpoint(True, reason=f"resized to {where} by {by}")
+            take = TakeCheckpoint(True, reason=f"resized to {where} by {by}", gpus=gpus)
             return _checkpointing(job, take, Note(f"resize to {where} requested by {by}: checkpointing"))
         case PreemptionWanted():
             try:

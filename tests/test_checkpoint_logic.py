@@ -1,0 +1,239 @@
+"""The checkpoint layer's decisions and bookkeeping, without CRIU: manifests and their checks,
+which checkpoint to restore and which to prune, CRIU's version, log and privilege findings, what
+keeps a process tree from being dumped, hashing images in two goes, a dump's intent surviving a
+killed daemon, and the sizes a post-dump script records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from singularityd.checkpoint import (
+    CheckpointUnavailable,
+    FileRecord,
+    ImageStore,
+    Manifest,
+    Verdict,
+    locate_criu,
+)
+from singularityd.checkpoint import store as store_module
+from singularityd.checkpoint.criu import (
+    parse_stats,
+    parse_version,
+    privilege_problem,
+    summarize_log,
+    tcp_problem,
+)
+from singularityd.checkpoint.manifest import (
+    FileFact,
+    ManifestError,
+    choose_latest,
+    digest_problems,
+    plan_prune,
+    structural_problems,
+)
+from singularityd.checkpoint.precheck import DaemonFacts, ProcFacts, tree_problems
+from singularityd.checkpoint.service import parse_sizes, post_dump_script
+from singularityd.checkpoint.store import hash_file, hash_files, hash_prefixes
+
+
+def _manifest(seq: int = 2, **files: int) -> Manifest:
+    recs = {f"images/{k}.img": FileRecord(size=v, sha256=f"h{k}") for k, v in files.items()}
+    return Manifest(
+        job_id="j1",
+        seq=seq,
+        created_at=1.0,
+        owner_uid=1000,
+        leave_running=True,
+        criu_version="4.2.1",
+        files=recs,
+        links={"images/parent": "../pre-1"},
+        pre_dumps=("pre-1",),
+        external_unix_inodes=(77,),
+        rewind_sizes={"/l/r0.log": 10},
+        extra={"step": 5},
+    )
+
+
+def test_manifest_roundtrip_and_total() -> None:
+    m = _manifest(core=10, pages=90)
+    again = Manifest.from_json(m.to_json())
+    assert again == m
+    assert again.total_bytes == 100
+    assert m.to_json() == again.to_json()
+
+
+@pytest.mark.parametrize("text", ["", "[]", "{}", '{"format": 1}', '{"format": 1, "files": 3}'])
+def test_manifest_rejects_garbage(text: str) -> None:
+    with pytest.raises(ManifestError):
+        Manifest.from_json(text)
+
+
+def test_structural_problems() -> None:
+    m = _manifest(core=10, pages=90)
+    good = {
+        "images/core.img": FileFact("file", 0, 10),
+        "images/pages.img": FileFact("file", 0, 90),
+        "images/parent": FileFact("symlink", 0, 0, "../pre-1"),
+        "images": FileFact("dir", 0),
+    }
+    assert structural_problems(m, good, expected_job="j1", expected_seq=2, trusted_uid=0) == []
+    bad = dict(good)
+    bad["images/core.img"] = FileFact("file", 1000, 10)
+    bad["images/pages.img"] = FileFact("file", 0, 89)
+    bad["images/parent"] = FileFact("symlink", 0, 0, "/etc")
+    bad["images"] = FileFact("dir", 1000)
+    problems = structural_problems(m, bad, expected_job="j1", expected_seq=3, trusted_uid=0)
+    text = "\n".join(problems)
+    assert "checkpoint 2, found in job j1 checkpoint 3" in text
+    assert "owned by uid 1000" in text
+    assert "89 bytes" in text
+    assert "not the link" in text
+    assert "directory images is owned" in text
+    m2 = Manifest(**{**m.__dict__, "files": {"../x": FileRecord(1, "h")}})
+    assert any(
+        "unsafe" in p for p in structural_problems(m2, {}, expected_job="j1", expected_seq=2, trusted_uid=0)
+    )
+
+
+def test_digest_choice_and_prune() -> None:
+    m = _manifest(core=10, pages=90)
+    assert digest_problems(m, {"images/core.img": "hcore", "images/pages.img": "hpages"}) == []
+    assert digest_problems(m, {"images/core.img": "hcore", "images/pages.img": "x"}) == [
+        "images/pages.img fails its sha256 check"
+    ]
+    vs = [
+        Verdict.good(1),
+        Verdict.good(2),
+        Verdict.bad(3, ["a", "b", "c", "d"]),
+        Verdict.bad(4, ["incomplete"]),
+    ]
+    choice = choose_latest(vs)
+    assert choice.seq == 2
+    assert [(s.seq, s.reason) for s in choice.skipped] == [(4, "incomplete"), (3, "a; b; c (and 1 more)")]
+    assert choose_latest([Verdict.bad(1, ["x"])]).seq is None
+    assert plan_prune(vs, keep=1) == [1, 3, 4]
+    assert plan_prune(vs, keep=5) == [3, 4]
+    assert plan_prune(vs, keep=0) == [1, 3, 4]
+    assert plan_prune([Verdict.bad(1, ["x"]), Verdict.bad(2, ["y"])], keep=1) == []
+
+
+def test_version_kernel_privilege_and_log_summaries() -> None:
+    assert parse_version("Version: 4.1.1\n") == (4, 1, 1)
+    assert parse_version("nothing") is None
+    assert "CRIU 4.2 or newer" in tcp_problem((4, 1, 1), (6, 18))
+    assert tcp_problem((4, 2, 1), (6, 18)) == ""
+    assert tcp_problem((4, 1, 1), (6, 8)) == ""
+    assert "user mode" in privilege_problem(1000)
+    assert privilege_problem(0) == ""
+    with pytest.raises(CheckpointUnavailable, match="user mode"):
+        locate_criu("auto", euid=1000)
+    with pytest.raises(CheckpointUnavailable, match="turned off"):
+        locate_criu("off", euid=0)
+    with pytest.raises(CheckpointUnavailable, match="not an executable"):
+        locate_criu("/nonexistent/criu", euid=0)
+    log = (
+        "(00.02) Error (criu/util.c:1533): rlimit: Can't setup RLIMIT_NOFILE for self: x\n"
+        "(00.03) Error (criu/cr-dump.c:1): Dump files (pid: 5) failed with -1\n"
+    )
+    assert summarize_log(log) == "Dump files (pid: 5) failed with -1"
+    full = log + "(00.04) Error (criu/image.c:9): Unable to write: No space left on device\n"
+    assert summarize_log(full).startswith("no space left on the device")
+    assert summarize_log("") == "CRIU failed without an error line in its log"
+    stats = parse_stats(
+        "Displaying dump stats:\nFrozen time: 950655 us\nMemory pages written: 76027 (0x128fb)\n"
+    )
+    assert stats == {"frozen_time": 950655, "memory_pages_written": 76027}
+
+
+def test_tree_problems() -> None:
+    init = ProcFacts(10, "python", (1000, 1000, 1000, 1000), (1000,) * 4, (10, 1))
+    rank = ProcFacts(
+        11,
+        "python",
+        (1000,) * 4,
+        (1000,) * 4,
+        (11, 2),
+        ("anon_inode:[io_uring]", "socket:[55]"),
+        frozenset({55}),
+    )
+    lacking = DaemonFacts(uid=0, gid=0, have_cap_sys_resource=False, userns_problem="no user namespaces")
+    problems = tree_problems([init, rank], lacking, tcp_problem_text="old CRIU")
+    text = "\n".join(problems)
+    assert "must be root" not in text and "CRIU needs it to be root" in text
+    assert "CAP_SYS_RESOURCE" in text and "(no user namespaces)" in text
+    assert "io_uring" in text
+    assert "TCP sockets: old CRIU" in text
+    root_init = ProcFacts(10, "python", (0,) * 4, (0,) * 4, (10, 1))
+    assert tree_problems([root_init], lacking, tcp_problem_text="") == []
+    full = DaemonFacts(uid=0, gid=0, have_cap_sys_resource=True)
+    assert tree_problems([], full, tcp_problem_text="") == ["the job's root process does not exist"]
+    assert tree_problems([root_init, rank], full, tcp_problem_text="") == [
+        "process 11 (python) uses io_uring, which CRIU cannot checkpoint "
+        "(for torch.distributed set USE_LIBUV=0 so its TCPStore does not use libuv)"
+    ]
+
+
+def test_a_file_hashed_in_two_goes_hashes_as_a_whole(tmp_path: Path) -> None:
+    """The beginning of an append-only file hashed while the job runs, the rest at the manifest:
+    the same sha256 as hashing it all then; a file that shrank is hashed afresh."""
+    folder = tmp_path / "images" / "proxy"
+    folder.mkdir(parents=True)
+    state = folder / "cuda0.state"
+    state.write_bytes(os.urandom(5 * (1 << 20) + 3))
+    prefixes = hash_prefixes(tmp_path / "images", tmp_path)
+    assert list(prefixes) == ["images/proxy/cuda0.state"]
+    with state.open("ab") as out:
+        out.write(os.urandom(3 * (1 << 20) + 7))
+    whole = hashlib.sha256(state.read_bytes()).hexdigest()
+    assert hash_files(tmp_path, ["images/proxy/cuda0.state"], prefixes=prefixes) == {
+        "images/proxy/cuda0.state": (8 * (1 << 20) + 10, whole)
+    }
+    state.write_bytes(b"short")
+    assert hash_file(state, prefixes["images/proxy/cuda0.state"]) == (5, hashlib.sha256(b"short").hexdigest())
+
+
+def test_a_daemon_killed_while_recording_a_stopping_dump_leaves_it_recordable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The intent of a dump that stops the job stays until the manifest is durable: a daemon that
+    dies while `finish` hashes the images (CRIU done, the job's processes gone) leaves a checkpoint
+    its restart finds and records; a stale intent beside a manifest is cleared."""
+    store = ImageStore(tmp_path / "store")
+    uid, gid = os.getuid(), os.getgid()
+    pending = store.begin("7", owner_uid=uid, owner_gid=gid)
+    store.record_intent(pending, {"criu_version": "4.2"})
+    (pending.path / "images" / "core-1.img").write_bytes(b"image")
+
+    def killed(*args: object, **kwargs: object) -> None:
+        raise SystemExit("killed while hashing")
+
+    monkeypatch.setattr(store_module, "hash_files", killed)
+    with pytest.raises(SystemExit):
+        store.finish(pending, leave_running=False, criu_version="4.2")
+    monkeypatch.undo()
+    found = store.interrupted("7")
+    assert found is not None and found[0].seq == pending.seq and found[1]["criu_version"] == "4.2"
+    store.finish(pending, leave_running=False, criu_version="4.2")
+    assert not (pending.path / ".intent.json").exists()
+    store.record_intent(pending, {"criu_version": "4.2"})  # as if killed just after the manifest
+    assert store.interrupted("7") is None and not (pending.path / ".intent.json").exists()
+
+
+def test_post_dump_script_records_sizes(tmp_path: Path) -> None:
+    a = tmp_path / "a b.log"
+    a.write_bytes(b"12345")
+    out = tmp_path / "sizes"
+    script = tmp_path / "s.sh"
+    paths = [str(a), str(tmp_path / "missing")]
+    script.write_text(post_dump_script(paths, out))
+    script.chmod(0o700)
+    subprocess.run([str(script)], env={"CRTOOLS_SCRIPT_ACTION": "pre-dump"}, check=True)
+    assert not out.exists()
+    subprocess.run([str(script)], env={"CRTOOLS_SCRIPT_ACTION": "post-dump"}, check=True)
+    assert parse_sizes(paths, out.read_text()) == {str(a): 5, str(tmp_path / "missing"): -1}
