@@ -65,7 +65,7 @@ class Arrival:
         return int(self.exported["job"]["gpus"])
 
 
-def _link_or_copy(source: Path, target: Path) -> None:
+def link_or_copy(source: Path, target: Path) -> None:
     """Hard-link a file (a copy where the two folders are on different filesystems)."""
     try:
         os.link(source, target, follow_symlinks=False)
@@ -85,7 +85,7 @@ def _mirror(source: Path, target: Path) -> None:
             if path.is_symlink():
                 os.symlink(os.readlink(path), target / relative / name)
             else:
-                _link_or_copy(path, target / relative / name)
+                link_or_copy(path, target / relative / name)
 
 
 def remove(path: Path) -> None:
