@@ -252,8 +252,13 @@ class DaemonMoves:
             if source.total < MiB:  # nothing was pre-copied: the files hold their headers alone
                 return
             stub = self.channels.stub(peer, self.address_of(peer))
-            await Sending(stub, source, f"{job_id}@{epoch}", job_id, epoch).seed_once()
+            sending = Sending(
+                stub, source, f"{job_id}@{epoch}", job_id, epoch, partial(self._progress, job_id)
+            )
+            await sending.seed_once()
+            self._progress(job_id, Progress("done", source.total, source.total, sending.sent))
         except (TransferError, OSError, KeyError) as error:
+            self.transfers.pop(int(job_id), None)
             await asyncio.to_thread(self._drop_base, int(job_id))
             self.note(job_id, f"pre-copy to {peer} failed ({error}); all is sent after the stop")
             return
@@ -263,9 +268,11 @@ class DaemonMoves:
         took = time.monotonic() - began
         base_bytes = await asyncio.to_thread(lambda: base.bytes) if base is not None else 0
         with_base = f" and a {human_bytes(base_bytes)} base of its process images" if base is not None else ""
+        froze = f"; dumping the base froze the job {base.frozen_s:.2f}s" if base is not None else ""
         device_bytes = human_bytes(source.total - base_bytes)
         self.note(
-            job_id, f"sent {device_bytes} of pre-copied device state{with_base} to {peer} in {took:.1f}s"
+            job_id,
+            f"sent {device_bytes} of pre-copied device state{with_base} to {peer} in {took:.1f}s{froze}",
         )
 
     async def _take_base(self, job_id: str, peer: str, epoch: int) -> bases.ProcessBase | None:
@@ -287,10 +294,10 @@ class DaemonMoves:
         return base
 
     def _drop_base(self, job_id: int) -> None:
-        """Forget the job's base and delete its files (blocking: call it from a thread)."""
-        base = self.bases.pop(job_id, None)
-        if base is not None:
-            jobfiles.remove(base.folder)
+        """Forget the job's base and delete its files, and any a killed daemon left (blocking)."""
+        self.bases.pop(job_id, None)
+        for folder in (self.daemon.config.checkpoints / OUTGOING_DIR).glob(f"{job_id}@*.base"):
+            jobfiles.remove(folder)
 
     async def send_checkpoint(self, job_id: str, peer: str, epoch: int) -> None:
         """Stream the job's checkpoint, logs and record to `peer` (resuming after broken links);
@@ -316,13 +323,10 @@ class DaemonMoves:
             earlier = self.pre_sent.pop(job.id, None)
             if earlier is not None:
                 adopt_digests(source, earlier)
-
-            def progress(report: Progress) -> None:
-                self.transfers[job.id] = report
-                self.daemon.feed.publish(job.id)
-
             stub = self.channels.stub(peer, self.address_of(peer))
-            sending = Sending(stub, source, f"{job_id}@{epoch}", job_id, epoch, progress)
+            sending = Sending(
+                stub, source, f"{job_id}@{epoch}", job_id, epoch, partial(self._progress, job_id)
+            )
             await sending.run(attempts=SEND_ATTEMPTS, pause_s=SEND_PAUSE_S)
             there = human_bytes(source.total - sending.sent)
             self.note(
@@ -332,6 +336,11 @@ class DaemonMoves:
             )
         finally:
             await asyncio.to_thread(jobfiles.remove, staging)
+
+    def _progress(self, job_id: str, report: Progress) -> None:
+        """Keep how far a transfer of a leaving job is, for `sing show` and `sing migrate`."""
+        self.transfers[int(job_id)] = report
+        self.daemon.feed.publish(int(job_id))
 
     async def _stage_deltas(self, job_id: str, peer: str, staging: Path, restage: Callable[[], None]) -> None:
         """Stage the job's large process images as changes against its base, if it has one (on
