@@ -72,8 +72,10 @@ async def dump_base(checkpoints: JobCheckpoints, pid: int, folder: Path) -> Proc
     """Dump the tree rooted at host PID `pid` in place into `folder` (made afresh) and index its
     pages images; CheckpointError (CRIU) or OSError say why it could not be."""
     await asyncio.to_thread(jobfiles.remove, folder)
+    folder.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    folder.mkdir(mode=0o700)
     images = folder / BASE_DIR
-    images.mkdir(parents=True, mode=0o700)
+    images.mkdir(mode=0o700)
     pids = await asyncio.to_thread(tree_pids, pid)
     connections = await asyncio.to_thread(checkpoints.devices.connections, pids)
     mounts = await asyncio.to_thread(read_external_mounts, pid)
