@@ -7,6 +7,7 @@ A move sends one directory (`transfer` streams it):
                              proxies' device-state files under images/proxy/, manifest.json)
     logs/rank-<r>.log        the job's output, as it was when the job stopped
     supervisor.log
+    base/, delta/            with a base of the process images: see `bases`
 
 The source builds it from hard links (the checkpoint's files never change once written), so
 staging costs no copy. The target puts each part where its own daemon keeps it: the checkpoint
