@@ -187,6 +187,7 @@ def measure(lab: Lab, mib: int, program: Path) -> dict[str, float]:
     if after:
         seen["sent"] = int(after[-1].split(" after the stop (")[1].split(" bytes")[0])
     print("  source events:", [e["reason"] for e in source_events][-8:], file=sys.stderr, flush=True)
+    print("  target events:", [e["reason"] for e in target_events][-6:], file=sys.stderr, flush=True)
     transferred_at, _ = event_time(source_events, r"^checkpoint transferred")
     restored_at, _ = event_time(target_events, r"^restored frozen")
     running_at, _ = event_time(target_events, r"the job runs here")

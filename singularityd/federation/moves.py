@@ -466,10 +466,14 @@ class DaemonMoves:
         arrival = await asyncio.to_thread(jobfiles.read_arrival, incoming)
         if arrival.job_id != job_number:
             raise RuntimeError(f"the received record is for job {arrival.job_id}, not {job_id}")
+        began = time.monotonic()
         try:  # before the restore checks every file against the checkpoint's manifest
-            await asyncio.to_thread(bases.rebuild_deltas, incoming)
+            rebuilt = await asyncio.to_thread(bases.rebuild_deltas, incoming)
         except (OSError, DeltaError) as error:
             raise RuntimeError(f"cannot rebuild the process images from their base: {error}") from None
+        if rebuilt:
+            took = time.monotonic() - began
+            self.note(job_id, f"rebuilt {rebuilt} process images from their base and changes in {took:.1f}s")
         await self._kill_frozen(job_number)
         needed = arrival.gpus if arrival.seq is not None else 0
         free = self._free_devices(arriving=job_number)
