@@ -1,7 +1,7 @@
 """Migration between two real daemons in network namespaces: downtime, total time, bytes sent.
 
 Run (root, CRIU): .venv/bin/python bench/bench_migrate.py [--sizes 100,1024,4096] [--runs 1]
-[--pre-copy on,off]
+[--modes off,on,base]
 
 Two daemons of a lab (tests/federation/lab.py: each in network and mount namespaces of its own,
 joined with the real `sing cluster` verbs, mutual TLS over a veth link) on this one machine, so
@@ -23,7 +23,11 @@ virtual device) and prints a wall-clock tick every 10 ms, each after a round tri
 Pre-copy on: node-a's proxies pre-copy the device state (`proxy_pre_copy` = 2 rounds) and the
 source sends it to the target while the job runs; after the stop only what changed since, the
 process images (CRIU cannot pre-dump here: no memory dirty tracking), logs and record are sent.
-Off: `proxy_pre_copy` = 0, everything is written and sent while the job is stopped.
+Off: `proxy_pre_copy` = 0, everything is written and sent while the job is stopped. Both with
+`move_process_base` off. Base: pre-copy on and `move_process_base` on: while the job runs the
+source also dumps its processes in place and sends those images as a base, so after the stop the
+process images travel as recipes against it plus the blocks it lacks (singularityd/federation/
+bases.py). "Sent after the stop" is what the source's transfer after the stop sent (its note).
 """
 
 from __future__ import annotations
@@ -169,13 +173,21 @@ def measure(lab: Lab, mib: int, program: Path) -> dict[str, float]:
     paused_at = float(checkpoint["created_at"]) - float(checkpoint["complete_seconds"])
     stopped_at, _ = event_time(source_events, r"^stopped to move to node-b")
     pre = [e for e in source_events if "of pre-copied device state" in e["reason"]]
-    pre_seconds = 0.0
+    pre_seconds, base_sent = 0.0, 0
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     if pre:
         found = re.search(r"sent ([0-9.]+)([KMGT]?)i?B? of pre-copied .* in ([0-9.]+)s", pre[-1]["reason"])
         assert found, pre[-1]["reason"]
-        units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
         pre_sent = int(float(found.group(1)) * units[found.group(2)])
         pre_seconds = float(found.group(3))
+        based = re.search(r" and a ([0-9.]+)([KMGT]?) base of its process images", pre[-1]["reason"])
+        if based:
+            base_sent = int(float(based.group(1)) * units[based.group(2)])
+    after = [e["reason"] for e in source_events if " after the stop (" in e["reason"]]
+    if after:
+        seen["sent"] = int(after[-1].split(" after the stop (")[1].split(" bytes")[0])
+    print("  source events:", [e["reason"] for e in source_events][-8:], file=sys.stderr, flush=True)
+    print("  target events:", [e["reason"] for e in target_events][-6:], file=sys.stderr, flush=True)
     transferred_at, _ = event_time(source_events, r"^checkpoint transferred")
     restored_at, _ = event_time(target_events, r"^restored frozen")
     running_at, _ = event_time(target_events, r"the job runs here")
@@ -191,7 +203,7 @@ def measure(lab: Lab, mib: int, program: Path) -> dict[str, float]:
         "commit": running_at - restored_at,
         "total": total,
         "image": float(checkpoint["bytes"]),
-        "pre_sent": float(pre_sent),
+        "pre_sent": float(pre_sent + base_sent),
         "sent": float(seen.get("sent", 0)),
         "raw_copy": raw,
     }
@@ -209,17 +221,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="100,1024", help="MiB of device state, comma-separated")
     parser.add_argument("--runs", type=int, default=1, help="moves per size (the median is shown)")
-    parser.add_argument("--pre-copy", default="on,off", help="with and/or without pre-copy")
+    parser.add_argument("--modes", default="off,on,base", help="pre-copy off, on, on with a process base")
     args = parser.parse_args()
     sizes = [int(size) for size in args.sizes.split(",")]
-    modes = args.pre_copy.split(",")
+    modes = args.modes.split(",")
     config = {"virtual_devices": 1, "move_timeout_seconds": 1800.0, "move_hold_seconds": 1800.0}
     results: dict[tuple[str, int], list[dict[str, float]]] = {}
     with joined_lab(("node-a", "node-b"), f"bmig{os.getpid() % 10000}", config) as lab:
         program = lab.paths.root / "hold_state.py"
         program.write_text(PROGRAM)
         for mode in modes:
-            restart_with(lab.node("node-a"), proxy_pre_copy=2 if mode == "on" else 0)
+            node_a = lab.node("node-a")
+            restart_with(node_a, proxy_pre_copy=0 if mode == "off" else 2, move_process_base=mode == "base")
             for mib in sizes:
                 for _ in range(args.runs):
                     result = measure(lab, mib, program)
@@ -228,13 +241,13 @@ def main() -> None:
     load = os.getloadavg()[0]
     print(f"\n{datetime.now():%Y-%m-%d %H:%M}, load average {load:.1f}, {args.runs} run(s) per size")
     print(
-        "| device state | pre-copy | downtime (program) | downtime (daemons) | pre-copy while running "
+        "| device state | mode | downtime (program) | downtime (daemons) | pre-copy while running "
         "| stop | transfer | restore | commit | total | image | sent while running | sent after the stop "
         "| raw socket copy of the image |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     mb = 1 << 20
-    for (mode, mib), runs in sorted(results.items(), key=lambda item: (item[0][1], item[0][0])):
+    for (mode, mib), runs in sorted(results.items(), key=lambda item: (item[0][1], modes.index(item[0][0]))):
         m = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
         print(
             f"| {mib} MiB | {mode} | {m['program_downtime']:.2f} s | {m['daemon_downtime']:.2f} s | "

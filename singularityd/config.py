@@ -100,6 +100,7 @@ class Config:
     move_timeout_seconds: float = 600.0
     move_hold_seconds: float = 900.0
     move_connect_seconds: float = 10.0
+    move_process_base: bool = True
 
     @property
     def user_mode(self) -> bool:
@@ -228,6 +229,10 @@ OPTIONS: dict[str, str] = {
     "before taking back a job whose move it aborted unanswered (default 900).",
     "move_connect_seconds": "How long a move keeps trying to reach a target that refuses connections "
     "(a daemon restarting) before it gives up and the job runs on here (default 10; 0: no retry).",
+    "move_process_base": "While a job being moved still runs, dump its processes in place (a pause like "
+    "any checkpoint's) and send those images to the target as a base, so that after the stop its "
+    "process images travel as the blocks the base lacks, rebuilt and checked on the target (default "
+    "true; false, or whenever the base cannot be made or sent: the images are sent whole).",
 }
 
 NON_NEGATIVE_SECONDS = (

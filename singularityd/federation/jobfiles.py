@@ -7,6 +7,7 @@ A move sends one directory (`transfer` streams it):
                              proxies' device-state files under images/proxy/, manifest.json)
     logs/rank-<r>.log        the job's output, as it was when the job stopped
     supervisor.log
+    base/, delta/            with a base of the process images: see `bases`
 
 The source builds it from hard links (the checkpoint's files never change once written), so
 staging costs no copy. The target puts each part where its own daemon keeps it: the checkpoint
@@ -65,7 +66,7 @@ class Arrival:
         return int(self.exported["job"]["gpus"])
 
 
-def _link_or_copy(source: Path, target: Path) -> None:
+def link_or_copy(source: Path, target: Path) -> None:
     """Hard-link a file (a copy where the two folders are on different filesystems)."""
     try:
         os.link(source, target, follow_symlinks=False)
@@ -85,7 +86,7 @@ def _mirror(source: Path, target: Path) -> None:
             if path.is_symlink():
                 os.symlink(os.readlink(path), target / relative / name)
             else:
-                _link_or_copy(path, target / relative / name)
+                link_or_copy(path, target / relative / name)
 
 
 def remove(path: Path) -> None:

@@ -35,6 +35,7 @@ from pathlib import Path
 from singularityd import faults
 from singularityd.checkpoint.coordinator import Checkpoints, JobCheckpoints
 from singularityd.checkpoint.criu import Criu
+from singularityd.checkpoint.errors import CheckpointError
 from singularityd.checkpoint.manifest import MANIFEST_NAME, parse_seq_dir_name
 from singularityd.checkpoint.precheck import tree_pids
 from singularityd.checkpoint.service import Checkpointer
@@ -45,11 +46,12 @@ from singularityd.core.states import InvalidTransition, JobState
 from singularityd.core.stimuli import Arrived, MoveAbandoned, MovedAway, MoveStopRequested
 from singularityd.daemon import Daemon
 from singularityd.errors import RequestError
-from singularityd.federation import jobfiles, netlock
+from singularityd.federation import bases, jobfiles, netlock
 from singularityd.federation.facts import MoveFacts
 from singularityd.federation.handoff import INCOMING, Holding, Phase, transfer_refusal
 from singularityd.federation.holdings import StoredHoldings
 from singularityd.federation.hosting import MoveSpec, gather_host_facts, hosting_problem, probe_cwd
+from singularityd.federation.pagedelta import DeltaError
 from singularityd.federation.peer import PeerChannels, Refused
 from singularityd.federation.transfer import MiB, Progress, Source, TransferError, adopt_digests
 from singularityd.federation.transfer_grpc import Receivers, Sending
@@ -123,6 +125,8 @@ class DaemonMoves:
         """Jobs moved only because they could not start here: not to be stopped if they start."""
         self.pre_sent: dict[int, Source] = {}
         """Per job on its way out: what was sent of its device state while it still ran."""
+        self.bases: dict[int, bases.ProcessBase] = {}
+        """Per job on its way out: the base of its process images sent while it still ran."""
         self._notes: dict[int, list[tuple[float, str]]] = {}
         """Events of jobs arriving here before their record exists (written once it does)."""
         self.restoring: dict[int, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
@@ -232,32 +236,72 @@ class DaemonMoves:
 
     async def _pre_send(self, job_id: str, peer: str, epoch: int, images: Path) -> None:
         """While the job still runs, send the device state its proxies pre-copied into `images`
-        (files that are only appended to from now on), so that after the stop only the rest goes."""
+        (files that are only appended to from now on) and a base of its process images (see
+        bases), so that after the stop only the rest goes."""
         seq = parse_seq_dir_name(images.parent.name)
         staging = self.outgoing(job_id, epoch).with_name(f"{job_id}@{epoch}.pre")
         if seq is None:
             return
         began = time.monotonic()
+        base = await self._take_base(job_id, peer, epoch)
         try:
             await asyncio.to_thread(jobfiles.stage_pre_copy, staging, images, seq)
+            if base is not None:
+                await asyncio.to_thread(bases.stage_base, staging, base)
             source = await asyncio.to_thread(Source, staging, self.chunk_bytes)
             if source.total < MiB:  # nothing was pre-copied: the files hold their headers alone
                 return
             stub = self.channels.stub(peer, self.address_of(peer))
-            await Sending(stub, source, f"{job_id}@{epoch}", job_id, epoch).seed_once()
+            sending = Sending(
+                stub, source, f"{job_id}@{epoch}", job_id, epoch, partial(self._progress, job_id)
+            )
+            await sending.seed_once()
+            self._progress(job_id, Progress("done", source.total, source.total, sending.sent))
         except (TransferError, OSError, KeyError) as error:
+            self.transfers.pop(int(job_id), None)
+            await asyncio.to_thread(self._drop_base, int(job_id))
             self.note(job_id, f"pre-copy to {peer} failed ({error}); all is sent after the stop")
             return
         finally:
             await asyncio.to_thread(jobfiles.remove, staging)
         self.pre_sent[int(job_id)] = source
         took = time.monotonic() - began
+        base_bytes = await asyncio.to_thread(lambda: base.bytes) if base is not None else 0
+        with_base = f" and a {human_bytes(base_bytes)} base of its process images" if base is not None else ""
+        froze = f"; dumping the base froze the job {base.frozen_s:.2f}s" if base is not None else ""
+        device_bytes = human_bytes(source.total - base_bytes)
         self.note(
-            job_id, f"sent {human_bytes(source.total)} of pre-copied device state to {peer} in {took:.1f}s"
+            job_id,
+            f"sent {device_bytes} of pre-copied device state{with_base} to {peer} in {took:.1f}s{froze}",
         )
 
+    async def _take_base(self, job_id: str, peer: str, epoch: int) -> bases.ProcessBase | None:
+        """An in-place dump of the job's processes to send as a base (None, noted, when there is none)."""
+        job_number = int(job_id)
+        await asyncio.to_thread(self._drop_base, job_number)
+        checkpoints = self.daemon.checkpoints
+        pid = self.daemon.get_job(job_number).init_pid
+        if not self.daemon.config.move_process_base or not isinstance(checkpoints, JobCheckpoints) or not pid:
+            return None
+        folder = self.outgoing(job_id, epoch).with_name(f"{job_id}@{epoch}.base")
+        try:
+            base = await bases.dump_base(checkpoints, pid, folder)
+        except (CheckpointError, OSError) as error:
+            await asyncio.to_thread(jobfiles.remove, folder)
+            self.note(job_id, f"no base of its process images for {peer} ({error}); they are sent whole")
+            return None
+        self.bases[job_number] = base
+        return base
+
+    def _drop_base(self, job_id: int) -> None:
+        """Forget the job's base and delete its files, and any a killed daemon left (blocking)."""
+        self.bases.pop(job_id, None)
+        for folder in (self.daemon.config.checkpoints / OUTGOING_DIR).glob(f"{job_id}@*.base"):
+            jobfiles.remove(folder)
+
     async def send_checkpoint(self, job_id: str, peer: str, epoch: int) -> None:
-        """Stream the job's checkpoint, logs and record to `peer` (resuming after broken links)."""
+        """Stream the job's checkpoint, logs and record to `peer` (resuming after broken links);
+        large process images go as their changes against the base sent while the job ran."""
         job = self.daemon.get_job(int(job_id))
         if job.state is not JobState.MIGRATING:
             raise RuntimeError(f"job {job_id} is {job.state}, not stopped for the move")
@@ -269,25 +313,61 @@ class DaemonMoves:
         paths = self.daemon.processes.paths(job.id)
         try:
             await asyncio.to_thread(jobfiles.stage_outgoing, staging, exported, checkpoint, seq, paths)
+            await self._stage_deltas(
+                job_id,
+                peer,
+                staging,
+                partial(jobfiles.stage_outgoing, staging, exported, checkpoint, seq, paths),
+            )
             source = await asyncio.to_thread(Source, staging, self.chunk_bytes)
             earlier = self.pre_sent.pop(job.id, None)
             if earlier is not None:
                 adopt_digests(source, earlier)
-
-            def progress(report: Progress) -> None:
-                self.transfers[job.id] = report
-                self.daemon.feed.publish(job.id)
-
             stub = self.channels.stub(peer, self.address_of(peer))
-            sending = Sending(stub, source, f"{job_id}@{epoch}", job_id, epoch, progress)
+            sending = Sending(
+                stub, source, f"{job_id}@{epoch}", job_id, epoch, partial(self._progress, job_id)
+            )
             await sending.run(attempts=SEND_ATTEMPTS, pause_s=SEND_PAUSE_S)
+            there = human_bytes(source.total - sending.sent)
+            self.note(
+                job_id,
+                f"sent {human_bytes(sending.sent)} to {peer} after the stop ({sending.sent} bytes; "
+                f"{there} of the {human_bytes(source.total)} it needs were there already)",
+            )
         finally:
             await asyncio.to_thread(jobfiles.remove, staging)
+
+    def _progress(self, job_id: str, report: Progress) -> None:
+        """Keep how far a transfer of a leaving job is, for `sing show` and `sing migrate`."""
+        self.transfers[int(job_id)] = report
+        self.daemon.feed.publish(int(job_id))
+
+    async def _stage_deltas(self, job_id: str, peer: str, staging: Path, restage: Callable[[], None]) -> None:
+        """Stage the job's large process images as changes against its base, if it has one (on
+        failure, noted, `restage` stages everything again and the images go whole)."""
+        base = self.bases.get(int(job_id))
+        if base is None:
+            return
+        began = time.monotonic()
+        try:
+            summary = await asyncio.to_thread(bases.stage_deltas, staging, base)
+        except (OSError, DeltaError) as error:
+            await asyncio.to_thread(restage)
+            self.note(job_id, f"process images sent whole to {peer}: no changes against the base ({error})")
+            return
+        if summary.images:
+            sent = human_bytes(summary.literal_bytes + summary.recipe_bytes)
+            self.note(
+                job_id,
+                f"process images ({human_bytes(summary.image_bytes)}) sent to {peer} as {sent} of changes "
+                f"against the base sent while the job ran (found in {time.monotonic() - began:.1f}s)",
+            )
 
     async def resume_here(self, job_id: str) -> None:
         """If the job is set aside for a move (or held frozen here), let it run here again."""
         self.transfers.pop(int(job_id), None)
         self.pre_sent.pop(int(job_id), None)
+        await asyncio.to_thread(self._drop_base, int(job_id))
         self._let_run(int(job_id), "the move did not happen")
 
     async def drop_local_copy(self, job_id: str, peer: str) -> None:
@@ -295,6 +375,7 @@ class DaemonMoves:
         job_number = int(job_id)
         self.transfers.pop(job_number, None)
         self.pre_sent.pop(job_number, None)
+        await asyncio.to_thread(self._drop_base, job_number)
         job = self.daemon.store.get(job_number)
         if job is not None and job.state is JobState.MIGRATING:
             self.daemon.apply(job_number, MovedAway(f"moved to {peer}; it runs there now"))
@@ -385,6 +466,14 @@ class DaemonMoves:
         arrival = await asyncio.to_thread(jobfiles.read_arrival, incoming)
         if arrival.job_id != job_number:
             raise RuntimeError(f"the received record is for job {arrival.job_id}, not {job_id}")
+        began = time.monotonic()
+        try:  # before the restore checks every file against the checkpoint's manifest
+            rebuilt = await asyncio.to_thread(bases.rebuild_deltas, incoming)
+        except (OSError, DeltaError) as error:
+            raise RuntimeError(f"cannot rebuild the process images from their base: {error}") from None
+        if rebuilt:
+            took = time.monotonic() - began
+            self.note(job_id, f"rebuilt {rebuilt} process images from their base and changes in {took:.1f}s")
         await self._kill_frozen(job_number)
         needed = arrival.gpus if arrival.seq is not None else 0
         free = self._free_devices(arriving=job_number)

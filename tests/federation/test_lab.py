@@ -450,3 +450,30 @@ async def test_sing_top_shows_the_peers_and_migrates_a_job(lab: Lab) -> None:
     wait_state(b, job, "RUNNING")
     assert a.job(job)["state"] == "MOVED"  # type: ignore[index]
     assert b.sing("cancel", str(job)).code == 0
+
+
+def test_a_moved_job_sends_its_process_images_as_changes_against_a_base(lab: Lab) -> None:
+    """With move_process_base (the default), the images dumped while the job ran go to the target
+    first; after the stop only a small part of the final checkpoint travels, the target rebuilds
+    the rest, and the job still ends byte-identical to an uninterrupted run."""
+    expected = direct_output("long_train.py", ["--steps", str(STEPS)])
+    release = lab.paths.root / "release-base"
+    a, b = lab.node("node-a"), lab.node("node-b")
+    job = submit_train(a, release)
+    wait_state(a, job, "RUNNING")
+    wait_until(progressed(a, job, 40), timeout=240)
+    migrate(a, job, "node-b")
+    wait_state(b, job, "RUNNING")
+    release.touch()
+    assert b.sing("wait", str(job), timeout=300).code == 0, b.sing("logs", str(job)).out[-2000:]
+    assert b.sing("logs", str(job)).out == expected
+    arrived, left = b.job(job), a.job(job)
+    assert arrived is not None and left is not None
+    events = [e["reason"] for e in left["events"]]
+    assert any(" base of its process images to node-b in " in e for e in events), events
+    assert any(e.startswith("process images (") and " of changes against the base" in e for e in events)
+    after = [e for e in events if e.startswith("sent ") and " after the stop (" in e]
+    assert len(after) == 1, events
+    sent = int(after[0].split(" after the stop (")[1].split(" bytes")[0])
+    image = int(arrived["last_checkpoint"]["bytes"])
+    assert 0 < sent < image // 8, (sent, image)

@@ -1,0 +1,148 @@
+"""A base of a moving job's process images, so that after its stop only what the base lacks is sent.
+
+This kernel has no memory dirty tracking, so CRIU cannot pre-dump: after the stop a move would send
+the job's whole process images. Instead, while the job still runs, the source dumps its processes
+in place (`dump_base`: CRIU --leave-running into a folder of its own, outside the image store; the
+job is frozen as long as any checkpoint's dump freezes it) and sends the pages images with the
+pre-copied device state. After the stop, each large pages image of the final checkpoint is staged
+as a recipe against that base plus the blocks the base lacks (`stage_deltas`, see pagedelta); the
+target rebuilds the images (`rebuild_deltas`) before its restore checks every file of the
+checkpoint against the manifest's sha256, so a base that went wrong fails the move, never the job.
+
+In the directory a move sends (see jobfiles), besides the job's files:
+
+    base/pages-<n>.img                       the base's pages images (sent while the job ran)
+    delta/checkpoint/<seq>/images/pages-<n>.img.recipe    how to rebuild the image from the base
+    delta/checkpoint/<seq>/images/pages-<n>.img.literals  the blocks the base lacks
+
+The base's files are part of the final transfer too, so a target that lost them gets them again
+(the chunks it still holds are not resent). Blocking file work, but `dump_base`: call it from a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from singularityd.checkpoint.coordinator import JobCheckpoints
+from singularityd.checkpoint.manifest import IMAGES_DIR
+from singularityd.checkpoint.namespaces import read_external_mounts
+from singularityd.checkpoint.precheck import tree_holds_tcp, tree_pids
+from singularityd.federation import jobfiles
+from singularityd.federation.pagedelta import BaseIndex, apply_recipe, index_base, make_recipe
+
+BASE_DIR = "base"
+DELTA_DIR = "delta"
+RECIPE_SUFFIX = ".recipe"
+LITERALS_SUFFIX = ".literals"
+PAGES_GLOB = "pages-*.img"
+DELTA_MIN_BYTES = 1 << 20
+"""Smaller pages images are sent as they are (a recipe would save next to nothing)."""
+
+
+@dataclass(frozen=True)
+class ProcessBase:
+    """An in-place dump of a running job's processes, indexed by block, on the sending node."""
+
+    folder: Path
+    """Holds BASE_DIR/ (CRIU's images) and CRIU's log; the base's files are named relative to it."""
+    index: BaseIndex
+    frozen_s: float
+    """How long CRIU froze the job for it."""
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the base's pages images."""
+        return sum((self.folder / name).stat().st_size for name in self.index.names)
+
+
+@dataclass(frozen=True)
+class DeltaSummary:
+    """What `stage_deltas` did: the images replaced, their bytes, and the bytes that replace them."""
+
+    images: int = 0
+    image_bytes: int = 0
+    literal_bytes: int = 0
+    recipe_bytes: int = 0
+
+
+async def dump_base(checkpoints: JobCheckpoints, pid: int, folder: Path) -> ProcessBase:
+    """Dump the tree rooted at host PID `pid` in place into `folder` (made afresh) and index its
+    pages images; CheckpointError (CRIU) or OSError say why it could not be."""
+    await asyncio.to_thread(jobfiles.remove, folder)
+    folder.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    folder.mkdir(mode=0o700)
+    images = folder / BASE_DIR
+    images.mkdir(mode=0o700)
+    pids = await asyncio.to_thread(tree_pids, pid)
+    connections = await asyncio.to_thread(checkpoints.devices.connections, pids)
+    mounts = await asyncio.to_thread(read_external_mounts, pid)
+    holds_tcp = await asyncio.to_thread(tree_holds_tcp, pids)
+    stats = await checkpoints.checkpointer.criu.dump(
+        pid,
+        images,
+        log_file=folder / "dump.log",
+        leave_running=True,
+        external_unix_inodes=[c.inode for c in connections],
+        external_mounts=mounts,
+        lock_network=holds_tcp,
+    )
+    names = sorted(f"{BASE_DIR}/{p.name}" for p in images.glob(PAGES_GLOB))
+    index = await asyncio.to_thread(index_base, folder, names)
+    return ProcessBase(folder, index, stats.pause_s)
+
+
+def stage_base(staging: Path, base: ProcessBase) -> None:
+    """Add the base's pages images to a directory to send (hard links)."""
+    for name in base.index.names:
+        (staging / name).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        jobfiles.link_or_copy(base.folder / name, staging / name)
+
+
+def stage_deltas(staging: Path, base: ProcessBase) -> DeltaSummary:
+    """Replace each large pages image of the staged checkpoint by its recipe and literals against
+    `base`, and add the base (see the module's docstring); what was replaced."""
+    summary = DeltaSummary()
+    images = sorted(staging.glob(f"{jobfiles.CHECKPOINT_DIR}/*/{IMAGES_DIR}/{PAGES_GLOB}"))
+    for image in images:
+        info = image.lstat()
+        if info.st_size < DELTA_MIN_BYTES or not image.is_file():
+            continue
+        delta = staging / DELTA_DIR / image.relative_to(staging)
+        delta.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        recipe, literals = (
+            delta.with_name(delta.name + RECIPE_SUFFIX),
+            delta.with_name(delta.name + LITERALS_SUFFIX),
+        )
+        figures = make_recipe(image, base.index, recipe, literals)
+        os.chmod(literals, info.st_mode & 0o777)
+        image.unlink()
+        summary = DeltaSummary(
+            summary.images + 1,
+            summary.image_bytes + figures.size,
+            summary.literal_bytes + figures.literal_bytes,
+            summary.recipe_bytes + figures.recipe_bytes,
+        )
+    if summary.images:
+        stage_base(staging, base)
+    return summary
+
+
+def rebuild_deltas(incoming: Path) -> int:
+    """Rebuild every image a received directory holds as a recipe, then drop the recipes and the
+    base; how many were rebuilt. DeltaError or OSError when one cannot be (nothing is dropped)."""
+    recipes = (
+        sorted((incoming / DELTA_DIR).rglob(f"*{RECIPE_SUFFIX}")) if (incoming / DELTA_DIR).is_dir() else []
+    )
+    for recipe in recipes:
+        relative = recipe.relative_to(incoming / DELTA_DIR)
+        image = incoming / relative.with_name(relative.name.removesuffix(RECIPE_SUFFIX))
+        literals = recipe.with_name(recipe.name.removesuffix(RECIPE_SUFFIX) + LITERALS_SUFFIX)
+        image.unlink(missing_ok=True)
+        apply_recipe(recipe, literals, incoming, image)
+        os.chmod(image, literals.stat().st_mode & 0o777)
+    jobfiles.remove(incoming / DELTA_DIR)
+    jobfiles.remove(incoming / BASE_DIR)
+    return len(recipes)

@@ -1,0 +1,234 @@
+"""A large file sent as its changes against a base the receiver holds: blocks found by content.
+
+CRIU cannot pre-dump on a kernel without memory dirty tracking, so a move would send a job's whole
+process images (pages-*.img) while it is stopped. Most of their blocks are already in an earlier
+in-place dump of the same job (a *base*, sent while the job ran), though often at other offsets.
+The sender cuts the new image into blocks, looks each up by its sha256 among the base's blocks,
+and writes a *recipe* (runs of blocks copied from the base, by file and block number, or taken in
+order from the literals) and the *literals* (the blocks the base lacks). The receiver rebuilds
+the exact file from its copy of the base and the literals. The rebuild does not trust itself: the
+rebuilt file is checked afterwards like any other (against the checkpoint's manifest), so a base
+that differs from the sender's, or a corrupt literal, fails that check instead of restoring.
+
+Recipe file: one JSON line (format, block size, output size, base file names), then the runs as
+little-endian int64 triples (base file index or -1 for literals, first block, block count).
+Blocking file I/O throughout: call it from a thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+BLOCK_BYTES = 4096
+FORMAT = 1
+LITERAL = -1
+RUN = struct.Struct("<qqq")
+READ_BYTES = 8 << 20
+HASH_THREADS = 2
+
+
+class DeltaError(ValueError):
+    """A recipe that cannot be applied (or made); the message (one line) says why."""
+
+
+@dataclass(frozen=True)
+class BaseIndex:
+    """The blocks of a base: where (file index, block number) to find each block by its sha256."""
+
+    names: tuple[str, ...]
+    """The base's files, as the receiver names them (paths relative to the transfer's root)."""
+    block_bytes: int
+    blocks: dict[bytes, tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class DeltaFigures:
+    """What one file's recipe holds: its size, and how many of its bytes travel as literals."""
+
+    size: int
+    literal_bytes: int
+    recipe_bytes: int
+
+
+def _block_digests(path: Path, block_bytes: int, start: int, stop: int) -> list[bytes]:
+    """sha256 of the whole blocks of `path` from block `start` to `stop` (excluded)."""
+    digests: list[bytes] = []
+    with open(path, "rb", buffering=0) as handle:
+        handle.seek(start * block_bytes)
+        left = (stop - start) * block_bytes
+        while left > 0:
+            data = handle.read(min(READ_BYTES, left))
+            if not data:
+                break
+            view = memoryview(data)
+            whole = len(data) - len(data) % block_bytes
+            digests.extend(
+                hashlib.sha256(view[i : i + block_bytes]).digest() for i in range(0, whole, block_bytes)
+            )
+            left -= len(data)
+    return digests
+
+
+def block_digests(path: Path, block_bytes: int = BLOCK_BYTES) -> list[bytes]:
+    """The sha256 of every whole block of a file, in order (hashed on a few threads)."""
+    count = path.stat().st_size // block_bytes
+    step = max(1, -(-count // HASH_THREADS))
+    spans = [(start, min(count, start + step)) for start in range(0, count, step)]
+    with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
+        parts = pool.map(lambda span: _block_digests(path, block_bytes, *span), spans)
+        return [d for part in parts for d in part]
+
+
+def index_base(root: Path, names: Sequence[str], block_bytes: int = BLOCK_BYTES) -> BaseIndex:
+    """Index the whole blocks of the base files `names` (relative to `root`) by content."""
+    blocks: dict[bytes, tuple[int, int]] = {}
+    for file_index, name in enumerate(names):
+        for number, block_digest in enumerate(block_digests(root / name, block_bytes)):
+            blocks.setdefault(block_digest, (file_index, number))
+    return BaseIndex(tuple(names), block_bytes, blocks)
+
+
+def plan_runs(digests: Sequence[bytes], base: BaseIndex) -> list[tuple[int, int, int]]:
+    """Runs (base file or LITERAL, first block, count) that make a file of blocks with these digests."""
+    runs: list[tuple[int, int, int]] = []
+    for block_digest in digests:
+        where = base.blocks.get(block_digest)
+        file_index, number = where if where is not None else (LITERAL, 0)
+        if runs:
+            last_file, last_first, last_count = runs[-1]
+            follows = file_index == LITERAL or number == last_first + last_count
+            if last_file == file_index and follows:
+                runs[-1] = (last_file, last_first, last_count + 1)
+                continue
+        runs.append((file_index, number, 1))
+    return runs
+
+
+def make_recipe(path: Path, base: BaseIndex, recipe: Path, literals: Path) -> DeltaFigures:
+    """Write the recipe and literals that rebuild `path` from `base` (a partial last block is a literal)."""
+    size = path.stat().st_size
+    bs = base.block_bytes
+    runs = plan_runs(block_digests(path, bs), base)
+    literal_bytes = 0
+    with open(path, "rb") as source, open(literals, "wb") as out:
+        position = 0
+        for file_index, _first, count in runs:
+            if file_index == LITERAL:
+                source.seek(position)
+                _copy(source, out, count * bs)
+                literal_bytes += count * bs
+            position += count * bs
+        tail = size - position
+        if tail:
+            source.seek(position)
+            _copy(source, out, tail)
+            literal_bytes += tail
+            runs.append((LITERAL, 0, 0))  # the tail: whatever the literals hold past the blocks
+    header = {"format": FORMAT, "block_bytes": bs, "size": size, "base": list(base.names)}
+    body = b"".join(RUN.pack(*run) for run in runs)
+    recipe.write_bytes(json.dumps(header, sort_keys=True).encode() + b"\n" + body)
+    return DeltaFigures(size, literal_bytes, recipe.stat().st_size)
+
+
+def _copy(source: BinaryIO, out: BinaryIO, length: int) -> None:
+    """Copy `length` bytes from one open binary file to another (DeltaError if the source ends)."""
+    while length > 0:
+        data = source.read(min(READ_BYTES, length))
+        if not data:
+            raise DeltaError("a file ended before its recipe did")
+        out.write(data)
+        length -= len(data)
+
+
+def read_recipe(recipe: Path) -> tuple[dict[str, object], list[tuple[int, int, int]]]:
+    """The header and runs of a recipe file (DeltaError when it is malformed)."""
+    data = recipe.read_bytes()
+    line, _, body = data.partition(b"\n")
+    try:
+        header = json.loads(line)
+        if not isinstance(header, dict) or header.get("format") != FORMAT:
+            raise ValueError(f"format {header.get('format') if isinstance(header, dict) else header!r}")
+        for key in ("block_bytes", "size"):
+            if not isinstance(header.get(key), int) or header[key] < (1 if key == "block_bytes" else 0):
+                raise ValueError(f"bad {key}")
+        names = header.get("base")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError("bad base names")
+    except ValueError as error:
+        raise DeltaError(f"{recipe.name}: unreadable recipe header ({error})") from None
+    if len(body) % RUN.size:
+        raise DeltaError(f"{recipe.name}: truncated recipe")
+    runs = [RUN.unpack_from(body, offset) for offset in range(0, len(body), RUN.size)]
+    return header, runs
+
+
+def _runs_in_order(
+    runs: Sequence[tuple[int, int, int]], names: Sequence[str], size: int, block_bytes: int
+) -> Iterator[tuple[int, int, int]]:
+    """The runs, checked against the file's size and the base's names; the tail run gets its length."""
+    position = 0
+    for index, (file_index, first, count) in enumerate(runs):
+        if file_index < LITERAL or file_index >= len(names) or first < 0 or count < 0:
+            raise DeltaError(f"run {index} names no block of the base")
+        length = count * block_bytes
+        if (file_index, first, count) == (LITERAL, 0, 0) and index == len(runs) - 1:
+            length = size - position
+            if not 0 < length < block_bytes:
+                raise DeltaError("the recipe's tail does not fit the file's size")
+        position += length
+        if position > size:
+            raise DeltaError("the recipe makes a file longer than its size")
+        yield file_index, first, length
+    if position != size:
+        raise DeltaError(f"the recipe makes {position} bytes, not {size}")
+
+
+def apply_recipe(recipe: Path, literals: Path, base_root: Path, output: Path) -> int:
+    """Rebuild a file from its recipe, its literals and the base under `base_root`; its size.
+
+    DeltaError when the recipe is malformed, a base block it names is missing, or the literals
+    are too short or too long. The content is not checked here (see the module's docstring)."""
+    header, runs = read_recipe(recipe)
+    size, bs = int(str(header["size"])), int(str(header["block_bytes"]))
+    names = [str(n) for n in header["base"]]  # type: ignore[attr-defined]
+    for name in names:
+        if name.startswith("/") or ".." in name.split("/"):
+            raise DeltaError(f"the recipe names a base file outside the transfer: {name!r}")
+    plan = list(_runs_in_order(runs, names, size, bs))
+    fds: dict[int, int] = {}
+    try:
+        with open(literals, "rb") as taken, open(output, "wb") as out:
+            for file_index, first, length in plan:
+                if file_index == LITERAL:
+                    _copy(taken, out, length)
+                    continue
+                if file_index not in fds:
+                    try:
+                        fds[file_index] = os.open(base_root / names[file_index], os.O_RDONLY | os.O_CLOEXEC)
+                    except OSError as error:
+                        raise DeltaError(
+                            f"base file {names[file_index]} is missing ({error.strerror})"
+                        ) from None
+                data = os.pread(fds[file_index], length, first * bs)
+                if len(data) != length:
+                    raise DeltaError(
+                        f"base file {names[file_index]} lacks blocks {first}..{first + length // bs}"
+                    )
+                out.write(data)
+            if taken.read(1):
+                raise DeltaError(f"{literals.name} holds more than its recipe uses")
+    except DeltaError:
+        output.unlink(missing_ok=True)
+        raise
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return size
