@@ -77,7 +77,7 @@ def lab() -> Iterator[Lab]:
     why = lab_problem()
     if why:
         pytest.skip(why)
-    config = {"move_timeout_seconds": 60.0, "move_hold_seconds": 60.0}
+    config = {"move_timeout_seconds": 60.0, "move_hold_seconds": 60.0, "move_process_base": True}
     with joined_lab(NODES, f"lab{os.getpid()}", config, other_uid_for_owner) as made:
         yield made
 
@@ -453,7 +453,7 @@ async def test_sing_top_shows_the_peers_and_migrates_a_job(lab: Lab) -> None:
 
 
 def test_a_moved_job_sends_its_process_images_as_changes_against_a_base(lab: Lab) -> None:
-    """With move_process_base (the default), the images dumped while the job ran go to the target
+    """With move_process_base (on in this lab), the images dumped while the job ran go to the target
     first; after the stop only a small part of the final checkpoint travels, the target rebuilds
     the rest, and the job still ends byte-identical to an uninterrupted run."""
     expected = direct_output("long_train.py", ["--steps", str(STEPS)])
