@@ -27,7 +27,6 @@ from singularityd.core.decisions import (
     JobFacts,
     StillLaunching,
     decide,
-    shell_exit_status,
 )
 from singularityd.core.states import ALLOWED_TRANSITIONS, InvalidTransition, JobState, check_transition
 from singularityd.core.stimuli import (
@@ -181,11 +180,6 @@ def test_lost_and_requeued_and_launch_failure() -> None:
 def test_every_transition_needs_a_reason() -> None:
     with pytest.raises(ValueError, match="reason"):
         check_transition(1, JobState.PENDING, JobState.RUNNING, "", 0)
-
-
-def test_shell_exit_status() -> None:
-    assert shell_exit_status(3, None) == 3
-    assert shell_exit_status(None, 9) == 137
 
 
 # Preempt, suspend, resume and checkpoint requests

@@ -484,6 +484,14 @@ class JobCheckpoints:
             paused_bytes=pause.device.paused_copied_bytes + (pause.device.written_after_bytes if stop else 0),
         )
 
+    async def dump_in_place(self, job_id: int, pid: int, folder: Path, log_file: Path) -> DumpStats:
+        """Dump the running job's processes into `folder`, outside its checkpoints (a move's base),
+        its proxy connections kept external as in a checkpoint; CheckpointError or OSError say why not."""
+        connections = await asyncio.to_thread(lambda: self.devices.connections(tree_pids(pid)))
+        return await self.checkpointer.dump_in_place(
+            str(job_id), pid, folder, external_unix_inodes=[c.inode for c in connections], log_file=log_file
+        )
+
     async def restore(self, job_id: int, devices: tuple[int, ...], logical: int | None = None) -> Restoration:
         """Restore the newest good checkpoint, reconnecting the processes to their devices (the job
         sees `logical` devices; its checkpoint may have held another number of them: a resize)."""

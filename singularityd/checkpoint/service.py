@@ -41,8 +41,18 @@ from singularityd.checkpoint.store import (
 
 TCP_STREAM_IMAGES = "tcp-stream-*.img"
 """CRIU's image of an established TCP connection: one may not appear in a dump without the lock."""
+
 InheritFds = Mapping[str, int] | Callable[[Manifest], Mapping[str, int]]
 AfterDump = Callable[[DumpStats], Awaitable[Mapping[str, Any]]]
+
+
+def _refuse_unlocked_tcp(job_id: str, image_dir: Path, lock_network: bool) -> None:
+    """CheckpointError if a dump taken without CRIU's network lock holds an established TCP connection."""
+    if not lock_network and any(image_dir.glob(TCP_STREAM_IMAGES)):
+        raise CheckpointError(
+            f"job {job_id} opened a TCP connection while it was checkpointed without "
+            "CRIU's network lock (it held none before); checkpoint it again"
+        )
 
 
 def post_dump_script(paths: Sequence[str], out: Path) -> str:
@@ -221,13 +231,7 @@ class Checkpointer:
     ) -> CheckpointResult:
         start = time.monotonic()
         info = self.criu.info
-        problems = await asyncio.to_thread(dump_problems, pid, info, self.userns_problem)
-        if problems:
-            raise CheckpointError(f"cannot checkpoint job {job_id}: {problems[0]}")
-        try:
-            mounts = await asyncio.to_thread(read_external_mounts, pid)
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"cannot checkpoint job {job_id}: {e}") from e
+        mounts = await self._dumpable(job_id, pid)
         wanted = self.pre_copy if pre_copy is None else pre_copy
         rounds = wanted if info.dirty_tracking else 0
         skipped = "" if rounds or not wanted else info.dirty_tracking_reason
@@ -331,6 +335,37 @@ class Checkpointer:
             move_s=move_s,
         )
 
+    async def dump_in_place(
+        self, job_id: str, pid: int, folder: Path, *, external_unix_inodes: Sequence[int], log_file: Path
+    ) -> DumpStats:
+        """Dump the running tree rooted at host PID `pid` into `folder`, outside the image store and
+        without its job lock (a move's base, taken while the move's final checkpoint may hold it),
+        with a checkpoint's checks; the tree keeps running. CheckpointError says why it could not be."""
+        mounts = await self._dumpable(job_id, pid)
+        pids = await asyncio.to_thread(tree_pids, pid)
+        lock_network = await asyncio.to_thread(tree_holds_tcp, pids)
+        stats = await self.criu.dump(
+            pid,
+            folder,
+            log_file=log_file,
+            leave_running=True,
+            external_unix_inodes=external_unix_inodes,
+            external_mounts=mounts,
+            lock_network=lock_network,
+        )
+        _refuse_unlocked_tcp(job_id, folder, lock_network)
+        return stats
+
+    async def _dumpable(self, job_id: str, pid: int) -> ExternalMounts | None:
+        """The external mounts of the tree rooted at `pid`; CheckpointError if it cannot be dumped."""
+        problems = await asyncio.to_thread(dump_problems, pid, self.criu.info, self.userns_problem)
+        if problems:
+            raise CheckpointError(f"cannot checkpoint job {job_id}: {problems[0]}")
+        try:
+            return await asyncio.to_thread(read_external_mounts, pid)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot checkpoint job {job_id}: {e}") from e
+
     def _stage(self, pending: PendingCheckpoint, expected_bytes: int) -> Staged:
         """A staging folder for this checkpoint's dump, marked in its folder on disk, or why the
         dump goes straight to disk (blocking)."""
@@ -404,11 +439,7 @@ class Checkpointer:
                 external_mounts=mounts,
                 lock_network=lock_network,
             )
-            if not lock_network and any(image_dir.glob(TCP_STREAM_IMAGES)):
-                raise CheckpointError(
-                    f"job {pending.job_id} opened a TCP connection while it was checkpointed without "
-                    "CRIU's network lock (it held none before); checkpoint it again"
-                )
+            _refuse_unlocked_tcp(pending.job_id, image_dir, lock_network)
             if not leave_running:
                 faults.reached(faults.STOPPING_DUMP_DONE)
             sizes: dict[str, int] = {}

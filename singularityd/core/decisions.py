@@ -130,13 +130,6 @@ def describe_exit(exit_code: int | None, sig: int | None) -> str:
     return f"exited with code {exit_code}"
 
 
-def shell_exit_status(exit_code: int | None, sig: int | None) -> int | None:
-    """The status a shell would report: the exit code, or 128 + the signal number."""
-    if sig is not None:
-        return 128 + sig
-    return exit_code
-
-
 def _require_idle_running(job: JobFacts, verb: str) -> None:
     """Refuse (or, while the processes start, defer) a checkpoint the job cannot take now."""
     if job.state is not JobState.RUNNING:

@@ -28,8 +28,6 @@ from pathlib import Path
 
 from singularityd.checkpoint.coordinator import JobCheckpoints
 from singularityd.checkpoint.manifest import IMAGES_DIR
-from singularityd.checkpoint.namespaces import read_external_mounts
-from singularityd.checkpoint.precheck import tree_holds_tcp, tree_pids
 from singularityd.federation import jobfiles
 from singularityd.federation.pagedelta import BaseIndex, apply_recipe, index_base, make_recipe
 
@@ -68,27 +66,15 @@ class DeltaSummary:
     recipe_bytes: int = 0
 
 
-async def dump_base(checkpoints: JobCheckpoints, pid: int, folder: Path) -> ProcessBase:
-    """Dump the tree rooted at host PID `pid` in place into `folder` (made afresh) and index its
-    pages images; CheckpointError (CRIU) or OSError say why it could not be."""
+async def dump_base(checkpoints: JobCheckpoints, job_id: int, pid: int, folder: Path) -> ProcessBase:
+    """Dump the job's tree (root at host PID `pid`) in place into `folder` (made afresh) and index
+    its pages images; CheckpointError (CRIU) or OSError say why it could not be."""
     await asyncio.to_thread(jobfiles.remove, folder)
     folder.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     folder.mkdir(mode=0o700)
     images = folder / BASE_DIR
     images.mkdir(mode=0o700)
-    pids = await asyncio.to_thread(tree_pids, pid)
-    connections = await asyncio.to_thread(checkpoints.devices.connections, pids)
-    mounts = await asyncio.to_thread(read_external_mounts, pid)
-    holds_tcp = await asyncio.to_thread(tree_holds_tcp, pids)
-    stats = await checkpoints.checkpointer.criu.dump(
-        pid,
-        images,
-        log_file=folder / "dump.log",
-        leave_running=True,
-        external_unix_inodes=[c.inode for c in connections],
-        external_mounts=mounts,
-        lock_network=holds_tcp,
-    )
+    stats = await checkpoints.dump_in_place(job_id, pid, images, folder / "dump.log")
     names = sorted(f"{BASE_DIR}/{p.name}" for p in images.glob(PAGES_GLOB))
     index = await asyncio.to_thread(index_base, folder, names)
     return ProcessBase(folder, index, stats.pause_s)

@@ -285,7 +285,7 @@ class DaemonMoves:
             return None
         folder = self.outgoing(job_id, epoch).with_name(f"{job_id}@{epoch}.base")
         try:
-            base = await bases.dump_base(checkpoints, pid, folder)
+            base = await bases.dump_base(checkpoints, job_number, pid, folder)
         except (CheckpointError, OSError) as error:
             await asyncio.to_thread(jobfiles.remove, folder)
             self.note(job_id, f"no base of its process images for {peer} ({error}); they are sent whole")

@@ -80,6 +80,8 @@ def start_server(
     deadline = time.monotonic() + 60
     while not (sock.exists() and ctl.exists()):
         if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
             raise RuntimeError(f"proxy server {name} did not start")
         time.sleep(0.05)
     return ProxyServer(sock, ctl, proc)
