@@ -73,14 +73,15 @@ class DeviceSaveFigures:
 
     @property
     def unsettled(self) -> str:
-        """Why the pre-copy could not keep up, when the job wrote its state faster than it was saved."""
-        if self.precopy_ended != "unsettled" or self.precopy_seconds <= 0:
+        """Why the pre-copy could not get ahead of the job: it changed most of what was saved while
+        it was being saved ("" when the pre-copy settled or did not run)."""
+        if self.precopy_ended != "unsettled" or self.precopy_seconds <= 0 or not self.precopy_written_bytes:
             return ""
-        wrote = self.precopy_dirtied_bytes / self.precopy_seconds
+        share = self.precopy_dirtied_bytes / self.precopy_written_bytes
         saved = self.precopy_written_bytes / self.precopy_seconds
         return (
-            f"the job wrote its device state at {human_bytes(wrote)}/s while it was saved at "
-            f"{human_bytes(saved)}/s: the disk is slower than the state changes"
+            f"the job changed {share:.0%} of its device state while the pre-copy saved it at "
+            f"{human_bytes(saved)}/s, so the pause copies what changed"
         )
 
 

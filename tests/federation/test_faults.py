@@ -12,7 +12,8 @@ be exactly what an uninterrupted run of the same number of steps prints. A refer
 once, nor may one node have a live copy while another holds one it may still let run.
 
 CI runs a fixed sample of trials (one per fault kind and a few steps); SING_FAULT_TRIALS=N runs N
-random ones (SING_FAULT_SEED picks them) and prints a table of outcomes.
+random ones (SING_FAULT_SEED picks them) and prints a table of outcomes; SING_FAULT_PROCESS_BASE=1
+runs them with `move_process_base` on (the process images sent as changes against a base).
 """
 
 from __future__ import annotations
@@ -106,7 +107,9 @@ def fault_lab() -> Iterator[Lab]:
     why = lab_problem()
     if why:
         pytest.skip(why)
-    config = {"move_timeout_seconds": MOVE_TIMEOUT_S, "move_hold_seconds": MOVE_HOLD_S}
+    config: dict[str, Any] = {"move_timeout_seconds": MOVE_TIMEOUT_S, "move_hold_seconds": MOVE_HOLD_S}
+    if os.environ.get("SING_FAULT_PROCESS_BASE") == "1":
+        config["move_process_base"] = True
     with joined_lab(NODES, f"flt{os.getpid() % 10000}", config) as made:
         yield made
 

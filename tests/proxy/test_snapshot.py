@@ -12,7 +12,7 @@ import os
 import random
 import subprocess
 from collections.abc import Callable, Iterator
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -257,6 +257,21 @@ def test_control_failures_carry_the_errors_own_text() -> None:
         protocol.CONTROL_ERROR,
         "proxy: the request failed without saying why",
     ]
+
+
+def test_an_unsettled_pre_copy_says_how_much_the_job_changed_while_it_was_saved() -> None:
+    """The event's reason for a pre-copy that could not get ahead is the share of the saved state
+    the job changed meanwhile and the rate it was saved at; nothing when it settled."""
+    figures = DeviceSaveFigures(
+        live_bytes=100 << 20, precopy_rounds=1, precopy_written_bytes=100 << 20,
+        precopy_dirtied_bytes=98 << 20, precopy_seconds=0.5, precopy_ended="unsettled",
+    )  # fmt: skip
+    assert figures.unsettled == (
+        "the job changed 98% of its device state while the pre-copy saved it at 200.0M/s, "
+        "so the pause copies what changed"
+    )
+    assert replace(figures, precopy_ended="settled").unsettled == ""
+    assert replace(figures, precopy_written_bytes=0).unsettled == ""
 
 
 def test_the_daemon_sums_the_figures_each_server_reports_for_its_device() -> None:
