@@ -471,9 +471,10 @@ class DaemonMoves:
             rebuilt = await asyncio.to_thread(bases.rebuild_deltas, incoming)
         except (OSError, DeltaError) as error:
             raise RuntimeError(f"cannot rebuild the process images from their base: {error}") from None
+        rebuild_s = time.monotonic() - began
         if rebuilt:
-            took = time.monotonic() - began
-            self.note(job_id, f"rebuilt {rebuilt} process images from their base and changes in {took:.1f}s")
+            rebuilt_note = f"rebuilt {rebuilt} process images from their base and changes in {rebuild_s:.1f}s"
+            self.note(job_id, rebuilt_note)
         await self._kill_frozen(job_number)
         needed = arrival.gpus if arrival.seq is not None else 0
         free = self._free_devices(arriving=job_number)
@@ -492,12 +493,20 @@ class DaemonMoves:
         job = daemon.get_job(job_number)
         await daemon.devices.admit(job_number, identity(job), devices)
         daemon.processes.forget_outcome(job_number)
+        restore_began = time.monotonic()
         restored = await self.frozen.restore(job_number, devices)
         process = daemon.processes.adopt_restored(job_number, restored.pid)
         daemon.store.set_process(job_number, process.pid, process.start_ticks)
         if restored.problem:
             raise RuntimeError(restored.problem)
         await asyncio.to_thread(jobfiles.remove, incoming)
+        ended = time.monotonic()
+        parts = f": {restored.parts.summary()}" if restored.parts is not None else ""
+        self.note(
+            job_id,
+            f"restore frozen took {ended - began:.2f}s (images rebuilt in {rebuild_s:.2f}s, files placed in "
+            f"{restore_began - began - rebuild_s:.2f}s, restored in {ended - restore_began:.2f}s{parts})",
+        )
 
     async def release_frozen(self, job_id: str, epoch: int) -> None:
         """The job is ours: let the processes restored for `epoch` run (nothing if they already do)."""
