@@ -225,7 +225,8 @@ RESTORE_PARTS = {
 def restore_parts(events: list[dict[str, Any]]) -> dict[str, float]:
     """The parts of the target's restore frozen, from its event "restore frozen took ..." (zeros
     when the target does not say)."""
-    _, text = event_time(events, r"^restore frozen took|^restored frozen")
+    said = [str(e["reason"]) for e in events if str(e["reason"]).startswith("restore frozen took")]
+    text = said[-1] if said else ""
     units = {"B": 1 / (1 << 20), "K": 1 / 1024, "M": 1.0, "G": 1024.0, "T": 1 << 20}
     parts = {}
     for key, pattern in RESTORE_PARTS.items():
