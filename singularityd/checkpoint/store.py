@@ -82,7 +82,7 @@ def hash_prefixes(folder: Path, base: Path) -> dict[str, PrefixHash]:
             path = Path(dirpath) / name
             if path.is_file() and not path.is_symlink():
                 h = hashlib.sha256()
-                size = _hash_into(h, path, 0, path.stat().st_size)
+                size = hash_into(h, path, 0, path.stat().st_size)
                 found[path.relative_to(base).as_posix()] = PrefixHash(size, h)
     return found
 
@@ -92,12 +92,12 @@ def hash_file(path: Path, prefix: PrefixHash | None = None) -> tuple[int, str]:
     from `prefix` when given and the file is at least that long."""
     if prefix is not None and os.stat(path, follow_symlinks=False).st_size >= prefix.size:
         h = prefix.state.copy()
-        return _hash_into(h, path, prefix.size, None), h.hexdigest()
+        return hash_into(h, path, prefix.size, None), h.hexdigest()
     h = hashlib.sha256()
-    return _hash_into(h, path, 0, None), h.hexdigest()
+    return hash_into(h, path, 0, None), h.hexdigest()
 
 
-def _hash_into(h: Any, path: Path, offset: int, limit: int | None) -> int:
+def hash_into(h: Any, path: Path, offset: int, limit: int | None) -> int:
     """Feed the file's bytes from `offset` (up to `limit` in all, else to its end) into `h`; the
     offset reached."""
     size = offset

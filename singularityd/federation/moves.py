@@ -467,13 +467,16 @@ class DaemonMoves:
         if arrival.job_id != job_number:
             raise RuntimeError(f"the received record is for job {arrival.job_id}, not {job_id}")
         began = time.monotonic()
+        received = self.receivers.take_digests(job_id, epoch)
         try:  # before the restore checks every file against the checkpoint's manifest
             rebuilt = await asyncio.to_thread(bases.rebuild_deltas, incoming)
         except (OSError, DeltaError) as error:
             raise RuntimeError(f"cannot rebuild the process images from their base: {error}") from None
         rebuild_s = time.monotonic() - began
         if rebuilt:
-            rebuilt_note = f"rebuilt {rebuilt} process images from their base and changes in {rebuild_s:.1f}s"
+            rebuilt_note = (
+                f"rebuilt {len(rebuilt)} process images from their base and changes in {rebuild_s:.1f}s"
+            )
             self.note(job_id, rebuilt_note)
         await self._kill_frozen(job_number)
         needed = arrival.gpus if arrival.seq is not None else 0
@@ -494,6 +497,7 @@ class DaemonMoves:
         await daemon.devices.admit(job_number, identity(job), devices)
         daemon.processes.forget_outcome(job_number)
         restore_began = time.monotonic()
+        self._know_digests(job_number, arrival.seq, received | rebuilt)
         restored = await self.frozen.restore(job_number, devices)
         process = daemon.processes.adopt_restored(job_number, restored.pid)
         daemon.store.set_process(job_number, process.pid, process.start_ticks)
@@ -507,6 +511,16 @@ class DaemonMoves:
             f"restore frozen took {ended - began:.2f}s (images rebuilt in {rebuild_s:.2f}s, files placed in "
             f"{restore_began - began - rebuild_s:.2f}s, restored in {ended - restore_began:.2f}s{parts})",
         )
+
+    def _know_digests(self, job_id: int, seq: int, digests: dict[str, str]) -> None:
+        """Hand the frozen restore of checkpoint `seq` the sha256 of its files hashed here as they
+        were received or rebuilt (by path in the received folder), so that it checks them against
+        the manifest without reading them again."""
+        if not isinstance(self.frozen, JobCheckpoints):
+            return
+        prefix = f"{jobfiles.CHECKPOINT_DIR}/{seq}/"
+        known = {path.removeprefix(prefix): d for path, d in digests.items() if path.startswith(prefix)}
+        self.frozen.checkpointer.known_digests[(str(job_id), seq)] = known
 
     async def release_frozen(self, job_id: str, epoch: int) -> None:
         """The job is ours: let the processes restored for `epoch` run (nothing if they already do)."""

@@ -174,6 +174,9 @@ class Receivers:
     def __init__(self, authorize: Authorize) -> None:
         self.authorize = authorize
         self.open: dict[str, _Open] = {}
+        self.digests: dict[tuple[str, int], dict[str, str]] = {}
+        """Per (job, epoch) whose transfer finished: the sha256 of each file received, by path,
+        hashed as it was written (see transfer.FileHashes); taken with `take_digests`."""
 
     async def begin(self, node: str, request: pb.BeginTransferRequest) -> pb.TransferState:
         """Open (or reopen) a transfer the hand-off expects; answer with the chunks already here."""
@@ -184,8 +187,14 @@ class Receivers:
         previous = self.open.get(request.transfer_id)
         if previous is not None and self._resumes(previous, node, request, entries):
             return self._state(previous.destination)  # the sender resumes: keep what it sent
+        same_move = previous is not None and (previous.node, previous.job_id, previous.epoch) == (
+            node,
+            request.job_id,
+            request.epoch,
+        )
+        hashes = previous.destination.hashes if previous is not None and same_move else None
         try:
-            destination = await asyncio.to_thread(Destination, directory, entries, request.chunk_size)
+            destination = await asyncio.to_thread(Destination, directory, entries, request.chunk_size, hashes)
         except (TransferError, OSError) as e:
             raise Refused(f"cannot receive transfer {request.transfer_id}: {e}") from e
         if previous is not None:
@@ -237,7 +246,19 @@ class Receivers:
         problems = await asyncio.to_thread(check)
         if not problems:
             del self.open[request.transfer_id]
+            self.digests[(current.job_id, current.epoch)] = current.destination.file_digests
+            if current.destination.reread_bytes:
+                log.info(
+                    "transfer %s: %d bytes arrived out of order and were read back to hash their files",
+                    request.transfer_id,
+                    current.destination.reread_bytes,
+                )
         return pb.TransferVerdict(ok=not problems, problems=problems)
+
+    def take_digests(self, job_id: str, epoch: int) -> dict[str, str]:
+        """The sha256 of each file of the finished transfer of (job, epoch), by path (empty when
+        not known here: a restarted daemon); forgotten once taken."""
+        return self.digests.pop((job_id, epoch), {})
 
     def cancel(self, job_id: str, epoch: int | None = None) -> None:
         """Stop receiving for a job (one epoch, or all): its chunks are refused from now on."""
@@ -246,6 +267,8 @@ class Receivers:
                 with current.lock:
                     current.destination.close()
                 del self.open[transfer_id]
+        for finished in [key for key in self.digests if key[0] == job_id and epoch in (None, key[1])]:
+            del self.digests[finished]
 
     @staticmethod
     def _resumes(previous: _Open, node: str, request: pb.BeginTransferRequest, entries: list[Entry]) -> bool:
