@@ -311,6 +311,7 @@ class DaemonMoves:
         checkpoint = images.checkpoint_dir(job_id, seq) if seq is not None else None
         exported = self.daemon.store.export_job(job.id)
         paths = self.daemon.processes.paths(job.id)
+        began = time.monotonic()
         try:
             await asyncio.to_thread(jobfiles.stage_outgoing, staging, exported, checkpoint, seq, paths)
             await self._stage_deltas(
@@ -327,12 +328,17 @@ class DaemonMoves:
             sending = Sending(
                 stub, source, f"{job_id}@{epoch}", job_id, epoch, partial(self._progress, job_id)
             )
+            sending_began = time.monotonic()
             await sending.run(attempts=SEND_ATTEMPTS, pause_s=SEND_PAUSE_S)
+            ended = time.monotonic()
+            sent_s = ended - sending_began - sending.finish_s
             there = human_bytes(source.total - sending.sent)
             self.note(
                 job_id,
                 f"sent {human_bytes(sending.sent)} to {peer} after the stop ({sending.sent} bytes; "
-                f"{there} of the {human_bytes(source.total)} it needs were there already)",
+                f"{there} of the {human_bytes(source.total)} it needs were there already) in "
+                f"{ended - began:.2f}s: staged in {sending_began - began:.2f}s, sent in "
+                f"{sent_s:.2f}s, checked by {peer} in {sending.finish_s:.2f}s",
             )
         finally:
             await asyncio.to_thread(jobfiles.remove, staging)

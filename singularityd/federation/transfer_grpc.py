@@ -12,6 +12,7 @@ import asyncio
 import logging
 import re
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -71,6 +72,8 @@ class Sending:
     epoch: int
     progress: ProgressCallback | None = None
     sent: int = 0
+    finish_s: float = 0.0
+    """Seconds the sender waited for the receiver's verdict (FinishTransfer), all attempts."""
 
     def _report(self, phase: str, moved: int) -> None:
         if self.progress is not None:
@@ -111,7 +114,11 @@ class Sending:
             manifest=[pb.ChunkRef(file=f, index=i, sha256=d) for (f, i), d in manifest.items()],
             reread=reread,
         )
-        verdict = await self.stub.FinishTransfer(finish, timeout=call_timeout_s)
+        asked = time.monotonic()
+        try:
+            verdict = await self.stub.FinishTransfer(finish, timeout=call_timeout_s)
+        finally:
+            self.finish_s += time.monotonic() - asked
         if not verdict.ok:
             raise TransferError("the receiver rejected the transfer: " + "; ".join(verdict.problems[:3]))
         self._report("done", self.source.total)
