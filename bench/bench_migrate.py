@@ -192,6 +192,11 @@ def measure(lab: Lab, mib: int, program: Path) -> dict[str, float]:
     restored_at, _ = event_time(target_events, r"^restored frozen")
     running_at, _ = event_time(target_events, r"the job runs here")
     parts = restore_parts(target_events)
+    split = re.search(
+        r"staged in ([0-9.]+)s, sent in ([0-9.]+)s, checked by \S+ in ([0-9.]+)s", after[-1] if after else ""
+    )
+    for key, group in (("staged", 1), ("sending", 2), ("checked", 3)):
+        parts[key] = float(split.group(group)) if split else 0.0
     raw = raw_copy_seconds(lab, b.state_dir / "checkpoints" / str(job))
     b.sing("cancel", str(job))
     return {
@@ -285,16 +290,21 @@ def main() -> None:
             f"{m['raw_copy']:.2f} s |"
         )
         rows.append(
-            f"| {mib} MiB | {mode} | {m['restore']:.2f} s | {m['rebuild']:.2f} s | {m['placed']:.2f} s | "
+            f"| {mib} MiB | {mode} | {m['transfer']:.2f} s | {m['staged']:.2f} s | {m['sending']:.2f} s | "
+            f"{m['checked']:.2f} s | {m['restore']:.2f} s | {m['rebuild']:.2f} s | {m['placed']:.2f} s | "
             f"{m['verify']:.2f} s | {m['hashed_mib']:.0f} MiB | {m['device_state']:.2f} s | "
             f"{m['criu']:.2f} s | {m['resume']:.2f} s |"
         )
-    print("\nThe target's restore frozen, split (its event):\n")
     print(
-        "| device state | mode | restore frozen | images rebuilt | files placed | files checked "
-        "| read and hashed | device state loaded | CRIU | proxies resumed |"
+        "\nThe transfer after the stop (the source's event) and the target's restore frozen (its "
+        "event), split:\n"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| device state | mode | transfer | staged | sending | receiver's check | restore frozen "
+        "| images rebuilt | files placed | files checked | read and hashed | device state loaded | CRIU "
+        "| proxies resumed |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     print("\n".join(rows))
 
 
