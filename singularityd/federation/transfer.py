@@ -343,6 +343,13 @@ class Destination:
         self._journal.flush()
         self.held[key] = chunk_digest
 
+    def flush(self) -> None:
+        """Write what arrived so far to disk (one writer at a time): after the pre-copy's chunks,
+        while the job still runs, so that `finish` has only the rest to flush."""
+        if not self.closed:
+            for fd in self._fds.values():
+                os.fdatasync(fd)
+
     def _fd(self, f: int) -> int:
         fd = self._fds.get(f)
         if fd is None:

@@ -211,7 +211,8 @@ class Receivers:
         return self._state(destination)
 
     async def receive(self, node: str, chunks: AsyncIterator[pb.Chunk]) -> pb.TransferState:
-        """Check and store chunks as they come (a few at once); the reply is what is held afterwards."""
+        """Check and store chunks as they come (a few at once), then write them to disk; the reply
+        is what is held afterwards."""
         current: _Open | None = None
         in_flight: deque[asyncio.Future[None]] = deque()
         try:
@@ -227,6 +228,8 @@ class Receivers:
                     await in_flight.popleft()
             while in_flight:
                 await in_flight.popleft()
+            if current is not None:
+                await asyncio.to_thread(self._flush, current)
         except TransferError as e:
             raise DataLoss(str(e)) from e
         finally:
@@ -239,6 +242,11 @@ class Receivers:
         current.destination.verify(key, chunk_digest, data)
         with current.lock:
             current.destination.write(key, chunk_digest, data)
+
+    @staticmethod
+    def _flush(current: _Open) -> None:
+        with current.lock:
+            current.destination.flush()
 
     async def finish(self, node: str, request: pb.FinishTransferRequest) -> pb.TransferVerdict:
         """Check the transfer against the sender's manifest; on success it is complete and closed."""

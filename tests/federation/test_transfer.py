@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
+from singularityd.checkpoint import ImageStore
 from singularityd.federation.peer import PeerChannels, PeerServer, PeerService, Refused
 from singularityd.federation.transfer import (
     JOURNAL,
@@ -347,3 +349,41 @@ async def test_receivers_keep_running_hashes_from_the_pre_copy_to_the_finished_t
     receivers.digests[("j", 3)] = {"x": "y"}
     receivers.cancel("j", 3)
     assert receivers.digests == {}
+
+
+def test_a_received_file_unlike_its_manifest_fails_the_restore_check_without_being_read(
+    tmp_path: Path,
+) -> None:
+    """The digests the receiver took as the files were written are what the restore compares
+    with the checkpoint's manifest: a file whose bytes differ from those the manifest describes
+    (each chunk intact on the link) fails the check; intact, nothing is read again."""
+    source_store, target_store = ImageStore(tmp_path / "a"), ImageStore(tmp_path / "b")
+    pending = source_store.begin("5", owner_uid=os.getuid(), owner_gid=os.getgid())
+    (pending.path / "images" / "pages-1.img").write_bytes(os.urandom(3 * MiB + 9))
+    (pending.path / "images" / "core-1.img").write_bytes(b"core")
+    source_store.finish(pending, leave_running=False, criu_version="4.2")
+    for damaged in (False, True):
+        staging = tmp_path / f"staging-{damaged}" / "checkpoint" / str(pending.seq)
+        shutil.copytree(pending.path, staging)
+        if damaged:
+            with open(staging / "images" / "pages-1.img", "r+b") as handle:
+                handle.seek(2 * MiB + 1)
+                handle.write(b"\0")
+        source = Source(staging.parents[1], MiB)
+        incoming = tmp_path / f"incoming-{damaged}"
+        destination = Destination(incoming, source.entries, MiB)
+        assert copy_locally(source, destination) == []
+        prefix = f"checkpoint/{pending.seq}/"
+        known = {p.removeprefix(prefix): d for p, d in destination.file_digests.items()}
+        target_store.job_dir("5").mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(target_store.checkpoint_dir("5", pending.seq), ignore_errors=True)
+        os.replace(incoming / prefix, target_store.checkpoint_dir("5", pending.seq))
+        if damaged:  # the check goes by what was received: mending the disk now does not help
+            original = (pending.path / "images" / "pages-1.img").read_bytes()
+            (target_store.checkpoint_dir("5", pending.seq) / "images" / "pages-1.img").write_bytes(original)
+        verdict = target_store.verify("5", pending.seq, known=known)
+        if damaged:
+            assert not verdict.ok and verdict.reason == "images/pages-1.img fails its sha256 check"
+            assert target_store.verify("5", pending.seq).ok
+        else:
+            assert verdict.ok and verdict.hashed_bytes == 0, verdict
