@@ -194,12 +194,9 @@ class Receivers:
         previous = self.open.get(request.transfer_id)
         if previous is not None and self._resumes(previous, node, request, entries):
             return self._state(previous.destination)  # the sender resumes: keep what it sent
-        same_move = previous is not None and (previous.node, previous.job_id, previous.epoch) == (
-            node,
-            request.job_id,
-            request.epoch,
-        )
-        hashes = previous.destination.hashes if previous is not None and same_move else None
+        hashes = None  # the hashes of an earlier transfer of the same move (the pre-copy) go on
+        if previous is not None and self._same_move(previous, node, request):
+            hashes = previous.destination.hashes
         try:
             destination = await asyncio.to_thread(Destination, directory, entries, request.chunk_size, hashes)
         except (TransferError, OSError) as e:
@@ -264,7 +261,8 @@ class Receivers:
             self.digests[(current.job_id, current.epoch)] = current.destination.file_digests
             if current.destination.reread_bytes:
                 log.info(
-                    "transfer %s: %d bytes arrived out of order and were read back to hash their files",
+                    "transfer %s: %d bytes read back to hash their files (out of order, changed, or "
+                    "from before a restart)",
                     request.transfer_id,
                     current.destination.reread_bytes,
                 )
@@ -286,9 +284,16 @@ class Receivers:
             del self.digests[finished]
 
     @staticmethod
-    def _resumes(previous: _Open, node: str, request: pb.BeginTransferRequest, entries: list[Entry]) -> bool:
+    def _same_move(previous: _Open, node: str, request: pb.BeginTransferRequest) -> bool:
+        """Whether a BeginTransfer comes from the same node for the same job and epoch."""
+        return (previous.node, previous.job_id, previous.epoch) == (node, request.job_id, request.epoch)
+
+    @classmethod
+    def _resumes(
+        cls, previous: _Open, node: str, request: pb.BeginTransferRequest, entries: list[Entry]
+    ) -> bool:
         """Whether a BeginTransfer reopens the same transfer from the same node."""
-        same = (previous.node, previous.job_id, previous.epoch) == (node, request.job_id, request.epoch)
+        same = cls._same_move(previous, node, request)
         return same and previous.destination.matches(entries, request.chunk_size)
 
     def _find(self, node: str, transfer_id: str) -> _Open:
