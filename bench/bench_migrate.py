@@ -191,6 +191,12 @@ def measure(lab: Lab, mib: int, program: Path) -> dict[str, float]:
     transferred_at, _ = event_time(source_events, r"^checkpoint transferred")
     restored_at, _ = event_time(target_events, r"^restored frozen")
     running_at, _ = event_time(target_events, r"the job runs here")
+    parts = restore_parts(target_events)
+    split = re.search(
+        r"staged in ([0-9.]+)s, sent in ([0-9.]+)s, checked by \S+ in ([0-9.]+)s", after[-1] if after else ""
+    )
+    for key, group in (("staged", 1), ("sending", 2), ("checked", 3)):
+        parts[key] = float(split.group(group)) if split else 0.0
     raw = raw_copy_seconds(lab, b.state_dir / "checkpoints" / str(job))
     b.sing("cancel", str(job))
     return {
@@ -206,7 +212,33 @@ def measure(lab: Lab, mib: int, program: Path) -> dict[str, float]:
         "pre_sent": float(pre_sent + base_sent),
         "sent": float(seen.get("sent", 0)),
         "raw_copy": raw,
+        **parts,
     }
+
+
+RESTORE_PARTS = {
+    "rebuild": r"images rebuilt in ([0-9.]+)s",
+    "placed": r"files placed in ([0-9.]+)s",
+    "verify": r"checked the files in ([0-9.]+)s",
+    "hashed_mib": r"s \(([0-9.]+)([BKMGT]) read and hashed",
+    "device_state": r"device state loaded in ([0-9.]+)s",
+    "criu": r"CRIU ([0-9.]+)s",
+    "resume": r"proxies resumed in ([0-9.]+)s",
+}
+
+
+def restore_parts(events: list[dict[str, Any]]) -> dict[str, float]:
+    """The parts of the target's restore frozen, from its event "restore frozen took ..." (zeros
+    when the target does not say)."""
+    said = [str(e["reason"]) for e in events if str(e["reason"]).startswith("restore frozen took")]
+    text = said[-1] if said else ""
+    units = {"B": 1 / (1 << 20), "K": 1 / 1024, "M": 1.0, "G": 1024.0, "T": 1 << 20}
+    parts = {}
+    for key, pattern in RESTORE_PARTS.items():
+        found = re.search(pattern, text)
+        value = float(found.group(1)) if found else 0.0
+        parts[key] = value * units[found.group(2)] if found and key == "hashed_mib" else value
+    return parts
 
 
 def restart_with(node: Node, **config: Any) -> None:
@@ -246,6 +278,7 @@ def main() -> None:
         "| raw socket copy of the image |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rows = []
     mb = 1 << 20
     for (mode, mib), runs in sorted(results.items(), key=lambda item: (item[0][1], modes.index(item[0][0]))):
         m = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
@@ -256,6 +289,23 @@ def main() -> None:
             f"{m['image'] / mb:.0f} MiB | {m['pre_sent'] / mb:.0f} MiB | {m['sent'] / mb:.0f} MiB | "
             f"{m['raw_copy']:.2f} s |"
         )
+        rows.append(
+            f"| {mib} MiB | {mode} | {m['transfer']:.2f} s | {m['staged']:.2f} s | {m['sending']:.2f} s | "
+            f"{m['checked']:.2f} s | {m['restore']:.2f} s | {m['rebuild']:.2f} s | {m['placed']:.2f} s | "
+            f"{m['verify']:.2f} s | {m['hashed_mib']:.0f} MiB | {m['device_state']:.2f} s | "
+            f"{m['criu']:.2f} s | {m['resume']:.2f} s |"
+        )
+    print(
+        "\nThe transfer after the stop (the source's event) and the target's restore frozen (its "
+        "event), split:\n"
+    )
+    print(
+        "| device state | mode | transfer | staged | sending | receiver's check | restore frozen "
+        "| images rebuilt | files placed | files checked | read and hashed | device state loaded | CRIU "
+        "| proxies resumed |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n".join(rows))
 
 
 if __name__ == "__main__":

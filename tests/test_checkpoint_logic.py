@@ -225,6 +225,24 @@ def test_a_daemon_killed_while_recording_a_stopping_dump_leaves_it_recordable(
     assert store.interrupted("7") is None and not (pending.path / ".intent.json").exists()
 
 
+def test_files_hashed_as_they_arrived_are_checked_against_the_manifest_without_a_read(tmp_path: Path) -> None:
+    """A move's target knows the sha256 of what it received: the restore's check compares those
+    with the manifest and reads only the other files; a received file whose bytes differ from
+    what the manifest says fails the checkpoint, as a re-read would."""
+    store = ImageStore(tmp_path / "store")
+    pending = store.begin("9", owner_uid=os.getuid(), owner_gid=os.getgid())
+    pages, core = os.urandom(3 << 20), b"core"
+    (pending.path / "images" / "pages-1.img").write_bytes(pages)
+    (pending.path / "images" / "core-1.img").write_bytes(core)
+    store.finish(pending, leave_running=False, criu_version="4.2")
+    right = {"images/pages-1.img": hashlib.sha256(pages).hexdigest()}
+    assert store.verify("9", pending.seq) == Verdict.good(pending.seq, len(pages) + len(core))
+    assert store.verify("9", pending.seq, known=right) == Verdict.good(pending.seq, len(core))
+    damaged = {"images/pages-1.img": hashlib.sha256(b"x" + pages[1:]).hexdigest()}
+    verdict = store.verify("9", pending.seq, known=damaged)
+    assert not verdict.ok and verdict.reason == "images/pages-1.img fails its sha256 check"
+
+
 def test_post_dump_script_records_sizes(tmp_path: Path) -> None:
     a = tmp_path / "a b.log"
     a.write_bytes(b"12345")

@@ -131,6 +131,27 @@ class Restoration:
     skipped: tuple[tuple[int, str], ...] = ()
     problem: str = ""
     downtime: Downtime | None = None
+    parts: RestoreParts | None = None
+
+
+@dataclass(frozen=True)
+class RestoreParts:
+    """Where a restore's time went, in seconds: checking the files against the manifest, the
+    proxies loading the device state, CRIU, and the proxies letting the processes go on."""
+
+    verify_s: float
+    hashed_bytes: int
+    device_state_s: float
+    criu_s: float
+    resume_s: float
+
+    def summary(self) -> str:
+        """The parts as an event says them."""
+        return (
+            f"checked the files in {self.verify_s:.2f}s ({human_bytes(self.hashed_bytes)} read and hashed), "
+            f"device state loaded in {self.device_state_s:.2f}s, CRIU {self.criu_s:.2f}s, "
+            f"proxies resumed in {self.resume_s:.2f}s"
+        )
 
 
 def checkpoint_summary(result: CheckpointResult, pause: Pause, complete_s: float) -> str:
@@ -497,6 +518,7 @@ class JobCheckpoints:
         sees `logical` devices; its checkpoint may have held another number of them: a resize)."""
         began = time.monotonic()
         opened: list[socket.socket] = []
+        loading: list[float] = []
 
         def reconnect(manifest: Manifest) -> dict[str, int]:
             connections = manifest.extra.get("proxy_connections") or []
@@ -505,7 +527,9 @@ class JobCheckpoints:
             folder = self.images.checkpoint_dir(str(job_id), manifest.seq) / IMAGES_DIR
             held = len(manifest.extra.get("devices") or devices)
             layout = SavedLayout(logical or max(held, len(devices)), held)
+            loading_began = time.monotonic()
             inherit, sockets = self.devices.reconnect(job_id, devices, folder, connections, layout)
+            loading.append(time.monotonic() - loading_began)
             opened.extend(sockets)
             return inherit
 
@@ -519,6 +543,7 @@ class JobCheckpoints:
             for connection in opened:
                 connection.close()
         problem = ""
+        resume_began = time.monotonic()
         if opened:
             try:
                 await self.devices.resume(job_id, devices)
@@ -526,7 +551,14 @@ class JobCheckpoints:
                 problem = f"the device proxies did not resume the job: {error}"
         down = downtime(began, time.monotonic(), manifest_pause(result.manifest))
         skipped = tuple((s.seq, s.reason) for s in result.skipped)
-        return Restoration(result.pid, result.seq, skipped, problem, down)
+        parts = RestoreParts(
+            result.verify_s,
+            result.hashed_bytes,
+            sum(loading),
+            result.outcome.wall_s,
+            time.monotonic() - resume_began,
+        )
+        return Restoration(result.pid, result.seq, skipped, problem, down, parts)
 
     async def resume_parked(self, job_id: int, devices: tuple[int, ...]) -> None:
         """Let go a job a killed daemon may have left parked in its proxies mid-checkpoint."""

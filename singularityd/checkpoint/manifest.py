@@ -212,11 +212,13 @@ class Verdict:
     seq: int
     ok: bool
     reason: str = ""
+    hashed_bytes: int = 0
+    """Bytes read from disk and hashed to reach it."""
 
     @staticmethod
-    def good(seq: int) -> Verdict:
-        """A checkpoint that passed verification."""
-        return Verdict(seq, True)
+    def good(seq: int, hashed_bytes: int = 0) -> Verdict:
+        """A checkpoint that passed verification (after reading and hashing `hashed_bytes`)."""
+        return Verdict(seq, True, hashed_bytes=hashed_bytes)
 
     @staticmethod
     def bad(seq: int, problems: Sequence[str]) -> Verdict:

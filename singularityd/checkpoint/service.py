@@ -129,6 +129,8 @@ class RestoreResult:
     skipped: tuple[Skipped, ...]
     rewound: Mapping[str, int] = field(default_factory=dict)
     verify_s: float = 0.0
+    hashed_bytes: int = 0
+    """Bytes read and hashed to check the checkpoint against its manifest."""
 
 
 class Checkpointer:
@@ -152,6 +154,10 @@ class Checkpointer:
         self.userns_problem = ""
         """Why jobs do not run in user namespaces here ("" if they do or need not): told to users
         whose jobs cannot be checkpointed for want of one."""
+        self.known_digests: dict[tuple[str, int], dict[str, str]] = {}
+        """Per (job, seq): the sha256 of files of that checkpoint hashed as they were written here
+        (a move's arrival); its next restore checks them against the manifest without reading
+        them again (taken by that restore, whatever its outcome)."""
 
     def close(self) -> None:
         """Remove the staging folder, if there is one (the daemon stops; the next one opens its own)."""
@@ -511,7 +517,8 @@ class Checkpointer:
     ) -> RestoreResult | Verdict:
         with self.store.sealed(job_id, seq) as path:
             t0 = time.monotonic()
-            verdict = await asyncio.to_thread(self.store.verify, job_id, seq, deep=deep_verify)
+            known = self.known_digests.pop((job_id, seq), None)
+            verdict = await asyncio.to_thread(self.store.verify, job_id, seq, deep=deep_verify, known=known)
             verify_s = time.monotonic() - t0
             if not verdict.ok:
                 return verdict
@@ -540,6 +547,7 @@ class Checkpointer:
             skipped=skipped,
             rewound=rewound,
             verify_s=verify_s,
+            hashed_bytes=verdict.hashed_bytes,
         )
 
     async def latest_valid(self, job_id: str) -> tuple[Manifest | None, tuple[Skipped, ...]]:

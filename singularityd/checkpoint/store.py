@@ -82,7 +82,7 @@ def hash_prefixes(folder: Path, base: Path) -> dict[str, PrefixHash]:
             path = Path(dirpath) / name
             if path.is_file() and not path.is_symlink():
                 h = hashlib.sha256()
-                size = _hash_into(h, path, 0, path.stat().st_size)
+                size = hash_into(h, path, 0, path.stat().st_size)
                 found[path.relative_to(base).as_posix()] = PrefixHash(size, h)
     return found
 
@@ -92,12 +92,12 @@ def hash_file(path: Path, prefix: PrefixHash | None = None) -> tuple[int, str]:
     from `prefix` when given and the file is at least that long."""
     if prefix is not None and os.stat(path, follow_symlinks=False).st_size >= prefix.size:
         h = prefix.state.copy()
-        return _hash_into(h, path, prefix.size, None), h.hexdigest()
+        return hash_into(h, path, prefix.size, None), h.hexdigest()
     h = hashlib.sha256()
-    return _hash_into(h, path, 0, None), h.hexdigest()
+    return hash_into(h, path, 0, None), h.hexdigest()
 
 
-def _hash_into(h: Any, path: Path, offset: int, limit: int | None) -> int:
+def hash_into(h: Any, path: Path, offset: int, limit: int | None) -> int:
     """Feed the file's bytes from `offset` (up to `limit` in all, else to its end) into `h`; the
     offset reached."""
     size = offset
@@ -417,8 +417,13 @@ class ImageStore:
                 facts[full.relative_to(base).as_posix()] = _fact(full)
         return facts
 
-    def verify(self, job_id: str, seq: int, *, deep: bool = True) -> Verdict:
-        """Whether checkpoint `seq` may be restored: structure always, checksums when `deep`."""
+    def verify(
+        self, job_id: str, seq: int, *, deep: bool = True, known: Mapping[str, str] | None = None
+    ) -> Verdict:
+        """Whether checkpoint `seq` may be restored: structure always, checksums when `deep`.
+
+        `known` gives the sha256 of files hashed as they were written here (by path in the
+        checkpoint): those are checked against the manifest without being read again."""
         try:
             manifest = self.read_manifest(job_id, seq)
         except ManifestError as e:
@@ -429,16 +434,18 @@ class ImageStore:
         )
         if problems:
             return Verdict.bad(seq, problems)
-        if deep:
-            base = self.checkpoint_dir(job_id, seq)
-            try:
-                digests = {r: h for r, (_s, h) in hash_files(base, list(manifest.files)).items()}
-            except OSError as e:
-                return Verdict.bad(seq, [f"cannot read an image file: {e}"])
-            problems = digest_problems(manifest, digests)
-            if problems:
-                return Verdict.bad(seq, problems)
-        return Verdict.good(seq)
+        if not deep:
+            return Verdict.good(seq)
+        given = {rel: known[rel] for rel in manifest.files if known and rel in known}
+        unknown = [rel for rel in manifest.files if rel not in given]
+        try:
+            hashed = hash_files(self.checkpoint_dir(job_id, seq), unknown) if unknown else {}
+        except OSError as e:
+            return Verdict.bad(seq, [f"cannot read an image file: {e}"])
+        problems = digest_problems(manifest, given | {r: h for r, (_s, h) in hashed.items()})
+        if problems:
+            return Verdict.bad(seq, problems)
+        return Verdict.good(seq, sum(size for size, _h in hashed.values()))
 
     def latest_valid(self, job_id: str, *, deep: bool = True) -> tuple[Manifest | None, Choice]:
         """The newest checkpoint that verifies, and every newer one skipped with its reason.

@@ -6,8 +6,9 @@ in place (`dump_base`: CRIU --leave-running into a folder of its own, outside th
 job is frozen as long as any checkpoint's dump freezes it) and sends the pages images with the
 pre-copied device state. After the stop, each large pages image of the final checkpoint is staged
 as a recipe against that base plus the blocks the base lacks (`stage_deltas`, see pagedelta); the
-target rebuilds the images (`rebuild_deltas`) before its restore checks every file of the
-checkpoint against the manifest's sha256, so a base that went wrong fails the move, never the job.
+target rebuilds the images (`rebuild_deltas`, hashing them as it writes them) before its restore
+checks every file of the checkpoint against the manifest's sha256, so a base that went wrong fails
+the move, never the job.
 
 In the directory a move sends (see jobfiles), besides the job's files:
 
@@ -116,19 +117,21 @@ def stage_deltas(staging: Path, base: ProcessBase) -> DeltaSummary:
     return summary
 
 
-def rebuild_deltas(incoming: Path) -> int:
+def rebuild_deltas(incoming: Path) -> dict[str, str]:
     """Rebuild every image a received directory holds as a recipe, then drop the recipes and the
-    base; how many were rebuilt. DeltaError or OSError when one cannot be (nothing is dropped)."""
+    base; the sha256 of each image rebuilt (hashed as it was written), by path in `incoming`.
+    DeltaError or OSError when one cannot be (nothing is dropped)."""
     recipes = (
         sorted((incoming / DELTA_DIR).rglob(f"*{RECIPE_SUFFIX}")) if (incoming / DELTA_DIR).is_dir() else []
     )
+    rebuilt = {}
     for recipe in recipes:
         relative = recipe.relative_to(incoming / DELTA_DIR)
         image = incoming / relative.with_name(relative.name.removesuffix(RECIPE_SUFFIX))
         literals = recipe.with_name(recipe.name.removesuffix(RECIPE_SUFFIX) + LITERALS_SUFFIX)
         image.unlink(missing_ok=True)
-        apply_recipe(recipe, literals, incoming, image)
+        _, rebuilt[image.relative_to(incoming).as_posix()] = apply_recipe(recipe, literals, incoming, image)
         os.chmod(image, literals.stat().st_mode & 0o777)
     jobfiles.remove(incoming / DELTA_DIR)
     jobfiles.remove(incoming / BASE_DIR)
-    return len(recipes)
+    return rebuilt

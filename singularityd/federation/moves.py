@@ -311,6 +311,7 @@ class DaemonMoves:
         checkpoint = images.checkpoint_dir(job_id, seq) if seq is not None else None
         exported = self.daemon.store.export_job(job.id)
         paths = self.daemon.processes.paths(job.id)
+        began = time.monotonic()
         try:
             await asyncio.to_thread(jobfiles.stage_outgoing, staging, exported, checkpoint, seq, paths)
             await self._stage_deltas(
@@ -327,12 +328,17 @@ class DaemonMoves:
             sending = Sending(
                 stub, source, f"{job_id}@{epoch}", job_id, epoch, partial(self._progress, job_id)
             )
+            sending_began = time.monotonic()
             await sending.run(attempts=SEND_ATTEMPTS, pause_s=SEND_PAUSE_S)
+            ended = time.monotonic()
+            sent_s = ended - sending_began - sending.finish_s
             there = human_bytes(source.total - sending.sent)
             self.note(
                 job_id,
                 f"sent {human_bytes(sending.sent)} to {peer} after the stop ({sending.sent} bytes; "
-                f"{there} of the {human_bytes(source.total)} it needs were there already)",
+                f"{there} of the {human_bytes(source.total)} it needs were there already) in "
+                f"{ended - began:.2f}s: staged in {sending_began - began:.2f}s, sent in "
+                f"{sent_s:.2f}s, checked by {peer} in {sending.finish_s:.2f}s",
             )
         finally:
             await asyncio.to_thread(jobfiles.remove, staging)
@@ -467,13 +473,17 @@ class DaemonMoves:
         if arrival.job_id != job_number:
             raise RuntimeError(f"the received record is for job {arrival.job_id}, not {job_id}")
         began = time.monotonic()
+        received = self.receivers.take_digests(job_id, epoch)
         try:  # before the restore checks every file against the checkpoint's manifest
             rebuilt = await asyncio.to_thread(bases.rebuild_deltas, incoming)
         except (OSError, DeltaError) as error:
             raise RuntimeError(f"cannot rebuild the process images from their base: {error}") from None
+        rebuild_s = time.monotonic() - began
         if rebuilt:
-            took = time.monotonic() - began
-            self.note(job_id, f"rebuilt {rebuilt} process images from their base and changes in {took:.1f}s")
+            rebuilt_note = (
+                f"rebuilt {len(rebuilt)} process images from their base and changes in {rebuild_s:.1f}s"
+            )
+            self.note(job_id, rebuilt_note)
         await self._kill_frozen(job_number)
         needed = arrival.gpus if arrival.seq is not None else 0
         free = self._free_devices(arriving=job_number)
@@ -492,12 +502,31 @@ class DaemonMoves:
         job = daemon.get_job(job_number)
         await daemon.devices.admit(job_number, identity(job), devices)
         daemon.processes.forget_outcome(job_number)
+        restore_began = time.monotonic()
+        self._know_digests(job_number, arrival.seq, received | rebuilt)
         restored = await self.frozen.restore(job_number, devices)
         process = daemon.processes.adopt_restored(job_number, restored.pid)
         daemon.store.set_process(job_number, process.pid, process.start_ticks)
         if restored.problem:
             raise RuntimeError(restored.problem)
         await asyncio.to_thread(jobfiles.remove, incoming)
+        ended = time.monotonic()
+        parts = f": {restored.parts.summary()}" if restored.parts is not None else ""
+        self.note(
+            job_id,
+            f"restore frozen took {ended - began:.2f}s (images rebuilt in {rebuild_s:.2f}s, files placed in "
+            f"{restore_began - began - rebuild_s:.2f}s, restored in {ended - restore_began:.2f}s{parts})",
+        )
+
+    def _know_digests(self, job_id: int, seq: int, digests: dict[str, str]) -> None:
+        """Hand the frozen restore of checkpoint `seq` the sha256 of its files hashed here as they
+        were received or rebuilt (by path in the received folder), so that it checks them against
+        the manifest without reading them again."""
+        if not isinstance(self.frozen, JobCheckpoints):
+            return
+        prefix = f"{jobfiles.CHECKPOINT_DIR}/{seq}/"
+        known = {path.removeprefix(prefix): d for path, d in digests.items() if path.startswith(prefix)}
+        self.frozen.checkpointer.known_digests[(str(job_id), seq)] = known
 
     async def release_frozen(self, job_id: str, epoch: int) -> None:
         """The job is ours: let the processes restored for `epoch` run (nothing if they already do)."""

@@ -6,9 +6,10 @@ in-place dump of the same job (a *base*, sent while the job ran), though often a
 The sender cuts the new image into blocks, looks each up by its sha256 among the base's blocks,
 and writes a *recipe* (runs of blocks copied from the base, by file and block number, or taken in
 order from the literals) and the *literals* (the blocks the base lacks). The receiver rebuilds
-the exact file from its copy of the base and the literals. The rebuild does not trust itself: the
-rebuilt file is checked afterwards like any other (against the checkpoint's manifest), so a base
-that differs from the sender's, or a corrupt literal, fails that check instead of restoring.
+the exact file from its copy of the base and the literals, hashing it as it writes it. The rebuild
+does not trust itself: that sha256 of the rebuilt file is checked afterwards like any other file's
+(against the checkpoint's manifest), so a base that differs from the sender's, or a corrupt
+literal, fails that check instead of restoring.
 
 Recipe file: one JSON line (format, block size, output size, base file names), then the runs as
 little-endian int64 triples (base file index or -1 for literals, first block, block count).
@@ -25,7 +26,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 BLOCK_BYTES = 4096
 FORMAT = 1
@@ -138,13 +139,16 @@ def make_recipe(path: Path, base: BaseIndex, recipe: Path, literals: Path) -> De
     return DeltaFigures(size, literal_bytes, recipe.stat().st_size)
 
 
-def _copy(source: BinaryIO, out: BinaryIO, length: int) -> None:
-    """Copy `length` bytes from one open binary file to another (DeltaError if the source ends)."""
+def _copy(source: BinaryIO, out: BinaryIO, length: int, sha256: Any = None) -> None:
+    """Copy `length` bytes from one open binary file to another, feeding them to `sha256` (a
+    hashlib object) when given (DeltaError if the source ends)."""
     while length > 0:
         data = source.read(min(READ_BYTES, length))
         if not data:
             raise DeltaError("a file ended before its recipe did")
         out.write(data)
+        if sha256 is not None:
+            sha256.update(data)
         length -= len(data)
 
 
@@ -191,8 +195,9 @@ def _runs_in_order(
         raise DeltaError(f"the recipe makes {position} bytes, not {size}")
 
 
-def apply_recipe(recipe: Path, literals: Path, base_root: Path, output: Path) -> int:
-    """Rebuild a file from its recipe, its literals and the base under `base_root`; its size.
+def apply_recipe(recipe: Path, literals: Path, base_root: Path, output: Path) -> tuple[int, str]:
+    """Rebuild a file from its recipe, its literals and the base under `base_root`; its size and
+    the sha256 of what was written (hashed as it was written, so the file is not read again).
 
     DeltaError when the recipe is malformed, a base block it names is missing, or the literals
     are too short or too long. The content is not checked here (see the module's docstring)."""
@@ -204,11 +209,12 @@ def apply_recipe(recipe: Path, literals: Path, base_root: Path, output: Path) ->
             raise DeltaError(f"the recipe names a base file outside the transfer: {name!r}")
     plan = list(_runs_in_order(runs, names, size, bs))
     fds: dict[int, int] = {}
+    written = hashlib.sha256()
     try:
         with open(literals, "rb") as taken, open(output, "wb") as out:
             for file_index, first, length in plan:
                 if file_index == LITERAL:
-                    _copy(taken, out, length)
+                    _copy(taken, out, length, written)
                     continue
                 if file_index not in fds:
                     try:
@@ -223,6 +229,7 @@ def apply_recipe(recipe: Path, literals: Path, base_root: Path, output: Path) ->
                         f"base file {names[file_index]} lacks blocks {first}..{first + length // bs}"
                     )
                 out.write(data)
+                written.update(data)
             if taken.read(1):
                 raise DeltaError(f"{literals.name} holds more than its recipe uses")
     except DeltaError:
@@ -231,4 +238,4 @@ def apply_recipe(recipe: Path, literals: Path, base_root: Path, output: Path) ->
     finally:
         for fd in fds.values():
             os.close(fd)
-    return size
+    return size, written.hexdigest()

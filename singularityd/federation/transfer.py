@@ -6,7 +6,10 @@ sender reads and hashes each chunk (sha256); the receiver checks each chunk agai
 on arrival, writes it in place and notes it in a journal, so that after a broken connection it
 can say exactly which chunks it holds and nothing it holds is sent again. At the end the sender
 gives the digest of every chunk (the manifest) and the receiver checks that it holds all of them,
-optionally re-reading the files from disk.
+optionally re-reading the files from disk. The receiver also hashes each file whole as its chunks
+are written in order (`FileHashes`, kept across the transfers of one move: the pre-copy while the
+job runs and the rest after it stops), so that the file's sha256 is known at the end without
+reading it again (`Destination.file_digests`), but for what arrived out of order.
 
 This module is the transport-free core; `transfer_grpc` moves the chunks over the peer service.
 Blocking file I/O throughout: call it from a thread in the event loop.
@@ -20,10 +23,12 @@ import json
 import os
 import stat
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from singularityd.checkpoint.manifest import path_is_safe
+from singularityd.checkpoint.store import hash_into
 
 MiB = 1 << 20
 MIN_CHUNK = 1 * MiB
@@ -177,10 +182,89 @@ class Source:
         return {key: self.digest_of(key) for key in self.chunks}
 
 
-class Destination:
-    """The receiving side of one transfer into one directory, with a journal of verified chunks."""
+OUT_OF_ORDER_BYTES = 32 * MiB
+"""Chunks that arrive ahead of their file's hash are kept in memory up to this much (per transfer);
+beyond it they are read back from disk at the end."""
 
-    def __init__(self, root: Path, entries: Sequence[Entry], chunk_size: int) -> None:
+
+@dataclass
+class RunningHash:
+    """The sha256 of a file's first `offset` bytes as they were written, and of the bytes before
+    the last piece fed (so that piece alone may be written again, longer: a pre-copied file's
+    partial last chunk), and the pieces written ahead of `offset`."""
+
+    offset: int = 0
+    sha256: Any = field(default_factory=hashlib.sha256)
+    before: tuple[int, Any] = (0, None)
+    ahead: dict[int, bytes] = field(default_factory=dict)
+
+    def feed(self, data: bytes) -> None:
+        """Hash the bytes that follow `offset`."""
+        self.before = (self.offset, self.sha256.copy())
+        self.sha256.update(data)
+        self.offset += len(data)
+
+
+class FileHashes:
+    """The sha256 of each file of a transfer over the bytes written into it in order, by path;
+    what was written out of order (beyond `OUT_OF_ORDER_BYTES`) or over bytes already hashed with
+    other content is left to `digest`, which reads it from disk. One writer at a time."""
+
+    def __init__(self, chunk_size: int) -> None:
+        self.chunk_size = chunk_size
+        self.files: dict[str, RunningHash] = {}
+        self.ahead_bytes = 0
+
+    def wrote(self, path: str, offset: int, data: bytes, *, unchanged: bool) -> None:
+        """Note `data` written at `offset` of `path` (`unchanged`: those bytes were there already)."""
+        running = self.files.setdefault(path, RunningHash())
+        if offset < running.offset:
+            if unchanged:
+                return
+            if offset == running.before[0] and running.before[1] is not None:
+                running.offset, running.sha256 = offset, running.before[1]
+                running.before = (offset, None)
+            else:  # bytes already hashed changed: start over (read from disk at the end)
+                self._drop_ahead(running)
+                self.files[path] = running = RunningHash()
+                return
+        if offset > running.offset:
+            if self.ahead_bytes + len(data) <= OUT_OF_ORDER_BYTES:
+                self.ahead_bytes += len(data) - len(running.ahead.get(offset, b""))
+                running.ahead[offset] = data
+            return
+        running.feed(data)
+        while running.offset in running.ahead:
+            piece = running.ahead.pop(running.offset)
+            self.ahead_bytes -= len(piece)
+            running.feed(piece)
+
+    def _drop_ahead(self, running: RunningHash) -> None:
+        self.ahead_bytes -= sum(len(piece) for piece in running.ahead.values())
+        running.ahead.clear()
+
+    def digest(self, root: Path, path: str, size: int) -> tuple[str, int]:
+        """The sha256 (hex) of the file's first `size` bytes, and how many of them were read
+        from disk for it (those not hashed as they were written)."""
+        running = self.files.get(path)
+        if running is None or running.offset > size:
+            running = RunningHash()
+        sha256 = running.sha256.copy()
+        end = hash_into(sha256, root / path, running.offset, size) if running.offset < size else size
+        if end != size:
+            raise TransferError(f"{path} holds {end} bytes, expected {size}")
+        return sha256.hexdigest(), size - running.offset
+
+
+class Destination:
+    """The receiving side of one transfer into one directory, with a journal of verified chunks.
+
+    `hashes`: the running hashes of an earlier transfer into the same directory with the same
+    chunk size (the pre-copy of the same move), continued by this one."""
+
+    def __init__(
+        self, root: Path, entries: Sequence[Entry], chunk_size: int, hashes: FileHashes | None = None
+    ) -> None:
         problems = entry_problems(entries)
         if problems:
             raise TransferError("; ".join(problems[:3]))
@@ -190,6 +274,12 @@ class Destination:
         self.chunks = {key: (offset, length) for key, offset, length in plan(self.entries, chunk_size)}
         self.held: dict[ChunkKey, bytes] = {}
         self.closed = False
+        same_chunks = hashes is not None and hashes.chunk_size == chunk_size
+        self.hashes = hashes if hashes is not None and same_chunks else FileHashes(chunk_size)
+        self.file_digests: dict[str, str] = {}
+        """Once finished: the sha256 of every file received, by path (see FileHashes)."""
+        self.reread_bytes = 0
+        """Once finished: bytes read back from disk to know `file_digests`."""
         self._fds: dict[int, int] = {}
         self._journal_header = journal_header(self.entries, chunk_size)
         self._open()
@@ -245,10 +335,20 @@ class Destination:
         """Write a verified chunk in place and journal it (one writer at a time)."""
         if self.closed:
             raise TransferError("the transfer was closed (cancelled, or reopened by the sender)")
-        os.pwrite(self._fd(key[0]), data, self.chunks[key][0])
+        offset = self.chunks[key][0]
+        os.pwrite(self._fd(key[0]), data, offset)
+        unchanged = self.held.get(key) == chunk_digest
+        self.hashes.wrote(self.entries[key[0]].path, offset, data, unchanged=unchanged)
         self._journal.write(f"{key[0]} {key[1]} {chunk_digest.hex()}\n")
         self._journal.flush()
         self.held[key] = chunk_digest
+
+    def flush(self) -> None:
+        """Write what arrived so far to disk (one writer at a time): after the pre-copy's chunks,
+        while the job still runs, so that `finish` has only the rest to flush."""
+        if not self.closed:
+            for fd in self._fds.values():
+                os.fdatasync(fd)
 
     def _fd(self, f: int) -> int:
         fd = self._fds.get(f)
@@ -263,7 +363,7 @@ class Destination:
         """Problems left once every chunk is checked against the sender's manifest; [] when complete.
 
         On success the files get their sizes and modes, links are made, everything is flushed to
-        disk and the journal is removed.
+        disk, `file_digests` holds the sha256 of every file and the journal is removed.
         """
         problems = [
             f"manifest names chunk {k} which is not part of this transfer"
@@ -281,6 +381,14 @@ class Destination:
             problems += self._reread(manifest)
         if problems:
             return problems
+        digests, reread_bytes = {}, 0
+        for e in self.entries:
+            if not e.link:
+                try:
+                    digests[e.path], read = self.hashes.digest(self.root, e.path, e.size)
+                except (TransferError, OSError) as error:
+                    return [f"cannot hash {e.path}: {error}"]
+                reread_bytes += read
         for f, e in enumerate(self.entries):
             path = self.root / e.path
             if e.link:
@@ -295,6 +403,7 @@ class Destination:
             os.fsync(fd)
         self.close()
         (self.root / JOURNAL).unlink()
+        self.file_digests, self.reread_bytes = digests, reread_bytes
         return []
 
     def _reread(self, manifest: Mapping[ChunkKey, bytes]) -> list[str]:

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import re
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -71,6 +72,8 @@ class Sending:
     epoch: int
     progress: ProgressCallback | None = None
     sent: int = 0
+    finish_s: float = 0.0
+    """Seconds the sender waited for the receiver's verdict (FinishTransfer), all attempts."""
 
     def _report(self, phase: str, moved: int) -> None:
         if self.progress is not None:
@@ -111,7 +114,11 @@ class Sending:
             manifest=[pb.ChunkRef(file=f, index=i, sha256=d) for (f, i), d in manifest.items()],
             reread=reread,
         )
-        verdict = await self.stub.FinishTransfer(finish, timeout=call_timeout_s)
+        asked = time.monotonic()
+        try:
+            verdict = await self.stub.FinishTransfer(finish, timeout=call_timeout_s)
+        finally:
+            self.finish_s += time.monotonic() - asked
         if not verdict.ok:
             raise TransferError("the receiver rejected the transfer: " + "; ".join(verdict.problems[:3]))
         self._report("done", self.source.total)
@@ -174,6 +181,9 @@ class Receivers:
     def __init__(self, authorize: Authorize) -> None:
         self.authorize = authorize
         self.open: dict[str, _Open] = {}
+        self.digests: dict[tuple[str, int], dict[str, str]] = {}
+        """Per (job, epoch) whose transfer finished: the sha256 of each file received, by path,
+        hashed as it was written (see transfer.FileHashes); taken with `take_digests`."""
 
     async def begin(self, node: str, request: pb.BeginTransferRequest) -> pb.TransferState:
         """Open (or reopen) a transfer the hand-off expects; answer with the chunks already here."""
@@ -184,8 +194,11 @@ class Receivers:
         previous = self.open.get(request.transfer_id)
         if previous is not None and self._resumes(previous, node, request, entries):
             return self._state(previous.destination)  # the sender resumes: keep what it sent
+        hashes = None  # the hashes of an earlier transfer of the same move (the pre-copy) go on
+        if previous is not None and self._same_move(previous, node, request):
+            hashes = previous.destination.hashes
         try:
-            destination = await asyncio.to_thread(Destination, directory, entries, request.chunk_size)
+            destination = await asyncio.to_thread(Destination, directory, entries, request.chunk_size, hashes)
         except (TransferError, OSError) as e:
             raise Refused(f"cannot receive transfer {request.transfer_id}: {e}") from e
         if previous is not None:
@@ -195,7 +208,8 @@ class Receivers:
         return self._state(destination)
 
     async def receive(self, node: str, chunks: AsyncIterator[pb.Chunk]) -> pb.TransferState:
-        """Check and store chunks as they come (a few at once); the reply is what is held afterwards."""
+        """Check and store chunks as they come (a few at once), then write them to disk; the reply
+        is what is held afterwards."""
         current: _Open | None = None
         in_flight: deque[asyncio.Future[None]] = deque()
         try:
@@ -211,6 +225,8 @@ class Receivers:
                     await in_flight.popleft()
             while in_flight:
                 await in_flight.popleft()
+            if current is not None:
+                await asyncio.to_thread(self._flush, current)
         except TransferError as e:
             raise DataLoss(str(e)) from e
         finally:
@@ -223,6 +239,11 @@ class Receivers:
         current.destination.verify(key, chunk_digest, data)
         with current.lock:
             current.destination.write(key, chunk_digest, data)
+
+    @staticmethod
+    def _flush(current: _Open) -> None:
+        with current.lock:
+            current.destination.flush()
 
     async def finish(self, node: str, request: pb.FinishTransferRequest) -> pb.TransferVerdict:
         """Check the transfer against the sender's manifest; on success it is complete and closed."""
@@ -237,7 +258,20 @@ class Receivers:
         problems = await asyncio.to_thread(check)
         if not problems:
             del self.open[request.transfer_id]
+            self.digests[(current.job_id, current.epoch)] = current.destination.file_digests
+            if current.destination.reread_bytes:
+                log.info(
+                    "transfer %s: %d bytes read back to hash their files (out of order, changed, or "
+                    "from before a restart)",
+                    request.transfer_id,
+                    current.destination.reread_bytes,
+                )
         return pb.TransferVerdict(ok=not problems, problems=problems)
+
+    def take_digests(self, job_id: str, epoch: int) -> dict[str, str]:
+        """The sha256 of each file of the finished transfer of (job, epoch), by path (empty when
+        not known here: a restarted daemon); forgotten once taken."""
+        return self.digests.pop((job_id, epoch), {})
 
     def cancel(self, job_id: str, epoch: int | None = None) -> None:
         """Stop receiving for a job (one epoch, or all): its chunks are refused from now on."""
@@ -246,11 +280,20 @@ class Receivers:
                 with current.lock:
                     current.destination.close()
                 del self.open[transfer_id]
+        for finished in [key for key in self.digests if key[0] == job_id and epoch in (None, key[1])]:
+            del self.digests[finished]
 
     @staticmethod
-    def _resumes(previous: _Open, node: str, request: pb.BeginTransferRequest, entries: list[Entry]) -> bool:
+    def _same_move(previous: _Open, node: str, request: pb.BeginTransferRequest) -> bool:
+        """Whether a BeginTransfer comes from the same node for the same job and epoch."""
+        return (previous.node, previous.job_id, previous.epoch) == (node, request.job_id, request.epoch)
+
+    @classmethod
+    def _resumes(
+        cls, previous: _Open, node: str, request: pb.BeginTransferRequest, entries: list[Entry]
+    ) -> bool:
         """Whether a BeginTransfer reopens the same transfer from the same node."""
-        same = (previous.node, previous.job_id, previous.epoch) == (node, request.job_id, request.epoch)
+        same = cls._same_move(previous, node, request)
         return same and previous.destination.matches(entries, request.chunk_size)
 
     def _find(self, node: str, transfer_id: str) -> _Open:

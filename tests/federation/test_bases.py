@@ -6,6 +6,7 @@ transfer is the real one, in process (transfer.copy_locally).
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -76,7 +77,7 @@ def test_images_travel_as_changes_and_are_rebuilt_exactly(tmp_path: Path) -> Non
     assert not (staging / IMAGE).exists()
     sent = send(staging, incoming)  # after the stop: only what the base lacks
     assert sent < 16 * BS + 5000, sent
-    assert bases.rebuild_deltas(incoming) == 1
+    assert bases.rebuild_deltas(incoming) == {IMAGE: hashlib.sha256(image).hexdigest()}
     assert (incoming / IMAGE).read_bytes() == image
     assert (incoming / IMAGE).stat().st_mode & 0o777 == 0o600
     assert not (incoming / bases.DELTA_DIR).exists() and not (incoming / bases.BASE_DIR).exists()
@@ -101,7 +102,7 @@ def test_without_large_images_nothing_changes_and_a_broken_base_fails_the_rebuil
     (small / "checkpoint/7/images/pages-1.img").write_bytes(old[: 4 * BS])
     assert bases.stage_deltas(small, base) == bases.DeltaSummary()
     assert not (small / bases.BASE_DIR).exists()
-    assert bases.rebuild_deltas(small) == 0
+    assert bases.rebuild_deltas(small) == {}
     staging, incoming = tmp_path / "staging", tmp_path / "incoming"
     make_staging(staging, old[MiB:] + old[:MiB])
     bases.stage_deltas(staging, base)

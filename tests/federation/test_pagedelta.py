@@ -40,7 +40,7 @@ def round_trip(tmp_path: Path, base: dict[str, bytes], new: bytes) -> tuple[byte
     figures = make_recipe(image, index, recipe, literals)
     assert figures.size == len(new)
     assert literals.stat().st_size == figures.literal_bytes
-    assert apply_recipe(recipe, literals, root, output) == len(new)
+    assert apply_recipe(recipe, literals, root, output) == (len(new), hashlib.sha256(new).hexdigest())
     return output.read_bytes(), figures.literal_bytes
 
 
@@ -123,10 +123,9 @@ def test_a_corrupt_literal_is_caught_by_the_manifest_check_and_a_short_one_at_on
     data = bytearray(literals.read_bytes())
     data[7] ^= 0xFF
     literals.write_bytes(bytes(data))
-    apply_recipe(recipe, literals, root, out)
-    assert digest_problems(manifest, {"out": hashlib.sha256(out.read_bytes()).hexdigest()}) == [
-        "out fails its sha256 check"
-    ]
+    _, written = apply_recipe(recipe, literals, root, out)
+    assert written == hashlib.sha256(out.read_bytes()).hexdigest()
+    assert digest_problems(manifest, {"out": written}) == ["out fails its sha256 check"]
     literals.write_bytes(bytes(data[:-1]))
     with pytest.raises(DeltaError, match="ended"):
         apply_recipe(recipe, literals, root, out)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
+from singularityd.checkpoint import ImageStore
 from singularityd.federation.peer import PeerChannels, PeerServer, PeerService, Refused
 from singularityd.federation.transfer import (
     JOURNAL,
@@ -21,9 +24,10 @@ from singularityd.federation.transfer import (
     adopt_digests,
     copy_locally,
     digest,
+    missing,
     scan,
 )
-from singularityd.federation.transfer_grpc import Receivers, Sending, entries_to_pb
+from singularityd.federation.transfer_grpc import Receivers, Sending, entries_to_pb, held_from_pb
 from singularityd.federation.v1 import peer_pb2 as pb
 from tests.federation.conftest import Lab
 
@@ -109,6 +113,72 @@ def test_a_pre_copied_prefix_of_append_only_files_is_not_sent_again(tmp_path: Pa
     assert copy_locally(source, final, reports.append) == []
     assert reports[-1].sent == source.total - 3 * MiB
     same_tree(full, tmp_path / "dst")
+
+
+def sha256_of(path: Path) -> str:
+    """The sha256 (hex) of a file, read now."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_the_receiver_hashes_each_file_as_written_across_the_pre_copy_and_out_of_order(
+    tmp_path: Path,
+) -> None:
+    """The pre-copy's running hashes carry over to the transfer after the stop; chunks that come
+    out of order are hashed once their turn comes; nothing is read back from disk."""
+    state = "proxy/dev-0.state"
+    early = tmp_path / "early"
+    (early / "proxy").mkdir(parents=True)
+    (early / state).write_bytes(os.urandom(3 * MiB + 100))
+    pre = Source(early, MiB)
+    seeded = Destination(tmp_path / "dst", pre.entries, MiB)
+    for key in reversed(list(pre.chunks)):  # all out of order
+        seeded.put(key, *pre.read(key))
+    seeded.close()
+    full = make_checkpoint(tmp_path / "full", {"images/pages-1.img": 5 * MiB + 3})
+    (full / "proxy").mkdir()
+    (full / state).write_bytes((early / state).read_bytes() + os.urandom(2 * MiB))
+    source = Source(full, MiB)
+    final = Destination(tmp_path / "dst", source.entries, MiB, seeded.hashes)
+    todo = missing(source, final.held)
+    for first, second in zip(todo[::2], todo[1::2], strict=False):  # pairs swapped
+        final.put(second, *source.read(second))
+        final.put(first, *source.read(first))
+    if len(todo) % 2:
+        final.put(todo[-1], *source.read(todo[-1]))
+    assert final.finish(source.manifest()) == []
+    files = [e.path for e in source.entries if not e.link]
+    assert final.file_digests == {path: sha256_of(full / path) for path in files}
+    assert final.reread_bytes == 0
+
+
+def test_bytes_changed_under_the_hash_or_arriving_from_another_daemon_are_read_back(tmp_path: Path) -> None:
+    """What the running hash cannot vouch for (a pre-copied chunk written again with other bytes,
+    chunks a restarted receiver holds from before) is hashed from disk: the digests stay right."""
+    src = make_checkpoint(tmp_path / "src", {"images/pages-1.img": 3 * MiB, "proxy/dev-0.state": 2 * MiB})
+    source = Source(src, MiB)
+    first = Destination(tmp_path / "dst", source.entries, MiB)
+    for key in source.chunks:
+        first.put(key, *source.read(key))
+    first.close()
+    with open(src / "images" / "pages-1.img", "r+b") as handle:  # not append-only after all
+        handle.write(b"changed")
+    changed = Source(src, MiB)
+    again = Destination(tmp_path / "dst", changed.entries, MiB, first.hashes)
+    for key in missing(changed, again.held):
+        again.put(key, *changed.read(key))
+    assert again.finish(changed.manifest()) == []
+    assert again.file_digests["images/pages-1.img"] == sha256_of(src / "images" / "pages-1.img")
+    assert again.reread_bytes == 3 * MiB
+    restarted = Destination(tmp_path / "dst2", changed.entries, MiB)
+    keys = list(changed.chunks)
+    for key in keys[:2]:
+        restarted.put(key, *changed.read(key))
+    restarted.close()  # the daemon restarts: its running hashes are gone
+    resumed = Destination(tmp_path / "dst2", changed.entries, MiB)
+    assert copy_locally(changed, resumed) == []
+    files = [e.path for e in changed.entries if not e.link]
+    assert resumed.file_digests == {path: sha256_of(src / path) for path in files}
+    assert 0 < resumed.reread_bytes < changed.total
 
 
 def test_a_damaged_chunk_is_refused_and_a_wrong_manifest_fails_the_transfer(tmp_path: Path) -> None:
@@ -238,3 +308,82 @@ async def test_receivers_keep_a_reopened_transfer_and_refuse_chunks_once_cancell
         await receivers.receive("node-a", chunks(keys[2:]))
     with pytest.raises(TransferError, match="closed"):
         opened.destination.write(keys[3], *source.read(keys[3]))
+
+
+async def test_receivers_keep_running_hashes_from_the_pre_copy_to_the_finished_transfer(
+    tmp_path: Path,
+) -> None:
+    """The pre-copy's transfer and the one after the stop (same id, more files) hash each file as
+    it is written; the finished transfer's digests are handed over once, and dropped on cancel."""
+    state = "proxy/dev-0.state"
+    early = tmp_path / "early"
+    (early / "proxy").mkdir(parents=True)
+    (early / state).write_bytes(os.urandom(2 * MiB + 5))
+    full = make_checkpoint(tmp_path / "full", {"images/pages-1.img": 3 * MiB})
+    (full / "proxy").mkdir()
+    (full / state).write_bytes((early / state).read_bytes() + os.urandom(MiB))
+    receivers = Receivers(lambda node, job, epoch: tmp_path / "in" / f"{job}@{epoch}")
+
+    async def send(source: Source) -> None:
+        request = pb.BeginTransferRequest(
+            transfer_id="j@2", job_id="j", epoch=2, chunk_size=MiB, files=entries_to_pb(source.entries)
+        )
+        held = held_from_pb(await receivers.begin("node-a", request))
+
+        async def chunks() -> AsyncIterator[pb.Chunk]:
+            for key in missing(source, held):
+                chunk_digest, data = source.read(key)
+                yield pb.Chunk(transfer_id="j@2", file=key[0], index=key[1], sha256=chunk_digest, data=data)
+
+        await receivers.receive("node-a", chunks())
+
+    await send(Source(early, MiB))
+    source = Source(full, MiB)
+    await send(source)
+    manifest = [pb.ChunkRef(file=f, index=i, sha256=d) for (f, i), d in source.manifest().items()]
+    verdict = await receivers.finish("node-a", pb.FinishTransferRequest(transfer_id="j@2", manifest=manifest))
+    assert verdict.ok, verdict.problems
+    files = [e.path for e in source.entries if not e.link]
+    assert receivers.take_digests("j", 2) == {path: sha256_of(full / path) for path in files}
+    assert receivers.take_digests("j", 2) == {}
+    receivers.digests[("j", 3)] = {"x": "y"}
+    receivers.cancel("j", 3)
+    assert receivers.digests == {}
+
+
+def test_a_received_file_unlike_its_manifest_fails_the_restore_check_without_being_read(
+    tmp_path: Path,
+) -> None:
+    """The digests the receiver took as the files were written are what the restore compares
+    with the checkpoint's manifest: a file whose bytes differ from those the manifest describes
+    (each chunk intact on the link) fails the check; intact, nothing is read again."""
+    source_store, target_store = ImageStore(tmp_path / "a"), ImageStore(tmp_path / "b")
+    pending = source_store.begin("5", owner_uid=os.getuid(), owner_gid=os.getgid())
+    (pending.path / "images" / "pages-1.img").write_bytes(os.urandom(3 * MiB + 9))
+    (pending.path / "images" / "core-1.img").write_bytes(b"core")
+    source_store.finish(pending, leave_running=False, criu_version="4.2")
+    for damaged in (False, True):
+        staging = tmp_path / f"staging-{damaged}" / "checkpoint" / str(pending.seq)
+        shutil.copytree(pending.path, staging)
+        if damaged:
+            with open(staging / "images" / "pages-1.img", "r+b") as handle:
+                handle.seek(2 * MiB + 1)
+                handle.write(b"\0")
+        source = Source(staging.parents[1], MiB)
+        incoming = tmp_path / f"incoming-{damaged}"
+        destination = Destination(incoming, source.entries, MiB)
+        assert copy_locally(source, destination) == []
+        prefix = f"checkpoint/{pending.seq}/"
+        known = {p.removeprefix(prefix): d for p, d in destination.file_digests.items()}
+        target_store.job_dir("5").mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(target_store.checkpoint_dir("5", pending.seq), ignore_errors=True)
+        os.replace(incoming / prefix, target_store.checkpoint_dir("5", pending.seq))
+        if damaged:  # the check goes by what was received: mending the disk now does not help
+            original = (pending.path / "images" / "pages-1.img").read_bytes()
+            (target_store.checkpoint_dir("5", pending.seq) / "images" / "pages-1.img").write_bytes(original)
+        verdict = target_store.verify("5", pending.seq, known=known)
+        if damaged:
+            assert not verdict.ok and verdict.reason == "images/pages-1.img fails its sha256 check"
+            assert target_store.verify("5", pending.seq).ok
+        else:
+            assert verdict.ok and verdict.hashed_bytes == 0, verdict
