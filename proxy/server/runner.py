@@ -199,9 +199,8 @@ class Runner:
         torch.set_grad_enabled(True)  # some kernels (mkldnn RNN) keep state only then
         while True:
             with self.cond:
-                self.busy = False
+                # no notify while waiting: two idle sessions' threads would wake each other forever
                 while not self.stopping and (self.held or not self.queue):
-                    self.cond.notify_all()
                     self.cond.wait()
                 if self.stopping:
                     return
@@ -215,6 +214,7 @@ class Runner:
                 if self.queue and self.queue[0] is work:
                     self.queue.popleft()
                     self.queued_bytes -= work.nbytes
+                self.busy = False
                 self.collectives.events += 1
                 self.cond.notify_all()
 
