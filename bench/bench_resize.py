@@ -1,6 +1,7 @@
 """Resize and splicing costs: `sing resize` end to end, and the step time of ranks sharing a device.
 
 Run as root: .venv/bin/python bench/bench_resize.py [--ballast 0,256] [--steps 50] [--dir /var/tmp]
+(--ballast '' measures the splicing part alone.)
 
 A real daemon (4 virtual devices, proxy servers, CRIU) runs tests/programs/step_timer.py.
 Resize: a 4-rank job holding BALLAST MiB of device tensors (split over its ranks) is resized
@@ -71,7 +72,9 @@ def resize_seconds(daemon: Daemon, root: Path, ballast: int) -> tuple[float, flo
 def main() -> None:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ballast", default="0,256", help="MiB of device state per job, comma-separated")
+    parser.add_argument(
+        "--ballast", default="0,256", help="MiB of device state per job, comma-separated ('': no resize)"
+    )
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--dir", default="/var/tmp", help="where the daemon's state and images go")
     args = parser.parse_args()
@@ -83,14 +86,17 @@ def main() -> None:
     steps = ["--steps", str(args.steps)]
     try:
         with running_daemon(root / "daemon", virtual_devices=4) as daemon:
-            resizes = [(mib, *resize_seconds(daemon, root, int(mib))) for mib in args.ballast.split(",")]
+            resizes = [
+                (mib, *resize_seconds(daemon, root, int(mib))) for mib in args.ballast.split(",") if mib
+            ]
             alone = step_ms(daemon, submit(daemon, 1, 1, steps), 1)
             spliced = {n: step_ms(daemon, submit(daemon, n, 1, steps), n) for n in (2, 4)}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print("\nresize (4 ranks), wall time of `sing resize`:")
-    print(f"{'device state':>14} {'4 -> 2':>9} {'2 -> 4':>9}")
+    if resizes:
+        print("\nresize (4 ranks), wall time of `sing resize`:")
+        print(f"{'device state':>14} {'4 -> 2':>9} {'2 -> 4':>9}")
     for mib, down, up in resizes:
         print(f"{mib + ' MiB':>14} {down:>8.2f}s {up:>8.2f}s")
     print("\nsplicing, mean step time (ms-scale ops, one allreduce per step):")

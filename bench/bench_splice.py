@@ -6,14 +6,20 @@ devices). Measured side by side in one run:
   whose parameters and optimizer state dominate (tests/programs/splice_train.py), as the server
   counts its live storage bytes after the ranks' last collective; with the server's summary
   (shared and private bytes, its replicas verdict);
-- step time of N ranks on one device against N x the step time of one rank alone (DDP, Adam, an
-  MLP whose operations take about a millisecond), and the dedup's own cost per step (comparing
-  storages at collectives, copies before writes to shared storages), from the server's figures.
+- step time of N ranks on one device against N x the step time of one rank alone (DDP, Adam or
+  SGD, an MLP whose operations take about a millisecond), the CPU seconds per step of the ranks
+  and the server together against N x those of one rank alone (on a machine with fewer cores than
+  processes the honest overhead figure: wall time there also measures the CPU's saturation), and
+  the dedup's own cost per step (comparing storages at collectives, copies before writes to
+  shared storages), from the server's figures.
+
+Options: --quick (10 timed steps, not 40), --optimizer adam|sgd, --steps-only (skip the memory part).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -33,7 +39,10 @@ import os, sys, time, torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-steps, width = int(sys.argv[1]), int(sys.argv[2])
+steps, width, optimizer_name, server_pid = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+def server_cpu():  # nanoseconds on a CPU, summed over the server's threads (schedstat)
+    tasks = f"/proc/{server_pid}/task"
+    return sum(int(open(f"{tasks}/{t}/schedstat").read().split()[0]) for t in os.listdir(tasks)) / 1e9
 rank = int(os.environ["RANK"])
 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
 dist.init_process_group("nccl")
@@ -41,7 +50,7 @@ torch.manual_seed(0)
 layers = [nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)]
 net = nn.Sequential(*layers)
 model = DistributedDataParallel(net.to("cuda"))
-optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+optimizer = (torch.optim.Adam if optimizer_name == "adam" else torch.optim.SGD)(model.parameters(), lr=1e-3)
 x, y = torch.randn(64, width).to("cuda"), torch.randint(0, 10, (64,)).to("cuda")
 def step():
     loss = nn.functional.cross_entropy(model(x), y)
@@ -50,11 +59,11 @@ def step():
 for _ in range(5):
     step()
 dist.barrier()
-t0 = time.perf_counter()
+s0, c0, t0 = server_cpu(), time.process_time(), time.perf_counter()
 for _ in range(steps):
     step()
-if rank == 0:
-    print((time.perf_counter() - t0) / steps, flush=True)
+t1, c1, s1 = time.perf_counter(), time.process_time(), server_cpu()
+print((t1 - t0) / steps, (c1 - c0) / steps, (s1 - s0) / steps, flush=True)
 dist.destroy_process_group()
 """
 
@@ -62,16 +71,22 @@ JOB = "job"
 """The job id the ranks give (tests.proxy.conftest.proxy_env)."""
 
 
-def step_time(directory: Path, ranks: int, steps: int, width: int) -> tuple[float, dict[str, Any]]:
-    """Rank 0's seconds per step with `ranks` ranks on one device, and the server's summary after."""
+def step_time(
+    directory: Path, ranks: int, steps: int, width: int, optimizer: str
+) -> tuple[float, float, dict[str, Any]]:
+    """Rank 0's seconds per step with `ranks` ranks on one device, the CPU seconds per step of the
+    ranks and the server together (over rank 0's timed steps), and the server's summary after."""
     servers = start_linked_servers(_folder(directory), 1, 4 << 30)
     try:
-        processes = start_ranks(["-c", STEP, str(steps), str(width)], ranks, [servers[0].socket])
+        command = ["-c", STEP, str(steps), str(width), optimizer, str(servers[0].proc.pid)]
+        processes = start_ranks(command, ranks, [servers[0].socket])
         outputs = [p.communicate(timeout=3600) for p in processes]
         assert all(p.returncode == 0 for p in processes), [err[-2000:] for _, err in outputs]
         with ProxyControl(servers[0].control) as control:
             figures = control.status()["dedup"]
-        return float(outputs[0][0]), figures
+        timed = [[float(v) for v in out.split()] for out, _err in outputs]
+        cpu = sum(t[1] for t in timed) + timed[0][2]
+        return timed[0][0], cpu, figures
     finally:
         stop_server(servers[0])
 
@@ -99,6 +114,32 @@ def held_memory(directory: Path, ranks: int, args: Sequence[str]) -> tuple[int, 
         stop_server(servers[0])
 
 
+def memory_table(directory: Path) -> None:
+    """Print the device memory of 4 spliced ranks against one rank alone (splice_train.py)."""
+    model = ["--width", "512", "--layers", "4", "--steps", "4"]
+    alone, alone_peak, _ = held_memory(directory, 1, model)
+    spliced, spliced_peak, summary = held_memory(directory, 4, model)
+    print("device memory, splice_train.py (MLP 4x512, Adam), after the last step; peak during the run")
+    _table(
+        [
+            ["", "1 rank alone", "4 ranks spliced", "ratio", "shared", "private per rank", "replicas"],
+            [
+                "after the step", _mib(alone), _mib(spliced), f"{spliced / alone:.2f}x",
+                _mib(summary["shared_bytes"]), _mib(max(summary["private_bytes"].values())),
+                summary["replicas"],
+            ],
+            [
+                "peak", _mib(alone_peak), _mib(spliced_peak), f"{spliced_peak / alone_peak:.2f}x",
+                "", "", "",
+            ],
+        ]
+    )  # fmt: skip
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
 def _mib(n: float) -> str:
     return f"{n / (1 << 20):.2f} MiB"
 
@@ -107,53 +148,38 @@ def main(argv: list[str] | None = None) -> None:
     """Print the benchmark tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="fewer steps")
+    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="of the step-time part")
+    parser.add_argument("--steps-only", action="store_true", help="skip the device memory part")
     options = parser.parse_args(argv)
     steps = 10 if options.quick else 40
     with tempfile.TemporaryDirectory(prefix="bench-splice-") as folder:
         directory = Path(folder)
-        model = ["--width", "512", "--layers", "4", "--steps", "4"]
-        alone, alone_peak, _ = held_memory(directory, 1, model)
-        spliced, spliced_peak, summary = held_memory(directory, 4, model)
-        print("device memory, splice_train.py (MLP 4x512, Adam), after the last step; peak during the run")
-        _table(
-            [
-                ["", "1 rank alone", "4 ranks spliced", "ratio", "shared", "private per rank", "replicas"],
-                [
-                    "after the step", _mib(alone), _mib(spliced), f"{spliced / alone:.2f}x",
-                    _mib(summary["shared_bytes"]), _mib(max(summary["private_bytes"].values())),
-                    summary["replicas"],
-                ],
-                [
-                    "peak", _mib(alone_peak), _mib(spliced_peak), f"{spliced_peak / alone_peak:.2f}x",
-                    "", "", "",
-                ],
-            ]
-        )  # fmt: skip
-
+        if not options.steps_only:
+            memory_table(directory)
         rows = [
             [
-                "ranks on 1 device",
-                "step (rank 0)",
-                "N x 1 rank alone",
-                "ratio",
-                "dedup / step",
-                "copied / step",
+                "ranks on 1 device", "step (rank 0)", "N x 1 rank alone", "ratio", "CPU / step",
+                "N x CPU alone", "CPU ratio", "dedup / step", "copied / step",
             ]
-        ]
-        for width in (256,):
-            one, _ = step_time(directory, 1, steps, width)
-            for ranks in (2, 4):
-                many, figures = step_time(directory, ranks, steps, width)
-                total_steps = steps + 5
-                rows.append(
-                    [
-                        f"{ranks} (MLP {width})", f"{many * 1e3:.2f} ms", f"{ranks * one * 1e3:.2f} ms",
-                        f"{many / (ranks * one):.3f}",
-                        f"{figures.get('compare_seconds', 0.0) / total_steps * 1e3:.2f} ms",
-                        _mib(figures.get("copied_bytes", 0) / total_steps),
-                    ]
-                )  # fmt: skip
-        print(f"\nstep time, DDP + Adam, batch 64, {steps} steps after 5 warm-up")
+        ]  # fmt: skip
+        width = 256
+        one, one_cpu, _ = step_time(directory, 1, steps, width, options.optimizer)
+        rows.append(["1 (alone)", _ms(one), _ms(one), "1.000", _ms(one_cpu), _ms(one_cpu), "1.000", "", ""])
+        for ranks in (2, 4):
+            many, cpu, figures = step_time(directory, ranks, steps, width, options.optimizer)
+            total_steps = steps + 5
+            rows.append(
+                [
+                    f"{ranks}", _ms(many), _ms(ranks * one), f"{many / (ranks * one):.3f}",
+                    _ms(cpu), _ms(ranks * one_cpu), f"{cpu / (ranks * one_cpu):.3f}",
+                    _ms(figures.get("compare_seconds", 0.0) / total_steps),
+                    _mib(figures.get("copied_bytes", 0) / total_steps),
+                ]
+            )  # fmt: skip
+        print(
+            f"\nstep time, DDP + {options.optimizer}, MLP {width}, batch 64, {steps} steps after 5 warm-up; "
+            f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+        )
         _table(rows)
 
 

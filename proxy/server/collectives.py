@@ -142,8 +142,10 @@ class Collectives:
         self.device = device
         self.device_lock = device_lock
         """Held while a collective computes on the device (the executor's lock)."""
-        self.cond = threading.Condition()
+        self.lock = threading.RLock()
         """Guards everything below and every session's queue (runner.py)."""
+        self.cond = threading.Condition(self.lock)
+        """Tells every waiter here that something under the lock changed."""
         self.links: dict[int, PeerLink] = {}
         self.lost: set[int] = set()
         """Device indices whose server is gone."""

@@ -109,6 +109,9 @@ class Runner:
         self.collectives = collectives
         self.cond = collectives.cond
         """The server-wide condition: queues, waits and collectives change under it."""
+        self.has_work = threading.Condition(collectives.lock)
+        """Wakes this session's thread alone when it may have work (queued, released, stopping): an
+        idle thread is not woken by every message of the other sessions here."""
         self.queue: collections.deque[Work] = collections.deque(
             Work.restored(item) for item in saved_queue or []
         )
@@ -142,6 +145,7 @@ class Runner:
             self.queue.append(work)
             self.queued_bytes += work.nbytes
             self.collectives.events += 1
+            self.has_work.notify()
             self.cond.notify_all()
             while self.queued_bytes > QUEUE_BYTES and not self.stopping and not self.session.park_asked:
                 self.cond.wait(0.1)
@@ -159,6 +163,7 @@ class Runner:
         """Let a restored session run its queue."""
         with self.cond:
             self.held = False
+            self.has_work.notify()
             self.cond.notify_all()
 
     def saved_queue(self) -> list[Any]:
@@ -179,6 +184,7 @@ class Runner:
             self.stopping = True
             self.queue.clear()
             self.queued_bytes = 0
+            self.has_work.notify()
             self.cond.notify_all()
         if threading.current_thread() is not self.thread:
             self.thread.join(timeout)
@@ -199,10 +205,9 @@ class Runner:
         torch.set_grad_enabled(True)  # some kernels (mkldnn RNN) keep state only then
         while True:
             with self.cond:
-                self.busy = False
+                # no notify while waiting: two idle sessions' threads would wake each other forever
                 while not self.stopping and (self.held or not self.queue):
-                    self.cond.notify_all()
-                    self.cond.wait()
+                    self.has_work.wait()
                 if self.stopping:
                     return
                 self.busy = True
@@ -215,6 +220,7 @@ class Runner:
                 if self.queue and self.queue[0] is work:
                     self.queue.popleft()
                     self.queued_bytes -= work.nbytes
+                self.busy = False
                 self.collectives.events += 1
                 self.cond.notify_all()
 
