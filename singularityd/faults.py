@@ -30,6 +30,9 @@ is not stored yet."""
 STAGED_MOVE_RUNNING = "staged-move-running"
 """A checkpoint taken in place was dumped to memory, the job runs again, and its process images are
 being moved to disk (one file moved); the manifest is not written yet."""
+ARRIVAL_IMPORTED = "arrival-imported"
+"""A target has stored an arriving job's record (MIGRATING, its devices reserved) and has not
+placed its files or restored its processes."""
 RESTORED_FROZEN = "restored-frozen"
 """A target has restored an arriving job frozen (its processes exist, stopped) and not yet
 reported it: the hand-off still says it is restoring."""

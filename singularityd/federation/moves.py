@@ -492,8 +492,11 @@ class DaemonMoves:
         devices = tuple(free[:needed])
         reason = f"arriving from {source} (epoch {epoch})"
         notes = self._notes.pop(job_number, [])
-        daemon.store.import_job(arrival.exported, reason, daemon.clock(), devices, notes)
+        # The marker goes first: a restart that finds it gives the copy up whether or not the record
+        # below was imported, while a record imported without it would stay MIGRATING for good.
         self._set_arriving_epoch(job_number, epoch)
+        daemon.store.import_job(arrival.exported, reason, daemon.clock(), devices, notes)
+        faults.reached(faults.ARRIVAL_IMPORTED)
         daemon.feed.publish(job_number)
         paths = daemon.processes.paths(job_number)
         await asyncio.to_thread(jobfiles.place_arrival, incoming, arrival, self.images, paths)

@@ -164,6 +164,25 @@ def settled(lab: Lab, job: int) -> str | None:
     return running[0]
 
 
+def where_it_stands(lab: Lab, job: int) -> str:
+    """Each node's view of a job (state, hand-off phase, last events), for a failure message."""
+    lines = []
+    for node in lab.nodes.values():
+        shown = node.job(job) or {}
+        events = [f"{event.get('to_state')}: {event.get('reason')}" for event in shown.get("events", [])[-6:]]
+        lines.append(f"{node.name}: state={shown.get('state')} phase={phase(node, job)} last events={events}")
+    return "\n".join(lines)
+
+
+def wait_settled(lab: Lab, job: int, trial: Trial | None = None, timeout: float = 180) -> str:
+    """Wait until the move is over everywhere; on timeout say where each node stands."""
+    try:
+        owner: str = wait_until(lambda: settled(lab, job), timeout=timeout, interval=0.25)
+    except AssertionError as error:
+        raise AssertionError(f"{trial}: not settled: {error}\n{where_it_stands(lab, job)}") from None
+    return owner
+
+
 def ensure_up(lab: Lab) -> None:
     """Every daemon running and every link up (after a trial's fault)."""
     for node in lab.nodes.values():
@@ -224,7 +243,7 @@ def run_trial(lab: Lab, referee: Referee, trial: Trial, rng: random.Random) -> T
     result = mover.result()
     trial.moved = result.code == 0
     ensure_up(lab)
-    owner_name = wait_until(lambda: settled(lab, job), timeout=180, interval=0.25)
+    owner_name = wait_settled(lab, job, trial)
     trial.ended_on = owner_name
     owner = lab.node(owner_name)
     referee.watch("", None)
@@ -292,7 +311,7 @@ def test_source_killed_in_the_final_dump_keeps_the_job(fault_lab: Lab, referee: 
     source.process = None
     assert mover.result().code != 0
     source.start()
-    owner = wait_until(lambda: settled(fault_lab, job), timeout=180, interval=0.25)
+    owner = wait_settled(fault_lab, job)
     referee.watch("", None)
     assert owner == source.name
     shown = source.job(job) or {}
@@ -301,6 +320,38 @@ def test_source_killed_in_the_final_dump_keeps_the_job(fault_lab: Lab, referee: 
     assert any("CRIU finished the dump after the daemon died" in reason for reason in reasons), reasons
     finish_exactly(source, job, until)
     assert referee.violations == []
+
+
+def test_target_killed_once_the_arrival_is_stored_gives_its_copy_up(fault_lab: Lab, referee: Referee) -> None:
+    """The target daemon dies at an exact step of its restore (a fault point): the arriving job's
+    record is stored (MIGRATING, devices reserved), nothing of it restored yet. The restarted
+    target must give that copy up for good (its record MOVED, not MIGRATING forever), and the job
+    resume on the source, once, its output exact."""
+    source, target = fault_lab.node("node-c"), fault_lab.node("node-a")
+    target.kill(signal.SIGTERM)
+    target.start(env={faults.ENV: faults.ARRIVAL_IMPORTED})
+    until = fault_lab.paths.root / "stop-arrival-imported"
+    try:
+        job = start_ticker(source, referee, until)
+        mover = Background(lambda: source.sing("migrate", str(job), "--to", target.name, timeout=300))
+        assert target.process is not None
+        assert target.process.wait(120) == -signal.SIGKILL
+        target.process = None
+        target.start()
+        assert mover.result().code != 0
+        assert wait_settled(fault_lab, job) == source.name
+        referee.watch("", None)
+        shown = target.job(job) or {}
+        reasons = [str(event["reason"]) for event in shown.get("events", [])]
+        assert shown.get("state") == "MOVED", reasons
+        assert any("this daemon restarted before the job was restored" in reason for reason in reasons), (
+            reasons
+        )
+        finish_exactly(source, job, until)
+        assert referee.violations == []
+    finally:
+        if target.process is None:
+            target.start()
 
 
 def move_until_held(source: Node, target: Node, job: int, reached: Path, attempts: int = 30) -> Background:
@@ -356,7 +407,7 @@ def test_link_cut_while_the_target_restores_keeps_one_copy(
         wait_until(lambda: job_state(source, job) == "RUNNING", timeout=120, interval=0.05)
         fault_lab.network.restore(source.name)
         assert mover.result().code != 0
-        assert wait_until(lambda: settled(fault_lab, job), timeout=180, interval=0.25) == source.name
+        assert wait_settled(fault_lab, job) == source.name
         referee.watch("", None)
         reasons = [str(event["reason"]) for event in (source.job(job) or {})["events"]]
         assert any("resuming here" in reason for reason in reasons), reasons
