@@ -46,6 +46,15 @@ class Result:
         return json.loads(self.out)
 
 
+def invert_bytes(path: Path, offset: int, count: int = 1) -> None:
+    """Damage a file: invert every bit of `count` bytes at `offset` (so they differ, whatever they held)."""
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        held = handle.read(count)
+        handle.seek(offset)
+        handle.write(bytes(byte ^ 0xFF for byte in held))
+
+
 def wait_until(predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05) -> Any:
     """Poll until the predicate returns something truthy; fail the test on timeout."""
     deadline = time.monotonic() + timeout

@@ -6,7 +6,6 @@ previous one, the newest K are kept, and a job has one checkpoint operation at a
 from __future__ import annotations
 
 import asyncio
-import os
 import pwd
 import shutil
 import subprocess
@@ -25,7 +24,7 @@ from tests.checkpoint_helpers import (
     small_tmpfs,
 )
 from tests.conftest import requires_root
-from tests.helpers import ensure_user, wait_until
+from tests.helpers import ensure_user, invert_bytes, wait_until
 
 OTHER_USER = "sing-test-other"
 
@@ -60,11 +59,7 @@ def test_corrupt_newest_falls_back(criu_info: CriuInfo, work: Path, jobs: list[i
     pages = sorted(
         (store.checkpoint_dir("c", 2) / "images").glob("pages-*.img"), key=lambda p: p.stat().st_size
     )[-1]
-    with open(pages, "r+b") as f:
-        f.seek(pages.stat().st_size // 2)
-        b = f.read(4)
-        f.seek(-4, os.SEEK_CUR)
-        f.write(bytes(x ^ 0xFF for x in b))
+    invert_bytes(pages, pages.stat().st_size // 2, 4)
     (store.checkpoint_dir("c", 3)).mkdir()
     manifest, choice = store.latest_valid("c")
     assert manifest is not None and manifest.seq == 1

@@ -30,6 +30,7 @@ from singularityd.federation.transfer import (
 from singularityd.federation.transfer_grpc import Receivers, Sending, entries_to_pb, held_from_pb
 from singularityd.federation.v1 import peer_pb2 as pb
 from tests.federation.conftest import Lab
+from tests.helpers import invert_bytes
 
 
 def make_checkpoint(root: Path, sizes: dict[str, int]) -> Path:
@@ -205,9 +206,7 @@ def test_reread_catches_a_file_damaged_on_disk_after_arrival(tmp_path: Path) -> 
     dest = Destination(tmp_path / "dst", source.entries, MiB)
     for k in source.chunks:
         dest.put(k, *source.read(k))
-    with open(tmp_path / "dst" / "images" / "pages-1.img", "r+b") as handle:
-        handle.seek(MiB + 5)
-        handle.write(b"!")
+    invert_bytes(tmp_path / "dst" / "images" / "pages-1.img", MiB + 5)
     assert dest.finish(source.manifest(), reread=True) == ["chunk 1 of images/pages-1.img differs on disk"]
 
 
@@ -366,9 +365,7 @@ def test_a_received_file_unlike_its_manifest_fails_the_restore_check_without_bei
         staging = tmp_path / f"staging-{damaged}" / "checkpoint" / str(pending.seq)
         shutil.copytree(pending.path, staging)
         if damaged:
-            with open(staging / "images" / "pages-1.img", "r+b") as handle:
-                handle.seek(2 * MiB + 1)
-                handle.write(b"\0")
+            invert_bytes(staging / "images" / "pages-1.img", 2 * MiB + 1)
         source = Source(staging.parents[1], MiB)
         incoming = tmp_path / f"incoming-{damaged}"
         destination = Destination(incoming, source.entries, MiB)
