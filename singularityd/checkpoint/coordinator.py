@@ -32,7 +32,7 @@ from singularityd.checkpoint.pause import (
     pause_summary,
 )
 from singularityd.checkpoint.precheck import tree_pids
-from singularityd.checkpoint.service import Checkpointer, CheckpointResult
+from singularityd.checkpoint.service import Checkpointer, CheckpointResult, KnownDigests
 from singularityd.checkpoint.store import PrefixHash, hash_prefixes
 from singularityd.devices.access import (
     DeviceAccess,
@@ -211,9 +211,15 @@ class Checkpoints(Protocol):
         JSON: why a stopping dump stops the job) is kept with the dump's intent and manifest, so a
         daemon killed before it stored the job's new state finds it (core.lost_processes)."""
 
-    async def restore(self, job_id: int, devices: tuple[int, ...], logical: int | None = None) -> Restoration:
+    async def restore(
+        self,
+        job_id: int,
+        devices: tuple[int, ...],
+        logical: int | None = None,
+        known_digests: KnownDigests | None = None,
+    ) -> Restoration:
         """Restore the job onto these devices, seen as `logical` ones; CheckpointError says why it
-        could not be."""
+        could not be. `known_digests`: files hashed as they arrived (see Checkpointer.restore_latest)."""
 
     async def resume_parked(self, job_id: int, devices: tuple[int, ...]) -> None:
         """Let go a job a killed daemon may have left parked in its proxies mid-checkpoint."""
@@ -265,7 +271,13 @@ class NoCheckpoints:
         """Always fails, saying why."""
         raise CheckpointError(f"checkpoints are unavailable here: {self.status.unavailable_reason}")
 
-    async def restore(self, job_id: int, devices: tuple[int, ...], logical: int | None = None) -> Restoration:
+    async def restore(
+        self,
+        job_id: int,
+        devices: tuple[int, ...],
+        logical: int | None = None,
+        known_digests: KnownDigests | None = None,
+    ) -> Restoration:
         """Always fails, saying why."""
         raise CheckpointError(f"checkpoints are unavailable here: {self.status.unavailable_reason}")
 
@@ -513,7 +525,13 @@ class JobCheckpoints:
             str(job_id), pid, folder, external_unix_inodes=[c.inode for c in connections], log_file=log_file
         )
 
-    async def restore(self, job_id: int, devices: tuple[int, ...], logical: int | None = None) -> Restoration:
+    async def restore(
+        self,
+        job_id: int,
+        devices: tuple[int, ...],
+        logical: int | None = None,
+        known_digests: KnownDigests | None = None,
+    ) -> Restoration:
         """Restore the newest good checkpoint, reconnecting the processes to their devices (the job
         sees `logical` devices; its checkpoint may have held another number of them: a resize)."""
         began = time.monotonic()
@@ -534,7 +552,9 @@ class JobCheckpoints:
             return inherit
 
         try:
-            result = await self.checkpointer.restore_latest(str(job_id), inherit_fds=reconnect)
+            result = await self.checkpointer.restore_latest(
+                str(job_id), inherit_fds=reconnect, known_digests=known_digests
+            )
         except (CheckpointError, DeviceError, OSError) as error:
             with contextlib.suppress(DeviceError):
                 await self.devices.release(job_id, devices)

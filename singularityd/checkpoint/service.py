@@ -43,6 +43,8 @@ TCP_STREAM_IMAGES = "tcp-stream-*.img"
 """CRIU's image of an established TCP connection: one may not appear in a dump without the lock."""
 
 InheritFds = Mapping[str, int] | Callable[[Manifest], Mapping[str, int]]
+KnownDigests = Mapping[int, Mapping[str, str]]
+"""By checkpoint number: the sha256 of its files (by path in the checkpoint) already known here."""
 AfterDump = Callable[[DumpStats], Awaitable[Mapping[str, Any]]]
 
 
@@ -154,7 +156,6 @@ class Checkpointer:
         self.userns_problem = ""
         """Why jobs do not run in user namespaces here ("" if they do or need not): told to users
         whose jobs cannot be checkpointed for want of one."""
-        self.known_digests: dict[tuple[str, int], dict[str, str]] = {}
         """Per (job, seq): the sha256 of files of that checkpoint hashed as they were written here
         (a move's arrival); its next restore checks them against the manifest without reading
         them again (taken by that restore, whatever its outcome)."""
@@ -466,6 +467,7 @@ class Checkpointer:
         inherit_fds: InheritFds | None = None,
         rewind: bool = True,
         deep_verify: bool = True,
+        known_digests: KnownDigests | None = None,
     ) -> RestoreResult:
         """Restore the job from its newest checkpoint that verifies.
 
@@ -474,13 +476,15 @@ class Checkpointer:
         failure on a good checkpoint raises CriuError without trying older ones (going back in
         time silently would be wrong). With `rewind`, the files recorded at the dump are cut back
         to their sizes then. `inherit_fds` (or a function of the manifest returning it) gives the
-        replacement fds for the external sockets named in the manifest.
+        replacement fds for the external sockets named in the manifest. `known_digests` gives, by
+        checkpoint, the sha256 of files hashed as they arrived here, so they are not read again.
         """
         with self.store.locked(job_id):
             skipped: list[Skipped] = []
             for seq in reversed(self.store.seqs(job_id)):
+                known = (known_digests or {}).get(seq)
                 result = await run_to_completion(
-                    self._try_restore(job_id, seq, inherit_fds, rewind, deep_verify, tuple(skipped))
+                    self._try_restore(job_id, seq, inherit_fds, rewind, deep_verify, tuple(skipped), known)
                 )
                 if isinstance(result, RestoreResult):
                     return result
@@ -514,10 +518,10 @@ class Checkpointer:
         rewind: bool,
         deep_verify: bool,
         skipped: tuple[Skipped, ...],
+        known: Mapping[str, str] | None = None,
     ) -> RestoreResult | Verdict:
         with self.store.sealed(job_id, seq) as path:
             t0 = time.monotonic()
-            known = self.known_digests.pop((job_id, seq), None)
             verdict = await asyncio.to_thread(self.store.verify, job_id, seq, deep=deep_verify, known=known)
             verify_s = time.monotonic() - t0
             if not verdict.ok:

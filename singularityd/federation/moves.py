@@ -38,7 +38,7 @@ from singularityd.checkpoint.criu import Criu
 from singularityd.checkpoint.errors import CheckpointError
 from singularityd.checkpoint.manifest import MANIFEST_NAME, parse_seq_dir_name
 from singularityd.checkpoint.precheck import tree_pids
-from singularityd.checkpoint.service import Checkpointer
+from singularityd.checkpoint.service import Checkpointer, KnownDigests
 from singularityd.checkpoint.store import ImageStore
 from singularityd.core.actions import TakeCheckpoint
 from singularityd.core.decisions import StillLaunching
@@ -506,8 +506,8 @@ class DaemonMoves:
         await daemon.devices.admit(job_number, identity(job), devices)
         daemon.processes.forget_outcome(job_number)
         restore_began = time.monotonic()
-        self._know_digests(job_number, arrival.seq, received | rebuilt)
-        restored = await self.frozen.restore(job_number, devices)
+        known = arrived_digests(arrival.seq, received | rebuilt)
+        restored = await self.frozen.restore(job_number, devices, known_digests=known)
         process = daemon.processes.adopt_restored(job_number, restored.pid)
         daemon.store.set_process(job_number, process.pid, process.start_ticks)
         if restored.problem:
@@ -520,16 +520,6 @@ class DaemonMoves:
             f"restore frozen took {ended - began:.2f}s (images rebuilt in {rebuild_s:.2f}s, files placed in "
             f"{restore_began - began - rebuild_s:.2f}s, restored in {ended - restore_began:.2f}s{parts})",
         )
-
-    def _know_digests(self, job_id: int, seq: int, digests: dict[str, str]) -> None:
-        """Hand the frozen restore of checkpoint `seq` the sha256 of its files hashed here as they
-        were received or rebuilt (by path in the received folder), so that it checks them against
-        the manifest without reading them again."""
-        if not isinstance(self.frozen, JobCheckpoints):
-            return
-        prefix = f"{jobfiles.CHECKPOINT_DIR}/{seq}/"
-        known = {path.removeprefix(prefix): d for path, d in digests.items() if path.startswith(prefix)}
-        self.frozen.checkpointer.known_digests[(str(job_id), seq)] = known
 
     async def release_frozen(self, job_id: str, epoch: int) -> None:
         """The job is ours: let the processes restored for `epoch` run (nothing if they already do)."""
@@ -602,6 +592,14 @@ class DaemonMoves:
         daemon.store.add_note(job_number, job.state, text, daemon.clock())
         daemon.feed.publish(job_number)
         log.info("job %d: %s", job_number, text)
+
+
+def arrived_digests(seq: int, digests: dict[str, str]) -> KnownDigests:
+    """The sha256 of checkpoint `seq`'s files hashed here as they were received or rebuilt (given by
+    path in the received folder), for its frozen restore to check against the manifest without
+    reading them again."""
+    prefix = f"{jobfiles.CHECKPOINT_DIR}/{seq}/"
+    return {seq: {path.removeprefix(prefix): d for path, d in digests.items() if path.startswith(prefix)}}
 
 
 def is_owned_here(holding: Holding | None, state: JobState) -> bool:

@@ -182,6 +182,8 @@ def test_a_job_moved_around_the_lab_at_random_moments_is_exact(lab: Lab) -> None
     assert a.sing("logs", str(job)).out == expected
     events = [e["reason"] for e in a.job(job)["events"]]  # type: ignore[index]
     assert sum("restored frozen; waiting for the commit" in e for e in events) == 3
+    restores = [e for e in events if e.startswith("restore frozen took")]
+    assert len(restores) == 3 and all("(0B read and hashed)" in e for e in restores), restores
     assert any(e.startswith("moved to node-b (epoch 2)") for e in events)
     assert any(e.startswith("commit from node-a: the job runs here (epoch 2)") for e in events)
     assert any(e.startswith("commit from node-c: the job runs here (epoch 4)") for e in events)
