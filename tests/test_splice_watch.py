@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from singularityd.api.service import job_message
 from singularityd.config import Config
 from singularityd.core.states import JobState
 from singularityd.daemon import Daemon
@@ -48,9 +49,10 @@ async def two_devices(tmp_path: Path) -> AsyncIterator[Harness]:
     await daemon.stop()
 
 
-async def spliced_job(h: Harness, ranks: int = 2, gpus: int = 1) -> int:
-    """A running job of `ranks` ranks on `gpus` devices."""
-    job = h.requests.submit(ROOT, SubmitArgs(("train",), "", gpus, 0, ranks, "/", {})).id
+async def spliced_job(h: Harness, ranks: int = 2, gpus: int = 1, min_gpus: int = 0, max_gpus: int = 0) -> int:
+    """A running job of `ranks` ranks on `gpus` devices (elastic within min_gpus-max_gpus when given)."""
+    args = SubmitArgs(("train",), "", gpus, 0, ranks, "/", {}, min_gpus=min_gpus, max_gpus=max_gpus)
+    job = h.requests.submit(ROOT, args).id
     await settle()
     assert h.job(job).state is JobState.RUNNING and len(h.job(job).devices) == gpus
     return job
@@ -163,3 +165,20 @@ async def test_a_refused_job_that_ends_during_its_stop_ends_as_its_exit_says(two
         r.startswith("the job ended during its checkpoint (resized to 2 devices by the daemon")
         for r in reasons
     ), reasons
+
+
+async def test_an_elastic_job_refused_splicing_shows_the_range_the_scheduler_applies(
+    two_devices: Harness,
+) -> None:
+    """Submitted elastic 1-2 with 2 ranks, refused splicing: `sing show` and `sing ps` get 2-2
+    (what the scheduler may use), not the 1-2 it was submitted with."""
+    h = two_devices
+    job = await spliced_job(h, gpus=1, min_gpus=1, max_gpus=2)
+    shown = job_message(h.job(job), h.requests)
+    assert (shown.min_gpus, shown.max_gpus) == (1, 2)
+    h.devices.verdict = NO
+    await SpliceWatch(h.daemon).check()
+    await settle()
+    assert h.job(job).splice_refusal == NO["reason"] and h.job(job).devices == (0, 1)
+    shown = job_message(h.job(job), h.requests)
+    assert (shown.min_gpus, shown.max_gpus) == (2, 2) and shown.splice_refusal == NO["reason"]

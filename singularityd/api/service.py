@@ -31,6 +31,7 @@ from singularityd.federation.facts import JoinInfo, MoveReport, listing_fields
 from singularityd.federation.v1 import peer_pb2
 from singularityd.identity import Caller
 from singularityd.jobs.submission import SubmitArgs, default_gpus
+from singularityd.scheduling.replicas import device_range
 from singularityd.store import JobRecord
 
 Response = TypeVar("Response")
@@ -96,8 +97,12 @@ def device_message(facts: DeviceFacts) -> pb.Device:
 
 
 def job_message(job: JobRecord, jobs: JobService) -> pb.Job:
-    """A stored job as an API message, with live usage for running jobs and its newest checkpoint."""
+    """A stored job as an API message, with live usage for running jobs and its newest checkpoint;
+    its elastic range is the one the scheduler applies (a refused splice raises it to the ranks)."""
     live = jobs.live(job)
+    min_gpus, max_gpus = device_range(
+        job.spec.ranks, job.spec.min_gpus, job.spec.max_gpus, job.splice_refusal
+    )
     message = pb.Job(
         **listing_fields(job),
         checkpoint_interval=live.checkpoint_interval,
@@ -106,8 +111,8 @@ def job_message(job: JobRecord, jobs: JobService) -> pb.Job:
         starting=live.starting,
         max_restarts=job.spec.max_restarts,
         restarts_used=job.restarts_used,
-        min_gpus=job.spec.min_gpus,
-        max_gpus=job.spec.max_gpus,
+        min_gpus=min_gpus,
+        max_gpus=max_gpus,
         splice_refusal=job.splice_refusal,
     )
     if live.last_checkpoint is not None:
