@@ -304,14 +304,16 @@ def cancel(
 def preempt(job_id: int = typer.Argument(..., metavar="ID"), socket: str = SocketOption) -> None:
     """Checkpoint a running job and stop it; it resumes when the scheduler gives it devices."""
     with connect(socket) as stub, Progress(f"preempting job {job_id} (checkpointing)"):
-        stub.Preempt(pb.JobRef(id=job_id))
+        job = stub.Preempt(pb.JobRef(id=job_id))
+    print(output.stopped_text(job, "preempted") + "; it resumes when the scheduler gives it devices")
 
 
 @app.command()
 def suspend(job_id: int = typer.Argument(..., metavar="ID"), socket: str = SocketOption) -> None:
     """Checkpoint a running job and stop it (or hold a queued one) until `sing resume`."""
     with connect(socket) as stub, Progress(f"suspending job {job_id} (checkpointing)"):
-        stub.Suspend(pb.JobRef(id=job_id))
+        job = stub.Suspend(pb.JobRef(id=job_id))
+    print(output.stopped_text(job, "suspended") + f"; `sing resume {job_id}` queues it again")
 
 
 @app.command()

@@ -341,6 +341,15 @@ def job_detail_dict(detail: pb.JobDetail) -> dict[str, Any]:
     return data
 
 
+def stopped_text(job: pb.Job, verb: str) -> str:
+    """One line for `sing preempt` and `sing suspend`: the job stopped (or held) and the checkpoint
+    it resumes from, e.g. 'job 4 preempted at checkpoint 2 (22.5M)'."""
+    text = f"job {job.id} {verb}"
+    if job.HasField("last_checkpoint"):
+        text += f" at checkpoint {job.last_checkpoint.seq} ({human_bytes(job.last_checkpoint.bytes)})"
+    return text
+
+
 def checkpoint_text(response: pb.CheckpointResponse) -> str:
     """One line for `sing checkpoint`: which checkpoint, its size, the pause it cost."""
     taken = response.checkpoint

@@ -90,7 +90,10 @@ def test_ps_json_agrees_with_show_json_for_every_job(daemon: Daemon) -> None:
     pending = daemon.submit("sleep", "300", options=["--gpus", "2", "--name", "pending"])
     held = daemon.submit("sleep", "300", options=["--gpus", "2", "--name", "held"])
     cancelled = daemon.submit("sleep", "300", options=["--gpus", "2", "--name", "cancelled"])
-    assert daemon.sing("suspend", str(held)).code == 0
+    assert (
+        daemon.sing("suspend", str(held)).out
+        == f"job {held} suspended; `sing resume {held}` queues it again\n"
+    )
     assert daemon.sing("cancel", str(cancelled)).code == 0
     wait_until(lambda: daemon.job(pending)["pending_reason"])
 
@@ -317,12 +320,16 @@ def test_logs_follow_through_preemption_and_resumption(daemon_root: Path) -> Non
         collected = Collector(follower)
         wait_until(lambda: len(collected.lines) >= 20)
 
-        assert daemon.sing("preempt", str(job)).code == 0
+        preempted = daemon.sing("preempt", str(job))
+        assert preempted.code == 0 and preempted.out.startswith(f"job {job} preempted at checkpoint 1 ("), (
+            preempted
+        )
         wait_until(lambda: restores(daemon, job) == 1, timeout=120)
         seen = len(collected.lines)
         wait_until(lambda: len(collected.lines) > seen + 20)
 
-        assert daemon.sing("suspend", str(job)).code == 0
+        suspended = daemon.sing("suspend", str(job))
+        assert suspended.code == 0 and f"`sing resume {job}` queues it again" in suspended.out, suspended
         assert daemon.job(job)["state"] == "SUSPENDED"
         seen = len(collected.lines)
         assert daemon.sing("resume", "--wait", str(job), timeout=120).code == 0
