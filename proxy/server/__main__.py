@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import resource
 import signal
@@ -126,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    gc.collect()
+    gc.freeze()  # start-up's objects (torch's modules) live as long as the server: full collections skip them
     for listener, serve in ((control, ControlHandler(server, stop).serve), (jobs, server.serve_job)):
         threading.Thread(target=_accept_forever, args=(listener, serve), daemon=True).start()
     print(f"proxy: device {options.device_index} ready on {options.socket}", file=sys.stderr, flush=True)
