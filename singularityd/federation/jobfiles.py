@@ -1,4 +1,4 @@
-"""What travels with a job to a peer, and where it lands: blocking file work for `moves`.
+"""What travels with a job to a peer, and where it lands: blocking file work for `moves` and `arrivals`.
 
 A move sends one directory (`transfer` streams it):
 
@@ -12,7 +12,9 @@ A move sends one directory (`transfer` streams it):
 The source builds it from hard links (the checkpoint's files never change once written), so
 staging costs no copy. The target puts each part where its own daemon keeps it: the checkpoint
 into its image store, the logs into the job's folder (which is at the same path on every node).
-Call everything here from a thread.
+Beside the image store's jobs, a leaving job is staged under `.outgoing/<id>@<epoch>` and an arriving
+one received under `.incoming/<id>@<epoch>`; `delete_local_copy` removes all a node keeps of a job
+that no longer runs there. Call everything here from a thread.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -29,6 +32,7 @@ from typing import Any
 from singularityd.checkpoint.manifest import IMAGES_DIR
 from singularityd.checkpoint.store import ImageStore
 from singularityd.devices.proxy_servers import PROXY_DIR
+from singularityd.federation import netlock
 from singularityd.jobs.launch import prepare_job_dir
 from singularityd.jobs.paths import JobPaths
 
@@ -36,6 +40,12 @@ JOB_FILE = "job.json"
 CHECKPOINT_DIR = "checkpoint"
 LOGS_DIR = "logs"
 SUPERVISOR_LOG = "supervisor.log"
+INCOMING_DIR = ".incoming"
+"""Under the image store's root: where arriving jobs' files are received, a folder per epoch."""
+OUTGOING_DIR = ".outgoing"
+"""Under the image store's root: where leaving jobs' files are staged (hard links), a folder per epoch."""
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -108,9 +118,9 @@ def stage_outgoing(
         _mirror(checkpoint, staging / CHECKPOINT_DIR / str(seq))
     (staging / LOGS_DIR).mkdir(mode=0o700)
     if paths.logs.is_dir():
-        for log in sorted(paths.logs.iterdir()):
-            if log.is_file() and not log.is_symlink():
-                shutil.copyfile(log, staging / LOGS_DIR / log.name)
+        for rank_log in sorted(paths.logs.iterdir()):
+            if rank_log.is_file() and not rank_log.is_symlink():
+                shutil.copyfile(rank_log, staging / LOGS_DIR / rank_log.name)
     if paths.supervisor_log.is_file():
         shutil.copyfile(paths.supervisor_log, staging / SUPERVISOR_LOG)
     document = {"record": exported, "checkpoint_seq": seq}
@@ -153,7 +163,7 @@ def place_arrival(incoming: Path, arrival: Arrival, images: ImageStore, paths: J
     prepare_job_dir(paths)
     for stale in (paths.status, paths.pid):
         stale.unlink(missing_ok=True)
-    received = [(log, paths.logs / log.name) for log in sorted((incoming / LOGS_DIR).glob("*"))]
+    received = [(each, paths.logs / each.name) for each in sorted((incoming / LOGS_DIR).glob("*"))]
     if (incoming / SUPERVISOR_LOG).exists():
         received.append((incoming / SUPERVISOR_LOG, paths.supervisor_log))
     for source, target in received:
@@ -161,3 +171,19 @@ def place_arrival(incoming: Path, arrival: Arrival, images: ImageStore, paths: J
         if os.geteuid() == 0:
             os.chown(target, arrival.uid, arrival.gid)
         os.chmod(target, 0o600)
+
+
+def delete_local_copy(images: ImageStore, job_root: Path, job_id: int) -> None:
+    """Remove a job's checkpoints, the network lock of its last dump, its folder (`job_root`) and
+    what was staged to send of it from this node (it does not run here)."""
+    checkpoints = images.job_dir(str(job_id))
+    for table in netlock.lock_table_names(checkpoints) if checkpoints.is_dir() else []:
+        try:
+            if netlock.delete_inet_table(table):
+                log.info("job %s: network lock %s of its last dump deleted", job_id, table)
+        except OSError as error:
+            log.warning("job %s: cannot delete network lock %s: %s", job_id, table, error)
+    remove(checkpoints)
+    remove(job_root)
+    for staged in (images.root / OUTGOING_DIR).glob(f"{job_id}@*"):
+        remove(staged)

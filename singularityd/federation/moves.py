@@ -1,86 +1,50 @@
 """The daemon's side of a move (driver.MoveWork): the hand-off's actions carried out on real jobs.
 
-Source: `stop_for_move` asks the job state machine to checkpoint and stop the job (RUNNING ->
-MIGRATING; a queued job is just set aside), `send_checkpoint` streams the checkpoint folder, the
-logs and the job's record to the peer, `drop_local_copy` marks the job MOVED once the peer holds
-it, `resume_here` queues it here again when the move is abandoned.
-Target: `host_problem` answers PREPARE, `authorize` lets the transfer in (only for the epoch the
-hand-off expects), `restore_frozen` imports the record, reserves devices, places the files and
-restores the processes stopped (CRIU --leave-stopped, device state loaded into new proxy
-servers), `release_frozen` lets them run on COMMIT (MIGRATING -> RUNNING), `discard_incoming`
-kills and deletes what arrived for an epoch that will never run here.
-
-The epoch of the copy restored frozen on this node is kept as a store setting (`arriving:<id>`),
-so that a clean-up for an old epoch never touches a newer copy. A restore and a discard of the same
-job never overlap (`restoring`): a discard waits for a restore under way and then kills its copy,
-so once a discard has returned (and the source been told the epoch was aborted or discarded) no
-copy of that epoch exists here, and a restore that finds its epoch already given up does nothing.
+This module is the source side: `stop_for_move` asks the job state machine to checkpoint and stop
+the job (RUNNING -> MIGRATING; a queued job is just set aside), sending while it still runs what it
+can (the pre-copied device state, a base of its process images: see `bases`), `send_checkpoint`
+streams the checkpoint folder, the logs and the job's record to the peer, `drop_local_copy` marks
+the job MOVED once the peer holds it, `resume_here` queues it here again when the move is
+abandoned. The target side (PREPARE's checks, the restore frozen, its release or discard) is
+`arrivals.Arrivals`, whose methods `DaemonMoves` hands the driver with its own.
 Every method is idempotent.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import logging
-import os
-import signal
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
-from singularityd import faults
-from singularityd.checkpoint.coordinator import Checkpoints, JobCheckpoints
-from singularityd.checkpoint.criu import Criu
+from singularityd.checkpoint.coordinator import JobCheckpoints
 from singularityd.checkpoint.errors import CheckpointError
 from singularityd.checkpoint.manifest import MANIFEST_NAME, parse_seq_dir_name
-from singularityd.checkpoint.precheck import tree_pids
-from singularityd.checkpoint.service import Checkpointer, KnownDigests
 from singularityd.checkpoint.store import ImageStore
 from singularityd.core.actions import TakeCheckpoint
 from singularityd.core.decisions import StillLaunching
 from singularityd.core.states import InvalidTransition, JobState
-from singularityd.core.stimuli import Arrived, MoveAbandoned, MovedAway, MoveStopRequested
+from singularityd.core.stimuli import MovedAway, MoveStopRequested
 from singularityd.daemon import Daemon
 from singularityd.errors import RequestError
-from singularityd.federation import bases, jobfiles, netlock
+from singularityd.federation import bases, jobfiles
+from singularityd.federation.arrivals import Arrivals
 from singularityd.federation.facts import MoveFacts
-from singularityd.federation.handoff import INCOMING, Holding, Phase, transfer_refusal
+from singularityd.federation.handoff import Holding
 from singularityd.federation.holdings import StoredHoldings
-from singularityd.federation.hosting import MoveSpec, gather_host_facts, hosting_problem, probe_cwd
+from singularityd.federation.hosting import MoveSpec, probe_cwd
 from singularityd.federation.pagedelta import DeltaError
-from singularityd.federation.peer import PeerChannels, Refused
+from singularityd.federation.peer import PeerChannels
 from singularityd.federation.transfer import MiB, Progress, Source, TransferError, adopt_digests
-from singularityd.federation.transfer_grpc import Receivers, Sending
-from singularityd.jobs.processes import ProcessId
-from singularityd.jobs.work import identity
+from singularityd.federation.transfer_grpc import Sending
 from singularityd.units import human_bytes
-
-log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 * MiB
 SEND_ATTEMPTS = 30
 SEND_PAUSE_S = 1.0
 LAUNCH_WAIT_S = 120.0
-INCOMING_DIR = ".incoming"
-OUTGOING_DIR = ".outgoing"
-
-
-def frozen_restorer(checkpoints: Checkpoints) -> Checkpoints:
-    """The daemon's checkpoints, restoring with the processes left stopped (CRIU --leave-stopped)."""
-    if not isinstance(checkpoints, JobCheckpoints):
-        return checkpoints  # restores fail with the reason checkpoints are unavailable
-    base = checkpoints.checkpointer
-    options = base.criu.options
-    criu = Criu(
-        base.criu.info, replace(options, extra_restore_args=(*options.extra_restore_args, "--leave-stopped"))
-    )
-    frozen = Checkpointer(criu, base.store, keep=base.keep, pre_copy=0)
-    frozen.userns_problem = base.userns_problem
-    return JobCheckpoints(frozen, checkpoints.devices, checkpoints.status)
 
 
 def newest_complete_seq(images: ImageStore, job: str) -> int | None:
@@ -91,15 +55,9 @@ def newest_complete_seq(images: ImageStore, job: str) -> int | None:
     return None
 
 
-def signal_tree(pid: int, sig: int) -> None:
-    """Send a signal to a process and all its descendants."""
-    for each in tree_pids(pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(each, sig)
-
-
 class DaemonMoves:
-    """Carries out the hand-off's actions on the daemon's jobs (driver.MoveWork)."""
+    """Carries out the hand-off's actions on the daemon's jobs (driver.MoveWork): those of a source
+    here, those of a target through `arrivals`."""
 
     def __init__(
         self,
@@ -107,18 +65,16 @@ class DaemonMoves:
         holdings: StoredHoldings,
         channels: PeerChannels,
         address_of: Callable[[str], str],
+        arrivals: Arrivals,
         *,
-        draining: Callable[[], bool],
         chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
         self.daemon = daemon
         self.holdings = holdings
         self.channels = channels
         self.address_of = address_of
-        self.draining = draining
+        self.arrivals = arrivals
         self.chunk_bytes = chunk_bytes
-        self.frozen = frozen_restorer(daemon.checkpoints)
-        self.receivers = Receivers(self.authorize)
         self.transfers: dict[int, Progress] = {}
         """The transfer of each job on its way out, as its sender last reported it."""
         self.placing: set[int] = set()
@@ -127,10 +83,6 @@ class DaemonMoves:
         """Per job on its way out: what was sent of its device state while it still ran."""
         self.bases: dict[int, bases.ProcessBase] = {}
         """Per job on its way out: the base of its process images sent while it still ran."""
-        self._notes: dict[int, list[tuple[float, str]]] = {}
-        """Events of jobs arriving here before their record exists (written once it does)."""
-        self.restoring: dict[int, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
-        """Per arriving job: held by its restore, so that a discard waits for it to end."""
 
     # Places
 
@@ -139,20 +91,9 @@ class DaemonMoves:
         """The daemon's image store (where checkpoints live)."""
         return ImageStore(self.daemon.config.checkpoints)
 
-    def incoming(self, job_id: str, epoch: int) -> Path:
-        """Where the files of one epoch of an arriving job are received."""
-        return self.daemon.config.checkpoints / INCOMING_DIR / f"{job_id}@{epoch}"
-
     def outgoing(self, job_id: str, epoch: int) -> Path:
         """Where the files of a leaving job are staged (hard links) for one epoch."""
-        return self.daemon.config.checkpoints / OUTGOING_DIR / f"{job_id}@{epoch}"
-
-    def _arriving_epoch(self, job_id: int) -> int | None:
-        value = self.daemon.store.setting(f"arriving:{job_id}")
-        return int(value) if value else None
-
-    def _set_arriving_epoch(self, job_id: int, epoch: int | None) -> None:
-        self.daemon.store.set_setting(f"arriving:{job_id}", None if epoch is None else str(epoch))
+        return self.daemon.config.checkpoints / jobfiles.OUTGOING_DIR / f"{job_id}@{epoch}"
 
     def facts(self, job_id: int) -> MoveFacts | None:
         """The move of this job away from here, while one is under way."""
@@ -296,7 +237,7 @@ class DaemonMoves:
     def _drop_base(self, job_id: int) -> None:
         """Forget the job's base and delete its files, and any a killed daemon left (blocking)."""
         self.bases.pop(job_id, None)
-        for folder in (self.daemon.config.checkpoints / OUTGOING_DIR).glob(f"{job_id}@*.base"):
+        for folder in (self.daemon.config.checkpoints / jobfiles.OUTGOING_DIR).glob(f"{job_id}@*.base"):
             jobfiles.remove(folder)
 
     async def send_checkpoint(self, job_id: str, peer: str, epoch: int) -> None:
@@ -374,7 +315,7 @@ class DaemonMoves:
         self.transfers.pop(int(job_id), None)
         self.pre_sent.pop(int(job_id), None)
         await asyncio.to_thread(self._drop_base, int(job_id))
-        self._let_run(int(job_id), "the move did not happen")
+        self.arrivals.let_run(int(job_id), "the move did not happen")
 
     async def drop_local_copy(self, job_id: str, peer: str) -> None:
         """The job lives on `peer` now: mark it MOVED, delete its checkpoints and folder here."""
@@ -385,221 +326,30 @@ class DaemonMoves:
         job = self.daemon.store.get(job_number)
         if job is not None and job.state is JobState.MIGRATING:
             self.daemon.apply(job_number, MovedAway(f"moved to {peer}; it runs there now"))
-        await asyncio.to_thread(self._delete_local_files, job_number)
+        job_root = self.daemon.processes.paths(job_number).root
+        await asyncio.to_thread(jobfiles.delete_local_copy, self.images, job_root, job_number)
 
-    def _delete_local_files(self, job_id: int) -> None:
-        """Remove a job's checkpoints, the network lock of its last dump and its folder from this
-        node (it does not run here)."""
-        checkpoints = self.images.job_dir(str(job_id))
-        for table in netlock.lock_table_names(checkpoints) if checkpoints.is_dir() else []:
-            try:
-                if netlock.delete_inet_table(table):
-                    log.info("job %s: network lock %s of its last dump deleted", job_id, table)
-            except OSError as error:
-                log.warning("job %s: cannot delete network lock %s: %s", job_id, table, error)
-        jobfiles.remove(checkpoints)
-        jobfiles.remove(self.daemon.processes.paths(job_id).root)
-        for staged in (self.daemon.config.checkpoints / OUTGOING_DIR).glob(f"{job_id}@*"):
-            jobfiles.remove(staged)
-
-    # Target side
+    # Target side: see arrivals
 
     async def host_problem(self, job_id: str, spec_json: bytes) -> str:
-        """Why this node cannot take the job ('' when it can)."""
-        try:
-            spec = MoveSpec.from_json(spec_json)
-        except ValueError as error:
-            return str(error)
-        if spec.job_id != job_id:
-            return f"the spec names job {spec.job_id}, the request job {job_id}"
-        daemon = self.daemon
-        facts = await asyncio.to_thread(
-            gather_host_facts,
-            spec,
-            daemon.config.state_dir,
-            devices=len(daemon.inventory.devices),
-            checkpoints_available=daemon.checkpoints.available,
-        )
-        facts = replace(
-            facts,
-            draining=self.draining(),
-            free_devices=len(self._free_devices()),
-            jobs_dir=str(daemon.config.jobs_dir),
-            id_taken=self._id_taken(int(job_id)),
-        )
-        return hosting_problem(spec, facts)
-
-    def _id_taken(self, job_id: int) -> str:
-        """Why a job arriving with this id cannot have it here ('' when it can)."""
-        job = self.daemon.store.get(job_id)
-        holding = self.holdings.load(str(job_id))
-        if job is None or job.state is JobState.MOVED:
-            return ""
-        if job.state is JobState.MIGRATING and (holding is None or not holding.owns):
-            return ""  # a copy of an earlier attempt, superseded by this one
-        return f"a job with id {job_id} already lives on this node ({job.state})"
-
-    def _free_devices(self, arriving: int | None = None) -> list[int]:
-        """Devices no job holds or has reserved (but those reserved for an earlier copy of `arriving`)."""
-        busy = {d: job for d, job in self.daemon.store.busy_devices().items() if job != arriving}
-        return [d.index for d in self.daemon.inventory.devices if d.index not in busy]
-
-    def authorize(self, node: str, job_id: str, epoch: int) -> Path:
-        """The folder to receive a job's files into, only for the epoch the hand-off expects."""
-        if not job_id.isdigit():
-            raise Refused(f"bad job id {job_id!r}")
-        refusal = transfer_refusal(self.holdings.load(job_id), node, epoch)
-        if refusal:
-            raise Refused(refusal)
-        return self.incoming(job_id, epoch)
+        """Why this node cannot take the job ('' when it can; see Arrivals.host_problem)."""
+        return await self.arrivals.host_problem(job_id, spec_json)
 
     async def restore_frozen(self, job_id: str, epoch: int) -> None:
-        """Import the job, reserve its devices, place its files, restore its processes stopped
-        (nothing if the epoch was given up before the restore began)."""
-        async with self.restoring[int(job_id)]:
-            holding = self.holdings.load(job_id)
-            if holding is None or holding.phase is not Phase.IN_RESTORING or holding.epoch != epoch:
-                raise RuntimeError(f"epoch {epoch} of job {job_id} was given up before its restore began")
-            await self._restore_frozen(job_id, epoch, holding)
-            await faults.held_at(faults.RESTORED_FROZEN)
-
-    async def _restore_frozen(self, job_id: str, epoch: int, holding: Holding) -> None:
-        """See restore_frozen (the job's restore lock held)."""
-        job_number = int(job_id)
-        daemon = self.daemon
-        source = holding.peer
-        incoming = self.incoming(job_id, epoch)
-        arrival = await asyncio.to_thread(jobfiles.read_arrival, incoming)
-        if arrival.job_id != job_number:
-            raise RuntimeError(f"the received record is for job {arrival.job_id}, not {job_id}")
-        began = time.monotonic()
-        received = self.receivers.take_digests(job_id, epoch)
-        try:  # before the restore checks every file against the checkpoint's manifest
-            rebuilt = await asyncio.to_thread(bases.rebuild_deltas, incoming)
-        except (OSError, DeltaError) as error:
-            raise RuntimeError(f"cannot rebuild the process images from their base: {error}") from None
-        rebuild_s = time.monotonic() - began
-        if rebuilt:
-            rebuilt_note = (
-                f"rebuilt {len(rebuilt)} process images from their base and changes in {rebuild_s:.1f}s"
-            )
-            self.note(job_id, rebuilt_note)
-        await self._kill_frozen(job_number)
-        needed = arrival.gpus if arrival.seq is not None else 0
-        free = self._free_devices(arriving=job_number)
-        if len(free) < needed:
-            raise RuntimeError(f"no room: the job needs {needed} devices; {len(free)} are free")
-        devices = tuple(free[:needed])
-        reason = f"arriving from {source} (epoch {epoch})"
-        notes = self._notes.pop(job_number, [])
-        # The marker goes first: a restart that finds it gives the copy up whether or not the record
-        # below was imported, while a record imported without it would stay MIGRATING for good.
-        self._set_arriving_epoch(job_number, epoch)
-        daemon.store.import_job(arrival.exported, reason, daemon.clock(), devices, notes)
-        faults.reached(faults.ARRIVAL_IMPORTED)
-        daemon.feed.publish(job_number)
-        paths = daemon.processes.paths(job_number)
-        await asyncio.to_thread(jobfiles.place_arrival, incoming, arrival, self.images, paths)
-        if arrival.seq is None:
-            return  # a queued job: nothing runs until it is released
-        job = daemon.get_job(job_number)
-        await daemon.devices.admit(job_number, identity(job), devices)
-        daemon.processes.forget_outcome(job_number)
-        restore_began = time.monotonic()
-        known = arrived_digests(arrival.seq, received | rebuilt)
-        restored = await self.frozen.restore(job_number, devices, known_digests=known)
-        process = daemon.processes.adopt_restored(job_number, restored.pid)
-        daemon.store.set_process(job_number, process.pid, process.start_ticks)
-        if restored.problem:
-            raise RuntimeError(restored.problem)
-        await asyncio.to_thread(jobfiles.remove, incoming)
-        ended = time.monotonic()
-        parts = f": {restored.parts.summary()}" if restored.parts is not None else ""
-        self.note(
-            job_id,
-            f"restore frozen took {ended - began:.2f}s (images rebuilt in {rebuild_s:.2f}s, files placed in "
-            f"{restore_began - began - rebuild_s:.2f}s, restored in {ended - restore_began:.2f}s{parts})",
-        )
+        """Restore the job arriving for `epoch` with its processes stopped (see Arrivals.restore_frozen)."""
+        await self.arrivals.restore_frozen(job_id, epoch)
 
     async def release_frozen(self, job_id: str, epoch: int) -> None:
-        """The job is ours: let the processes restored for `epoch` run (nothing if they already do)."""
-        holding = self.holdings.load(job_id)
-        source = holding.peer if holding is not None else "its source"
-        self._let_run(int(job_id), f"committed by {source}")
-
-    def _let_run(self, job_id: int, why: str) -> None:
-        """A MIGRATING job stays here: its frozen processes continue, or it is queued to resume."""
-        daemon = self.daemon
-        job = daemon.store.get(job_id)
-        if job is None or job.state is not JobState.MIGRATING:
-            return
-        process = ProcessId(job.init_pid, job.init_start_ticks or 0) if job.init_pid else None
-        self._set_arriving_epoch(job_id, None)
-        if process is not None and daemon.processes.alive(process):
-            signal_tree(process.pid, signal.SIGCONT)
-            reason = f"{why}: running here"
-            daemon.apply(job_id, Arrived(process.pid, process.start_ticks, job.devices, reason))
-            return
-        daemon.apply(job_id, MoveAbandoned(f"{why}: queued to resume here"))
+        """Let the processes restored for `epoch` run (see Arrivals.release_frozen)."""
+        await self.arrivals.release_frozen(job_id, epoch)
 
     async def discard_incoming(self, job_id: str, epoch: int) -> None:
-        """Kill what was restored for `epoch` and delete what was received for it (after a restore
-        under way has ended: once this returns, no copy of the epoch exists here)."""
-        job_number = int(job_id)
-        self.receivers.cancel(job_id, epoch)
-        async with self.restoring[job_number]:
-            await self._discard_incoming(job_id, epoch)
-
-    async def _discard_incoming(self, job_id: str, epoch: int) -> None:
-        """See discard_incoming (the job's restore lock held)."""
-        job_number = int(job_id)
-        self._notes.pop(job_number, None)
-        await asyncio.to_thread(jobfiles.remove, self.incoming(job_id, epoch))
-        holding = self.holdings.load(job_id)
-        if self._arriving_epoch(job_number) != epoch or (holding is not None and holding.owns):
-            return
-        await self._kill_frozen(job_number)
-        job = self.daemon.store.get(job_number)
-        if job is not None and job.state is JobState.MIGRATING:
-            self.daemon.apply(job_number, MovedAway(f"the copy arriving for epoch {epoch} was given up"))
-        self._set_arriving_epoch(job_number, None)
-        if job is not None:
-            await asyncio.to_thread(self._delete_local_files, job_number)
-
-    async def _kill_frozen(self, job_id: int) -> None:
-        """Kill the processes of a copy restored frozen here earlier (never a job running here)."""
-        job = self.daemon.store.get(job_id)
-        if job is None or job.state is not JobState.MIGRATING or job.init_pid is None:
-            return
-        process = ProcessId(job.init_pid, job.init_start_ticks or 0)
-        if self.daemon.processes.alive(process):
-            signal_tree(process.pid, signal.SIGKILL)
-            deadline = time.monotonic() + 10.0
-            while self.daemon.processes.alive(process) and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-        self.daemon.devices.forget(job_id)
+        """Kill and delete the copy arriving for `epoch` (see Arrivals.discard_incoming)."""
+        await self.arrivals.discard_incoming(job_id, epoch)
 
     def note(self, job_id: str, text: str) -> None:
-        """Record an event in the job's log (kept until the record arrives, for an arriving job)."""
-        job_number = int(job_id)
-        daemon = self.daemon
-        job = daemon.store.get(job_number)
-        holding = self.holdings.load(job_id)
-        arriving = holding is not None and holding.phase in INCOMING
-        if job is None or (arriving and job.state is not JobState.MIGRATING):
-            self._notes.setdefault(job_number, []).append((daemon.clock(), text))
-            return
-        daemon.store.add_note(job_number, job.state, text, daemon.clock())
-        daemon.feed.publish(job_number)
-        log.info("job %d: %s", job_number, text)
-
-
-def arrived_digests(seq: int, digests: dict[str, str]) -> KnownDigests:
-    """The sha256 of checkpoint `seq`'s files hashed here as they were received or rebuilt (given by
-    path in the received folder), for its frozen restore to check against the manifest without
-    reading them again."""
-    prefix = f"{jobfiles.CHECKPOINT_DIR}/{seq}/"
-    return {seq: {path.removeprefix(prefix): d for path, d in digests.items() if path.startswith(prefix)}}
+        """Record an event in the job's log (see Arrivals.note, which keeps an arriving job's)."""
+        self.arrivals.note(job_id, text)
 
 
 def is_owned_here(holding: Holding | None, state: JobState) -> bool:

@@ -25,6 +25,7 @@ from singularityd.daemon import Daemon
 from singularityd.errors import InvalidRequest, NotFound, StateConflict, Unsatisfiable
 from singularityd.federation import handoff as h
 from singularityd.federation import tls
+from singularityd.federation.arrivals import Arrivals
 from singularityd.federation.driver import Handoffs
 from singularityd.federation.facts import (
     ClusterJobs,
@@ -113,7 +114,8 @@ class Federation:
         timing = Timing(beat, 3 * beat, 10 * beat, 5 * beat, 5 * beat)
         membership = Membership.from_seeds(identity.node_name, self._seeds(), time.time(), timing)
         holdings = StoredHoldings(daemon.store)
-        moves = DaemonMoves(daemon, holdings, channels, self.address_of, draining=lambda: self.draining)
+        arrivals = Arrivals(daemon, holdings, draining=lambda: self.draining)
+        moves = DaemonMoves(daemon, holdings, channels, self.address_of, arrivals)
         settings = h.Settings(config.move_timeout_seconds, config.move_hold_seconds)
         handoffs = Handoffs(
             holdings,
@@ -124,7 +126,9 @@ class Federation:
             connect_retry_s=config.move_connect_seconds,
         )
         heartbeats = Heartbeats(membership, channels, self.local_status)
-        service = PeerService(heartbeats=heartbeats, handoffs=handoffs, transfers=moves.receivers, jobs=self)
+        service = PeerService(
+            heartbeats=heartbeats, handoffs=handoffs, transfers=arrivals.receivers, jobs=self
+        )
         bind = f"{config.peer_address}:{config.peer_port}"
         server = PeerServer(identity, bind, service, keepalive=keepalive)
         await server.start()
