@@ -24,6 +24,7 @@ import pytest
 
 from singularityd.checkpoint.namespaces import user_namespace_of
 from singularityd.checkpoint.precheck import CAP_SYS_RESOURCE, have_capability
+from singularityd.jobs.launch import ONEDNN_ISA_WITHOUT_AMX, cpu_has_amx
 from tests.conftest import requires_root
 from tests.helpers import (
     OWNER,
@@ -155,6 +156,40 @@ def test_preempt_resume_and_checkpoint_are_bitwise_exact(cr_daemon: Daemon) -> N
     assert sum(r.startswith("restored from checkpoint") for r in reasons) == preempts
     shown = cr_daemon.job(job)
     assert shown["checkpoints"] == 3 and shown["checkpoint_bytes"] > 0, "keeps the last 3 (checkpoint_keep)"
+
+
+def test_a_job_computing_in_bfloat16_is_preempted_and_resumed_exactly(cr_daemon: Daemon) -> None:
+    """bfloat16 matrix products on the CPU (oneDNN uses AMX where the CPU has it). CRIU does not
+    restore a process's AMX permission, so a job that used AMX would die of SIGILL after its
+    restore: the daemon caps oneDNN below AMX in jobs on such a CPU (ONEDNN_MAX_CPU_ISA), and the
+    job's output equals a direct run with that cap."""
+    cap = {"ONEDNN_MAX_CPU_ISA": ONEDNN_ISA_WITHOUT_AMX} if cpu_has_amx() else {}
+    env = {**os.environ, **JOB_ENV, **cap}
+    steps = 120
+    direct = subprocess.run(
+        [*train_command(steps, 0.0), "--bf16"], capture_output=True, text=True, env=env, check=True
+    ).stdout
+    assert direct != uninterrupted_output(steps), "bfloat16 changes the losses"
+    release = release_file(cr_daemon)
+    env_options = [f"--env={key}={value}" for key, value in JOB_ENV.items()]
+    job = cr_daemon.submit(*train_command(steps), "--bf16", "--hold", str(release), options=env_options)
+    cr_daemon.wait_state(job, "RUNNING")
+
+    def progressed_or_failed(beyond: int) -> bool:
+        return steps_done(cr_daemon, job) > beyond or cr_daemon.job(job)["state"] == "FAILED"
+
+    for beyond in (10, 40):
+        wait_until(functools.partial(progressed_or_failed, beyond), 60)
+        shown = cr_daemon.job(job)
+        assert shown["state"] == "RUNNING", shown["reason"]
+        result = cr_daemon.sing("preempt", str(job), timeout=300)
+        assert result.code == 0, result.err
+        cr_daemon.wait_state(job, "RUNNING", timeout=120)
+    release.touch()
+    assert cr_daemon.sing("wait", str(job), timeout=300).code == 0, cr_daemon.job(job)["reason"]
+    assert cr_daemon.sing("logs", str(job)).out == direct
+    reasons = [e["reason"] for e in events(cr_daemon, job)]
+    assert sum(r.startswith("restored from checkpoint") for r in reasons) == 2, reasons
 
 
 def test_suspend_hold_and_resume(cr_daemon: Daemon) -> None:

@@ -10,6 +10,7 @@ here is tried once at start (`probe_user_namespaces`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import pwd
@@ -26,6 +27,9 @@ from singularityd.jobs.paths import JobPaths
 from singularityd.store import JobRecord
 
 LAUNCHER = Path(launcher.__file__)
+ONEDNN_ISA_WITHOUT_AMX = "AVX512_CORE_FP16"
+"""The highest instruction set oneDNN (torch's CPU kernels for bfloat16) may use in a job on a CPU
+with AMX: see `cpu_has_amx`."""
 
 
 class LaunchError(Exception):
@@ -49,6 +53,21 @@ def prepare_job_dir(paths: JobPaths) -> None:
             os.chown(folder, 0, 0)
 
 
+@functools.cache
+def cpu_has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU has AMX tiles. A process must ask the kernel for AMX
+    (arch_prctl ARCH_REQ_XCOMP_PERM); CRIU does not restore that permission, so a job that used
+    AMX before a checkpoint dies of SIGILL at its next tile instruction after the restore."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return False
+    flags = next(
+        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []
+    )
+    return "amx_tile" in flags
+
+
 def free_tcp_port() -> int:
     """A TCP port on the loopback that is free now (for MASTER_PORT)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -70,6 +89,7 @@ def rank_environments(
 
     USER and LOGNAME always name the job's real user, whatever the request carried.
     USE_LIBUV defaults to 0: torch's libuv TCPStore creates an io_uring, which CRIU cannot dump.
+    ONEDNN_MAX_CPU_ISA defaults to the best set without AMX on a CPU with AMX (`cpu_has_amx`).
     `device_env` says how the job reaches its devices (the proxy client, or CUDA_VISIBLE_DEVICES).
     """
     identity = {"USER": user, "LOGNAME": user}
@@ -82,6 +102,8 @@ def rank_environments(
     listed = ",".join(str(d) for d in devices)
     environments = []
     defaults["USE_LIBUV"] = "0"
+    if cpu_has_amx():
+        defaults["ONEDNN_MAX_CPU_ISA"] = ONEDNN_ISA_WITHOUT_AMX
     for rank in range(ranks):
         env = {**defaults, **base, **identity}
         env.update(

@@ -1,0 +1,49 @@
+"""The environment the daemon gives each rank: pure, milliseconds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from singularityd.jobs import launch
+from singularityd.jobs.launch import ONEDNN_ISA_WITHOUT_AMX, cpu_has_amx, rank_environments
+
+
+def cpuinfo(tmp_path: Path, flags: str) -> Path:
+    """A /proc/cpuinfo of two CPUs with these flags."""
+    path = tmp_path / f"cpuinfo-{len(flags)}"
+    path.write_text("".join(f"processor\t: {n}\nflags\t\t: {flags}\n\n" for n in range(2)))
+    return path
+
+
+def two_ranks(user_env: dict[str, str]) -> list[dict[str, str]]:
+    """The environments of a 2-rank job submitted with `user_env`."""
+    return rank_environments(
+        user_env, job_id=3, user="nobody", ranks=2, devices=(0,), device_env={}, master_port=29500
+    )
+
+
+def test_amx_is_found_by_its_tile_flag(tmp_path: Path) -> None:
+    assert cpu_has_amx(cpuinfo(tmp_path, "fpu sse2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8"))
+    assert not cpu_has_amx(cpuinfo(tmp_path, "fpu sse2 avx512f avx512_bf16"))
+    assert not cpu_has_amx(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_ranks_get_onednn_capped_below_amx_only_on_a_cpu_with_amx_and_the_user_may_override(
+    monkeypatch: pytest.MonkeyPatch, amx: bool
+) -> None:
+    monkeypatch.setattr(launch, "cpu_has_amx", lambda: amx)
+    common = {
+        "job_id": 3,
+        "user": "nobody",
+        "ranks": 2,
+        "devices": (0,),
+        "device_env": {},
+        "master_port": 29500,
+    }
+    envs = rank_environments({}, **common)  # type: ignore[arg-type]
+    assert [env.get("ONEDNN_MAX_CPU_ISA") for env in envs] == [ONEDNN_ISA_WITHOUT_AMX if amx else None] * 2
+    chosen = rank_environments({"ONEDNN_MAX_CPU_ISA": "AVX2"}, **common)  # type: ignore[arg-type]
+    assert [env["ONEDNN_MAX_CPU_ISA"] for env in chosen] == ["AVX2", "AVX2"]
