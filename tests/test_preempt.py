@@ -24,7 +24,7 @@ import pytest
 
 from singularityd.checkpoint.namespaces import user_namespace_of
 from singularityd.checkpoint.precheck import CAP_SYS_RESOURCE, have_capability
-from singularityd.jobs.launch import ONEDNN_ISA_WITHOUT_AMX, cpu_has_amx
+from singularityd.jobs.launch import WITHOUT_AMX, cpu_has_amx
 from tests.conftest import requires_root
 from tests.helpers import (
     OWNER,
@@ -161,9 +161,9 @@ def test_preempt_resume_and_checkpoint_are_bitwise_exact(cr_daemon: Daemon) -> N
 def test_a_job_computing_in_bfloat16_is_preempted_and_resumed_exactly(cr_daemon: Daemon) -> None:
     """bfloat16 matrix products on the CPU (oneDNN uses AMX where the CPU has it). CRIU does not
     restore a process's AMX permission, so a job that used AMX would die of SIGILL after its
-    restore: the daemon caps oneDNN below AMX in jobs on such a CPU (ONEDNN_MAX_CPU_ISA), and the
-    job's output equals a direct run with that cap."""
-    cap = {"ONEDNN_MAX_CPU_ISA": ONEDNN_ISA_WITHOUT_AMX} if cpu_has_amx() else {}
+    restore: the daemon caps oneDNN and MKL below AMX in jobs on such a CPU (WITHOUT_AMX), and the
+    job's output equals a direct run with those caps."""
+    cap = WITHOUT_AMX if cpu_has_amx() else {}
     env = {**os.environ, **JOB_ENV, **cap}
     steps = 120
     direct = subprocess.run(

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from singularityd.jobs import launch
-from singularityd.jobs.launch import ONEDNN_ISA_WITHOUT_AMX, cpu_has_amx, rank_environments
+from singularityd.jobs.launch import WITHOUT_AMX, cpu_has_amx, rank_environments
 
 
 def cpuinfo(tmp_path: Path, flags: str) -> Path:
@@ -31,19 +31,13 @@ def test_amx_is_found_by_its_tile_flag(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("amx", [True, False])
-def test_ranks_get_onednn_capped_below_amx_only_on_a_cpu_with_amx_and_the_user_may_override(
+def test_ranks_get_onednn_and_mkl_capped_below_amx_only_on_a_cpu_with_amx_and_the_user_may_override(
     monkeypatch: pytest.MonkeyPatch, amx: bool
 ) -> None:
     monkeypatch.setattr(launch, "cpu_has_amx", lambda: amx)
-    common = {
-        "job_id": 3,
-        "user": "nobody",
-        "ranks": 2,
-        "devices": (0,),
-        "device_env": {},
-        "master_port": 29500,
-    }
-    envs = rank_environments({}, **common)  # type: ignore[arg-type]
-    assert [env.get("ONEDNN_MAX_CPU_ISA") for env in envs] == [ONEDNN_ISA_WITHOUT_AMX if amx else None] * 2
-    chosen = rank_environments({"ONEDNN_MAX_CPU_ISA": "AVX2"}, **common)  # type: ignore[arg-type]
-    assert [env["ONEDNN_MAX_CPU_ISA"] for env in chosen] == ["AVX2", "AVX2"]
+    for env in two_ranks({}):
+        assert {key: env.get(key) for key in WITHOUT_AMX} == (
+            WITHOUT_AMX if amx else dict.fromkeys(WITHOUT_AMX)
+        )
+    for env in two_ranks({"ONEDNN_MAX_CPU_ISA": "AVX2"}):
+        assert env["ONEDNN_MAX_CPU_ISA"] == "AVX2"

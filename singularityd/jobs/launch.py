@@ -27,9 +27,9 @@ from singularityd.jobs.paths import JobPaths
 from singularityd.store import JobRecord
 
 LAUNCHER = Path(launcher.__file__)
-ONEDNN_ISA_WITHOUT_AMX = "AVX512_CORE_FP16"
-"""The highest instruction set oneDNN (torch's CPU kernels for bfloat16) may use in a job on a CPU
-with AMX: see `cpu_has_amx`."""
+WITHOUT_AMX = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_FP16", "MKL_ENABLE_INSTRUCTIONS": "AVX512_E3"}
+"""The best instruction sets without AMX for oneDNN and MKL (torch's CPU kernels for bfloat16
+matrix products), the default of a job on a CPU with AMX: see `cpu_has_amx`."""
 
 
 class LaunchError(Exception):
@@ -89,7 +89,8 @@ def rank_environments(
 
     USER and LOGNAME always name the job's real user, whatever the request carried.
     USE_LIBUV defaults to 0: torch's libuv TCPStore creates an io_uring, which CRIU cannot dump.
-    ONEDNN_MAX_CPU_ISA defaults to the best set without AMX on a CPU with AMX (`cpu_has_amx`).
+    ONEDNN_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS default to the best sets without AMX on a CPU
+    with AMX (`cpu_has_amx`).
     `device_env` says how the job reaches its devices (the proxy client, or CUDA_VISIBLE_DEVICES).
     """
     identity = {"USER": user, "LOGNAME": user}
@@ -103,7 +104,7 @@ def rank_environments(
     environments = []
     defaults["USE_LIBUV"] = "0"
     if cpu_has_amx():
-        defaults["ONEDNN_MAX_CPU_ISA"] = ONEDNN_ISA_WITHOUT_AMX
+        defaults.update(WITHOUT_AMX)
     for rank in range(ranks):
         env = {**defaults, **base, **identity}
         env.update(
