@@ -26,6 +26,7 @@ from tests.test_splicing import devices_of, refused
 RANKS = 2
 NOT_REPLICAS = ["--width", "256", "--layers", "4", "--steps", "30", "--sleep", "0.05", "--different"]
 REASON = "ranks 0 and 1 hold different parameters: not data-parallel replicas"
+SEEDED_APART = ["--width", "256", "--layers", "4", "--steps", "30", "--sleep", "0.05", "--seed-per-rank"]
 
 
 def submit_spliced(daemon: Daemon, release: Path) -> int:
@@ -123,3 +124,19 @@ def test_ranks_that_are_not_replicas_stop_sharing_a_device(daemon_root: Path) ->
             raise
         assert finished(daemon, job, release) == expected
         print(f"waited: refusal {detected_after(daemon, job):.2f}s after the start")
+
+
+@requires_root
+@pytest.mark.timeout(900)
+def test_replicas_seeded_apart_until_ddp_broadcasts_keep_sharing_a_device(daemon_root: Path) -> None:
+    """Ranks that seed their own weights (as nanoGPT does) differ until DDP's first broadcast makes
+    them rank 0's: the daemon must not refuse them splicing for what it saw before; they run to
+    the end on 1 device and print what they print on 2."""
+    with running_daemon(daemon_root, virtual_devices=RANKS) as daemon:
+        expected = run_job(daemon, "splice_train.py", SEEDED_APART, ranks=RANKS, gpus=RANKS)
+        options = [*JOB_OPTIONS, "--ranks", str(RANKS), "--gpus", "1"]
+        job = daemon.submit(PYTHON, "splice_train.py", *SEEDED_APART, options=options)
+        assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, RANKS)
+        assert printed(rank_logs(daemon, job, RANKS)) == expected
+        assert refusal_event(daemon, job) is None, events(daemon, job)
+        assert not daemon.job(job)["splice_refusal"]

@@ -34,7 +34,9 @@ from .session import DeviceMemory, Session, rebindable
 MIN_SHARED_BYTES = 4096
 """Storages smaller than this are not compared (their bytes would not pay for the bookkeeping)."""
 REPLICA_ROUNDS = 3
-"""Rounds of collectives every rank here must reach before the ranks are judged replicas or not."""
+"""Rounds of collectives every rank here must reach before the ranks are judged replicas or not, and
+rounds in a row their parameters must differ in before they are judged not replicas (ranks that
+seed their own weights hold rank 0's only once DDP's broadcast has landed)."""
 REPLICA_SHARE = 1 / 3
 """Replicas share at least this part of each rank's long-lived bytes (parameters, optimizer state;
 a DDP bucket of unreduced gradients differs per rank, so about half with plain SGD)."""
@@ -110,6 +112,8 @@ class Dedup:
         """Storages a collective is about to write: never shared until it is done."""
         self.verdicts: dict[str, tuple[str, str]] = {}
         """Job -> (replicas: "yes" or "no", why) at its last complete round."""
+        self.apart_rounds: dict[str, int] = {}
+        """Job -> complete rounds in a row in which its ranks here held different parameters."""
         self.compared: set[str] = set()
         """Jobs whose sessions here have been compared since they came (a collective, a quiesce, a
         load): until then their sharing figures are not measured yet, not zero."""
@@ -276,6 +280,7 @@ class Dedup:
         worst = min(figures, key=lambda r: figures[r][1] / figures[r][0] if figures[r][0] else 1.0)
         total, shared = figures[worst]
         if total == 0 or shared >= REPLICA_SHARE * total:
+            self.apart_rounds[job_id] = 0
             held = sum(t for t, _s in figures.values())
             matched = sum(s for _t, s in figures.values())
             self.verdicts[job_id] = (
@@ -284,6 +289,9 @@ class Dedup:
                 f"({matched} of {held} long-lived bytes shared)",
             )
             return
+        self.apart_rounds[job_id] = self.apart_rounds.get(job_id, 0) + 1
+        if self.apart_rounds[job_id] < REPLICA_ROUNDS:
+            return  # replicas seeded apart differ until their first broadcast (DDP's) lands
         other = min(r for r in figures if r != worst)
         first, second = sorted((worst, other))
         self.verdicts[job_id] = (
@@ -340,4 +348,5 @@ class Dedup:
     def forget(self, job_id: str) -> None:
         """Drop the verdict of a job whose sessions are gone."""
         self.verdicts.pop(job_id, None)
+        self.apart_rounds.pop(job_id, None)
         self.compared.discard(job_id)

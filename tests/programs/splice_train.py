@@ -5,7 +5,9 @@ checksum of its weights. After the last step the ranks meet at a barrier (a coll
 (--ready PREFIX: PREFIX + rank is created), and with --hold FILE wait until FILE exists (a test's
 signal to end; it measures the device meanwhile).
 With --different the ranks are not replicas: each starts from its own weights and trains alone
-(no DDP), sharing only its loss through an all_reduce each step.
+(no DDP), sharing only its loss through an all_reduce each step. With --seed-per-rank each rank
+seeds its own weights, as nanoGPT does, and DDP's first broadcast makes them rank 0's: replicas;
+like nanoGPT (which evaluates first) it waits 3 s after DDP's set-up before its first step.
 """
 
 import argparse
@@ -23,6 +25,9 @@ parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--width", type=int, default=256)
 parser.add_argument("--layers", type=int, default=4)
 parser.add_argument("--different", action="store_true", help="ranks with different weights, no DDP")
+parser.add_argument(
+    "--seed-per-rank", action="store_true", help="each rank seeds its own weights; DDP makes them rank 0's"
+)
 parser.add_argument("--hold", help="after the last step, wait until this file exists")
 parser.add_argument("--ready", help="after the barrier, create this path with the rank appended")
 parser.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each step")
@@ -34,12 +39,14 @@ torch.cuda.set_device(local % torch.cuda.device_count())
 device = torch.device("cuda", torch.cuda.current_device())
 dist.init_process_group("nccl")
 
-torch.manual_seed(1234 + (rank if args.different else 0))
+torch.manual_seed(1234 + (rank if args.different or args.seed_per_rank else 0))
 layers: list[nn.Module] = []
 for _ in range(args.layers):
     layers += [nn.Linear(args.width, args.width), nn.Tanh()]
 net = nn.Sequential(*layers, nn.Linear(args.width, 4)).to(device)
 model: nn.Module = net if args.different else DistributedDataParallel(net, device_ids=[device.index])
+if args.seed_per_rank:
+    time.sleep(3.0)  # nanoGPT evaluates before its first step: no collective meanwhile
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 generator = torch.Generator().manual_seed(77 + rank)
 
