@@ -156,9 +156,6 @@ class Checkpointer:
         self.userns_problem = ""
         """Why jobs do not run in user namespaces here ("" if they do or need not): told to users
         whose jobs cannot be checkpointed for want of one."""
-        """Per (job, seq): the sha256 of files of that checkpoint hashed as they were written here
-        (a move's arrival); its next restore checks them against the manifest without reading
-        them again (taken by that restore, whatever its outcome)."""
 
     def close(self) -> None:
         """Remove the staging folder, if there is one (the daemon stops; the next one opens its own)."""

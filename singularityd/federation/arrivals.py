@@ -87,6 +87,8 @@ class Arrivals:
         self.daemon = daemon
         self.holdings = holdings
         self.draining = draining
+        self.images = ImageStore(daemon.config.checkpoints)
+        """The daemon's image store (where checkpoints live)."""
         self.frozen = frozen_restorer(daemon.checkpoints)
         self.receivers = Receivers(self.authorize)
         self._notes: dict[int, list[tuple[float, str]]] = {}
@@ -96,7 +98,7 @@ class Arrivals:
 
     def incoming(self, job_id: str, epoch: int) -> Path:
         """Where the files of one epoch of an arriving job are received."""
-        return self.daemon.config.checkpoints / jobfiles.INCOMING_DIR / f"{job_id}@{epoch}"
+        return self.images.root / jobfiles.INCOMING_DIR / f"{job_id}@{epoch}"
 
     def _arriving_epoch(self, job_id: int) -> int | None:
         value = self.daemon.store.setting(f"arriving:{job_id}")
@@ -200,8 +202,7 @@ class Arrivals:
         faults.reached(faults.ARRIVAL_IMPORTED)
         daemon.feed.publish(job_number)
         paths = daemon.processes.paths(job_number)
-        images = ImageStore(daemon.config.checkpoints)
-        await asyncio.to_thread(jobfiles.place_arrival, incoming, arrival, images, paths)
+        await asyncio.to_thread(jobfiles.place_arrival, incoming, arrival, self.images, paths)
         if arrival.seq is None:
             return  # a queued job: nothing runs until it is released
         job = daemon.get_job(job_number)
@@ -266,9 +267,8 @@ class Arrivals:
             self.daemon.apply(job_number, MovedAway(f"the copy arriving for epoch {epoch} was given up"))
         self._set_arriving_epoch(job_number, None)
         if job is not None:
-            images = ImageStore(self.daemon.config.checkpoints)
             job_root = self.daemon.processes.paths(job_number).root
-            await asyncio.to_thread(jobfiles.delete_local_copy, images, job_root, job_number)
+            await asyncio.to_thread(jobfiles.delete_local_copy, self.images, job_root, job_number)
 
     async def _kill_frozen(self, job_id: int) -> None:
         """Kill the processes of a copy restored frozen here earlier (never a job running here)."""

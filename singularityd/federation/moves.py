@@ -74,6 +74,8 @@ class DaemonMoves:
         self.channels = channels
         self.address_of = address_of
         self.arrivals = arrivals
+        self.images = arrivals.images
+        """The daemon's image store (where checkpoints live), the one its arrivals use."""
         self.chunk_bytes = chunk_bytes
         self.transfers: dict[int, Progress] = {}
         """The transfer of each job on its way out, as its sender last reported it."""
@@ -85,11 +87,6 @@ class DaemonMoves:
         """Per job on its way out: the base of its process images sent while it still ran."""
 
     # Places
-
-    @property
-    def images(self) -> ImageStore:
-        """The daemon's image store (where checkpoints live)."""
-        return ImageStore(self.daemon.config.checkpoints)
 
     def outgoing(self, job_id: str, epoch: int) -> Path:
         """Where the files of a leaving job are staged (hard links) for one epoch."""

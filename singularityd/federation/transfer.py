@@ -274,8 +274,9 @@ class Destination:
         self.chunks = {key: (offset, length) for key, offset, length in plan(self.entries, chunk_size)}
         self.held: dict[ChunkKey, bytes] = {}
         self.closed = False
-        same_chunks = hashes is not None and hashes.chunk_size == chunk_size
-        self.hashes = hashes if hashes is not None and same_chunks else FileHashes(chunk_size)
+        self.hashes = (
+            hashes if hashes is not None and hashes.chunk_size == chunk_size else FileHashes(chunk_size)
+        )
         self.file_digests: dict[str, str] = {}
         """Once finished: the sha256 of every file received, by path (see FileHashes)."""
         self.reread_bytes = 0
