@@ -45,19 +45,24 @@ STEPS = 300
 JOB_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def train_command(steps: int = STEPS, sleep: float = 0.01, user: str | None = None) -> list[str]:
-    """The training script's command line; for another user, a Python that user may run."""
+def train_command(
+    steps: int = STEPS, sleep: float = 0.01, user: str | None = None, bf16: bool = False
+) -> list[str]:
+    """The training script's command line (computing in bfloat16 with `bf16`); for another user, a
+    Python that user may run."""
     python = [sys.executable] if user is None else python_for_user(user)
     if python is None:
         pytest.skip(f"no Python with this project importable by {user} here")
-    return [*python, str(SCRIPT), "--steps", str(steps), "--sleep", str(sleep)]
+    return [*python, str(SCRIPT), "--steps", str(steps), "--sleep", str(sleep), *(["--bf16"] if bf16 else [])]
 
 
 @functools.cache
-def uninterrupted_output(steps: int = STEPS) -> str:
-    """The script's stdout when run directly, once, without singularityd."""
-    env = {**os.environ, **JOB_ENV}
-    done = subprocess.run(train_command(steps, 0.0), capture_output=True, text=True, env=env, check=True)
+def uninterrupted_output(steps: int = STEPS, bf16: bool = False) -> str:
+    """The script's stdout when run directly, once, without singularityd (with the instruction sets
+    the daemon gives jobs on this CPU: launch.WITHOUT_AMX)."""
+    env = {**os.environ, **JOB_ENV, **(WITHOUT_AMX if cpu_has_amx() else {})}
+    command = train_command(steps, 0.0, bf16=bf16)
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
     return done.stdout
 
 
@@ -73,10 +78,11 @@ def submit_training(
     user: str | None = None,
     sleep: float = 0.01,
     hold: Path | None = None,
+    bf16: bool = False,
 ) -> int:
     """Submit the training script (as `user`); with `hold` it cannot end before that file exists."""
     env_options = [f"--env={key}={value}" for key, value in JOB_ENV.items()]
-    command = train_command(steps, sleep, user=user) + (["--hold", str(hold)] if hold else [])
+    command = train_command(steps, sleep, user=user, bf16=bf16) + (["--hold", str(hold)] if hold else [])
     return daemon.submit(*command, options=[*env_options, *options], user=user)
 
 
@@ -163,16 +169,10 @@ def test_a_job_computing_in_bfloat16_is_preempted_and_resumed_exactly(cr_daemon:
     restore a process's AMX permission, so a job that used AMX would die of SIGILL after its
     restore: the daemon caps oneDNN and MKL below AMX in jobs on such a CPU (WITHOUT_AMX), and the
     job's output equals a direct run with those caps."""
-    cap = WITHOUT_AMX if cpu_has_amx() else {}
-    env = {**os.environ, **JOB_ENV, **cap}
     steps = 120
-    direct = subprocess.run(
-        [*train_command(steps, 0.0), "--bf16"], capture_output=True, text=True, env=env, check=True
-    ).stdout
+    direct = uninterrupted_output(steps, bf16=True)
     assert direct != uninterrupted_output(steps), "bfloat16 changes the losses"
-    release = release_file(cr_daemon)
-    env_options = [f"--env={key}={value}" for key, value in JOB_ENV.items()]
-    job = cr_daemon.submit(*train_command(steps), "--bf16", "--hold", str(release), options=env_options)
+    job = submit_training(cr_daemon, steps=steps, hold=release_file(cr_daemon), bf16=True)
     cr_daemon.wait_state(job, "RUNNING")
 
     def progressed_or_failed(beyond: int) -> bool:
@@ -185,7 +185,7 @@ def test_a_job_computing_in_bfloat16_is_preempted_and_resumed_exactly(cr_daemon:
         result = cr_daemon.sing("preempt", str(job), timeout=300)
         assert result.code == 0, result.err
         cr_daemon.wait_state(job, "RUNNING", timeout=120)
-    release.touch()
+    release_file(cr_daemon).touch()
     assert cr_daemon.sing("wait", str(job), timeout=300).code == 0, cr_daemon.job(job)["reason"]
     assert cr_daemon.sing("logs", str(job)).out == direct
     reasons = [e["reason"] for e in events(cr_daemon, job)]
