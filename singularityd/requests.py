@@ -35,7 +35,7 @@ from singularityd.federation.service import Federation
 from singularityd.identity import Caller
 from singularityd.jobs.logs import read_log
 from singularityd.jobs.processes import Usage
-from singularityd.jobs.submission import SubmitArgs, check_resize, validated_spec
+from singularityd.jobs.submission import SubmitArgs, check_resize, grow_refusal, validated_spec
 from singularityd.observe.feed import JobSubmitted
 from singularityd.store import EventRecord, JobRecord
 
@@ -236,6 +236,9 @@ class Requests:
         check_resize(job, gpus, len(self.daemon.inventory.devices))
         if gpus == job.spec.gpus:
             return job
+        free = len(self.daemon.cluster_view().free_devices)
+        if gpus > len(job.devices) + free:
+            raise StateConflict(grow_refusal(job, gpus, free))
         decision = await self._apply_once_started(job_id, ResizeRequested(caller.user, gpus))
         if not any(isinstance(action, TakeCheckpoint) for action in decision.actions):
             return self.daemon.get_job(job_id)

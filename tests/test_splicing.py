@@ -118,6 +118,33 @@ def test_bad_splicing_and_resize_requests_are_refused(daemon: Daemon) -> None:
     assert daemon.job(done)["gpus"] == 1
 
 
+def test_a_resize_beyond_the_free_devices_is_refused_without_stopping_the_job(daemon: Daemon) -> None:
+    """A running 2-rank job on 1 device, the other 3 devices busy: growing it to 2 is refused at
+    once, saying why (elastic: that it grows by itself), and the job runs on, not checkpointed."""
+    fixed = daemon.submit("sleep", "600", options=["--ranks", "2", "--gpus", "1"])
+    others = [daemon.submit("sleep", "600", options=["--gpus", "1"]) for _ in range(2)]
+    elastic = daemon.submit("sleep", "600", options=["--ranks", "2", "--min-gpus", "1", "--max-gpus", "2"])
+    try:
+        for job in (fixed, *others, elastic):
+            daemon.wait_state(job, "RUNNING", timeout=60)
+        held = devices_of(daemon, elastic)
+        refused(
+            daemon.sing("resize", str(elastic), "--gpus", "2"),
+            6,
+            f"job {elastic} cannot grow to 2 devices now: it runs on 1 and 0 more are free; being elastic",
+        )
+        refused(
+            daemon.sing("resize", str(fixed), "--gpus", "2"),
+            6,
+            f"job {fixed} cannot grow to 2 devices now: it runs on 1 and 0 more are free",
+        )
+        assert daemon.job(elastic)["state"] == "RUNNING" and devices_of(daemon, elastic) == held
+        events = [e["reason"] for job in (elastic, fixed) for e in daemon.job(job)["events"]]
+        assert not any("resize" in reason for reason in events), events
+    finally:
+        daemon.sing("cancel", *map(str, (elastic, fixed, *others)))
+
+
 SEES_DEVICES = """
 import os, torch
 rank = int(os.environ["LOCAL_RANK"])

@@ -132,3 +132,16 @@ def check_resize(job: JobRecord, gpus: int, total_devices: int) -> None:
         raise Unsatisfiable(f"requested {gpus} devices but this machine has {total_devices}")
     if job.state is not JobState.RUNNING:
         raise StateConflict(f"job {job.id} is {job.state.value}; only a RUNNING job can be resized")
+
+
+def grow_refusal(job: JobRecord, gpus: int, free: int) -> str:
+    """Why a running job cannot grow to `gpus` devices now: it holds fewer and not enough are free
+    (stopping it would only bring it back on the devices it has)."""
+    text = (
+        f"job {job.id} cannot grow to {gpus} devices now: it runs on {len(job.devices)} and "
+        f"{free} more {'is' if free == 1 else 'are'} free"
+    )
+    if not job.spec.elastic:
+        return text
+    _low, high = device_range(job.spec.ranks, job.spec.min_gpus, job.spec.max_gpus, job.splice_refusal)
+    return f"{text}; being elastic, it grows into idle devices by itself (up to {high})"
