@@ -114,6 +114,30 @@ def test_proxied_job_preempted_and_moved_is_exact(daemon_root: Path) -> None:
 
 
 @requires_root
+def test_a_job_fed_by_dataloader_workers_is_preempted_exactly(daemon_root: Path) -> None:
+    """A proxied job fed by a DataLoader with 2 worker processes and a pin-memory thread (how most
+    training scripts feed a GPU): the thread works on the device, and the job preempted 3 times,
+    its workers with it, prints what a direct run prints."""
+    total = 150
+    args = ["--steps", str(total)]
+    expected = direct_output("loader_train.py", args)
+    release = daemon_root / "release"
+    with running_daemon(daemon_root, virtual_devices=1) as daemon:
+        job = daemon.submit(PYTHON, "loader_train.py", *args, "--hold", str(release), options=JOB_OPTIONS)
+        daemon.wait_state(job, "RUNNING")
+        for beyond in (10, 50, 100):
+            wait_until(functools.partial(progressed, daemon, job, beyond, total), timeout=120)
+            result = daemon.sing("preempt", str(job))
+            assert result.code == 0, result.err
+            daemon.wait_state(job, "RUNNING")
+        release.touch()
+        assert daemon.sing("wait", str(job), timeout=600).code == 0, daemon.sing("logs", str(job)).out[-2000:]
+        assert daemon.sing("logs", str(job)).out == expected
+        reasons = [e["reason"] for e in daemon.job(job)["events"]]
+        assert sum(r.startswith("restored from checkpoint") for r in reasons) == 3
+
+
+@requires_root
 def test_another_users_proxied_job_preempted_is_exact(daemon_root: Path) -> None:
     """A second user's job holding connections to the proxy (external to its namespaces) is
     dumped, and restored with fresh connections, exactly; it runs in a user namespace where root

@@ -119,3 +119,13 @@ def test_transfers_larger_than_a_frame_match_direct_run(server: ProxyServer) -> 
     assert proxied.returncode == 0, proxied.stderr
     assert "download" in direct.stdout and "True" in direct.stdout
     assert proxied.stdout == direct.stdout
+
+
+def test_threads_of_the_program_use_the_proxied_device(server: ProxyServer) -> None:
+    """A DataLoader's pin-memory thread, a thread and a thread pool work on the device as on a GPU."""
+    direct = run_program(["threads_on_device.py", "cpu"], base_env())
+    proxied = run_program(["threads_on_device.py", "cuda"], proxy_env([server.socket], "threads"))
+    assert direct.returncode == 0, direct.stderr
+    assert proxied.returncode == 0, proxied.stderr
+    assert proxied.stdout == direct.stdout
+    assert len(proxied.stdout.splitlines()) == 9 and " False " not in proxied.stdout

@@ -42,7 +42,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
 
     from . import compiler, composites, cuda_surface, process_group, serialization, tensor
     from .devices import DEVICES
-    from .mode import DeviceMode
+    from .mode import DeviceMode, enter_in_new_threads
     from .randomness import RANDOM_OPS, host_random_handler
     from .transfers import TRANSFER_OPS
 
@@ -60,5 +60,6 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     process_group.install()
     mode = DeviceMode()
     mode.__enter__()  # type: ignore[no-untyped-call,unused-ignore]
+    enter_in_new_threads(mode)
     tensor.device_mode.append(mode)
     _installed.append(mode)

@@ -26,6 +26,16 @@ class ProxyConnectionError(RuntimeError):
     """The connection of this process to a proxy server failed or was refused."""
 
 
+CLIENT_LOCK = threading.RLock()
+"""Held by the thread working on the devices: the client's queues, handles and plans are one
+thread's at a time (a program's threads may use the devices as they may use a GPU)."""
+
+
+class ReaderThread(threading.Thread):
+    """A channel's own thread reading answers: the only thread of a job that works without the
+    device mode (mode.enter_in_new_threads)."""
+
+
 class Channel:
     """The connection of this process to the proxy server of one device."""
 
@@ -68,7 +78,7 @@ class Channel:
         self.info: dict[str, Any] = welcome.value()
         self.sync_bytes = max(1 << 20, int(self.info["total_memory"]) // 64)
         """Transfers and allocations this large wait for the server (out of memory shows at the call)."""
-        reader = threading.Thread(target=self._read, name=f"sing-proxy-{index}", daemon=True)
+        reader = ReaderThread(target=self._read, name=f"sing-proxy-{index}", daemon=True)
         reader.start()
 
     # -- reader thread ----------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import torch
 from torch.overrides import TorchFunctionMode, handle_torch_function
 
 from . import protocol
+from .channel import CLIENT_LOCK, ReaderThread
 from .devices import DEVICES, device_index, same_device_error
 from .encoding import wire_arguments
 from .tensor import ProxyTensor, download, new_stand_in
@@ -470,15 +471,17 @@ class DeviceMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         inside = _IN_MODE.get(func)
         if inside is not None:
-            with self:
+            with CLIENT_LOCK, self:
                 return inside(func, args, kwargs or {})
         handler = _METHODS.get(func)
         if handler is not None:
-            return handler(func, args, kwargs or {})
+            with CLIENT_LOCK:
+                return handler(func, args, kwargs or {})
         if kwargs:
             device = kwargs.get("device")
             if device is not None and _is_cuda(device):
-                return _factory(func, args, kwargs)
+                with CLIENT_LOCK:
+                    return _factory(func, args, kwargs)
         if len(args) > 1 and func not in _MIXING_ALLOWED:
             _check_devices(args)
         if type(func) is FunctionType and _needs_mode(func):
@@ -490,8 +493,23 @@ class DeviceMode(TorchFunctionMode):
         elif kwargs:
             result = func(*args, **kwargs)
         else:
-            result = func(*args)
+            result = func(*args)  # operations on stand-ins take the lock in their dispatch
         kind = type(result)
         if kind is ProxyTensor or not (kind is _Tensor or kind is tuple or kind is list):
             return result
-        return _on_device_of(args, result)
+        with CLIENT_LOCK:
+            return _on_device_of(args, result)
+
+
+def enter_in_new_threads(mode: DeviceMode) -> None:
+    """Let every thread the program starts from now on work under `mode` too, as its main thread
+    does: torch keeps function modes per thread, and a DataLoader's pin-memory thread, a thread
+    pool's workers or the program's own threads would otherwise see no device at all."""
+    start = threading.Thread._bootstrap_inner  # type: ignore[attr-defined]
+
+    def bootstrap_inner(thread: threading.Thread) -> None:
+        if not isinstance(thread, ReaderThread):
+            mode.__enter__()
+        start(thread)
+
+    threading.Thread._bootstrap_inner = bootstrap_inner  # type: ignore[attr-defined]

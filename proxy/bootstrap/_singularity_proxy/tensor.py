@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from . import protocol
-from .channel import Channel
+from .channel import CLIENT_LOCK, Channel
 from .devices import same_device_error
 
 HOST = torch.device("cpu")
@@ -82,10 +82,11 @@ class ProxyTensor(torch.Tensor):
     def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
     ) -> Any:
-        route = _routes.get(id(func), _UNROUTED)  # `dispatch`, inlined: this runs for every operation
-        if route is None:
-            return forward(func, args, kwargs)
-        return dispatch(func, args, kwargs)
+        with CLIENT_LOCK:
+            route = _routes.get(id(func), _UNROUTED)  # `dispatch`, inlined: this runs for every operation
+            if route is None:
+                return forward(func, args, kwargs)
+            return dispatch(func, args, kwargs)
 
     @property  # type: ignore[misc]
     def device(self) -> torch.device:  # type: ignore[override]
