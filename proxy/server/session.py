@@ -133,6 +133,9 @@ class DeviceMemory:
         """Bytes copied so far because a session wrote a storage it shared."""
         self.peak = 0
         """The most bytes held at once since the server started."""
+        self.values: dict[int, int] = {}
+        """Storage identity -> its value id, while squashing follows it (squash.py); dropped when
+        the storage is let go, so an identity reused by a new storage never inherits one."""
 
     def hold(self, key: int, nbytes: int, session: Session) -> None:
         """Count a session's use of a storage (its bytes once, however many sessions use it)."""
@@ -152,6 +155,7 @@ class DeviceMemory:
         holders.remove(session)
         if not holders:
             del self.holders[key]
+            self.values.pop(key, None)
             self.used -= nbytes
         elif len(holders) == 1:
             self.shared -= 1
