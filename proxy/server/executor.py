@@ -189,8 +189,9 @@ class Executor:
         if served.size_argument is not None:
             self._check_planned(session, served, args, kwargs)
         call, output = self._reused(session, served.operator, args, kwargs)
-        if output is MISS:
-            output = self._run_operator(session, served.operator, served.operator, args, kwargs, call)
+        ran = output is MISS
+        if ran:
+            output = self._run_operator(session, served.operator, served.operator, args, kwargs)
         new_handles: list[int] = []
         try:
             template = self._template(session, output, inputs, [protocol.integer(first_handle)], new_handles)
@@ -209,6 +210,8 @@ class Executor:
             growth = sum(session.recount(handle) for handle in set(inputs))
             if growth > 0:
                 session.check_capacity([], growth)
+        if ran and call is not None and self.squash is not None:
+            self.squash.record(session, call, output)
         return template
 
     def _run_plan(self, session: Session, op: list[Any], buffers: Sequence[Any], answer: bool) -> Any:
@@ -221,12 +224,15 @@ class Executor:
         if plan.served.size_argument is not None:
             self._check_planned(session, plan.served, args, kwargs)
         call, output = self._reused(session, plan.served.operator, args, kwargs)
-        if output is MISS:
-            output = self._run_operator(session, plan.served.operator, plan.call, args, kwargs, call)
+        ran = output is MISS
+        if ran:
+            output = self._run_operator(session, plan.served.operator, plan.call, args, kwargs)
         new_handles: list[int] = []
         added = self._keep(session, output, inputs, [protocol.integer(first_handle)], new_handles)
         if added:
             session.check_capacity(new_handles, added)
+        if ran and call is not None and self.squash is not None:
+            self.squash.record(session, call, output)
         return None
 
     def _keep(
@@ -270,11 +276,10 @@ class Executor:
         return call, squash.reuse(session, call)
 
     def _run_operator(
-        self, session: Session, operator: Any, function: Any, args: list[Any], kwargs: dict[str, Any],
-        call: Call | None,
-    ) -> Any:  # fmt: skip
+        self, session: Session, operator: Any, function: Any, args: list[Any], kwargs: dict[str, Any]
+    ) -> Any:
         """Run an operator (`function`: it or its bare kernel), its written storages the session's
-        own first; what it produced recorded for squashing where `call` says it takes part."""
+        own first (their value ids void: squash.py records them anew after a call it follows)."""
         if self.memory.shared:
             self._own_written(session, operator, args, kwargs)
         try:
@@ -285,8 +290,6 @@ class Executor:
             note_writes(operator, args, kwargs)  # for pre-copies (writes.py)
             if self.memory.values and self.squash is not None:
                 self.squash.wrote(written_tensors(operator, args, kwargs))
-        if call is not None and self.squash is not None:
-            self.squash.record(session, call, output)
         return output
 
     @staticmethod

@@ -141,6 +141,7 @@ class DeviceMemory:
         """Count a session's use of a storage (its bytes once, however many sessions use it)."""
         holders = self.holders.get(key)
         if holders is None:
+            self.values.pop(key, None)  # an identity last used by a storage held by no one here
             self.holders[key] = [session]
             self.used += nbytes
             self.peak = max(self.peak, self.used)

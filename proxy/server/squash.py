@@ -210,6 +210,9 @@ class Squash:
             return None
         written = {id(t) for t in _written(operator, args, kwargs)}
         leaves = [Leaf(t, t.untyped_storage()._cdata, id(t) in written) for t in tensors]
+        holders = self.memory.holders
+        if not all(leaf.key in holders for leaf in leaves):
+            return None  # a tensor sent with the call (held by no session): no value id to trust
         call = Call(operator, leaves, shape)
         call.key = self._exact(call)
         return call
@@ -323,7 +326,8 @@ class Squash:
 
     # -- after an operation ---------------------------------------------------------------------------
     def record(self, session: Session, call: Call, output: Any) -> None:
-        """Remember what a call that ran produced (value ids numbered by its key)."""
+        """Remember what a call that ran produced (value ids numbered by its key), once its new
+        tensors are held."""
         with self.lock:
             leaves = call.leaves
             values = self.memory.values
@@ -353,7 +357,7 @@ class Squash:
                     if value is leaf.tensor:
                         return ("alias", index)
                 key = value.untyped_storage()._cdata
-                if key in input_keys:
+                if key in input_keys or key not in self.memory.holders:
                     raise LookupError  # shares an input's storage without being that tensor
                 if key not in news:
                     news[key] = self._derive(call.key, slot)
