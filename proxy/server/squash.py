@@ -39,7 +39,7 @@ import torch
 
 from .dedup import Dedup, same_bytes
 from .session import DeviceMemory, Session, rebindable
-from .writes import written_arguments
+from .writes import written_tensors
 
 MAX_ENTRIES = 8192
 """Recorded operations kept per device at most (the oldest go first)."""
@@ -208,7 +208,7 @@ class Squash:
             shape = (operator, _hashable(args, tensors), _hashable(sorted(kwargs.items()), tensors))
         except LookupError:
             return None
-        written = {id(t) for t in _written(operator, args, kwargs)}
+        written = {id(t) for t in written_tensors(operator, args, kwargs)}
         leaves = [Leaf(t, t.untyped_storage()._cdata, id(t) in written) for t in tensors]
         holders = self.memory.holders
         if not all(leaf.key in holders for leaf in leaves):
@@ -373,9 +373,9 @@ class Squash:
                     values.pop(key, None)
                 return
             round_ = self.dedup.ranks[session].rounds if session in self.dedup.ranks else 0
-            self.entries.pop(call.key, None)
+            if self.entries.pop(call.key, None) is None:
+                self.near.setdefault(call.shape, []).append(call.key)
             self.entries[call.key] = Entry(session.job_id, session, round_, inputs, written, made)
-            self.near.setdefault(call.shape, []).append(call.key)
             while len(self.entries) > MAX_ENTRIES:
                 oldest, entry = next(iter(self.entries.items()))
                 self._drop(oldest, entry)
@@ -446,14 +446,6 @@ class Squash:
             "near_hits": self.near_hits,
             "memo_entries": len(self.entries),
         }
-
-
-def _written(operator: Any, args: list[Any], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
-    for position, name in written_arguments(operator):
-        value = args[position] if position < len(args) else kwargs.get(name)
-        for tensor in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(tensor, torch.Tensor):
-                yield tensor
 
 
 def _new_storages(output: Any) -> list[tuple[int, int]]:

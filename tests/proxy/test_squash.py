@@ -9,24 +9,14 @@ to the job; rank 2, whose update differs, computes its own.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 import torch
 
 from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.server.service import Server
 from singularity.proxy.server.session import Session
-from tests.proxy.test_dedup import FLOATS, JOB, handle, open_sessions, run
+from tests.proxy.test_dedup import FLOATS, JOB, handle, open_sessions, run, server
 
-
-@pytest.fixture
-def server() -> Iterator[Server]:
-    """A virtual device's server in this process (sessions dropped at the end)."""
-    made = Server(0, 1 << 30, None)
-    yield made
-    for session in list(made.sessions.values()):
-        made.drop(session)
+__all__ = ["server"]  # the fixture: a virtual device's server in this process
 
 
 def storage_of(session: Session, number: int) -> int:
