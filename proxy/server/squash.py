@@ -47,6 +47,10 @@ MAX_NEAR = 4
 """Recorded operations under one coarse key compared with a near miss."""
 MISS = object()
 """What `Squash.reuse` answers when the call must run."""
+_OVERWRITES = frozenset(
+    (torch.ops.aten.copy_.default, torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default)
+)
+"""Operators whose result does not depend on what their first (written) argument held before."""
 
 
 @dataclass
@@ -222,7 +226,10 @@ class Squash:
         call.inputs = tuple((leaf.key, self.value(leaf.key)) for leaf in call.leaves)
         first: dict[int, int] = {}
         sharing = tuple(first.setdefault(leaf.key, i) for i, leaf in enumerate(call.leaves))
-        return (call.shape, tuple(value for _key, value in call.inputs), sharing)
+        values = [value for _key, value in call.inputs]
+        if call.operator in _OVERWRITES and _covers_storage(call.leaves[0]):
+            values[0] = 0  # every byte of its storage is written: what it held does not matter
+        return (call.shape, tuple(values), sharing)
 
     def reuse(self, session: Session, call: Call) -> Any:
         """The output of the call, made from another session's run of it, if one can be reused
@@ -446,6 +453,17 @@ class Squash:
             "near_hits": self.near_hits,
             "memo_entries": len(self.entries),
         }
+
+
+def _covers_storage(leaf: Leaf) -> bool:
+    """Whether a written tensor's elements are every byte of its storage, each once."""
+    tensor = leaf.tensor
+    return (
+        leaf.written
+        and tensor.storage_offset() == 0
+        and tensor.is_contiguous()
+        and tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
+    )
 
 
 def _new_storages(output: Any) -> list[tuple[int, int]]:
