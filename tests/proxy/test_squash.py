@@ -72,3 +72,31 @@ def test_a_lone_rank_keeps_no_memo(server: Server) -> None:
     update(server, alone)
     assert server.squash.entries == {} and server.memory.values == {}
     assert torch.equal(alone.tensors[100], torch.full((FLOATS,), 0.9))
+
+
+def test_a_copy_over_a_whole_storage_is_squashed_and_over_part_of_one_is_not(server: Server) -> None:
+    """copy_ into a tensor that is all of its storage does not depend on what it held: squashed
+    whatever the destinations held; into half of a storage, the other half differs: run."""
+    first, second = open_sessions(server, 2)
+    source = torch.arange(FLOATS, dtype=torch.float32)
+    for session in (first, second):
+        session.add(1, source.clone())
+        session.add(2, torch.full((FLOATS,), float(session.rank)))  # whole-storage destination
+        session.add(3, torch.full((2 * FLOATS,), float(session.rank)))
+        session.add(4, session.tensors[3][:FLOATS])  # half of handle 3's storage
+    server.dedup.share_job(JOB)
+    assert storage_of(first, 1) == storage_of(second, 1)
+    ops: list[list[object]] = [
+        [protocol.OP_DEFINE, 1, "aten", "copy_", "default"],
+        [protocol.OP_CALL, 1, 50, [handle(2), handle(1)], {}],
+        [protocol.OP_CALL, 1, 50, [handle(4), handle(1)], {}],
+    ]
+    for session in (first, second):
+        run(server, session, ops)
+    assert server.squash.squashed == 1, server.squash.figures()
+    assert storage_of(first, 2) == storage_of(second, 2)
+    assert storage_of(first, 3) != storage_of(second, 3)
+    for session in (first, second):
+        assert torch.equal(session.tensors[2], source)
+        assert torch.equal(session.tensors[3][:FLOATS], source)
+        assert torch.equal(session.tensors[3][FLOATS:], torch.full((FLOATS,), float(session.rank)))
