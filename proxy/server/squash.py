@@ -48,9 +48,10 @@ MAX_NEAR = 4
 MISS = object()
 """What `Squash.reuse` answers when the call must run."""
 _OVERWRITES = frozenset(
-    (torch.ops.aten.copy_.default, torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default)
+    id(op) for op in (torch.ops.aten.copy_.default, torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default)
 )
-"""Operators whose result does not depend on what their first (written) argument held before."""
+"""Operators (by identity: an OpOverload hashes slowly) whose result does not depend on what their
+first (written) argument held before."""
 
 
 @dataclass
@@ -95,14 +96,17 @@ class Entry:
 
 def eligible(operator: Any) -> bool:
     """Whether an operator's result is a function of its arguments' bytes and layouts alone."""
-    found = _ELIGIBLE.get(operator)
+    found = _ELIGIBLE.get(id(operator))
     if found is None:
         found = _judge(operator)
-        _ELIGIBLE[operator] = found
+        _ELIGIBLE[id(operator)] = found
+        _KEPT.append(operator)  # its identity stays its own
     return found
 
 
-_ELIGIBLE: dict[Any, bool] = {}
+_ELIGIBLE: dict[int, bool] = {}
+"""id(operator) -> whether it is eligible (an OpOverload hashes slowly)."""
+_KEPT: list[Any] = []
 
 
 def _judge(operator: Any) -> bool:
@@ -209,7 +213,7 @@ class Squash:
             return None
         tensors: list[torch.Tensor] = []
         try:
-            shape = (operator, _hashable(args, tensors), _hashable(sorted(kwargs.items()), tensors))
+            shape = (id(operator), _hashable(args, tensors), _hashable(sorted(kwargs.items()), tensors))
         except LookupError:
             return None
         written = {id(t) for t in written_tensors(operator, args, kwargs)}
@@ -227,7 +231,7 @@ class Squash:
         first: dict[int, int] = {}
         sharing = tuple(first.setdefault(leaf.key, i) for i, leaf in enumerate(call.leaves))
         values = [value for _key, value in call.inputs]
-        if call.operator in _OVERWRITES and _covers_storage(call.leaves[0]):
+        if id(call.operator) in _OVERWRITES and _covers_storage(call.leaves[0]):
             values[0] = 0  # every byte of its storage is written: what it held does not matter
         return (call.shape, tuple(values), sharing)
 
