@@ -45,6 +45,10 @@ MAX_ENTRIES = 8192
 """Recorded operations kept per device at most (the oldest go first)."""
 MAX_NEAR = 4
 """Recorded operations under one coarse key compared with a near miss."""
+UNUSED_LIMIT = 16
+"""Entries of an operator dropped unused before it is no longer recorded (until sessions come or
+go), unless one of its calls was ever squashed: the forward and backward passes of the ranks'
+own data, whose keys never match, then cost one look-up per call."""
 MISS = object()
 """What `Squash.reuse` answers when the call must run."""
 _OVERWRITES = frozenset(
@@ -92,6 +96,8 @@ class Entry:
     """The output's structure: ("alias", leaf), ("new", storage key, value id, size, stride,
     offset, dtype), ("none",), ("list" | "tuple", items)."""
     consumed: set[Session] = field(default_factory=set)
+    used: bool = False
+    """Whether another session was squashed onto it."""
 
 
 def eligible(operator: Any) -> bool:
@@ -170,6 +176,10 @@ class Squash:
         self.spliced: dict[str, bool] = {}
         """Job -> whether more than one of its sessions is here (cleared when sessions come or go)."""
         self.lock = threading.Lock()
+        self.unused: dict[int, int] = {}
+        """id(operator) -> its entries dropped unused since sessions last came or went."""
+        self.useful: set[int] = set()
+        """id(operator) of each operator whose call was squashed once."""
         self.next_value = 1
         self.squashed = 0
         """Operations not run because another session of the job had run them."""
@@ -203,13 +213,17 @@ class Squash:
         return found
 
     def sessions_changed(self) -> None:
-        """A session came or went: whether jobs are spliced is worked out again."""
+        """A session came or went: whether jobs are spliced is worked out again, and every
+        operator is recorded again."""
         self.spliced = {}
+        self.unused = {}
 
     # -- before an operation --------------------------------------------------------------------------
     def prepare(self, operator: Any, args: list[Any], kwargs: dict[str, Any]) -> Call | None:
         """The call as squashing sees it, or None if its operator or arguments do not take part."""
         if not eligible(operator):
+            return None
+        if self.unused.get(id(operator), 0) >= UNUSED_LIMIT and id(operator) not in self.useful:
             return None
         tensors: list[torch.Tensor] = []
         try:
@@ -293,6 +307,8 @@ class Squash:
             saved += storage.nbytes()
         saved += sum(s.nbytes() for s in news.values())
         self.squashed += 1
+        entry.used = True
+        self.useful.add(id(call.operator))
         self.saved_bytes += saved
         return _rebuild(entry.output, call.leaves, news)
 
@@ -413,6 +429,9 @@ class Squash:
             self._drop(key, entry)
 
     def _drop(self, key: tuple[Any, ...], entry: Entry) -> None:
+        if not entry.used:
+            operator = key[0][0]
+            self.unused[operator] = self.unused.get(operator, 0) + 1
         self.entries.pop(key, None)
         keys = self.near.get(key[0])
         if keys is not None:
