@@ -200,6 +200,7 @@ def compare(base: Path, steps: int) -> None:
         for name, tree in trees:
             one, one_cpu, _ = measure(tree, "step", [1, steps, width, optimizer])
             single[name] = (one, one_cpu)
+            rows.append([optimizer, "1", name, _ms(one), "1.000", "1.000", "", ""])
         for ranks in (2, 4):
             for name, tree in trees:
                 many, cpu, figures = measure(tree, "step", [ranks, steps, width, optimizer])
