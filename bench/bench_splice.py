@@ -189,6 +189,7 @@ def compare(base: Path, steps: int) -> None:
             "ranks",
             "tree",
             "step (rank 0)",
+            "CPU / step",
             "step ratio",
             "CPU ratio",
             "copied / step",
@@ -200,7 +201,7 @@ def compare(base: Path, steps: int) -> None:
         for name, tree in trees:
             one, one_cpu, _ = measure(tree, "step", [1, steps, width, optimizer])
             single[name] = (one, one_cpu)
-            rows.append([optimizer, "1", name, _ms(one), "1.000", "1.000", "", ""])
+            rows.append([optimizer, "1", name, _ms(one), _ms(one_cpu), "1.000", "1.000", "", ""])
         for ranks in (2, 4):
             for name, tree in trees:
                 many, cpu, figures = measure(tree, "step", [ranks, steps, width, optimizer])
@@ -208,7 +209,7 @@ def compare(base: Path, steps: int) -> None:
                 total_steps = steps + 5
                 rows.append(
                     [
-                        optimizer, str(ranks), name, _ms(many), f"{many / (ranks * one):.3f}",
+                        optimizer, str(ranks), name, _ms(many), _ms(cpu), f"{many / (ranks * one):.3f}",
                         f"{cpu / (ranks * one_cpu):.3f}", _mib(figures.get("copied_bytes", 0) / total_steps),
                         f"{figures.get('squashed', 0) / total_steps:.0f}",
                     ]
