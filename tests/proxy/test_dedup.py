@@ -4,8 +4,9 @@ First on a Server object in this process (its executor, its control handler): id
 of two sessions are kept once, a write gives the writer its own copy first, views keep aliasing,
 and a save holds the shared storage once and loads it shared and correct. Then with real server
 processes and torch programs: 4 DDP ranks spliced on one device train to the bits of 4 devices,
-using at most 1.5x the device memory of one rank alone, and are judged replicas; ranks with
-different weights are judged not replicas, with the reason.
+using at most 1.5x the device memory of one rank alone after the step (their updates squashed,
+squash.py, the peak bounded too), and are judged replicas; ranks with different weights are
+judged not replicas, with the reason, and compute their own updates.
 """
 
 from __future__ import annotations
