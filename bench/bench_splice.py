@@ -13,13 +13,17 @@ devices). Measured side by side in one run:
   the dedup's own cost per step (comparing storages at collectives, copies before writes to
   shared storages), from the server's figures.
 
-Options: --quick (10 timed steps, not 40), --optimizer adam|sgd, --steps-only (skip the memory part).
+Options: --quick (10 timed steps, not 40), --optimizer adam|sgd, --steps-only (skip the memory part),
+--compare TREE (another checkout with its own .venv, e.g. main's: every figure measured for it and for
+this tree in turn, one after the other, both optimizers; it prints the two side by side).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -136,6 +140,87 @@ def memory_table(directory: Path) -> None:
     )  # fmt: skip
 
 
+MEASURE = r"""
+import json, sys, tempfile
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from bench.bench_splice import held_memory, step_time
+what, args = sys.argv[2], json.loads(sys.argv[3])
+with tempfile.TemporaryDirectory(prefix="bench-splice-") as folder:
+    if what == "memory":
+        print(json.dumps(held_memory(Path(folder), *args)))
+    else:
+        print(json.dumps(step_time(Path(folder), *args)))
+"""
+"""Runs one measurement of a tree's own bench_splice.py with that tree's interpreter (its server)."""
+
+
+def measure(tree: Path, what: str, args: Sequence[Any]) -> Any:
+    """One figure (`held_memory` or `step_time` with these arguments) as the checkout `tree` has it."""
+    command = [str(tree / ".venv" / "bin" / "python"), "-c", MEASURE, str(tree), what, json.dumps(args)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=3600, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{tree}: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def compare(base: Path, steps: int) -> None:
+    """Print memory and step figures of the checkout `base` and of this one, measured in turn."""
+    trees = [("base", base), ("this", REPO)]
+    model = ["--width", "512", "--layers", "4", "--steps", "4"]
+    rows = [
+        ["tree", "1 rank", "4 ranks", "ratio", "1 rank peak", "4 ranks peak", "peak ratio", "squashed ops"]
+    ]
+    for name, tree in trees:
+        alone, alone_peak, _ = measure(tree, "memory", [1, model])
+        spliced, spliced_peak, summary = measure(tree, "memory", [4, model])
+        rows.append(
+            [
+                name, _mib(alone), _mib(spliced), f"{spliced / alone:.2f}x", _mib(alone_peak),
+                _mib(spliced_peak), f"{spliced_peak / alone_peak:.2f}x", str(summary.get("squashed", "-")),
+            ]
+        )  # fmt: skip
+    print(f"device memory, splice_train.py (MLP 4x512, Adam), after the last step and peak; base = {base}")
+    _table(rows)
+    width = 256
+    rows = [
+        [
+            "optimizer",
+            "ranks",
+            "tree",
+            "step (rank 0)",
+            "CPU / step",
+            "step ratio",
+            "CPU ratio",
+            "copied / step",
+            "squashed / step",
+        ]
+    ]
+    for optimizer in ("adam", "sgd"):
+        single: dict[str, tuple[float, float]] = {}
+        for name, tree in trees:
+            one, one_cpu, _ = measure(tree, "step", [1, steps, width, optimizer])
+            single[name] = (one, one_cpu)
+            rows.append([optimizer, "1", name, _ms(one), _ms(one_cpu), "1.000", "1.000", "", ""])
+        for ranks in (2, 4):
+            for name, tree in trees:
+                many, cpu, figures = measure(tree, "step", [ranks, steps, width, optimizer])
+                one, one_cpu = single[name]
+                total_steps = steps + 5
+                rows.append(
+                    [
+                        optimizer, str(ranks), name, _ms(many), _ms(cpu), f"{many / (ranks * one):.3f}",
+                        f"{cpu / (ranks * one_cpu):.3f}", _mib(figures.get("copied_bytes", 0) / total_steps),
+                        f"{figures.get('squashed', 0) / total_steps:.0f}",
+                    ]
+                )  # fmt: skip
+    print(
+        f"\nstep time, DDP, MLP {width}, batch 64, {steps} steps after 5 warm-up, against N x 1 rank alone "
+        f"of the same tree; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
+    _table(rows)
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms"
 
@@ -150,8 +235,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps")
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="of the step-time part")
     parser.add_argument("--steps-only", action="store_true", help="skip the device memory part")
+    parser.add_argument("--compare", type=Path, help="another checkout (with .venv) measured in turn")
     options = parser.parse_args(argv)
     steps = 10 if options.quick else 40
+    if options.compare is not None:
+        if not (options.compare / ".venv" / "bin" / "python").exists():
+            parser.error(f"{options.compare} has no .venv/bin/python")
+        compare(options.compare.resolve(), steps)
+        return
     with tempfile.TemporaryDirectory(prefix="bench-splice-") as folder:
         directory = Path(folder)
         if not options.steps_only:

@@ -42,6 +42,7 @@ from . import operators
 from .dedup import Dedup
 from .links import PeerLink
 from .session import Session
+from .squash import Squash
 
 MAX_GROUP_SIZE = 4096
 """Most members of a process group (the daemon's limit on a job's ranks)."""
@@ -156,6 +157,8 @@ class Collectives:
         """job -> {ended global rank: {group: the last collective it reached}}."""
         self.events = 0
         """Changes so far (queues, collectives, messages): unchanged between two looks means quiet."""
+        self.squash: Squash | None = None
+        """Operations of spliced ranks run once (squash.py): what every rank passed is forgotten."""
         self.dedup: Dedup | None = None
         """Storages shared across the ranks here (dedup.py): compared when a rank reaches a
         collective, copied before a collective writes them."""
@@ -265,6 +268,8 @@ class Collectives:
         params = parse_spec(runner.session, spec, len(members))
         if self.dedup is not None:
             self.dedup.at_collective(runner.session)
+        if self.squash is not None:
+            self.squash.at_collective(runner.session.job_id)
         job = runner.session.job_id
         placement = self._place(runner, job, group, me, members)
         with self.cond:
@@ -289,12 +294,13 @@ class Collectives:
                 return
             instance.driving = True
         claimed: set[int] = set()
+        written = [(instance.sessions[rank], _written(instance.locals[rank])) for rank in instance.locals]
         try:
             if self.dedup is not None:
-                claimed = self.dedup.claim(
-                    (instance.sessions[rank], _written(instance.locals[rank])) for rank in instance.locals
-                )
+                claimed = self.dedup.claim(written)
             self.kinds[kind](Exchange(self, instance, runner))
+            if self.dedup is not None and len(written) > 1:
+                self.dedup.share_written(written)
         except Exception as e:
             with self.cond:
                 instance.failure = instance.failure or str(e)

@@ -158,7 +158,7 @@ class ControlHandler:
     def replicas(self, job_id: str) -> dict[str, Any]:
         """The job's memory here after sharing what its ranks hold alike, and whether its ranks here
         are data-parallel replicas (dedup.Dedup.summary)."""
-        return self.server.dedup.summary(job_id)
+        return {**self.server.dedup.summary(job_id), **self.server.squash.figures()}
 
     def status(self) -> dict[str, Any]:
         """Capacity, bytes in use, work done so far and the sessions present on this device."""
@@ -166,7 +166,8 @@ class ControlHandler:
         executor = server.executor
         with server.state_lock:
             jobs = {job for job, _rank, _index in server.sessions}
-        splicing = {job: server.dedup.summary(job, share=False) for job in sorted(jobs)}
+        squashing = server.squash.figures()
+        splicing = {job: {**server.dedup.summary(job, share=False), **squashing} for job in sorted(jobs)}
         with server.state_lock:
             processes: dict[
                 str, dict[str, Any]
@@ -189,6 +190,7 @@ class ControlHandler:
                     "compare_seconds": server.dedup.compare_seconds,
                     "compared_bytes": server.dedup.compared_bytes,
                     "copied_bytes": server.memory.copied_bytes,
+                    **squashing,
                 },
                 "operations": executor.operations,
                 "batches": executor.batches,

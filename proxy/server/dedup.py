@@ -242,14 +242,42 @@ class Dedup:
                     if self.memory.shared:
                         session.before_write(tensor)
                     keys.add(tensor.untyped_storage()._cdata)
+            for key in keys:
+                self.memory.values.pop(key, None)  # their value ids (squash.py) are void
             keys -= self.pinned
             self.pinned |= keys
         return keys
+
+    def share_written(self, members: list[tuple[Session, list[torch.Tensor]]]) -> None:
+        """After a collective wrote these sessions' tensors: storages that came out the same as
+        another member's (an all_reduce's, a broadcast's results) are kept once."""
+        with self.device_lock:
+            kept: list[tuple[Session, torch.UntypedStorage]] = []
+            for session, tensors in members:
+                for tensor in tensors:
+                    key = tensor.untyped_storage()._cdata
+                    if key not in session.storages or session.storages[key][0] < MIN_SHARED_BYTES:
+                        continue
+                    storage = _rebindable_storage(session, key)
+                    if storage is None:
+                        continue
+                    for other_session, other in kept:
+                        if other_session is session or other._cdata in session.storages:
+                            continue
+                        self.comparisons += 1
+                        self.compared_bytes += storage.nbytes()
+                        if same_bytes(storage, other):
+                            session.repoint(key, other)
+                            break
+                    else:
+                        kept.append((session, storage))
 
     def release(self, keys: set[int]) -> None:
         """The collective that claimed these storages is done writing them."""
         with self.device_lock:
             self.pinned -= keys
+            for key in keys:
+                self.memory.values.pop(key, None)
 
     # -- are the ranks replicas? --------------------------------------------------------------------
     def _long_lived(self, session: Session) -> tuple[int, int]:

@@ -23,6 +23,7 @@ from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
 
 from .session import DeviceMemory, Session, sparse_parts
+from .squash import MISS, Call, Squash
 from .writes import note_writes, written_tensors
 
 _FACTORIES = frozenset(protocol.SERVER_FACTORIES)
@@ -100,6 +101,8 @@ class Executor:
         """Batches run since the server started."""
         self.busy_seconds = 0.0
         """Time spent running batches (on a virtual device, the device's utilisation over time)."""
+        self.squash: Squash | None = None
+        """Operations of spliced ranks run once on this device (squash.py); set by the server."""
 
     # -- arguments and outputs --------------------------------------------------------------------
     def _decode(self, session: Session, arg: Any, inputs: list[int], buffers: Sequence[Any]) -> Any:
@@ -185,14 +188,10 @@ class Executor:
         """Run a served operator on decoded arguments; its output template (new tensors held)."""
         if served.size_argument is not None:
             self._check_planned(session, served, args, kwargs)
-        if self.memory.shared:
-            self._own_written(session, served.operator, args, kwargs)
-        try:
-            output = served.operator(*args, **kwargs)
-        except RuntimeError as e:
-            raise self._as_out_of_memory(session, e) from None
-        finally:
-            note_writes(served.operator, args, kwargs)  # for pre-copies (writes.py)
+        call, output = self._reused(session, served.operator, args, kwargs)
+        ran = output is MISS
+        if ran:
+            output = self._run_operator(session, served.operator, served.operator, args, kwargs)
         new_handles: list[int] = []
         try:
             template = self._template(session, output, inputs, [protocol.integer(first_handle)], new_handles)
@@ -211,6 +210,8 @@ class Executor:
             growth = sum(session.recount(handle) for handle in set(inputs))
             if growth > 0:
                 session.check_capacity([], growth)
+        if ran and call is not None and self.squash is not None:
+            self.squash.record(session, call, output)
         return template
 
     def _run_plan(self, session: Session, op: list[Any], buffers: Sequence[Any], answer: bool) -> Any:
@@ -222,18 +223,16 @@ class Executor:
             return self._execute(session, plan.served, args, kwargs, inputs, first_handle)
         if plan.served.size_argument is not None:
             self._check_planned(session, plan.served, args, kwargs)
-        if self.memory.shared:
-            self._own_written(session, plan.served.operator, args, kwargs)
-        try:
-            output = plan.call(*args, **kwargs)
-        except RuntimeError as e:
-            raise self._as_out_of_memory(session, e) from None
-        finally:
-            note_writes(plan.served.operator, args, kwargs)  # for pre-copies (writes.py)
+        call, output = self._reused(session, plan.served.operator, args, kwargs)
+        ran = output is MISS
+        if ran:
+            output = self._run_operator(session, plan.served.operator, plan.call, args, kwargs)
         new_handles: list[int] = []
         added = self._keep(session, output, inputs, [protocol.integer(first_handle)], new_handles)
         if added:
             session.check_capacity(new_handles, added)
+        if ran and call is not None and self.squash is not None:
+            self.squash.record(session, call, output)
         return None
 
     def _keep(
@@ -262,6 +261,36 @@ class Executor:
                 raise
             return added
         return 0
+
+    def _reused(
+        self, session: Session, operator: Any, args: list[Any], kwargs: dict[str, Any]
+    ) -> tuple[Call | None, Any]:
+        """The call as squashing sees it (None where it does not take part) and its output made
+        from another session's run of it, or MISS when it must run."""
+        squash = self.squash
+        if squash is None or not squash.active(session):
+            return None, MISS
+        call = squash.prepare(operator, args, kwargs)
+        if call is None:
+            return None, MISS
+        return call, squash.reuse(session, call)
+
+    def _run_operator(
+        self, session: Session, operator: Any, function: Any, args: list[Any], kwargs: dict[str, Any]
+    ) -> Any:
+        """Run an operator (`function`: it or its bare kernel), its written storages the session's
+        own first (their value ids void: squash.py records them anew after a call it follows)."""
+        if self.memory.shared:
+            self._own_written(session, operator, args, kwargs)
+        try:
+            output = function(*args, **kwargs)
+        except RuntimeError as e:
+            raise self._as_out_of_memory(session, e) from None
+        finally:
+            note_writes(operator, args, kwargs)  # for pre-copies (writes.py)
+            if self.memory.values and self.squash is not None:
+                self.squash.wrote(written_tensors(operator, args, kwargs))
+        return output
 
     @staticmethod
     def _own_written(session: Session, operator: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
@@ -333,16 +362,19 @@ class Executor:
             _, handle, offset, index = _operation(op, 4)
             target = session.tensor(handle)
             session.before_write(target)
+            self._forget_value(target)
             self._write(target, protocol.integer(offset), protocol.buffer_at(buffers, index))
         elif kind == protocol.OP_FILL:
             _, handle, dtype, shape, stride, index = _operation(op, 6)
             values = protocol.tensor_from_raw(dtype, shape, stride, protocol.buffer_at(buffers, index))
             target = session.tensor(handle)
             session.before_write(target)
+            self._forget_value(target)
             target.copy_(values)
         elif kind == protocol.OP_RESIZE_STORAGE:
             _, handle, nbytes = _operation(op, 3)
             session.before_write(session.tensor(handle))
+            self._forget_value(session.tensor(handle))
             storage = session.tensor(handle).untyped_storage()
             session.check_room(max(0, protocol.integer(nbytes) - storage.nbytes()))
             storage.resize_(nbytes)
@@ -360,6 +392,11 @@ class Executor:
             session.add(handle, tensor)
         else:
             raise ProtocolError(f"unknown operation {kind!r}")
+
+    def _forget_value(self, tensor: torch.Tensor) -> None:
+        """A tensor is about to be written outside any operator: its storage's value id is void."""
+        if self.memory.values:
+            self.memory.values.pop(tensor.untyped_storage()._cdata, None)
 
     def _write(self, tensor: torch.Tensor, offset: int, data: Any) -> None:
         """Copy bytes into a tensor's storage at a byte offset, within the storage."""

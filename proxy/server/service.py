@@ -29,6 +29,7 @@ from .dedup import Dedup
 from .executor import Executor
 from .runner import Runner, Work
 from .session import UNKNOWN_DEVICE, Connection, DeviceMemory, Session, exception_info
+from .squash import Squash
 
 
 def _refusal(kind: type[BaseException], message: str) -> list[str]:
@@ -80,6 +81,10 @@ class Server:
         self.dedup = Dedup(self.memory, self.executor.lock, self.job_sessions)
         """Storages identical across the ranks of a job here, kept once (replica splicing)."""
         self.collectives.dedup = self.dedup
+        self.squash = Squash(self.memory, self.dedup, self.job_sessions)
+        """Operations of a job's ranks here run once (squash.py)."""
+        self.executor.squash = self.squash
+        self.collectives.squash = self.squash
         self.sessions: dict[tuple[str, int, int], Session] = {}
         self.runners: dict[tuple[str, int, int], Runner] = {}
         """The queue and thread of each session."""
@@ -96,6 +101,7 @@ class Server:
             runner = Runner(session, self.executor, self.collectives, saved_queue, groups)
             self.sessions[key] = session
             self.runners[key] = runner
+            self.squash.sessions_changed()
         return runner
 
     def drop(self, session: Session) -> None:
@@ -106,6 +112,7 @@ class Server:
             if runner is not None:
                 del self.runners[key]
                 del self.sessions[key]
+                self.squash.sessions_changed()
         if runner is not None:
             runner.stop()
         with self.state_lock:

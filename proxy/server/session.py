@@ -133,11 +133,15 @@ class DeviceMemory:
         """Bytes copied so far because a session wrote a storage it shared."""
         self.peak = 0
         """The most bytes held at once since the server started."""
+        self.values: dict[int, int] = {}
+        """Storage identity -> its value id, while squashing follows it (squash.py); dropped when
+        the storage is let go, so an identity reused by a new storage never inherits one."""
 
     def hold(self, key: int, nbytes: int, session: Session) -> None:
         """Count a session's use of a storage (its bytes once, however many sessions use it)."""
         holders = self.holders.get(key)
         if holders is None:
+            self.values.pop(key, None)  # an identity last used by a storage held by no one here
             self.holders[key] = [session]
             self.used += nbytes
             self.peak = max(self.peak, self.used)
@@ -152,6 +156,7 @@ class DeviceMemory:
         holders.remove(session)
         if not holders:
             del self.holders[key]
+            self.values.pop(key, None)
             self.used -= nbytes
         elif len(holders) == 1:
             self.shared -= 1

@@ -4,8 +4,9 @@ First on a Server object in this process (its executor, its control handler): id
 of two sessions are kept once, a write gives the writer its own copy first, views keep aliasing,
 and a save holds the shared storage once and loads it shared and correct. Then with real server
 processes and torch programs: 4 DDP ranks spliced on one device train to the bits of 4 devices,
-using at most 1.5x the device memory of one rank alone, and are judged replicas; ranks with
-different weights are judged not replicas, with the reason.
+using at most 1.5x the device memory of one rank alone after the step (their updates squashed,
+squash.py, the peak bounded too), and are judged replicas; ranks with different weights are
+judged not replicas, with the reason, and compute their own updates.
 """
 
 from __future__ import annotations
@@ -201,6 +202,12 @@ def allocated(server: ProxyServer) -> int:
         return int(control.status()["allocated"])
 
 
+def peak(server: ProxyServer) -> int:
+    """The most live storage bytes the server held at once."""
+    with ProxyControl(server.control) as control:
+        return int(control.status()["peak"])
+
+
 def replicas(server: ProxyServer) -> dict[str, Any]:
     with ProxyControl(server.control) as control:
         return control.replicas(JOB)
@@ -208,6 +215,11 @@ def replicas(server: ProxyServer) -> dict[str, Any]:
 
 MODEL = ["--width", "256", "--layers", "4", "--steps", "5"]
 """Parameters and Adam state of about 3 MiB against a few KiB of activations."""
+PEAK_RATIO = 2.5
+"""The most 4 spliced ranks hold at once against 1 rank alone: each rank's unreduced gradients
+and bucket are its own until the all_reduce (about 2.2x of this model's after-step bytes), and
+the first rank to step writes a copy of the state the others still read (without squashing,
+each rank did: about 3x)."""
 
 
 @pytest.mark.timeout(900)
@@ -215,14 +227,17 @@ def test_four_spliced_replicas_train_like_four_devices_in_one_model_of_memory(
     started: list[ProxyServer], tmp_path: Path
 ) -> None:
     """4 DDP ranks on 1 device print what they print on 4 devices, bit for bit; the device holds at
-    most 1.5x what 1 rank alone holds; the server judges the ranks data-parallel replicas."""
+    most 1.5x what 1 rank alone holds after the step, and at most PEAK_RATIO during it, their
+    updates squashed (run once); the server judges the ranks data-parallel replicas."""
     alone = held_job(started, tmp_path, 1, 1, MODEL)
     alone_bytes = allocated(alone.servers[0])
+    alone_peak = peak(alone.servers[0])
     assert replicas(alone.servers[0])["replicas"] == "unknown"
     alone.finish()
 
     spliced = held_job(started, tmp_path, 1, 4, MODEL)
     spliced_bytes = allocated(spliced.servers[0])  # as the collectives left it, before any request
+    spliced_peak = peak(spliced.servers[0])
     summary = replicas(spliced.servers[0])
     spliced_out = spliced.finish()
 
@@ -230,6 +245,8 @@ def test_four_spliced_replicas_train_like_four_devices_in_one_model_of_memory(
     assert summary["replicas"] == "yes", summary
     assert summary["device_bytes"] <= 1.5 * alone_bytes, summary
     assert splice_refusal([summary]) == ""
+    assert summary["squashed"] > 0, summary
+    assert spliced_peak <= PEAK_RATIO * alone_peak, (spliced_peak, alone_peak, summary)
 
     spread = held_job(started, tmp_path, 4, 4, MODEL)
     assert all(replicas(s)["replicas"] == "unknown" for s in spread.servers), "one rank per device"
@@ -240,10 +257,14 @@ def test_four_spliced_replicas_train_like_four_devices_in_one_model_of_memory(
 @pytest.mark.timeout(600)
 def test_ranks_with_different_weights_are_not_replicas(started: list[ProxyServer], tmp_path: Path) -> None:
     """2 ranks that train their own weights on one device: the server says they are not replicas,
-    naming them, and the daemon's check refuses splicing with that reason."""
+    naming them, and the daemon's check refuses splicing with that reason. Each computes its own
+    updates (nothing squashed) and prints what it prints on a device of its own."""
     job = held_job(started, tmp_path, 1, 2, [*MODEL, "--different"])
     summary = replicas(job.servers[0])
-    job.finish()
+    spliced_out = job.finish()
+    assert (summary["squashed"], summary["near_hits"]) == (0, 0), summary
+    spread = held_job(started, tmp_path, 2, 2, [*MODEL, "--different"])
+    assert spliced_out == spread.finish()
     assert summary["replicas"] == "no", summary
     reason = str(summary["reason"])
     assert reason.startswith("ranks 0 and 1 hold different parameters: not data-parallel replicas"), reason
