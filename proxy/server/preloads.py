@@ -35,7 +35,7 @@ def preload_records(records: Any, file_bytes: int) -> list[tuple[int, int]]:
     for record in records:
         offset, nbytes = protocol.integers(record, most=2)
         if offset < len(FILE_MAGIC) or offset % ALIGN or offset + nbytes > file_bytes:
-            raise ValueError(f"proxy: the preload record [{offset}, {nbytes}] lies outside the file's records")
+            raise ValueError(f"proxy: the preload record [{offset}, {nbytes}] lies outside the file")
         if nbytes:
             found.add((offset, nbytes))
     return sorted(found)

@@ -68,7 +68,7 @@ def target(tmp_path: Path) -> Iterator[ProxyServer]:
 
 
 def load_and_save(control: ProxyControl, path: Path, out: Path) -> dict[str, Any]:
-    """Load the job from `path`, write what the server then holds into `out`, release it; the load's report."""
+    """Load the job from `path`, save what the server then holds into `out`, release it; the load's report."""
     loaded = control.load(JOB, path)
     control.save(JOB, out)
     control.release(JOB)
@@ -124,9 +124,7 @@ def test_the_load_takes_the_preloaded_bytes_and_reads_the_rest(
     assert_same_state(state_of(tmp_path / "mismatched"), state_of(path))
 
 
-def test_a_preload_over_capacity_holds_nothing(
-    saved: tuple[Path, list[list[int]]], tmp_path: Path
-) -> None:
+def test_a_preload_over_capacity_holds_nothing(saved: tuple[Path, list[list[int]]], tmp_path: Path) -> None:
     path, records = saved
     small = start_server(tmp_path, "small", memory_bytes=48 << 20)
     try:
