@@ -199,10 +199,10 @@ class Arrivals:
             self.note(job_id, rebuilt_note)
         await self._kill_frozen(job_number)
         needed = arrival.gpus if arrival.seq is not None else 0
-        preloaded = self.preloads.take(job_number, epoch, needed)
         free = self._free_devices(arriving=job_number)
         if len(free) < needed:
             raise RuntimeError(f"no room: the job needs {needed} devices; {len(free)} are free")
+        preloaded = self.preloads.take(job_number, epoch, needed)
         devices = preloaded.devices if preloaded is not None else tuple(free[:needed])
         reason = f"arriving from {source} (epoch {epoch})"
         notes = self._notes.pop(job_number, [])

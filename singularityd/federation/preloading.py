@@ -128,13 +128,17 @@ class Preloads:
 
     def take(self, job_id: int, epoch: int, needed: int) -> Preloaded | None:
         """The servers holding the epoch's preloaded state, for its restore, if they fit it (as many
-        devices as it needs, still free); None otherwise. The restore starts the servers afresh
-        where the job's owner is not the one they run as, which drops what they preloaded."""
+        devices as it needs, still free): from now on they are the job's servers like any admitted
+        ones. Servers that do not fit are stopped (None). The restore starts them afresh where the
+        job's owner is not the one they run as, which drops what they preloaded."""
         held = self.held.pop(job_id, None)
-        if held is None or held.epoch != epoch or len(held.devices) != needed:
+        if held is None:
             return None
         free = set(self.free_devices(job_id)) - self.devices_held(but=job_id)
-        return held if set(held.devices) <= free else None
+        if held.epoch == epoch and len(held.devices) == needed and set(held.devices) <= free:
+            return held
+        self.daemon.devices.forget(job_id)
+        return None
 
     async def drop(self, job_id: int, epoch: int | None = None) -> None:
         """Stop the job's preload servers (for `epoch`, or any), freeing what they preloaded (call it
