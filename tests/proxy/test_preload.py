@@ -9,7 +9,6 @@ index does not name are read from the file, and a preload over the device's capa
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,8 @@ import pytest
 
 from singularity.proxy.control import ControlError, ProxyControl
 from singularity.proxy.server.statefile import ALIGN
-from tests.proxy.conftest import PROGRAMS, PYTHON, ProxyServer, proxy_env, start_server, stop_server
-from tests.proxy.test_snapshot import assert_same_state, state_of
+from tests.proxy.conftest import ProxyServer, start_server, stop_server
+from tests.proxy.test_snapshot import assert_same_state, start_mutator, state_of
 
 JOB = "preload-job"
 
@@ -30,17 +29,12 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list
     folder = tmp_path_factory.mktemp("preload-source")
     source = start_server(folder, "source", memory_bytes=2 << 30)
     hold = folder / "hold"
-    job = subprocess.Popen(
-        [PYTHON, "mutator.py", str(hold), "7"],
-        cwd=PROGRAMS,
-        env=proxy_env([source.socket], JOB),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
     try:
-        assert job.stdout is not None and job.stdout.readline() == "ready\n"
+        job = start_mutator(source, JOB, hold, "7")
+    except BaseException:
+        stop_server(source)
+        raise
+    try:
         path = folder / "cuda0.state"
         with ProxyControl(source.control, timeout=None) as control:
             prepared = control.prepare(JOB, path, rounds=2, budget_s=60)
