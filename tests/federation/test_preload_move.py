@@ -96,12 +96,13 @@ def test_the_target_restores_from_the_preloaded_state_and_reads_only_the_rest(la
     assert read < 1 << 20, f"the restore read more than what the job wrote after its pre-copy: {restore}"
 
 
-def test_a_move_given_up_after_the_preload_leaves_nothing_on_the_target(lab: Lab) -> None:
+@pytest.mark.parametrize("then", ["discarded", "target-restarted"])
+def test_a_move_given_up_after_the_preload_leaves_nothing_on_the_target(lab: Lab, then: str) -> None:
     """The source dies as CRIU begins its final dump (a fault point), after the target preloaded;
-    the move is given up, the job resumes on the source (exact), and the target keeps no server
-    and no preloaded byte of it."""
+    the move is given up (the target told to discard the epoch, or the target restarted first), the
+    job resumes on the source (exact), and the target keeps no server and no preloaded byte of it."""
     expected = direct_output("held_state.py", ARGS)
-    release = lab.paths.root / "release-given-up"
+    release = lab.paths.root / f"release-given-up-{then}"
     a, b = lab.node("node-a"), lab.node("node-b")
     a.kill(signal.SIGTERM)
     a.start(env={faults.ENV: faults.STOPPING_DUMP_RUNNING})
@@ -115,6 +116,10 @@ def test_a_move_given_up_after_the_preload_leaves_nothing_on_the_target(lab: Lab
         a.process = None
         assert mover.result().code != 0
         wait_until(lambda: preloaded_on(b, job) >= HELD_MIB << 20, timeout=60)
+        if then == "target-restarted":
+            b.kill(signal.SIGKILL)
+            b.start()
+            wait_until(lambda: not proxy_controls(b, job), timeout=20)  # before its hold could end
     finally:
         if a.process is None:
             a.start()
