@@ -1,7 +1,7 @@
 """Migration between two real daemons in network namespaces: downtime, total time, bytes sent.
 
 Run (root, CRIU): .venv/bin/python bench/bench_migrate.py [--sizes 100,1024,4096] [--runs 1]
-[--modes off,on,base,nopreload]
+[--modes off,on,base,nopreload,base-nopreload]
 
 Two daemons of a lab (tests/federation/lab.py: each in network and mount namespaces of its own,
 joined with the real `sing cluster` verbs, mutual TLS over a veth link) on this one machine, so
@@ -28,10 +28,10 @@ Off: `proxy_pre_copy` = 0, everything is written and sent while the job is stopp
 source also dumps its processes in place and sends those images as a base, so after the stop the
 process images travel as recipes against it plus the blocks it lacks (singularityd/federation/
 bases.py). "Sent after the stop" is what the source's transfer after the stop sent (its note).
-In every mode but nopreload the target preloads (`move_preload`, its default): as soon as the
-pre-copied device state has arrived it is read onto the target's device while the job still runs,
-and the restore takes it there. Nopreload: pre-copy on, node-b's `move_preload` off, so its restore
-reads all the device state (the mode to set beside "on").
+In modes on and base the target preloads (`move_preload`, its default): as soon as the pre-copied
+device state has arrived it is read onto the target's device while the job still runs, and the
+restore takes it there. Nopreload and base-nopreload: as on and base with node-b's `move_preload`
+off, so its restore reads all the device state (the modes to set beside "on" and "base").
 """
 
 from __future__ import annotations
@@ -264,7 +264,8 @@ def main() -> None:
     parser.add_argument(
         "--modes",
         default="off,on,base",
-        help="pre-copy off, on, on with a process base, on without the target's preload (nopreload)",
+        help="pre-copy off, on, on with a process base, and those without the target's preload "
+        "(nopreload, base-nopreload)",
     )
     args = parser.parse_args()
     sizes = [int(size) for size in args.sizes.split(",")]
@@ -276,8 +277,9 @@ def main() -> None:
         program.write_text(PROGRAM)
         for mode in modes:
             node_a = lab.node("node-a")
-            restart_with(node_a, proxy_pre_copy=0 if mode == "off" else 2, move_process_base=mode == "base")
-            restart_with(lab.node("node-b"), move_preload=mode != "nopreload")
+            base = mode.startswith("base")
+            restart_with(node_a, proxy_pre_copy=0 if mode == "off" else 2, move_process_base=base)
+            restart_with(lab.node("node-b"), move_preload=not mode.endswith("nopreload"))
             for mib in sizes:
                 for _ in range(args.runs):
                     result = measure(lab, mib, program)

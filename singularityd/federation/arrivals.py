@@ -97,7 +97,7 @@ class Arrivals:
         """Events of jobs arriving here before their record exists (written once it does)."""
         self.restoring: dict[int, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         """Per arriving job: held by its restore (or preload), so that a discard waits for it to end."""
-        self.preloads = Preloads(daemon, holdings, self.restoring.__getitem__, self._devices_for, self.note)
+        self.preloads = Preloads(daemon, holdings, self.restoring.__getitem__, self._free_devices, self.note)
         self.receivers = Receivers(self.authorize, self.preloads.received)
 
     def incoming(self, job_id: str, epoch: int) -> Path:
@@ -152,10 +152,6 @@ class Arrivals:
         busy = {d: job for d, job in self.daemon.store.busy_devices().items() if job != arriving}
         preloading = self.preloads.devices_held(but=arriving)
         return [d.index for d in self.daemon.inventory.devices if d.index not in {*busy, *preloading}]
-
-    def _devices_for(self, arriving: int) -> list[int]:
-        """The devices free for a job arriving here (see _free_devices)."""
-        return self._free_devices(arriving)
 
     def authorize(self, node: str, job_id: str, epoch: int) -> Path:
         """The folder to receive a job's files into, only for the epoch the hand-off expects."""

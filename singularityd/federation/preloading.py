@@ -60,6 +60,7 @@ class Preloads:
         self.locks = locks
         """The job's restore lock: a preload, a restore and a discard of one job never overlap."""
         self.free_devices = free_devices
+        """The devices free for an arriving job: no job holds them, no other arriving job's preload."""
         self.note = note
         self.held: dict[int, Preloaded] = {}
         self.running: dict[int, asyncio.Future[None]] = {}
@@ -97,7 +98,7 @@ class Preloads:
             if found is None:
                 return
             await self._drop(number)
-            free = [d for d in self.free_devices(number) if d not in self.devices_held(but=number)]
+            free = self.free_devices(number)
             if len(free) < found.devices:
                 self.note(job_id, f"pre-copied device state not preloaded: {len(free)} devices free")
                 return
@@ -134,7 +135,7 @@ class Preloads:
         held = self.held.pop(job_id, None)
         if held is None:
             return None
-        free = set(self.free_devices(job_id)) - self.devices_held(but=job_id)
+        free = set(self.free_devices(job_id))
         if held.epoch == epoch and len(held.devices) == needed and set(held.devices) <= free:
             return held
         self.daemon.devices.forget(job_id)
