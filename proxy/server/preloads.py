@@ -106,10 +106,12 @@ class Preloads:
             return self._drop_locked(job_id)
 
     def _drop_locked(self, job_id: str) -> int:
+        """`drop` with `reading` held."""
         self.jobs.pop(job_id, None)
         return self._uncount(job_id)
 
     def _uncount(self, job_id: str) -> int:
+        """Stop counting the job's preloaded bytes in the device's memory; those bytes."""
         freed = self.held.pop(job_id, 0)
         if freed:
             with self.server.state_lock:

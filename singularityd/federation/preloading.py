@@ -89,6 +89,8 @@ class Preloads:
         task.add_done_callback(done)
 
     async def _preload(self, job_id: str, epoch: int, directory: Path) -> None:
+        """Start the job's servers on free devices and have them read the pre-copied records received
+        in `directory`, while the epoch is still only prepared here (noted in the job's events)."""
         number = int(job_id)
         async with self.locks(number):
             holding = self.holdings.load(job_id)
@@ -149,5 +151,6 @@ class Preloads:
             await self._drop(job_id)
 
     async def _drop(self, job_id: int) -> None:
+        """Stop the servers holding the job's preloaded state, if it has any."""
         if self.held.pop(job_id, None) is not None:
             self.daemon.devices.forget(job_id)
