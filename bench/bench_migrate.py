@@ -1,7 +1,7 @@
 """Migration between two real daemons in network namespaces: downtime, total time, bytes sent.
 
 Run (root, CRIU): .venv/bin/python bench/bench_migrate.py [--sizes 100,1024,4096] [--runs 1]
-[--modes off,on,base]
+[--modes off,on,base,nopreload,base-nopreload]
 
 Two daemons of a lab (tests/federation/lab.py: each in network and mount namespaces of its own,
 joined with the real `sing cluster` verbs, mutual TLS over a veth link) on this one machine, so
@@ -28,6 +28,10 @@ Off: `proxy_pre_copy` = 0, everything is written and sent while the job is stopp
 source also dumps its processes in place and sends those images as a base, so after the stop the
 process images travel as recipes against it plus the blocks it lacks (singularityd/federation/
 bases.py). "Sent after the stop" is what the source's transfer after the stop sent (its note).
+In modes on and base the target preloads (`move_preload`, its default): as soon as the pre-copied
+device state has arrived it is read onto the target's device while the job still runs, and the
+restore takes it there. Nopreload and base-nopreload: as on and base with node-b's `move_preload`
+off, so its restore reads all the device state (the modes to set beside "on" and "base").
 """
 
 from __future__ import annotations
@@ -190,6 +194,8 @@ def measure(lab: Lab, mib: int, program: Path) -> dict[str, float]:
     print("  target events:", [e["reason"] for e in target_events][-6:], file=sys.stderr, flush=True)
     transferred_at, _ = event_time(source_events, r"^checkpoint transferred")
     restored_at, _ = event_time(target_events, r"^restored frozen")
+    preloaded = [str(e["reason"]) for e in target_events if str(e["reason"]).startswith("preloaded ")]
+    preload_s = float(preloaded[-1].rsplit(" in ", 1)[1].rstrip("s")) if preloaded else 0.0
     running_at, _ = event_time(target_events, r"the job runs here")
     parts = restore_parts(target_events)
     split = re.search(
@@ -212,6 +218,7 @@ def measure(lab: Lab, mib: int, program: Path) -> dict[str, float]:
         "pre_sent": float(pre_sent + base_sent),
         "sent": float(seen.get("sent", 0)),
         "raw_copy": raw,
+        "preload": preload_s,
         **parts,
     }
 
@@ -222,6 +229,7 @@ RESTORE_PARTS = {
     "verify": r"checked the files in ([0-9.]+)s",
     "hashed_mib": r"s \(([0-9.]+)([BKMGT]) read and hashed",
     "device_state": r"device state loaded in ([0-9.]+)s",
+    "taken_mib": r"device state loaded in [0-9.]+s \([0-9.]+[BKMGT] read, ([0-9.]+)([BKMGT]) taken preloaded",
     "criu": r"CRIU ([0-9.]+)s",
     "resume": r"proxies resumed in ([0-9.]+)s",
 }
@@ -237,7 +245,7 @@ def restore_parts(events: list[dict[str, Any]]) -> dict[str, float]:
     for key, pattern in RESTORE_PARTS.items():
         found = re.search(pattern, text)
         value = float(found.group(1)) if found else 0.0
-        parts[key] = value * units[found.group(2)] if found and key == "hashed_mib" else value
+        parts[key] = value * units[found.group(2)] if found and key.endswith("_mib") else value
     return parts
 
 
@@ -253,7 +261,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="100,1024", help="MiB of device state, comma-separated")
     parser.add_argument("--runs", type=int, default=1, help="moves per size (the median is shown)")
-    parser.add_argument("--modes", default="off,on,base", help="pre-copy off, on, on with a process base")
+    parser.add_argument(
+        "--modes",
+        default="off,on,base",
+        help="pre-copy off, on, on with a process base, and those without the target's preload "
+        "(nopreload, base-nopreload)",
+    )
     args = parser.parse_args()
     sizes = [int(size) for size in args.sizes.split(",")]
     modes = args.modes.split(",")
@@ -264,7 +277,9 @@ def main() -> None:
         program.write_text(PROGRAM)
         for mode in modes:
             node_a = lab.node("node-a")
-            restart_with(node_a, proxy_pre_copy=0 if mode == "off" else 2, move_process_base=mode == "base")
+            base = mode.startswith("base")
+            restart_with(node_a, proxy_pre_copy=0 if mode == "off" else 2, move_process_base=base)
+            restart_with(lab.node("node-b"), move_preload=not mode.endswith("nopreload"))
             for mib in sizes:
                 for _ in range(args.runs):
                     result = measure(lab, mib, program)
@@ -293,7 +308,7 @@ def main() -> None:
             f"| {mib} MiB | {mode} | {m['transfer']:.2f} s | {m['staged']:.2f} s | {m['sending']:.2f} s | "
             f"{m['checked']:.2f} s | {m['restore']:.2f} s | {m['rebuild']:.2f} s | {m['placed']:.2f} s | "
             f"{m['verify']:.2f} s | {m['hashed_mib']:.0f} MiB | {m['device_state']:.2f} s | "
-            f"{m['criu']:.2f} s | {m['resume']:.2f} s |"
+            f"{m['criu']:.2f} s | {m['resume']:.2f} s | {m['preload']:.2f} s | {m['taken_mib']:.0f} MiB |"
         )
     print(
         "\nThe transfer after the stop (the source's event) and the target's restore frozen (its "
@@ -302,9 +317,9 @@ def main() -> None:
     print(
         "| device state | mode | transfer | staged | sending | receiver's check | restore frozen "
         "| images rebuilt | files placed | files checked | read and hashed | device state loaded | CRIU "
-        "| proxies resumed |"
+        "| proxies resumed | preloaded while running | taken preloaded |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     print("\n".join(rows))
 
 

@@ -20,7 +20,9 @@ processes parked and went on, by the clock every process here shares.
 
 Resuming, on the same devices or others:
 
-1. `load(job, file)` on the new device's server, for each device index of the job.
+1. `load(job, file)` on the new device's server, for each device index of the job (a move may
+   `preload(job, file, records)` the pre-copied storages before, while the job still runs on its
+   source: `load` then reads only the rest).
 2. `open_restored_connection(socket, job, rank, index)` for each process and device:
    a fresh connection the server already treats as that process's.
 3. `criu restore --restore-detached ... *criu_restore_args(old_fds, new_socks)` with the new
@@ -148,9 +150,25 @@ class ProxyControl:
         """Free everything the job holds on this device; the bytes freed."""
         return int(self._call("release", job_id))
 
+    def preload(
+        self, job_id: str, path: str | os.PathLike[str], records: Sequence[tuple[int, int]]
+    ) -> dict[str, Any]:
+        """Read the pre-copied storage records [(offset, bytes)] of the device-state file at `path`
+        into device memory held for the job, ahead of its `load` (which takes those its index names).
+        Nothing is held when they do not fit. Returns {"preloaded_bytes", "records", "seconds",
+        "refused"} (refused: why nothing was held, '' otherwise)."""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            return dict(self._call("preload", job_id, [[int(o), int(n)] for o, n in records], fds=[fd]))
+        finally:
+            os.close(fd)
+
     def load(self, job_id: str, path: str | os.PathLike[str]) -> dict[str, int]:
         """Recreate a saved job's tensors on this server (any server) from the file at `path`,
-        parked until resume (the file is opened here and passed as a descriptor)."""
+        parked until resume (the file is opened here and passed as a descriptor). Storages that
+        `preload` read are taken where the index names their record; the rest is read.
+        Returns {"live_bytes", "ranks", "file_bytes", "preloaded_bytes" (taken),
+        "unused_preloaded_bytes" (freed)}."""
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             return dict(self._call("load", job_id, fds=[fd]))

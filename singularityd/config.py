@@ -101,6 +101,7 @@ class Config:
     move_hold_seconds: float = 900.0
     move_connect_seconds: float = 10.0
     move_process_base: bool = False
+    move_preload: bool = True
 
     @property
     def user_mode(self) -> bool:
@@ -234,6 +235,9 @@ OPTIONS: dict[str, str] = {
     "process images travel as the blocks the base lacks, rebuilt and checked on the target (default "
     "false: it pays where the link between peers is slower than about 200 MB/s or busy; off, or whenever "
     "the base cannot be made or sent, the images are sent whole).",
+    "move_preload": "As a move's target, read the device state the source pre-copied onto this node's "
+    "devices as soon as it has arrived, while the job still runs there, so that the restore after its "
+    "stop reads only what changed since (default true; off: the restore reads all of it).",
 }
 
 NON_NEGATIVE_SECONDS = (

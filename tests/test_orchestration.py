@@ -32,7 +32,7 @@ from singularityd.core.states import JobState
 from singularityd.daemon import Daemon
 from singularityd.devices.access import DeviceHealth
 from singularityd.devices.inventory import Inventory, virtual_devices
-from singularityd.devices.proxies import ProxyConnection
+from singularityd.devices.proxies import ProxyConnection, Reconnection
 from singularityd.devices.proxy_servers import JobIdentity
 from singularityd.errors import StateConflict
 from singularityd.identity import Caller
@@ -232,8 +232,11 @@ class FakeDevices:
         images: Path,
         connections: Sequence[Mapping[str, int]],
         layout: object = None,
-    ) -> tuple[dict[str, int], list[object]]:
-        return {}, []
+    ) -> Reconnection:
+        return Reconnection({}, [])
+
+    async def preload(self, job_id: int, devices: Sequence[int], images: Path) -> list[dict[str, Any]]:
+        return []
 
     def health(self, device: int) -> DeviceHealth:
         return DeviceHealth("")

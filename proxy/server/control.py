@@ -1,8 +1,8 @@
-"""The server's side of the daemon's control channel: quiesce, save, release, load, resume, status,
-replicas, stop.
+"""The server's side of the daemon's control channel: quiesce, save, release, preload, load, resume,
+status, replicas, stop.
 
 Saves with a short pause (prepare, capture, finish) are snapshot.py's; the file they write is
-statefile.py's.
+statefile.py's; reading its pre-copied storages ahead of a restore (preload) is preloads.py's.
 
 Requests come from the daemon (proxy/control.py is its client) on a socket no job can open: the
 daemon binds it in a folder only root can enter and hands the server the listening descriptor.
@@ -29,6 +29,7 @@ import torch
 from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
 
+from .preloads import Preloads
 from .service import Server
 from .session import UNKNOWN_DEVICE, JobNotHere, Session, error_message
 from .snapshot import SNAPSHOT_REQUESTS, Snapshots
@@ -54,6 +55,8 @@ class ControlHandler:
         """Set by a stop request: the server process then exits."""
         self.snapshots = Snapshots(server)
         """Saves of device state under way (pre-copy, capture in the pause, the write after)."""
+        self.preloads = Preloads(server)
+        """Device state read ahead of a job's restore (its pre-copied storages)."""
 
     def quiesce(self, job_id: str, timeout: float) -> list[int]:
         """Park every connected process of the job at an operation boundary; the ranks parked."""
@@ -94,7 +97,7 @@ class ControlHandler:
     def release(self, job_id: str) -> int:
         """Free everything the job holds here, closing its connections; the bytes freed."""
         self.snapshots.abort(job_id)
-        freed = 0
+        freed = self.preloads.drop(job_id)
         for session in self.server.job_sessions(job_id):
             freed += session.held_bytes
             connection = session.connection
@@ -108,9 +111,14 @@ class ControlHandler:
         return freed
 
     def load(self, job_id: str, fd: int) -> dict[str, int]:
-        """Recreate a saved job's tensors here from the file open at `fd`, parked until resume."""
+        """Recreate a saved job's tensors here from the file open at `fd`, parked until resume (taking
+        the storages preloaded for it that the file's index names; the rest are freed)."""
         server = self.server
-        _device, saved = read_state(fd, server.device)
+        preloaded = self.preloads.take(job_id)
+        preloaded_bytes = sum(storage.nbytes() for storage in preloaded.values())
+        _device, saved = read_state(fd, server.device, preloaded)
+        taken_bytes = preloaded_bytes - sum(storage.nbytes() for storage in preloaded.values())
+        preloaded.clear()
         loaded = 0
         with server.executor.lock:
             for state in saved:
@@ -138,7 +146,13 @@ class ControlHandler:
                         raise
                     loaded += session.held_bytes
             server.dedup.share_job_locked(job_id)
-        return {"live_bytes": loaded, "ranks": len(saved)}
+        return {
+            "live_bytes": loaded,
+            "ranks": len(saved),
+            "file_bytes": os.fstat(fd).st_size,
+            "preloaded_bytes": taken_bytes,
+            "unused_preloaded_bytes": preloaded_bytes - taken_bytes,
+        }
 
     def resume(self, job_id: str) -> list[int]:
         """Let the job's parked processes go on; the ranks resumed."""
@@ -196,6 +210,7 @@ class ControlHandler:
                 "batches": executor.batches,
                 "busy_seconds": executor.busy_seconds,
                 "jobs": processes,
+                "preloaded": self.preloads.held_bytes(),
             }
 
     def handle(self, name: str, args: tuple[Any, ...], fds: list[int]) -> Any:
@@ -206,6 +221,10 @@ class ControlHandler:
             return self.quiesce(str(args[0]), float(args[1]))
         if name == "settle":
             return self.server.settle(str(args[0]), float(args[1]))
+        if name == "preload":
+            if len(fds) != 1:
+                raise ValueError("a preload request carries exactly one file descriptor")
+            return self.preloads.preload(str(args[0]), fds[0], args[1])
         if name in ("save", "load"):
             if len(fds) != 1:
                 raise ValueError(f"a {name} request carries exactly one file descriptor")

@@ -11,6 +11,9 @@ A save goes through these control requests (the daemon's side is proxy/control.p
    job never runs again there). A thread then writes them, and the index, into the file.
 3. The daemon dumps the job's processes, resumes them, and calls `finish` to wait for the file.
 
+`prepare` answers with the records it pre-copied ([offset, bytes]): they stay in the file as they
+are, so a move's target can read them into its device before the pause (preloads.py).
+
 Whether a storage changed is known without the kernel's dirty-page tracking: every write an
 operator makes to a tensor (its schema marks the argument written, `Tensor(a!)`, as for `out=`)
 bumps the tensor's version counter (writes.py, after each operation), which the server's views
@@ -100,6 +103,9 @@ class SaveReport:
     precopy_seconds: float = 0.0
     precopy_dirtied_bytes: int = 0
     precopy_sync_seconds: float = 0.0
+    precopy_records: list[list[int]] = field(default_factory=list)
+    """[offset, bytes] of each storage record the pre-copy wrote and found unchanged after (the part
+    of the file a move's target may preload: proxy/server/preloads.py)."""
     precopy_ended: str = ""
     """Why the pre-copy stopped: "settled" (little left), "rounds", "budget", or "unsettled" (the job
     wrote its state about as fast as it was saved)."""
@@ -207,6 +213,7 @@ class JobSave:
             os.fdatasync(self.fd)  # on disk before the pause: CRIU's writes then meet no dirty backlog
             report.precopy_sync_seconds = time.monotonic() - synced
         report.precopy_seconds = time.monotonic() - began
+        report.precopy_records = sorted([offset, nbytes] for _stamp, offset, nbytes in self.written.values())
 
     @staticmethod
     def _changed_under_us(error: OSError) -> bool:

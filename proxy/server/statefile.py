@@ -205,7 +205,7 @@ def _records(table: Any, limit: int) -> Iterator[tuple[int, int, int]]:
         yield int(key), offset, nbytes
 
 
-def _read_storage(fd: int, offset: int, nbytes: int, device: torch.device) -> torch.UntypedStorage:
+def read_storage(fd: int, offset: int, nbytes: int, device: torch.device) -> torch.UntypedStorage:
     """A storage on `device` holding `nbytes` of the file from `offset`."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     if nbytes:
@@ -245,13 +245,26 @@ def _groups(saved: Any) -> dict[str, tuple[int, list[int]]]:
     }
 
 
-def read_state(fd: int, device: torch.device) -> tuple[int, list[SavedSession]]:
-    """The device index and the sessions of the device-state file open at `fd`, their tensors on `device`."""
+Preloaded = dict[tuple[int, int], torch.UntypedStorage]
+"""Storages already read from a device-state file, by their record's (offset, bytes) (preloads.py)."""
+
+
+def read_state(
+    fd: int, device: torch.device, preloaded: Preloaded | None = None
+) -> tuple[int, list[SavedSession]]:
+    """The device index and the sessions of the device-state file open at `fd`, their tensors on `device`.
+
+    A storage record found in `preloaded` under the same (offset, bytes) is taken from there (and
+    removed from it) instead of read; what is left in `preloaded` afterwards was not used."""
     head = os.pread(fd, len(FILE_MAGIC), 0)
     if head != FILE_MAGIC:
         return _read_legacy(fd, device)
     index, limit = _index(fd)
-    storages = {sid: _read_storage(fd, off, n, device) for sid, off, n in _records(index["storages"], limit)}
+    ready = preloaded if preloaded is not None else {}
+    storages: dict[int, torch.UntypedStorage] = {}
+    for sid, off, n in _records(index["storages"], limit):
+        found = ready.pop((off, n), None)
+        storages[sid] = found if found is not None else read_storage(fd, off, n, device)
     blobs: dict[int, Any] = {}
     for bid, offset, nbytes in _records(index.get("blobs", {}), limit):
         raw = bytearray(nbytes)

@@ -42,6 +42,7 @@ from singularityd.devices.access import (
     NoDeviceState,
     PreCopy,
 )
+from singularityd.devices.proxies import Reconnection
 from singularityd.devices.splicing import SavedLayout
 from singularityd.units import human_bytes
 
@@ -144,13 +145,20 @@ class RestoreParts:
     device_state_s: float
     criu_s: float
     resume_s: float
+    device_file_bytes: int = 0
+    """Bytes of the device-state files loaded."""
+    preloaded_bytes: int = 0
+    """Of the device state, bytes the proxies took as they had preloaded them (not read)."""
 
     def summary(self) -> str:
         """The parts as an event says them."""
+        loaded = f"device state loaded in {self.device_state_s:.2f}s"
+        if self.preloaded_bytes:
+            read = human_bytes(max(0, self.device_file_bytes - self.preloaded_bytes))
+            loaded += f" ({read} read, {human_bytes(self.preloaded_bytes)} taken preloaded)"
         return (
             f"checked the files in {self.verify_s:.2f}s ({human_bytes(self.hashed_bytes)} read and hashed), "
-            f"device state loaded in {self.device_state_s:.2f}s, CRIU {self.criu_s:.2f}s, "
-            f"proxies resumed in {self.resume_s:.2f}s"
+            f"{loaded}, CRIU {self.criu_s:.2f}s, proxies resumed in {self.resume_s:.2f}s"
         )
 
 
@@ -537,6 +545,7 @@ class JobCheckpoints:
         began = time.monotonic()
         opened: list[socket.socket] = []
         loading: list[float] = []
+        loaded: list[Reconnection] = []
 
         def reconnect(manifest: Manifest) -> dict[str, int]:
             connections = manifest.extra.get("proxy_connections") or []
@@ -546,10 +555,11 @@ class JobCheckpoints:
             held = len(manifest.extra.get("devices") or devices)
             layout = SavedLayout(logical or max(held, len(devices)), held)
             loading_began = time.monotonic()
-            inherit, sockets = self.devices.reconnect(job_id, devices, folder, connections, layout)
+            reconnection = self.devices.reconnect(job_id, devices, folder, connections, layout)
             loading.append(time.monotonic() - loading_began)
-            opened.extend(sockets)
-            return inherit
+            loaded.append(reconnection)
+            opened.extend(reconnection.sockets)
+            return reconnection.inherit
 
         try:
             result = await self.checkpointer.restore_latest(
@@ -577,6 +587,8 @@ class JobCheckpoints:
             sum(loading),
             result.outcome.wall_s,
             time.monotonic() - resume_began,
+            sum(each.file_bytes for each in loaded),
+            sum(each.preloaded_bytes for each in loaded),
         )
         return Restoration(result.pid, result.seq, skipped, problem, down, parts)
 

@@ -10,7 +10,6 @@ while the job runs, park, capture in the pause, finish writing after it.
 from __future__ import annotations
 
 import contextlib
-import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,14 @@ from typing import Any, Protocol, TypeVar
 
 from singularity.proxy.control import ControlError, JobNotOnServer, ProxyControl
 from singularityd.checkpoint.pause import DeviceSaveFigures
-from singularityd.devices.proxies import JobProxies, ProxyConnection, device_state_file, job_connections
+from singularityd.devices.proxies import (
+    JobProxies,
+    ProxyConnection,
+    Reconnection,
+    device_state_file,
+    job_connections,
+    write_precopied_records,
+)
 from singularityd.devices.proxy_servers import JobIdentity, ProxyError
 from singularityd.devices.splicing import SavedLayout
 
@@ -192,8 +198,13 @@ class DeviceAccess(Protocol):
         images: Path,
         connections: Sequence[Mapping[str, int]],
         layout: SavedLayout | None = None,
-    ) -> tuple[dict[str, int], list[socket.socket]]:
+    ) -> Reconnection:
         """Load saved device state and open the connections restored processes will inherit."""
+
+    async def preload(self, job_id: int, devices: Sequence[int], images: Path) -> list[dict[str, Any]]:
+        """Read the pre-copied part of the device state in `images` onto the job's devices, ahead
+        of `reconnect` (a move's target, while the job still runs on its source); what each device
+        did (none where no proxy holds device state)."""
 
     def health(self, device: int) -> DeviceHealth:
         """How the way to this device is doing (blocks for at most a couple of seconds)."""
@@ -246,7 +257,9 @@ class ProxyStateSave:
         rounds, budget = self.pre_copy.rounds, self.pre_copy.budget_s
 
         def prepare(proxy: ProxyControl, index: int) -> Any:
-            return proxy.prepare(self.job, device_state_file(self.images, index), rounds, budget)
+            report = proxy.prepare(self.job, device_state_file(self.images, index), rounds, budget)
+            write_precopied_records(self.images, index, report.get("precopy_records") or [])
+            return report
 
         await self._all(prepare)
 
@@ -343,9 +356,13 @@ class ProxiedDevices:
         images: Path,
         connections: Sequence[Mapping[str, int]],
         layout: SavedLayout | None = None,
-    ) -> tuple[dict[str, int], list[socket.socket]]:
+    ) -> Reconnection:
         """Load the saved tensors into the servers and open the restored processes' connections."""
         return _translated(lambda: self.pool.reconnect(job_id, devices, images, connections, layout))
+
+    async def preload(self, job_id: int, devices: Sequence[int], images: Path) -> list[dict[str, Any]]:
+        """Have the job's servers read the pre-copied device state in `images` (JobProxies.preload)."""
+        return await _translated_async(self.pool.preload(job_id, devices, images))
 
     async def verdicts(self, job_id: int, devices: Sequence[int]) -> list[dict[str, Any]]:
         """Each running server's verdict on the job's ranks there, as its status reports it (read
@@ -429,11 +446,15 @@ class DirectDevices:
         images: Path,
         connections: Sequence[Mapping[str, int]],
         layout: SavedLayout | None = None,
-    ) -> tuple[dict[str, int], list[socket.socket]]:
+    ) -> Reconnection:
         """A checkpoint with proxy connections cannot be restored without proxies."""
         if connections:
             raise DeviceError("the job used device proxies, which are turned off in this daemon")
-        return {}, []
+        return Reconnection({}, [])
+
+    async def preload(self, job_id: int, devices: Sequence[int], images: Path) -> list[dict[str, Any]]:
+        """No proxy holds device state."""
+        return []
 
     async def verdicts(self, job_id: int, devices: Sequence[int]) -> list[dict[str, Any]]:
         """No proxy judges the job's ranks."""

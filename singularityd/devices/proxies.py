@@ -1,5 +1,6 @@
 """The calls the daemon makes over a job's proxy servers: park and save, settle, resume, release,
-load a checkpoint's device state back, and ask a server how it is doing.
+preload the pre-copied part of a checkpoint's device state, load it back, and ask a server how it
+is doing.
 
 The servers themselves (spawned as the job's user, watched, adopted after a restart) are
 `ProxyServers` (proxy_servers.py); `JobProxies` adds these calls to them.
@@ -9,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import shutil
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from singularity.proxy.control import (
     ControlError,
@@ -29,6 +31,17 @@ from singularityd.devices.regroup import RegroupError, regroup, session_slots
 from singularityd.devices.splicing import SavedLayout, device_slots
 
 STATE_FILE_SUFFIX = ".state"
+PRECOPIED_SUFFIX = ".precopied"
+
+
+class Reconnection(NamedTuple):
+    """What `reconnect` did: CRIU's --inherit-fd map, the sockets to close once restored, and the
+    device-state bytes the servers had in their files and took preloaded instead of reading."""
+
+    inherit: dict[str, int]
+    sockets: list[socket.socket]
+    file_bytes: int = 0
+    preloaded_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -74,6 +87,26 @@ def job_connections(pids: Sequence[int]) -> list[ProxyConnection]:
 def device_state_file(images: Path, index: int) -> Path:
     """Where a checkpoint keeps the device state of the job's device `index` (cuda:index)."""
     return images / PROXY_DIR / f"cuda{index}{STATE_FILE_SUFFIX}"
+
+
+def precopied_records_file(images: Path, index: int) -> Path:
+    """Where a checkpoint keeps the [offset, bytes] records its pre-copy wrote into the device-state
+    file of device `index` (JSON; what a move's target may preload)."""
+    return images / PROXY_DIR / f"cuda{index}{PRECOPIED_SUFFIX}"
+
+
+def write_precopied_records(images: Path, index: int, records: Sequence[Sequence[int]]) -> None:
+    """Keep the records a device's pre-copy wrote beside its device-state file."""
+    precopied_records_file(images, index).write_text(json.dumps([[int(o), int(n)] for o, n in records]))
+
+
+def read_precopied_records(images: Path, index: int) -> list[tuple[int, int]]:
+    """The records a device's pre-copy wrote (empty when none were kept or the file is unusable)."""
+    try:
+        found = json.loads(precopied_records_file(images, index).read_text())
+        return [(int(offset), int(nbytes)) for offset, nbytes in found]
+    except (OSError, ValueError, TypeError):
+        return []
 
 
 class JobProxies(ProxyServers):
@@ -148,6 +181,21 @@ class JobProxies(ProxyServers):
         """Free everything the job holds on these devices."""
         await self._each(job_id, devices, lambda proxy, _: proxy.release(str(job_id)))
 
+    async def preload(self, job_id: int, devices: Sequence[int], images: Path) -> list[dict[str, Any]]:
+        """Have the job's servers read the pre-copied records of its device-state files in `images`
+        (those `write_precopied_records` kept) into device memory, ahead of `reconnect`; each
+        device's answer (ProxyControl.preload) with its "device"."""
+
+        def preload(proxy: ProxyControl, index: int) -> dict[str, Any]:
+            records = read_precopied_records(images, index)
+            path = device_state_file(images, index)
+            if not records or not path.exists():
+                nothing = "no pre-copied records"
+                return {"device": devices[index], "preloaded_bytes": 0, "seconds": 0.0, "refused": nothing}
+            return {"device": devices[index], **proxy.preload(str(job_id), path, records)}
+
+        return await self.on_servers(job_id, devices, preload)
+
     def reconnect(
         self,
         job_id: int,
@@ -155,9 +203,10 @@ class JobProxies(ProxyServers):
         images: Path,
         connections: Sequence[Mapping[str, int]],
         layout: SavedLayout | None = None,
-    ) -> tuple[dict[str, int], list[socket.socket]]:
+    ) -> Reconnection:
         """Load a checkpoint's tensors into the job's (new) servers and open the connections the
-        restored processes will use; returns CRIU's --inherit-fd map and the sockets to close.
+        restored processes will use; returns CRIU's --inherit-fd map and the sockets to close, with
+        the device-state bytes loaded and those of them taken preloaded.
 
         `layout` says how the checkpoint spread its logical devices over its servers (default: the
         same as now). On another number of devices, each saved session is first moved to the slot
@@ -179,12 +228,15 @@ class JobProxies(ProxyServers):
             except (RegroupError, OSError, ValueError) as error:
                 why = f"cannot move the job's device state to {len(devices)} devices: {error}"
                 raise ProxyError(why) from error
+        file_bytes = preloaded_bytes = 0
         try:
             for index, device in enumerate(devices):
                 path = files[index]
                 if path is not None and path.exists():
                     with ProxyControl(self.control(job_id, device)) as proxy:
-                        proxy.load(str(job_id), path)
+                        loaded = proxy.load(str(job_id), path)
+                    file_bytes += int(loaded.get("file_bytes") or 0)
+                    preloaded_bytes += int(loaded.get("preloaded_bytes") or 0)
         finally:
             if saved.servers != len(devices):
                 shutil.rmtree(images / PROXY_DIR / f"on-{len(devices)}", ignore_errors=True)
@@ -204,7 +256,7 @@ class JobProxies(ProxyServers):
             for connection in opened:
                 connection.close()
             raise
-        return inherit, opened
+        return Reconnection(inherit, opened, file_bytes, preloaded_bytes)
 
     def status(self, index: int, timeout: float = 2.0) -> dict[str, Any] | None:
         """What the server on this device reports (memory, work done, sessions); None when no job's

@@ -6,7 +6,9 @@ these methods to the driver with its own).
 expects), `restore_frozen` imports the record, reserves devices, places the files and restores the
 processes stopped (CRIU --leave-stopped, device state loaded into new proxy servers),
 `release_frozen` lets them run on COMMIT (MIGRATING -> RUNNING), `discard_incoming` kills and
-deletes what arrived for an epoch that will never run here.
+deletes what arrived for an epoch that will never run here. The device state pre-copied while the
+job still runs on its source is read onto this node's devices as soon as it has arrived
+(preloading.py), and the restore takes it there.
 
 The epoch of the copy restored frozen on this node is kept as a store setting (`arriving:<id>`),
 so that a clean-up for an old epoch never touches a newer copy. A restore and a discard of the same
@@ -44,6 +46,7 @@ from singularityd.federation.holdings import StoredHoldings
 from singularityd.federation.hosting import MoveSpec, gather_host_facts, hosting_problem
 from singularityd.federation.pagedelta import DeltaError
 from singularityd.federation.peer import Refused
+from singularityd.federation.preloading import Preloads
 from singularityd.federation.transfer_grpc import Receivers
 from singularityd.jobs.processes import ProcessId
 from singularityd.jobs.work import identity
@@ -90,11 +93,12 @@ class Arrivals:
         self.images = ImageStore(daemon.config.checkpoints)
         """The daemon's image store (where checkpoints live)."""
         self.frozen = frozen_restorer(daemon.checkpoints)
-        self.receivers = Receivers(self.authorize)
         self._notes: dict[int, list[tuple[float, str]]] = {}
         """Events of jobs arriving here before their record exists (written once it does)."""
         self.restoring: dict[int, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
-        """Per arriving job: held by its restore, so that a discard waits for it to end."""
+        """Per arriving job: held by its restore (or preload), so that a discard waits for it to end."""
+        self.preloads = Preloads(daemon, holdings, self.restoring.__getitem__, self._free_devices, self.note)
+        self.receivers = Receivers(self.authorize, self.preloads.received)
 
     def incoming(self, job_id: str, epoch: int) -> Path:
         """Where the files of one epoch of an arriving job are received."""
@@ -143,9 +147,11 @@ class Arrivals:
         return f"a job with id {job_id} already lives on this node ({job.state})"
 
     def _free_devices(self, arriving: int | None = None) -> list[int]:
-        """Devices no job holds or has reserved (but those reserved for an earlier copy of `arriving`)."""
+        """Devices no job holds or has reserved (but those reserved for an earlier copy of `arriving`),
+        nor holds state preloaded for another arriving job."""
         busy = {d: job for d, job in self.daemon.store.busy_devices().items() if job != arriving}
-        return [d.index for d in self.daemon.inventory.devices if d.index not in busy]
+        preloading = self.preloads.devices_held(but=arriving)
+        return [d.index for d in self.daemon.inventory.devices if d.index not in {*busy, *preloading}]
 
     def authorize(self, node: str, job_id: str, epoch: int) -> Path:
         """The folder to receive a job's files into, only for the epoch the hand-off expects."""
@@ -192,7 +198,8 @@ class Arrivals:
         free = self._free_devices(arriving=job_number)
         if len(free) < needed:
             raise RuntimeError(f"no room: the job needs {needed} devices; {len(free)} are free")
-        devices = tuple(free[:needed])
+        preloaded = self.preloads.take(job_number, epoch, needed)
+        devices = preloaded.devices if preloaded is not None else tuple(free[:needed])
         reason = f"arriving from {source} (epoch {epoch})"
         notes = self._notes.pop(job_number, [])
         # The marker goes first: a restart that finds it gives the copy up whether or not the record
@@ -206,7 +213,8 @@ class Arrivals:
         if arrival.seq is None:
             return  # a queued job: nothing runs until it is released
         job = daemon.get_job(job_number)
-        await daemon.devices.admit(job_number, identity(job), devices)
+        if preloaded is None or identity(job) != preloaded.identity:
+            await daemon.devices.admit(job_number, identity(job), devices)  # a preload's servers go
         daemon.processes.forget_outcome(job_number)
         restore_began = time.monotonic()
         known = arrived_digests(arrival.seq, received | rebuilt)
@@ -257,6 +265,7 @@ class Arrivals:
         """See discard_incoming (the job's restore lock held)."""
         job_number = int(job_id)
         self._notes.pop(job_number, None)
+        await self.preloads.drop(job_number, epoch)
         await asyncio.to_thread(jobfiles.remove, self.incoming(job_id, epoch))
         holding = self.holdings.load(job_id)
         if self._arriving_epoch(job_number) != epoch or (holding is not None and holding.owns):
@@ -281,6 +290,7 @@ class Arrivals:
             deadline = time.monotonic() + 10.0
             while self.daemon.processes.alive(process) and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
+        self.preloads.held.pop(job_id, None)  # the same servers
         self.daemon.devices.forget(job_id)
 
     def note(self, job_id: str, text: str) -> None:

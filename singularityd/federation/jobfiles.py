@@ -8,6 +8,8 @@ A move sends one directory (`transfer` streams it):
     logs/rank-<r>.log        the job's output, as it was when the job stopped
     supervisor.log
     base/, delta/            with a base of the process images: see `bases`
+    precopy-owner.json       sent with the device state pre-copied while the job runs: whom the
+                             target's proxies run as when they preload it (before job.json arrives)
 
 The source builds it from hard links (the checkpoint's files never change once written), so
 staging costs no copy. The target puts each part where its own daemon keeps it: the checkpoint
@@ -44,6 +46,7 @@ INCOMING_DIR = ".incoming"
 """Under the image store's root: where arriving jobs' files are received, a folder per epoch."""
 OUTGOING_DIR = ".outgoing"
 """Under the image store's root: where leaving jobs' files are staged (hard links), a folder per epoch."""
+PRECOPY_OWNER_FILE = "precopy-owner.json"
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +137,40 @@ def stage_pre_copy(staging: Path, images: Path, seq: int) -> None:
     staging.mkdir(parents=True, mode=0o700)
     if (images / PROXY_DIR).is_dir():
         _mirror(images / PROXY_DIR, staging / CHECKPOINT_DIR / str(seq) / IMAGES_DIR / PROXY_DIR)
+
+
+@dataclass(frozen=True)
+class PreCopied:
+    """The device state of an arriving job that came while it still ran: its images folder (the
+    device-state files with their pre-copied records) and whom its proxies run as."""
+
+    images: Path
+    devices: int
+    user: str
+    uid: int
+    gid: int
+
+
+def stage_precopy_owner(staging: Path, user: str, uid: int, gid: int) -> None:
+    """Say, with the pre-copied device state, whom the target's proxies preloading it run as."""
+    (staging / PRECOPY_OWNER_FILE).write_text(json.dumps({"user": user, "uid": uid, "gid": gid}))
+
+
+def pre_copied(incoming: Path) -> PreCopied | None:
+    """The pre-copied device state received in `incoming`, while only it has arrived (None once the
+    whole job has, or when there is none or it is unusable)."""
+    if (incoming / JOB_FILE).exists():
+        return None
+    try:
+        owner = json.loads((incoming / PRECOPY_OWNER_FILE).read_text())
+        user, uid, gid = str(owner["user"]), int(owner["uid"]), int(owner["gid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    for images in sorted((incoming / CHECKPOINT_DIR).glob(f"*/{IMAGES_DIR}")):
+        devices = len(list((images / PROXY_DIR).glob("cuda*.state")))
+        if devices:
+            return PreCopied(images, devices, user, uid, gid)
+    return None
 
 
 def read_arrival(incoming: Path) -> Arrival:

@@ -184,6 +184,8 @@ class DaemonMoves:
         base = await self._take_base(job_id, peer, epoch)
         try:
             await asyncio.to_thread(jobfiles.stage_pre_copy, staging, images, seq)
+            spec = self.daemon.get_job(int(job_id)).spec
+            await asyncio.to_thread(jobfiles.stage_precopy_owner, staging, spec.user, spec.uid, spec.gid)
             if base is not None:
                 await asyncio.to_thread(bases.stage_base, staging, base)
             source = await asyncio.to_thread(Source, staging, self.chunk_bytes)

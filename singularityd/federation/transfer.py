@@ -313,6 +313,11 @@ class Destination:
         self._journal = open(journal, "a")  # noqa: SIM115 - kept open across chunks, closed by close()
 
     @property
+    def complete(self) -> bool:
+        """Whether every chunk of the transfer is here and verified."""
+        return len(self.held) == len(self.chunks)
+
+    @property
     def bytes_held(self) -> int:
         """Bytes of the chunks already here and verified."""
         return sum(self.chunks[key][1] for key in self.held)

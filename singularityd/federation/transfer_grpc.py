@@ -164,6 +164,9 @@ class Sending:
 
 Authorize = Callable[[str, str, int], Path]
 """(peer node, job id, epoch) -> the directory to receive into; raises Refused when not expected."""
+Received = Callable[[str, int, Path], None]
+"""(job id, epoch, directory): every chunk a transfer's sender opened it with has arrived and been
+checked (before its FinishTransfer, which a pre-copy never sends)."""
 
 
 @dataclass
@@ -178,8 +181,9 @@ class _Open:
 class Receivers:
     """The receiving side for every transfer to this daemon (a TransferHandler)."""
 
-    def __init__(self, authorize: Authorize) -> None:
+    def __init__(self, authorize: Authorize, received: Received | None = None) -> None:
         self.authorize = authorize
+        self.received = received
         self.open: dict[str, _Open] = {}
         self.digests: dict[tuple[str, int], dict[str, str]] = {}
         """Per (job, epoch) whose transfer finished: the sha256 of each file received, by path,
@@ -227,6 +231,8 @@ class Receivers:
                 await in_flight.popleft()
             if current is not None:
                 await asyncio.to_thread(self._flush, current)
+                if self.received is not None and current.destination.complete:
+                    self.received(current.job_id, current.epoch, current.destination.root)
         except TransferError as e:
             raise DataLoss(str(e)) from e
         finally:

@@ -63,6 +63,24 @@ def assert_same_state(got: list[SavedSession], expected: list[SavedSession]) -> 
         assert sorted(shared_mine.values()) == sorted(shared_theirs.values())
 
 
+def start_mutator(device: ProxyServer, job_id: str, hold: Path, *seed: str) -> subprocess.Popen[str]:
+    """The mutator program writing its tensors on `device` until `hold` exists, once it is ready."""
+    job = subprocess.Popen(
+        [PYTHON, "mutator.py", str(hold), *seed],
+        cwd=PROGRAMS,
+        env=proxy_env([device.socket], job_id),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    if job.stdout is None or job.stdout.readline() != "ready\n":
+        job.kill()
+        _, err = job.communicate()
+        raise AssertionError(f"the mutator did not start: {err}")
+    return job
+
+
 @pytest.fixture
 def device(tmp_path: Path) -> Iterator[ProxyServer]:
     """A server of its own (2 GiB), so that the job's writes are the only ones."""
@@ -73,17 +91,8 @@ def device(tmp_path: Path) -> Iterator[ProxyServer]:
 
 def test_precopied_saves_equal_full_saves_of_the_same_pause(device: ProxyServer, tmp_path: Path) -> None:
     hold = tmp_path / "hold"
-    job = subprocess.Popen(
-        [PYTHON, "mutator.py", str(hold), "3"],
-        cwd=PROGRAMS,
-        env=proxy_env([device.socket], "snap-job"),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    job = start_mutator(device, "snap-job", hold, "3")
     try:
-        assert job.stdout is not None and job.stdout.readline() == "ready\n"
         rng = random.Random(5)
         reused = copied = dirtied = 0
         with ProxyControl(device.control, timeout=None) as control:
@@ -172,17 +181,8 @@ def test_writes_of_kernels_that_keep_version_counters_are_seen(device: ProxyServ
 
 def test_a_save_without_precopy_copies_everything_in_the_pause(device: ProxyServer, tmp_path: Path) -> None:
     hold = tmp_path / "hold"
-    job = subprocess.Popen(
-        [PYTHON, "mutator.py", str(hold)],
-        cwd=PROGRAMS,
-        env=proxy_env([device.socket], "plain-job"),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    job = start_mutator(device, "plain-job", hold)
     try:
-        assert job.stdout is not None and job.stdout.readline() == "ready\n"
         with ProxyControl(device.control, timeout=None) as control:
             prepared = control.prepare("plain-job", tmp_path / "a", rounds=0, budget_s=0)
             assert prepared["precopy_written_bytes"] == 0 and prepared["staged_bytes"] > 96 << 20
