@@ -14,6 +14,7 @@ devices). Measured side by side in one run:
   shared storages), from the server's figures.
 
 Options: --quick (10 timed steps, not 40), --optimizer adam|sgd, --steps-only (skip the memory part),
+--width N (the step-time MLP, default 256), --compare CHECKOUT (that tree and this one in turn).
 --compare TREE (another checkout with its own .venv, e.g. main's: every figure measured for it and for
 this tree in turn, one after the other, both optimizers; it prints the two side by side).
 """
@@ -164,9 +165,8 @@ def measure(tree: Path, what: str, args: Sequence[Any]) -> Any:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def compare(base: Path, steps: int) -> None:
-    """Print memory and step figures of the checkout `base` and of this one, measured in turn."""
-    trees = [("base", base), ("this", REPO)]
+def compare_memory(trees: list[tuple[str, Path]], base: Path) -> None:
+    """Print the device memory of 4 spliced ranks against 1 rank alone, for each tree in turn."""
     model = ["--width", "512", "--layers", "4", "--steps", "4"]
     rows = [
         ["tree", "1 rank", "4 ranks", "ratio", "1 rank peak", "4 ranks peak", "peak ratio", "squashed ops"]
@@ -182,7 +182,14 @@ def compare(base: Path, steps: int) -> None:
         )  # fmt: skip
     print(f"device memory, splice_train.py (MLP 4x512, Adam), after the last step and peak; base = {base}")
     _table(rows)
-    width = 256
+
+
+def compare(base: Path, steps: int, width: int, memory: bool) -> None:
+    """Print memory (with `memory`) and step figures of the checkout `base` and of this one,
+    measured in turn."""
+    trees = [("base", base), ("this", REPO)]
+    if memory:
+        compare_memory(trees, base)
     rows = [
         [
             "optimizer",
@@ -236,12 +243,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="of the step-time part")
     parser.add_argument("--steps-only", action="store_true", help="skip the device memory part")
     parser.add_argument("--compare", type=Path, help="another checkout (with .venv) measured in turn")
+    parser.add_argument("--width", type=int, default=256, help="of the step-time part's MLP")
     options = parser.parse_args(argv)
     steps = 10 if options.quick else 40
     if options.compare is not None:
         if not (options.compare / ".venv" / "bin" / "python").exists():
             parser.error(f"{options.compare} has no .venv/bin/python")
-        compare(options.compare.resolve(), steps)
+        compare(options.compare.resolve(), steps, options.width, not options.steps_only)
         return
     with tempfile.TemporaryDirectory(prefix="bench-splice-") as folder:
         directory = Path(folder)
@@ -253,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
                 "N x CPU alone", "CPU ratio", "dedup / step", "copied / step",
             ]
         ]  # fmt: skip
-        width = 256
+        width = options.width
         one, one_cpu, _ = step_time(directory, 1, steps, width, options.optimizer)
         rows.append(["1 (alone)", _ms(one), _ms(one), "1.000", _ms(one_cpu), _ms(one_cpu), "1.000", "", ""])
         for ranks in (2, 4):
