@@ -14,7 +14,7 @@ devices). Measured side by side in one run:
   shared storages), from the server's figures.
 
 Options: --quick (10 timed steps, not 40), --optimizer adam|sgd, --steps-only (skip the memory part),
---width N (the step-time MLP, default 256), --compare CHECKOUT (that tree and this one in turn).
+--width N (the step-time MLP, default 256),
 --compare TREE (another checkout with its own .venv, e.g. main's: every figure measured for it and for
 this tree in turn, one after the other, both optimizers; it prints the two side by side).
 """
