@@ -27,6 +27,7 @@ from singularityd.checkpoint.pause import (
     DeviceSaveFigures,
     Downtime,
     Pause,
+    RestoreParts,
     downtime,
     measure_pause,
     pause_summary,
@@ -133,33 +134,6 @@ class Restoration:
     problem: str = ""
     downtime: Downtime | None = None
     parts: RestoreParts | None = None
-
-
-@dataclass(frozen=True)
-class RestoreParts:
-    """Where a restore's time went, in seconds: checking the files against the manifest, the
-    proxies loading the device state, CRIU, and the proxies letting the processes go on."""
-
-    verify_s: float
-    hashed_bytes: int
-    device_state_s: float
-    criu_s: float
-    resume_s: float
-    device_file_bytes: int = 0
-    """Bytes of the device-state files loaded."""
-    preloaded_bytes: int = 0
-    """Of the device state, bytes the proxies took as they had preloaded them (not read)."""
-
-    def summary(self) -> str:
-        """The parts as an event says them."""
-        loaded = f"device state loaded in {self.device_state_s:.2f}s"
-        if self.preloaded_bytes:
-            read = human_bytes(max(0, self.device_file_bytes - self.preloaded_bytes))
-            loaded += f" ({read} read, {human_bytes(self.preloaded_bytes)} taken preloaded)"
-        return (
-            f"checked the files in {self.verify_s:.2f}s ({human_bytes(self.hashed_bytes)} read and hashed), "
-            f"{loaded}, CRIU {self.criu_s:.2f}s, proxies resumed in {self.resume_s:.2f}s"
-        )
 
 
 def checkpoint_summary(result: CheckpointResult, pause: Pause, complete_s: float) -> str:
