@@ -289,7 +289,7 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     kinds: dict[str, type] = {f.name: type(f.default) for f in fields(Config) if f.name not in paths}
     try:
         if name in paths:
-            return Path(str(value)).expanduser()
+            return Path(str(value)).expanduser().absolute()
         if name == "peers":
             return _seeds(value, source)
         kind = kinds[name]

@@ -1,7 +1,7 @@
 """Jobs checkpointed and restored by real CRIU end exactly as uninterrupted ones: a training run
 preempted, checkpointed in place and crashed; two ranks over TCP; copies restored beside the
 original; a socket to a server outside the job swapped on restore; ranks of another user; pre-copy;
-a PID still taken when a restore starts.
+a PID still taken when a restore starts; a directory CRIU's parasite needs left by a dump killed.
 
 The CRIU used is `locate_criu(os.environ.get("SINGULARITYD_TEST_CRIU", "auto"))`; tests that need
 what it cannot do here (TCP sockets with CRIU < 4.2 on Linux >= 6.16, pre-dumps without kernel
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from singularityd.checkpoint import CheckpointError, CheckpointUnavailable, Criu, CriuInfo, Manifest
-from singularityd.checkpoint.criu import FORK_RETRY_PATTERN
+from singularityd.checkpoint.criu import FORK_RETRY_PATTERN, PARASITE_PROC_DIR
 from tests.checkpoint_helpers import (
     COUNTER,
     HOLD,
@@ -372,3 +372,27 @@ def test_restore_retries_while_pid_is_taken(criu_info: CriuInfo, work: Path) -> 
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         proc.wait()
+
+
+@requires_root
+def test_a_dump_gets_past_the_parasite_directory_a_killed_dump_left(
+    criu_info: CriuInfo, work: Path, jobs: list[int]
+) -> None:
+    """The job's init works in /, where CRIU's parasite makes its proc directory for a job whose
+    /proc is the machine's; one left by a killed dump is removed and the job checkpointed."""
+    job = counting_job(work, "left", jobs, 300)
+    assert os.readlink(f"/proc/{job.pid}/cwd") == "/"
+    stale = Path("/") / PARASITE_PROC_DIR
+    wait_until(lambda: not stale.exists(), timeout=30)  # a dump of another test may hold it now
+    stale.mkdir(mode=0o700)
+    try:
+        cp = checkpointer_in(criu_info, work / "store")
+        r = asyncio.run(cp.checkpoint("left", job.pid, owner_uid=0, owner_gid=0, leave_running=False))
+        assert not stale.exists()
+        assert wait_exit(job.pid, 10)
+        rr = asyncio.run(cp.restore_latest("left"))
+        assert rr.seq == r.seq
+        finish_counting(rr.pid, job, jobs, work / "release", 300)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            stale.rmdir()

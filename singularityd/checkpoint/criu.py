@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import platform
 import re
 import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -27,10 +29,16 @@ from singularityd import faults
 from singularityd.checkpoint.errors import CheckpointUnavailable, CriuError
 from singularityd.checkpoint.namespaces import ExternalMounts, dump_mount_args, restore_argv_in_yard
 
+log = logging.getLogger(__name__)
+
 MIN_VERSION = (4, 0)
 TCP_FIXED_VERSION = (4, 2)
 KERNEL_RESTRICTS_PASSCRED = (6, 16)
 FORK_RETRY_PATTERN = "Can't fork for"
+PARASITE_PROC_DIR = "proc.crtools"
+"""The directory CRIU's parasite makes, in the working directory of the init of a job whose PID
+namespace has no /proc of its own, to mount one there for the dump (then it removes it)."""
+PARASITE_PROC_CLASH = "Can't create a directory (-17)"
 T = TypeVar("T")
 
 ERROR_HINTS: tuple[tuple[str, str], ...] = (
@@ -61,6 +69,10 @@ ERROR_HINTS: tuple[tuple[str, str], ...] = (
     ("In-flight connection", "a listening socket has a connection not yet accepted"),
     ("Address already in use", "an address the job had bound is in use (is the job running?)"),
     (FORK_RETRY_PATTERN, "a PID that the images need is still taken"),
+    (
+        PARASITE_PROC_CLASH,
+        f"CRIU's {PARASITE_PROC_DIR} directory in the working directory of the job's init stayed taken",
+    ),
 )
 NOISE = ("rlimit: Can't setup RLIMIT_NOFILE",)
 
@@ -95,6 +107,7 @@ class CriuOptions:
     pre_dump_mode: str = "splice"
     fork_retry_attempts: int = 10
     fork_retry_delay_s: float = 0.2
+    proc_clash_attempts: int = 5
     extra_dump_args: Sequence[str] = ()
     extra_restore_args: Sequence[str] = ()
 
@@ -341,14 +354,52 @@ async def _run_to_end(
 
 
 async def _run_dump(
-    argv: Sequence[str], log_file: Path, what: str, started: Callable[[], None] | None = None
+    argv: Sequence[str],
+    log_file: Path,
+    what: str,
+    *,
+    pid: int,
+    attempts: int,
+    started: Callable[[], None] | None = None,
 ) -> DumpStats:
-    """Run a CRIU dump or pre-dump; its statistics, or CriuError with the log's reason."""
-    rc, out, err, wall = await _run_to_end(argv, started=started)
-    if rc != 0:
-        why = summarize_log(_read_log(log_file) or err)
-        raise CriuError(f"{what} failed: {why}", log_file, rc)
-    return dump_stats_from(out + err, wall)
+    """Run a CRIU dump or pre-dump of the tree rooted at `pid`; its statistics, or CriuError with
+    the log's reason.
+
+    CRIU's parasite makes a fixed-name directory in the working directory of the tree's root when
+    that root's /proc is not of its PID namespace, so two dumps at once of trees whose roots share
+    a working directory clash, and one killed at that moment leaves the directory behind: such a
+    dump is tried again (up to `attempts` in all), after removing a directory that stayed.
+    """
+    total = 0.0
+    for attempt in range(1, attempts + 1):
+        rc, out, err, wall = await _run_to_end(argv, started=started if attempt == 1 else None)
+        total += wall
+        if rc == 0:
+            return dump_stats_from(out + err, total)
+        log = _read_log(log_file) or err
+        if PARASITE_PROC_CLASH not in log or attempt == attempts:
+            break
+        await remove_stale_parasite_dir(Path(f"/proc/{pid}/cwd") / PARASITE_PROC_DIR)
+    raise CriuError(f"{what} failed: {summarize_log(log)}", log_file, rc)
+
+
+async def remove_stale_parasite_dir(path: Path, settle_s: float = 0.2) -> bool:
+    """Remove `path`, CRIU's parasite /proc directory, if it is an empty directory that stayed
+    for `settle_s` (a dump at work holds it for well under a millisecond); whether it did."""
+    try:
+        before = path.lstat()
+    except OSError:
+        return False
+    await asyncio.sleep(settle_s)
+    try:
+        after = path.lstat()
+        if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino) or not stat.S_ISDIR(after.st_mode):
+            return False
+        os.rmdir(path)
+    except OSError:
+        return False
+    log.warning("removed %s, left by a CRIU dump that did not finish", path)
+    return True
 
 
 def _read_log(path: Path) -> str:
@@ -460,7 +511,14 @@ class Criu:
             lock_network=lock_network,
         )
         started = None if leave_running else partial(faults.reached, faults.STOPPING_DUMP_RUNNING)
-        return await _run_dump(argv, log_file, f"dump of pid {pid}", started)
+        return await _run_dump(
+            argv,
+            log_file,
+            f"dump of pid {pid}",
+            pid=pid,
+            attempts=self.options.proc_clash_attempts,
+            started=started,
+        )
 
     async def pre_dump(
         self,
@@ -487,7 +545,9 @@ class Criu:
         for inode in external_unix_inodes:
             argv += ["--external", f"unix[{inode}]"]
         argv += dump_mount_args(external_mounts or {})
-        return await _run_dump(argv, log_file, f"pre-dump of pid {pid}")
+        return await _run_dump(
+            argv, log_file, f"pre-dump of pid {pid}", pid=pid, attempts=self.options.proc_clash_attempts
+        )
 
     def restore_argv(
         self,

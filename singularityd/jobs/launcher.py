@@ -331,7 +331,13 @@ def _record_pid(spec: dict[str, Any], pid: int, ticks: int) -> None:
 
 
 def launch(spec: dict[str, Any], spec_path: str = "") -> int:
-    """Fork the supervisor (in new namespaces when asked) and return its host PID."""
+    """Fork the supervisor (in new namespaces when asked) and return its host PID.
+
+    The supervisor works in /, which every machine has: CRIU restores its working directory by
+    path, on this machine or a peer, and its parasite briefly makes a directory there to dump a
+    job whose /proc is not its PID namespace's (each rank enters the job's own directory).
+    """
+    os.chdir("/")
     if spec.get("user_namespace"):
         pid, ticks = launch_in_user_namespace(
             spec, [sys.executable, "-S", os.path.abspath(__file__), SUPERVISE_FLAG, spec_path]
