@@ -102,6 +102,9 @@ class Daemon:
         self.records: dict[int, JobRuntime] = {}
         self.before_move_pause: dict[int, BeforePause] = {}
         """Per job being moved: awaited once its device state is pre-copied, before its final pause."""
+        self.reserved_devices: Callable[[], set[int]] = set
+        """Devices no job here may take now: those holding the device state preloaded for jobs
+        arriving from peers (federation sets it)."""
         self._schedule_requested = False
         self._timers: set[asyncio.TimerHandle] = set()
         self._idle_since: float | None = None
@@ -425,7 +428,8 @@ class Daemon:
         """The devices, the live jobs with their activities, and the time, as a round sees them."""
         jobs = tuple(JobView.of(job, self.activity(job.id)) for job in self.store.list_jobs())
         devices = tuple(device.index for device in self.inventory.devices)
-        return ClusterView(devices, jobs, self.clock(), self.checkpoints.available)
+        reserved = frozenset(self.reserved_devices())
+        return ClusterView(devices, jobs, self.clock(), self.checkpoints.available, reserved=reserved)
 
     def _schedule(self) -> None:
         self._schedule_requested = False

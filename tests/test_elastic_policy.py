@@ -121,3 +121,23 @@ def test_a_queued_elastic_job_starts_on_the_devices_free_when_they_reach_its_min
     assert plan_round(ClusterView(DEVICES, (held, elastic), 0.0, can_preempt=True)).starts == ((2, (2, 3)),)
     rigid = JobView(2, JobState.PENDING, 0, 4)
     assert plan_round(ClusterView(DEVICES, (held, rigid), 0.0, can_preempt=True)).starts == ()
+
+
+def test_devices_reserved_for_an_arriving_job_are_neither_started_on_nor_grown_into() -> None:
+    """Devices holding an arriving job's preloaded state count for the machine's size, but no queued
+    job starts on them and no elastic job grows into them."""
+    reserved = frozenset({2, 3})
+    queued = JobView(2, JobState.PENDING, 0, 2)
+    view = ClusterView(
+        DEVICES,
+        (JobView(1, JobState.RUNNING, 0, 2, devices=(0, 1)), queued),
+        0.0,
+        can_preempt=True,
+        reserved=reserved,
+    )
+    plan = plan_round(view)
+    assert plan.starts == ()
+    assert not plan.pending_reasons[2].startswith("Unsatisfiable")
+    assert plan_round(replace(view, reserved=frozenset())).starts == ((2, (2, 3)),)
+    idle = ClusterView(DEVICES, (elastic_job(1, (0,)),), 13.0, True, idle_since=8.0, grow_after=5.0)
+    assert plan_round(replace(idle, reserved=reserved)).resizes == ((1, 2),)

@@ -8,8 +8,9 @@ has arrived and been checked (transfer_grpc.Receivers calls `received`), the tar
 job's proxy servers on devices free now and has them read those records into device memory
 (proxy/server/preloads.py). The restore takes those servers and devices when they are still free
 and the record names the same owner and number of devices (else it starts afresh: the preloaded
-state goes with the servers). Devices are not reserved in the store before the job's record is
-imported: a preload only uses devices free at the time, and other arriving jobs do not get them.
+state goes with the servers). A preload only uses devices free at the time, and holds them until
+the restore takes them or the preload is dropped: neither local jobs (the daemon's
+`reserved_devices`) nor other arriving jobs get them meanwhile.
 A discarded epoch, or a restart of the daemon (its servers of jobs it does not hold are stopped),
 drops what was preloaded with the servers holding it.
 """
@@ -64,6 +65,7 @@ class Preloads:
         self.note = note
         self.held: dict[int, Preloaded] = {}
         self.running: dict[int, asyncio.Future[None]] = {}
+        daemon.reserved_devices = self.devices_held
 
     def devices_held(self, but: int | None = None) -> set[int]:
         """Devices holding preloaded state of arriving jobs (but `but`'s)."""
@@ -108,9 +110,9 @@ class Preloads:
             identity = JobIdentity(found.uid, found.gid, tuple(user_groups(found.user, found.gid)))
             began = time.monotonic()
             devices_access = self.daemon.devices
+            self.held[number] = Preloaded(epoch, devices, identity)  # reserved before any await
             try:
                 await devices_access.admit(number, identity, devices)
-                self.held[number] = Preloaded(epoch, devices, identity)
                 results = await devices_access.preload(number, devices, found.images)
             except (DeviceError, OSError) as error:
                 await self._drop(number)
@@ -141,6 +143,7 @@ class Preloads:
         if held.epoch == epoch and len(held.devices) == needed and set(held.devices) <= free:
             return held
         self.daemon.devices.forget(job_id)
+        self.daemon.request_schedule()
         return None
 
     async def drop(self, job_id: int, epoch: int | None = None) -> None:
@@ -154,3 +157,4 @@ class Preloads:
         """Stop the servers holding the job's preloaded state, if it has any."""
         if self.held.pop(job_id, None) is not None:
             self.daemon.devices.forget(job_id)
+            self.daemon.request_schedule()  # a local job may take its devices now

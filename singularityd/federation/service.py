@@ -190,7 +190,7 @@ class Federation:
         """This node's devices, free capacity, version and draining, for heartbeats."""
         assert self.identity is not None
         daemon = self.daemon
-        busy = daemon.store.busy_devices()
+        busy = {*daemon.store.busy_devices(), *daemon.reserved_devices()}
         devices = tuple(
             DeviceInfo(d.index, d.kind, d.name, d.memory_total, d.index not in busy)
             for d in daemon.inventory.devices

@@ -75,6 +75,9 @@ class ClusterView:
     """Since when some devices have been free with nothing queued (None: not so now)."""
     grow_after: float = 0.0
     """How long devices stay idle before elastic jobs grow into them."""
+    reserved: frozenset[int] = frozenset()
+    """Devices held for jobs arriving from peers (their device state preloaded), which no job here
+    may take meanwhile."""
 
     @property
     def queued(self) -> list[JobView]:
@@ -88,9 +91,9 @@ class ClusterView:
 
     @property
     def free_devices(self) -> list[int]:
-        """The offered devices no live job holds."""
+        """The offered devices no live job holds and none is reserved for an arriving job."""
         busy = {device for job in self.jobs if job.state.holds_devices for device in job.devices}
-        return [device for device in self.devices if device not in busy]
+        return [device for device in self.devices if device not in busy and device not in self.reserved]
 
 
 def _running(job: JobView, now: float) -> RunningJob:

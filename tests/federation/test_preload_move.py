@@ -12,6 +12,7 @@ import contextlib
 import os
 import re
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -100,7 +101,9 @@ def test_the_target_restores_from_the_preloaded_state_and_reads_only_the_rest(la
 def test_a_move_given_up_after_the_preload_leaves_nothing_on_the_target(lab: Lab, then: str) -> None:
     """The source dies as CRIU begins its final dump (a fault point), after the target preloaded;
     the move is given up (the target told to discard the epoch, or the target restarted first), the
-    job resumes on the source (exact), and the target keeps no server and no preloaded byte of it."""
+    job resumes on the source (exact), and the target keeps no server and no preloaded byte of it.
+    While the preload held a device of the target, a job submitted there for all its devices waited;
+    it runs once the preload is dropped."""
     expected = direct_output("held_state.py", ARGS)
     release = lab.paths.root / f"release-given-up-{then}"
     a, b = lab.node("node-a"), lab.node("node-b")
@@ -116,6 +119,13 @@ def test_a_move_given_up_after_the_preload_leaves_nothing_on_the_target(lab: Lab
         a.process = None
         assert mover.result().code != 0
         wait_until(lambda: preloaded_on(b, job) >= HELD_MIB << 20, timeout=60)
+        local = b.sing("submit", *JOB_OPTIONS, "--gpus", "2", "--", PYTHON, "-c", "print('local')")
+        assert local.code == 0, local.err
+        local_job = int(local.out.strip())
+        for _ in range(10):  # the round its submit asked for has run by the end
+            shown = b.job(local_job)
+            assert shown is not None and shown["state"] == "PENDING", shown
+            time.sleep(0.3)
         if then == "target-restarted":
             b.kill(signal.SIGKILL)
             b.start()
@@ -126,6 +136,7 @@ def test_a_move_given_up_after_the_preload_leaves_nothing_on_the_target(lab: Lab
     wait_state(a, job, "RUNNING", timeout=180)
     wait_until(lambda: not proxy_controls(b, job), timeout=120)
     assert preloaded_on(b, job) == 0
+    assert b.sing("wait", str(local_job), timeout=120).code == 0
     release.touch()
     assert a.sing("wait", str(job), timeout=300).code == 0, a.sing("logs", str(job)).out[-2000:]
     assert a.sing("logs", str(job)).out == expected
