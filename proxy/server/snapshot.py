@@ -20,7 +20,9 @@ bumps the tensor's version counter (writes.py, after each operation), which the 
 share with their base; the server's own writes (uploads into an existing tensor) bump it too,
 and a storage's mark (session.py) changes
 whenever a tensor that might not share that counter starts using it. A storage's *stamp* joins
-its mark, address, size and every holder's version; a pre-copied record is used only when the
+its mark, address, size and every holder's version, a view counting as its base (they share one
+counter, so views the job makes and frees between the pre-copy and the pause, as a slice of a
+tensor it only reads each step, leave the stamp alone); a pre-copied record is used only when the
 stamp is the same at the pause as it was before the copy began, so bytes read while an operation
 wrote them are never used. Tensors without a version counter (inference tensors) and tensors
 that are not plain strided ones are always copied in the pause.
@@ -69,27 +71,30 @@ class LiveStorage:
 
 def live_storages(sessions: Sequence[Session]) -> dict[int, LiveStorage]:
     """Every storage the sessions' plain tensors use, with its stamp. Call with the executor lock held."""
-    holders: dict[int, list[Any]] = {}
+    holders: dict[int, set[Any]] = {}
     found: dict[int, LiveStorage] = {}
     for session in sessions:
         marks = session.storage_marks
-        for handle, tensor in list(session.tensors.items()):
+        for tensor in list(session.tensors.values()):
             if not is_plain(tensor):
                 continue
             storage = tensor.untyped_storage()
             key = storage._cdata
             if key not in found:
                 found[key] = LiveStorage(key, storage, storage.nbytes(), None)
-                holders[key] = [storage.data_ptr(), storage.nbytes()]
-            parts = holders[key]
+                holders[key] = set()
             if tensor.is_inference():
-                parts.append(None)
-            else:
-                parts.append((session.rank, session.index, handle, tensor._version, marks.get(key)))
+                holders[key].add(None)
+                continue
+            base = tensor._base if tensor._is_view() else None
+            counter_owner = tensor if base is None else base
+            holders[key].add(
+                (session.rank, session.index, counter_owner._cdata, tensor._version, marks.get(key))
+            )
     for key, parts in holders.items():
         if None not in parts:
-            head, rest = parts[:2], sorted(parts[2:])
-            found[key].stamp = (*head, *rest)
+            live = found[key]
+            live.stamp = (live.storage.data_ptr(), live.nbytes, *sorted(parts))
     return found
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import fields, replace
 from pathlib import Path
@@ -171,6 +172,63 @@ def test_writes_of_kernels_that_keep_version_counters_are_seen(device: ProxyServ
             control.save("fused-job", tmp_path / "b")
             control.resume("fused-job")
             control.finish("fused-job")
+        assert_same_state(state_of(tmp_path / "a"), state_of(tmp_path / "b"))
+        hold.touch()
+        assert job.wait(120) == 0
+    finally:
+        job.kill()
+        job.wait()
+
+
+SLICED_READER = """
+import os, sys, time, torch
+go, hold = sys.argv[1], sys.argv[2]
+static = torch.ones(16 << 20, device="cuda")  # 64 MiB, only read, through a new slice each step
+total = torch.zeros((), device="cuda")
+def step(i):
+    part = static[(i % 16) << 20 : ((i % 16) + 1) << 20]
+    total.add_(part.sum())
+step(0)
+total.item()
+print("ready", flush=True)
+i = 1
+while not os.path.exists(hold):
+    step(i)
+    i += 1
+    if os.path.exists(go):
+        total.item()
+    time.sleep(0.002)
+print("steps", i, flush=True)
+"""
+
+
+def test_a_tensor_only_read_through_new_slices_is_taken_from_its_pre_copy(
+    device: ProxyServer, tmp_path: Path
+) -> None:
+    """Views made and freed between the pre-copy and the pause leave their base's record good."""
+    go, hold = tmp_path / "go", tmp_path / "hold"
+    job = subprocess.Popen(
+        [PYTHON, "-c", SLICED_READER, str(go), str(hold)],
+        env=proxy_env([device.socket], "sliced-job"),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert job.stdout is not None and job.stdout.readline() == "ready\n"
+        with ProxyControl(device.control, timeout=None) as control:
+            prepared = control.prepare("sliced-job", tmp_path / "a", rounds=1, budget_s=60)
+            assert prepared["precopy_written_bytes"] >= 64 << 20
+            go.touch()
+            time.sleep(0.5)  # slices made and freed after the pre-copy
+            control.quiesce("sliced-job")
+            captured = control.capture("sliced-job", copy=True)
+            control.save("sliced-job", tmp_path / "b")
+            control.resume("sliced-job")
+            control.finish("sliced-job")
+        assert captured["reused_bytes"] >= 64 << 20, captured
+        assert captured["copied_bytes"] < 1 << 20, captured
         assert_same_state(state_of(tmp_path / "a"), state_of(tmp_path / "b"))
         hold.touch()
         assert job.wait(120) == 0
