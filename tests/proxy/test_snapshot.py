@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import fields, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -149,31 +150,51 @@ while not os.path.exists(hold):
 """
 
 
-def test_writes_of_kernels_that_keep_version_counters_are_seen(device: ProxyServer, tmp_path: Path) -> None:
-    """A fused optimizer step between the pre-copy and the pause (its kernel bumps no version)."""
-    go, hold = tmp_path / "go", tmp_path / "hold"
+def script_job(device: ProxyServer, script: str, job_id: str, tmp_path: Path) -> subprocess.Popen[str]:
+    """A proxied job running `script` with its go and hold files (tmp_path/go, tmp_path/hold) as
+    arguments, once it has printed "ready"."""
     job = subprocess.Popen(
-        [PYTHON, "-c", FUSED_STEP, str(go), str(hold)],
-        env=proxy_env([device.socket], "fused-job"),
+        [PYTHON, "-c", script, str(tmp_path / "go"), str(tmp_path / "hold")],
+        env=proxy_env([device.socket], job_id),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+    assert job.stdout is not None and job.stdout.readline() == "ready\n"
+    return job
+
+
+def pre_copied_then_paused(
+    device: ProxyServer, job_id: str, tmp_path: Path, meanwhile: Callable[[], None]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Pre-copy the job's state (into tmp_path/a), run `meanwhile`, capture it in a pause and save
+    it in full (tmp_path/b) beside: the two files must hold the same state. The answers of the
+    pre-copy and of the capture."""
+    with ProxyControl(device.control, timeout=None) as control:
+        prepared = control.prepare(job_id, tmp_path / "a", rounds=1, budget_s=60)
+        meanwhile()
+        control.quiesce(job_id)
+        captured = control.capture(job_id, copy=True)
+        control.save(job_id, tmp_path / "b")
+        control.resume(job_id)
+        control.finish(job_id)
+    assert_same_state(state_of(tmp_path / "a"), state_of(tmp_path / "b"))
+    return prepared, captured
+
+
+def test_writes_of_kernels_that_keep_version_counters_are_seen(device: ProxyServer, tmp_path: Path) -> None:
+    """A fused optimizer step between the pre-copy and the pause (its kernel bumps no version)."""
+    job = script_job(device, FUSED_STEP, "fused-job", tmp_path)
     try:
-        assert job.stdout is not None and job.stdout.readline() == "ready\n"
-        with ProxyControl(device.control, timeout=None) as control:
-            prepared = control.prepare("fused-job", tmp_path / "a", rounds=1, budget_s=60)
-            assert prepared["precopy_written_bytes"] >= 2 * 64 * 64 * 4 * 3  # parameters, Adam's state
-            go.touch()
-            assert job.stdout.readline() == "stepped\n"
-            control.quiesce("fused-job")
-            control.capture("fused-job", copy=True)
-            control.save("fused-job", tmp_path / "b")
-            control.resume("fused-job")
-            control.finish("fused-job")
-        assert_same_state(state_of(tmp_path / "a"), state_of(tmp_path / "b"))
-        hold.touch()
+
+        def step() -> None:
+            (tmp_path / "go").touch()
+            assert job.stdout is not None and job.stdout.readline() == "stepped\n"
+
+        prepared, _ = pre_copied_then_paused(device, "fused-job", tmp_path, step)
+        assert prepared["precopy_written_bytes"] >= 2 * 64 * 64 * 4 * 3  # parameters, Adam's state
+        (tmp_path / "hold").touch()
         assert job.wait(120) == 0
     finally:
         job.kill()
@@ -206,31 +227,18 @@ def test_a_tensor_only_read_through_new_slices_is_taken_from_its_pre_copy(
     device: ProxyServer, tmp_path: Path
 ) -> None:
     """Views made and freed between the pre-copy and the pause leave their base's record good."""
-    go, hold = tmp_path / "go", tmp_path / "hold"
-    job = subprocess.Popen(
-        [PYTHON, "-c", SLICED_READER, str(go), str(hold)],
-        env=proxy_env([device.socket], "sliced-job"),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    job = script_job(device, SLICED_READER, "sliced-job", tmp_path)
     try:
-        assert job.stdout is not None and job.stdout.readline() == "ready\n"
-        with ProxyControl(device.control, timeout=None) as control:
-            prepared = control.prepare("sliced-job", tmp_path / "a", rounds=1, budget_s=60)
-            assert prepared["precopy_written_bytes"] >= 64 << 20
-            go.touch()
-            time.sleep(0.5)  # slices made and freed after the pre-copy
-            control.quiesce("sliced-job")
-            captured = control.capture("sliced-job", copy=True)
-            control.save("sliced-job", tmp_path / "b")
-            control.resume("sliced-job")
-            control.finish("sliced-job")
+
+        def slice_a_while() -> None:
+            (tmp_path / "go").touch()
+            time.sleep(0.5)
+
+        prepared, captured = pre_copied_then_paused(device, "sliced-job", tmp_path, slice_a_while)
+        assert prepared["precopy_written_bytes"] >= 64 << 20
         assert captured["reused_bytes"] >= 64 << 20, captured
         assert captured["copied_bytes"] < 1 << 20, captured
-        assert_same_state(state_of(tmp_path / "a"), state_of(tmp_path / "b"))
-        hold.touch()
+        (tmp_path / "hold").touch()
         assert job.wait(120) == 0
     finally:
         job.kill()
