@@ -376,11 +376,11 @@ async def _run_dump(
         total += wall
         if rc == 0:
             return dump_stats_from(out + err, total)
-        log = _read_log(log_file) or err
-        if PARASITE_PROC_CLASH not in log or attempt == attempts:
+        criu_log = _read_log(log_file) or err
+        if PARASITE_PROC_CLASH not in criu_log or attempt == attempts:
             break
         await remove_stale_parasite_dir(Path(f"/proc/{pid}/cwd") / PARASITE_PROC_DIR)
-    raise CriuError(f"{what} failed: {summarize_log(log)}", log_file, rc)
+    raise CriuError(f"{what} failed: {summarize_log(criu_log)}", log_file, rc)
 
 
 async def remove_stale_parasite_dir(path: Path, settle_s: float = 0.2) -> bool:
