@@ -22,13 +22,8 @@ from singularityd.checkpoint import (
     locate_criu,
 )
 from singularityd.checkpoint import store as store_module
-from singularityd.checkpoint.criu import (
-    parse_stats,
-    parse_version,
-    privilege_problem,
-    summarize_log,
-    tcp_problem,
-)
+from singularityd.checkpoint.criu import parse_stats, summarize_log
+from singularityd.checkpoint.criu_discovery import parse_version, privilege_problem, tcp_problem
 from singularityd.checkpoint.manifest import (
     FileFact,
     ManifestError,

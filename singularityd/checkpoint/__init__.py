@@ -10,14 +10,8 @@ state (saved and restored by the device proxies) to what is exported here. Typic
     restored = await cp.restore_latest(job_id)  # restored.pid, restored.skipped
 """
 
-from singularityd.checkpoint.criu import (
-    Criu,
-    CriuInfo,
-    CriuOptions,
-    DumpStats,
-    RestoreOutcome,
-    locate_criu,
-)
+from singularityd.checkpoint.criu import Criu, CriuOptions, DumpStats, RestoreOutcome
+from singularityd.checkpoint.criu_discovery import CriuInfo, locate_criu
 from singularityd.checkpoint.errors import (
     CheckpointError,
     CheckpointUnavailable,

@@ -1,10 +1,8 @@
-"""CRIU driver: find a usable CRIU, dump, pre-dump, restore (checks before a dump: precheck.py).
+"""CRIU driver: dump, pre-dump, restore (finding CRIU: criu_discovery.py; checks: precheck.py).
 
 The methods that run CRIU are coroutines: CRIU runs as a child process through asyncio, so the
 daemon's event loop is never blocked. A dump that has started is never interrupted: cancelling the
 awaiting task waits for CRIU to finish first (a CRIU killed half-way could leave the job broken).
-`locate_criu` is a plain function (a few quick subprocesses and /proc reads);
-call them once at start-up or through `asyncio.to_thread`.
 """
 
 from __future__ import annotations
@@ -13,12 +11,8 @@ import asyncio
 import contextlib
 import logging
 import os
-import platform
 import re
-import shutil
 import stat
-import subprocess
-import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -26,14 +20,12 @@ from pathlib import Path
 from typing import TypeVar
 
 from singularityd import faults
+from singularityd.checkpoint.criu_discovery import CriuInfo
 from singularityd.checkpoint.errors import CheckpointUnavailable, CriuError
 from singularityd.checkpoint.namespaces import ExternalMounts, dump_mount_args, restore_argv_in_yard
 
 log = logging.getLogger(__name__)
 
-MIN_VERSION = (4, 0)
-TCP_FIXED_VERSION = (4, 2)
-KERNEL_RESTRICTS_PASSCRED = (6, 16)
 FORK_RETRY_PATTERN = "Can't fork for"
 PARASITE_PROC_DIR = "proc.crtools"
 """The directory CRIU's parasite makes, in the working directory of the init of a job whose PID
@@ -75,24 +67,6 @@ ERROR_HINTS: tuple[tuple[str, str], ...] = (
     ),
 )
 NOISE = ("rlimit: Can't setup RLIMIT_NOFILE",)
-
-
-@dataclass(frozen=True)
-class CriuInfo:
-    """A CRIU that passed `criu check`, how to run it, and what it can do on this machine."""
-
-    argv: tuple[str, ...]
-    version: tuple[int, ...]
-    source: str
-    dirty_tracking: bool
-    dirty_tracking_reason: str = ""
-    tcp_problem: str = ""
-    network_lock: str = "iptables"
-
-    @property
-    def version_text(self) -> str:
-        """The version as CRIU prints it (e.g. "4.2.1")."""
-        return ".".join(str(p) for p in self.version)
 
 
 @dataclass(frozen=True)
@@ -156,40 +130,6 @@ class RestoreOutcome:
     attempts: int
 
 
-def parse_version(text: str) -> tuple[int, ...] | None:
-    """The version in `criu --version` output ("Version: 4.1.1" -> (4, 1, 1)), if any."""
-    m = re.search(r"Version:\s*(\d+(?:\.\d+)*)", text)
-    return tuple(int(p) for p in m.group(1).split(".")) if m else None
-
-
-def parse_kernel_release(release: str) -> tuple[int, int]:
-    """(major, minor) of a kernel release string such as "6.18.44-fc"."""
-    m = re.match(r"(\d+)\.(\d+)", release)
-    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
-
-
-def tcp_problem(criu_version: Sequence[int], kernel: tuple[int, int]) -> str:
-    """Why TCP sockets cannot be dumped with this CRIU on this kernel ("" when they can)."""
-    if tuple(criu_version[:2]) < TCP_FIXED_VERSION and kernel >= KERNEL_RESTRICTS_PASSCRED:
-        return (
-            f"CRIU {'.'.join(map(str, criu_version))} cannot dump TCP sockets on Linux "
-            f"{kernel[0]}.{kernel[1]} (SO_PASSCRED is refused on inet sockets since 6.16); "
-            "CRIU 4.2 or newer is needed"
-        )
-    return ""
-
-
-def privilege_problem(euid: int) -> str:
-    """Why checkpoints cannot work for a daemon with this effective uid ("" when they can)."""
-    if euid != 0:
-        return (
-            f"the daemon runs as uid {euid} (user mode): CRIU needs root, jobs have no PID "
-            "namespace, and CRIU's unprivileged mode needs file capabilities on its binary; "
-            "checkpoints are unavailable"
-        )
-    return ""
-
-
 def parse_stats(text: str) -> dict[str, int]:
     """CRIU's `--display-stats` lines ("Frozen time: 950655 us") as snake_case keys."""
     out: dict[str, int] = {}
@@ -229,87 +169,6 @@ def summarize_log(text: str) -> str:
     if errors:
         return errors[0]
     return "CRIU failed without an error line in its log"
-
-
-def _run_sync(argv: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        list(argv),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        stdin=subprocess.DEVNULL,
-    )
-
-
-def probe_criu(argv: Sequence[str], source: str) -> CriuInfo | str:
-    """Check one CRIU command: a CriuInfo when it is usable, else the reason it is not."""
-    try:
-        ver = _run_sync([*argv, "--version"])
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"{source}: cannot run {argv[-1]}: {e}"
-    version = parse_version(ver.stdout + ver.stderr)
-    if version is None:
-        return f"{source}: {argv[-1]} --version printed no version"
-    if version[:2] < MIN_VERSION:
-        return f"{source}: CRIU {'.'.join(map(str, version))} is older than 4.0"
-    check = _run_sync([*argv, "check"])
-    if check.returncode != 0:
-        last = (check.stderr or check.stdout).strip().splitlines()
-        return f"{source}: `criu check` failed: {last[-1] if last else check.returncode}"
-    dirty = _run_sync([*argv, "check", "--feature", "mem_dirty_track"])
-    dirty_ok = dirty.returncode == 0
-    if shutil.which("iptables-restore"):
-        lock = "iptables"
-    else:
-        nft = _run_sync([*argv, "check", "--feature", "network_lock_nftables"])
-        lock = "nftables" if nft.returncode == 0 else "iptables"
-    return CriuInfo(
-        argv=tuple(argv),
-        version=version,
-        source=source,
-        dirty_tracking=dirty_ok,
-        dirty_tracking_reason=""
-        if dirty_ok
-        else "the kernel has no memory dirty tracking (CONFIG_MEM_SOFT_DIRTY), so CRIU cannot "
-        "pre-dump; every checkpoint is a full dump",
-        tcp_problem=tcp_problem(version, parse_kernel_release(platform.release())),
-        network_lock=lock,
-    )
-
-
-def locate_criu(
-    setting: str = "auto", *, prefix: str | os.PathLike[str] = sys.prefix, euid: int | None = None
-) -> CriuInfo:
-    """Find the CRIU to use, or raise CheckpointUnavailable with every reason it found.
-
-    `setting` is the config value: "auto" tries a `criu` on PATH (if `criu check` passes and it is
-    version 4 or newer), then `<prefix>/criu/criu` (the private install of scripts/install-criu);
-    "off" disables checkpoints; anything else is the path of the CRIU to run.
-    """
-    problem = privilege_problem(os.geteuid() if euid is None else euid)
-    if problem:
-        raise CheckpointUnavailable(problem)
-    if setting in ("off", "none", "disabled"):
-        raise CheckpointUnavailable("checkpoints are turned off in the configuration")
-    candidates: list[tuple[str, str]] = []
-    if setting == "auto":
-        on_path = shutil.which("criu")
-        if on_path:
-            candidates.append((on_path, "criu on PATH"))
-        candidates.append((str(Path(prefix) / "criu" / "criu"), "private CRIU install"))
-    else:
-        candidates.append((setting, "configured CRIU"))
-    reasons: list[str] = []
-    for path, source in candidates:
-        if not os.access(path, os.X_OK):
-            reasons.append(f"{source}: {path} is not an executable file")
-            continue
-        found = probe_criu([path], source)
-        if isinstance(found, CriuInfo):
-            return found
-        reasons.append(found)
-    raise CheckpointUnavailable("no usable CRIU: " + "; ".join(reasons))
 
 
 async def run_to_completion(aw: Awaitable[T]) -> T:

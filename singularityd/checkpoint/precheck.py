@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from singularityd.checkpoint.criu import CriuInfo
+from singularityd.checkpoint.criu_discovery import CriuInfo
 from singularityd.checkpoint.namespaces import user_namespace_of
 
 CAP_SYS_RESOURCE = 24
