@@ -212,6 +212,45 @@ async def _run_to_end(
     return rc, out.decode(errors="replace"), err.decode(errors="replace"), loop.time() - start
 
 
+@dataclass(frozen=True)
+class CriuRun:
+    """A CRIU run that succeeded: its output, its wall time over every attempt, and how many."""
+
+    output: str
+    wall_s: float
+    attempts: int
+
+
+async def _run_retrying(
+    argv: Sequence[str],
+    log_file: Path,
+    what: str,
+    *,
+    transient: str,
+    attempts: int,
+    between: Callable[[], Awaitable[None]],
+    before: Callable[[], None] | None = None,
+    started: Callable[[], None] | None = None,
+    pass_fds: Sequence[int] = (),
+) -> CriuRun:
+    """Run CRIU until it succeeds, trying again (up to `attempts` in all, awaiting `between` first)
+    while its log names the `transient` cause; CriuError with the log's reason otherwise.
+    `before` runs before each attempt, `started` once the first has started."""
+    total = 0.0
+    for attempt in range(1, attempts + 1):
+        if before is not None:
+            before()
+        rc, out, err, wall = await _run_to_end(argv, pass_fds, started if attempt == 1 else None)
+        total += wall
+        if rc == 0:
+            return CriuRun(out + err, total, attempt)
+        criu_log = _read_log(log_file) or err
+        if transient not in criu_log or attempt == attempts:
+            break
+        await between()
+    raise CriuError(f"{what} failed: {summarize_log(criu_log)}", log_file, rc)
+
+
 async def _run_dump(
     argv: Sequence[str],
     log_file: Path,
@@ -229,36 +268,35 @@ async def _run_dump(
     a working directory clash, and one killed at that moment leaves the directory behind: such a
     dump is tried again (up to `attempts` in all), after removing a directory that stayed.
     """
-    total = 0.0
-    for attempt in range(1, attempts + 1):
-        rc, out, err, wall = await _run_to_end(argv, started=started if attempt == 1 else None)
-        total += wall
-        if rc == 0:
-            return dump_stats_from(out + err, total)
-        criu_log = _read_log(log_file) or err
-        if PARASITE_PROC_CLASH not in criu_log or attempt == attempts:
-            break
-        await remove_stale_parasite_dir(Path(f"/proc/{pid}/cwd") / PARASITE_PROC_DIR)
-    raise CriuError(f"{what} failed: {summarize_log(criu_log)}", log_file, rc)
+    stale = Path(f"/proc/{pid}/cwd") / PARASITE_PROC_DIR
+    run = await _run_retrying(
+        argv,
+        log_file,
+        what,
+        transient=PARASITE_PROC_CLASH,
+        attempts=attempts,
+        between=partial(remove_stale_parasite_dir, stale),
+        started=started,
+    )
+    return dump_stats_from(run.output, run.wall_s)
 
 
-async def remove_stale_parasite_dir(path: Path, settle_s: float = 0.2) -> bool:
+async def remove_stale_parasite_dir(path: Path, settle_s: float = 0.2) -> None:
     """Remove `path`, CRIU's parasite /proc directory, if it is an empty directory that stayed
-    for `settle_s` (a dump at work holds it for well under a millisecond); whether it did."""
+    for `settle_s` (a dump at work holds it for well under a millisecond)."""
     try:
         before = path.lstat()
     except OSError:
-        return False
+        return
     await asyncio.sleep(settle_s)
     try:
         after = path.lstat()
         if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino) or not stat.S_ISDIR(after.st_mode):
-            return False
+            return
         os.rmdir(path)
     except OSError:
-        return False
+        return
     log.warning("removed %s, left by a CRIU dump that did not finish", path)
-    return True
 
 
 def _read_log(path: Path) -> str:
@@ -460,33 +498,33 @@ class Criu:
             external_mounts=external_mounts,
             mount_yard=mount_yard,
         )
-        attempts = 0
-        total = 0.0
-        while True:
-            attempts += 1
+
+        def forget_pid() -> None:
             with contextlib.suppress(FileNotFoundError):
                 pidfile.unlink()
-            rc, out, err, wall = await _run_to_end(argv, pass_fds=sorted(set(fds.values())))
-            total += wall
-            if rc == 0:
-                break
-            log = _read_log(log_file) or err
-            if FORK_RETRY_PATTERN in log and attempts < self.options.fork_retry_attempts:
-                await asyncio.sleep(self.options.fork_retry_delay_s)
-                continue
-            raise CriuError(f"restore from {image_dir} failed: {summarize_log(log)}", log_file, rc)
+
+        run = await _run_retrying(
+            argv,
+            log_file,
+            f"restore from {image_dir}",
+            transient=FORK_RETRY_PATTERN,
+            attempts=self.options.fork_retry_attempts,
+            between=partial(asyncio.sleep, self.options.fork_retry_delay_s),
+            before=forget_pid,
+            pass_fds=sorted(set(fds.values())),
+        )
         try:
             pid = int(pidfile.read_text().strip())
         except (OSError, ValueError) as e:
             raise CriuError(
                 f"restore from {image_dir} succeeded but wrote no pid file: {e}", log_file, 0
             ) from e
-        s = parse_stats(out + err)
+        s = parse_stats(run.output)
         return RestoreOutcome(
             pid=pid,
             restore_us=s.get("restore_time", 0),
             forking_us=s.get("forking_time", 0),
             pages_restored=s.get("pages_restored", 0),
-            wall_s=total,
-            attempts=attempts,
+            wall_s=run.wall_s,
+            attempts=run.attempts,
         )
