@@ -198,8 +198,7 @@ class ControlHandler:
                 "splicing": splicing,
                 "index": server.index,
                 "capacity": server.memory.capacity,
-                "allocated": server.memory.used - server.memory.kept_bytes,
-                "kept": server.memory.kept_bytes,
+                "allocated": server.memory.used,
                 "peak": server.memory.peak,
                 "dedup": {
                     "compare_seconds": server.dedup.compare_seconds,
