@@ -1,9 +1,9 @@
 """Activates the singularity device proxy in a job process, and chains to any other sitecustomize.
 
-The daemon's launcher puts this directory first on the job's PYTHONPATH. Without
-SING_PROXY_SOCKETS in the environment nothing happens beyond the chaining. With it,
-the client is installed right after the program first imports torch, so processes of
-the job that never use torch pay nothing.
+The daemon's launcher puts this directory first on the job's PYTHONPATH. Right after the program
+first imports torch (processes of the job that never use torch pay nothing): with USE_LIBUV=0
+(the daemon's default) torch's TCPStore defaults to its plain backend, which CRIU can dump
+(_singularity_proxy.stores); with SING_PROXY_SOCKETS the client is installed.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _chain() -> None:
 
 
 class _TorchHook(importlib.abc.MetaPathFinder):
-    """Installs the proxy client once `torch` has finished importing."""
+    """Runs `_torch_imported` once `torch` has finished importing."""
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if name != "torch":
@@ -44,21 +44,27 @@ class _TorchHook(importlib.abc.MetaPathFinder):
 
         def exec_module(module: ModuleType) -> None:
             orig(module)
-            if _HERE not in sys.path:
-                sys.path.append(_HERE)
-            import _singularity_proxy  # type: ignore[import-not-found,unused-ignore]
-
-            _singularity_proxy.activate()
+            _torch_imported()
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 
-_chain()
-if os.environ.get("SING_PROXY_SOCKETS"):
-    if "torch" in sys.modules:
-        import _singularity_proxy  # type: ignore[import-not-found,unused-ignore]
+def _torch_imported() -> None:
+    """What the job's environment asks for once torch is imported."""
+    if _HERE not in sys.path:
+        sys.path.append(_HERE)
+    import _singularity_proxy  # type: ignore[import-not-found,unused-ignore]
+    from _singularity_proxy import stores  # type: ignore[import-not-found,unused-ignore]
 
-        _singularity_proxy.activate()
+    if stores.wanted():
+        stores.default_without_libuv()
+    _singularity_proxy.activate()
+
+
+_chain()
+if os.environ.get("SING_PROXY_SOCKETS") or os.environ.get("USE_LIBUV") == "0":
+    if "torch" in sys.modules:
+        _torch_imported()
     else:
         sys.meta_path.insert(0, _TorchHook())
