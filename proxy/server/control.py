@@ -198,7 +198,8 @@ class ControlHandler:
                 "splicing": splicing,
                 "index": server.index,
                 "capacity": server.memory.capacity,
-                "allocated": server.memory.used,
+                "allocated": server.memory.used - server.memory.kept_bytes,
+                "kept": server.memory.kept_bytes,
                 "peak": server.memory.peak,
                 "dedup": {
                     "compare_seconds": server.dedup.compare_seconds,

@@ -65,14 +65,14 @@ class Preloads:
             self._drop_locked(job_id)
             memory = self.server.memory
             with self.server.state_lock:
-                if memory.used + total > memory.capacity:
+                if not memory.room_for(total):
                     refusal = (
                         f"{total} bytes of pre-copied state do not fit in the {memory.free_bytes()} bytes "
                         f"free on device {self.server.index}"
                     )
                     return {"preloaded_bytes": 0, "records": 0, "seconds": 0.0, "refused": refusal}
                 memory.used += total  # held before reading: a job's allocation meanwhile sees it
-                memory.peak = max(memory.peak, memory.used)
+                memory.peak = max(memory.peak, memory.used - memory.kept_bytes)
             storages: Preloaded = {}
             try:
                 for offset, nbytes in wanted:

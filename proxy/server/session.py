@@ -13,6 +13,7 @@ import itertools
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -94,6 +95,11 @@ def storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
     return [part.untyped_storage() for part in sparse_parts(tensor)]
 
 
+def _storage_under(tensor: torch.Tensor, key: int) -> torch.UntypedStorage | None:
+    """The tensor's storage whose identity is `key`, if it has one."""
+    return next((storage for storage in storages(tensor) if storage._cdata == key), None)
+
+
 def rebindable(tensor: torch.Tensor) -> bool:
     """Whether a tensor can be moved onto another storage holding the same bytes (dedup.py)."""
     return tensor.layout == torch.strided and not tensor.is_inference() and not tensor.is_quantized
@@ -136,38 +142,75 @@ class DeviceMemory:
         self.values: dict[int, int] = {}
         """Storage identity -> its value id, while squashing follows it (squash.py); dropped when
         the storage is let go, so an identity reused by a new storage never inherits one."""
+        self.kept: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        """Storage identity -> (storage, bytes) of storages no session holds any more, kept and
+        counted while squashing may still hand them to another session of the job: what one
+        replica made and freed before the others ran the same operation."""
+        self.kept_bytes = 0
+        """Bytes of the kept storages: counted against the capacity (and let go when an
+        allocation needs them), not as what the jobs hold."""
+        self.keeps: Callable[[int], bool] | None = None
+        """Whether squashing wants a storage its last holder lets go (set by squash.py)."""
 
     def hold(self, key: int, nbytes: int, session: Session) -> None:
         """Count a session's use of a storage (its bytes once, however many sessions use it)."""
         holders = self.holders.get(key)
         if holders is None:
-            self.values.pop(key, None)  # an identity last used by a storage held by no one here
             self.holders[key] = [session]
-            self.used += nbytes
-            self.peak = max(self.peak, self.used)
+            kept = self.kept.pop(key, None)
+            if kept is not None:
+                self.kept_bytes -= kept[1]  # counted in `used` while kept
+            else:
+                self.values.pop(key, None)  # an identity last used by a storage held by no one here
+                self.used += nbytes
+            self.peak = max(self.peak, self.used - self.kept_bytes)
             return
         holders.append(session)
         if len(holders) == 2:
             self.shared += 1
 
-    def let_go(self, key: int, nbytes: int, session: Session) -> None:
-        """Forget a session's use of a storage (its bytes when no session uses it any more)."""
+    def let_go(
+        self, key: int, nbytes: int, session: Session, storage: torch.UntypedStorage | None = None
+    ) -> None:
+        """Forget a session's use of a storage (its bytes when no session uses it any more, unless
+        squashing keeps `storage` for another session)."""
         holders = self.holders[key]
         holders.remove(session)
         if not holders:
             del self.holders[key]
+            if storage is not None and self.keeps is not None and self.keeps(key):
+                self.kept[key] = (storage, nbytes)
+                self.kept_bytes += nbytes
+                return
             self.values.pop(key, None)
             self.used -= nbytes
         elif len(holders) == 1:
             self.shared -= 1
+
+    def release(self, key: int) -> None:
+        """Let a kept storage go (squashing no longer wants it)."""
+        found = self.kept.pop(key, None)
+        if found is not None:
+            self.values.pop(key, None)
+            self.used -= found[1]
+            self.kept_bytes -= found[1]
+
+    def room_for(self, nbytes: int) -> bool:
+        """Whether `nbytes` more fit on the device, letting the kept storages go if that is what
+        it takes (they only save squashed sessions a run of an operation)."""
+        if self.used + nbytes <= self.capacity:
+            return True
+        for key in list(self.kept):
+            self.release(key)
+        return self.used + nbytes <= self.capacity
 
     def is_shared(self, key: int) -> bool:
         """Whether more than one session uses the storage."""
         return self.shared > 0 and len(self.holders.get(key, ())) > 1
 
     def free_bytes(self) -> int:
-        """Bytes not held by any session."""
-        return max(0, self.capacity - self.used)
+        """Bytes not held by any session (kept storages count as free: they go when needed)."""
+        return max(0, self.capacity - self.used + self.kept_bytes)
 
     def out_of_memory(self, session: Session, asked: int) -> torch.OutOfMemoryError:
         """The error CUDA's allocator raises, with this device's figures."""
@@ -323,7 +366,7 @@ class Session:
     # -- memory -----------------------------------------------------------------------------------
     def check_room(self, nbytes: int) -> None:
         """Raise CUDA's out-of-memory error, before allocating, if `nbytes` more do not fit."""
-        if self.memory.used + nbytes > self.memory.capacity:
+        if not self.memory.room_for(nbytes):
             raise self.memory.out_of_memory(self, nbytes)
 
     def add(self, handle: int, tensor: torch.Tensor) -> int:
@@ -378,7 +421,8 @@ class Session:
 
     def free(self, handle: int) -> None:
         """Drop the tensor under `handle` (its storages when no other handle uses them)."""
-        if self.tensors.pop(handle, None) is None:
+        tensor = self.tensors.pop(handle, None)
+        if tensor is None:
             return
         for key in self.storage_of.pop(handle):
             entry = self.storages[key]
@@ -389,7 +433,7 @@ class Session:
                 del self.handles_on[key]
                 self.storage_marks.pop(key, None)
                 self.held_bytes -= entry[0]
-                self.memory.let_go(key, entry[0], self)
+                self.memory.let_go(key, entry[0], self, _storage_under(tensor, key))
 
     # -- storages shared with other sessions (dedup.py) --------------------------------------------
     def repoint(self, key: int, storage: torch.UntypedStorage) -> None:
@@ -402,6 +446,7 @@ class Session:
         handles = self.handles_on.pop(key)
         nbytes, count = self.storages.pop(key)
         self.storage_marks.pop(key, None)
+        old = _storage_under(self.tensors[next(iter(handles))], key) if handles else None
         with torch.no_grad():
             for handle in handles:
                 tensor = self.tensors[handle]
@@ -411,7 +456,7 @@ class Session:
         self.handles_on[new_key] = handles
         self.storage_marks[new_key] = next(_STORAGE_MARKS)
         self.memory.hold(new_key, nbytes, self)
-        self.memory.let_go(key, nbytes, self)
+        self.memory.let_go(key, nbytes, self, old)
 
     def own_copy(self, key: int, storage: torch.UntypedStorage) -> None:
         """Give the session its own copy of a storage it shares, before it writes there."""
@@ -442,7 +487,7 @@ class Session:
 
     def check_capacity(self, new_handles: list[int], asked: int) -> None:
         """Undo the new tensors and raise CUDA's out-of-memory error if the device is over capacity."""
-        if self.memory.used <= self.memory.capacity:
+        if self.memory.room_for(0):
             return
         for handle in new_handles:
             self.free(handle)

@@ -98,6 +98,9 @@ class Entry:
     consumed: set[Session] = field(default_factory=set)
     used: bool = False
     """Whether another session was squashed onto it."""
+    keeps: bool = False
+    """Whether what it wrote and made is kept when its producer lets it go (its operator's calls
+    were squashed before: the other sessions are likely to reuse this one too)."""
 
 
 def eligible(operator: Any) -> bool:
@@ -180,6 +183,10 @@ class Squash:
         """id(operator) -> its entries dropped unused since sessions last came or went."""
         self.useful: set[int] = set()
         """id(operator) of each operator whose call was squashed once."""
+        self.referenced: dict[int, int] = {}
+        """Storage identity -> entries that keep it (`Entry.keeps`) and name it as written or
+        made: kept for the other sessions when its producer lets it go first (`DeviceMemory.kept`)."""
+        memory.keeps = self.referenced.__contains__
         self.next_value = 1
         self.squashed = 0
         """Operations not run because another session of the job had run them."""
@@ -270,7 +277,8 @@ class Squash:
             return None
         holders = self.memory.holders.get(key)
         if not holders:
-            return None
+            kept = self.memory.kept.get(key)
+            return None if kept is None else kept[0]
         holder = holders[0]
         tensors = [holder.tensors[h] for h in holder.handles_on.get(key, ())]
         if not tensors or not all(rebindable(t) for t in tensors):
@@ -400,9 +408,16 @@ class Squash:
                     values.pop(key, None)
                 return
             round_ = self.dedup.ranks[session].rounds if session in self.dedup.ranks else 0
-            if self.entries.pop(call.key, None) is None:
+            replaced = self.entries.pop(call.key, None)
+            if replaced is None:
                 self.near.setdefault(call.shape, []).append(call.key)
-            self.entries[call.key] = Entry(session.job_id, session, round_, inputs, written, made)
+            self.entries[call.key] = entry = Entry(session.job_id, session, round_, inputs, written, made)
+            if id(call.operator) in self.useful:  # an operator whose calls other sessions reuse
+                entry.keeps = True
+                for key in _storages_named(entry):
+                    self.referenced[key] = self.referenced.get(key, 0) + 1
+            if replaced is not None:
+                self._unreference(replaced)
             while len(self.entries) > MAX_ENTRIES:
                 oldest, entry = next(iter(self.entries.items()))
                 self._drop(oldest, entry)
@@ -441,6 +456,19 @@ class Squash:
                 del self.near[key[0]]
         for slot in range(len(entry.written) + len(_new_storages(entry.output))):
             self.derived.pop((key, slot), None)
+        self._unreference(entry)
+
+    def _unreference(self, entry: Entry) -> None:
+        """An entry is gone: the storages no entry names any more are let go if they were kept."""
+        if not entry.keeps:
+            return
+        for storage in _storages_named(entry):
+            left = self.referenced.get(storage, 0) - 1
+            if left > 0:
+                self.referenced[storage] = left
+            else:
+                self.referenced.pop(storage, None)
+                self.memory.release(storage)
 
     def at_collective(self, job_id: str) -> None:
         """Drop the job's entries that every session of it has passed a collective since."""
@@ -464,6 +492,9 @@ class Squash:
             self.entries.clear()
             self.near.clear()
             self.derived.clear()
+            self.referenced.clear()
+            for key in list(self.memory.kept):
+                self.memory.release(key)
             self.memory.values.clear()
 
     def figures(self) -> dict[str, Any]:
@@ -487,6 +518,13 @@ def _covers_storage(leaf: Leaf) -> bool:
         and tensor.is_contiguous()
         and tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
     )
+
+
+def _storages_named(entry: Entry) -> set[int]:
+    """The storages an entry's producer wrote or made."""
+    return {key for key, _value in entry.written.values()} | {
+        key for key, _value in _new_storages(entry.output)
+    }
 
 
 def _new_storages(output: Any) -> list[tuple[int, int]]:

@@ -22,6 +22,11 @@ del t
 print("after del", torch.cuda.memory_allocated() - base, "peak", torch.cuda.max_memory_allocated() >= 1 << 20)
 torch.cuda.reset_peak_memory_stats()
 print("peak reset", torch.cuda.max_memory_allocated() - base)
+for _ in range(4):  # sent in one frame: each is freed before the next is made, as on a GPU
+    t = torch.zeros(64, 1024, device="cuda")  # 256 KiB
+    t.add_(1)
+    del t
+print("peak of four made and freed in turn", torch.cuda.max_memory_allocated() - base)
 free, total = torch.cuda.mem_get_info()
 print("mem_get_info", total == props.total_memory, free <= total)
 s = torch.cuda.Stream()

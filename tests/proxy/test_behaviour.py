@@ -74,6 +74,7 @@ def test_api_surface_and_portable_save(server: ProxyServer, tmp_path: Path) -> N
         "allocated 1048576",
         "after del 0 peak True",
         "peak reset 0",
+        f"peak of four made and freed in turn {256 << 10}",
         "mem_get_info True True",
         "elapsed True 100.0",
         "tensor([[0., 1., 2.],\n        [3., 4., 5.]], device='cuda:0')",

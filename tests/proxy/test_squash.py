@@ -100,3 +100,36 @@ def test_a_copy_over_a_whole_storage_is_squashed_and_over_part_of_one_is_not(ser
         assert torch.equal(session.tensors[2], source)
         assert torch.equal(session.tensors[3][:FLOATS], source)
         assert torch.equal(session.tensors[3][FLOATS:], torch.full((FLOATS,), float(session.rank)))
+
+
+def test_what_a_replica_made_and_freed_is_kept_for_the_others_until_they_ran_it(server: Server) -> None:
+    """Rank 0 computes weights * 2 and frees the result before rank 1 computes the same (a
+    temporary of an optimizer step, freed as the program drops it): the memo keeps the storage
+    (counted against the capacity, not as held) and rank 1's call is squashed onto it; once rank 1
+    frees its result too, nothing of it is left on the device. A product rank 0 made again is kept
+    again, and goes when an allocation needs its room."""
+    first, second = open_sessions(server, 2)
+    for session in (first, second):
+        session.add(1, torch.arange(FLOATS, dtype=torch.float32))
+    server.dedup.share_job(JOB)
+    shared = server.memory.used
+    ops: list[list[object]] = [
+        [protocol.OP_DEFINE, 1, "aten", "mul", "Tensor"],
+        [protocol.OP_CALL, 1, 100, [handle(1), 2.0], {}],
+    ]
+    server.squash.useful.add(id(torch.ops.aten.mul.Tensor))  # as after one squashed call of it
+    run(server, first, [*ops, [protocol.OP_FREE, [100]]])
+    memory = server.memory
+    assert (memory.used, memory.kept_bytes) == (shared + FLOATS * 4, FLOATS * 4), "kept for rank 1"
+    run(server, second, ops)
+    assert server.squash.squashed == 1, server.squash.figures()
+    assert torch.equal(second.tensors[100], torch.arange(FLOATS, dtype=torch.float32) * 2)
+    assert (memory.used, memory.kept_bytes) == (shared + FLOATS * 4, 0)
+    run(server, second, [[protocol.OP_FREE, [100]]])
+    assert memory.used == shared and not memory.kept
+
+    run(server, first, [[protocol.OP_CALL, 1, 100, [handle(1), 3.0], {}], [protocol.OP_FREE, [100]]])
+    assert memory.kept_bytes == FLOATS * 4
+    memory.capacity = memory.used
+    assert memory.room_for(FLOATS * 4), "the kept product goes to make room"
+    assert memory.used == shared and not memory.kept

@@ -119,8 +119,12 @@ class Channel:
         return ProxyConnectionError(f"proxy server for cuda:{self.index} is gone: {self._failure}")
 
     def push(self, op: list[Any]) -> None:
-        """Queue one operation; send the queue when it is long enough."""
+        """Queue one operation (after the frees since the last one, so the server lets their
+        memory go in the program's order); send the queue when it is long enough."""
         pending = self.pending
+        if self.freed:
+            freed, self.freed = self.freed, []
+            pending.append([protocol.OP_FREE, freed])
         pending.append(op)
         if len(pending) >= BATCH_OPS:
             self.flush()
