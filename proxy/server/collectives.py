@@ -269,7 +269,8 @@ class Collectives:
         if self.dedup is not None:
             self.dedup.at_collective(runner.session)
         if self.squash is not None:
-            self.squash.at_collective(runner.session.job_id)
+            with self.device_lock:  # it may let kept storages go: the device's counts change
+                self.squash.at_collective(runner.session.job_id)
         job = runner.session.job_id
         placement = self._place(runner, job, group, me, members)
         with self.cond:

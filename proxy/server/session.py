@@ -95,11 +95,6 @@ def storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
     return [part.untyped_storage() for part in sparse_parts(tensor)]
 
 
-def _storage_under(tensor: torch.Tensor, key: int) -> torch.UntypedStorage | None:
-    """The tensor's storage whose identity is `key`, if it has one."""
-    return next((storage for storage in storages(tensor) if storage._cdata == key), None)
-
-
 def rebindable(tensor: torch.Tensor) -> bool:
     """Whether a tensor can be moved onto another storage holding the same bytes (dedup.py)."""
     return tensor.layout == torch.strided and not tensor.is_inference() and not tensor.is_quantized
@@ -178,7 +173,7 @@ class DeviceMemory:
         holders.remove(session)
         if not holders:
             del self.holders[key]
-            if storage is not None and self.keeps is not None and self.keeps(key):
+            if storage is not None:  # squashing keeps it (Session._if_kept)
                 self.kept[key] = (storage, nbytes)
                 self.kept_bytes += nbytes
                 return
@@ -433,7 +428,7 @@ class Session:
                 del self.handles_on[key]
                 self.storage_marks.pop(key, None)
                 self.held_bytes -= entry[0]
-                self.memory.let_go(key, entry[0], self, _storage_under(tensor, key))
+                self.memory.let_go(key, entry[0], self, self._if_kept(tensor, key))
 
     # -- storages shared with other sessions (dedup.py) --------------------------------------------
     def repoint(self, key: int, storage: torch.UntypedStorage) -> None:
@@ -446,7 +441,7 @@ class Session:
         handles = self.handles_on.pop(key)
         nbytes, count = self.storages.pop(key)
         self.storage_marks.pop(key, None)
-        old = _storage_under(self.tensors[next(iter(handles))], key) if handles else None
+        old = self._if_kept(self.tensors[next(iter(handles))], key) if handles else None
         with torch.no_grad():
             for handle in handles:
                 tensor = self.tensors[handle]
@@ -457,6 +452,13 @@ class Session:
         self.storage_marks[new_key] = next(_STORAGE_MARKS)
         self.memory.hold(new_key, nbytes, self)
         self.memory.let_go(key, nbytes, self, old)
+
+    def _if_kept(self, tensor: torch.Tensor, key: int) -> torch.UntypedStorage | None:
+        """The tensor's storage `key` if squashing would keep it once no session holds it."""
+        keeps = self.memory.keeps
+        if keeps is None or not keeps(key):
+            return None
+        return next((storage for storage in storages(tensor) if storage._cdata == key), None)
 
     def own_copy(self, key: int, storage: torch.UntypedStorage) -> None:
         """Give the session its own copy of a storage it shares, before it writes there."""
