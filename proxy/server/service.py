@@ -117,6 +117,8 @@ class Server:
             runner.stop()
         with self.state_lock:
             session.free_all()
+            if not self.job_sessions(session.job_id):
+                self.squash.drop_job(session.job_id)  # what it kept for the job's sessions goes too
 
     def job_runners(self, job_id: str) -> list[Runner]:
         """The runners of a job's sessions, by rank."""

@@ -216,7 +216,7 @@ class Squash:
         if found is None:
             found = self.spliced[session.job_id] = len(self.job_sessions(session.job_id)) > 1
             if not found:
-                self._drop_job(session.job_id)
+                self.drop_job(session.job_id)
         return found
 
     def sessions_changed(self) -> None:
@@ -480,7 +480,8 @@ class Squash:
                 if entry.job == job_id and entry.round < passed:
                     self._drop(key, entry)
 
-    def _drop_job(self, job_id: str) -> None:
+    def drop_job(self, job_id: str) -> None:
+        """Forget the job's entries (and let go what they kept): it has one session here or none."""
         with self.lock:
             for key, entry in list(self.entries.items()):
                 if entry.job == job_id:

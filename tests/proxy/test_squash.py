@@ -133,3 +133,9 @@ def test_what_a_replica_made_and_freed_is_kept_for_the_others_until_they_ran_it(
     memory.capacity = memory.used
     assert memory.room_for(FLOATS * 4), "the kept product goes to make room"
     assert memory.used == shared and not memory.kept
+
+    run(server, first, [[protocol.OP_CALL, 1, 100, [handle(1), 4.0], {}], [protocol.OP_FREE, [100]]])
+    assert memory.kept_bytes == FLOATS * 4
+    for session in (first, second):
+        server.drop(session)
+    assert (memory.used, memory.kept) == (0, {}), "a job that left keeps nothing here"
