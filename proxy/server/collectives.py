@@ -298,6 +298,7 @@ class Collectives:
         written = [(instance.sessions[rank], _written(instance.locals[rank])) for rank in instance.locals]
         try:
             if self.dedup is not None:
+                self.dedup.at_round(list(instance.sessions.values()))
                 claimed = self.dedup.claim(written)
             self.kinds[kind](Exchange(self, instance, runner))
             if self.dedup is not None and len(written) > 1:

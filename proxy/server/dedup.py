@@ -11,8 +11,8 @@ own copy is freed. Sharing is copy-on-write: before an operation writes a shared
 (the arguments its schema marks written, writes.py), or a collective writes its outputs,
 the writing session gets its own copy back.
 
-The same comparison tells whether the ranks are replicas at all: at the end of each round
-(every rank here reached as many collectives), the share of each rank's long-lived storages
+The same comparison tells whether the ranks are replicas at all: at each collective that every rank
+here waits at (none of them has stepped further than another), the share of each rank's long-lived storages
 (held across its last two collectives) that another rank holds too is the evidence.
 Replicas share their parameters and optimizer state; ranks with different parameters share
 almost nothing. `summary` reports it, with the bytes, for the daemon's splicing decisions.
@@ -142,9 +142,18 @@ class Dedup:
             handles = set(session.tensors)
             state.long_lived = state.handles_before & handles
             state.handles_before = handles
-            everyone = [session, *peers]
-            if all(self._state(s).rounds >= state.rounds for s in everyone):
-                self._judge(session.job_id, everyone)
+
+    def at_round(self, sessions: list[Session]) -> None:
+        """These sessions all wait at one collective: if they are every session of their job here,
+        judge whether they are replicas (only there has every rank here stepped as far as the others)."""
+        if len(sessions) < 2:
+            return
+        job_id = sessions[0].job_id
+        everyone = self.job_sessions(job_id)
+        if {s.rank for s in sessions} != {s.rank for s in everyone}:
+            return
+        with self.device_lock:
+            self._judge(job_id, everyone)
 
     def share_job(self, job_id: str) -> None:
         """Compare every session of the job with the others now (the device lock must be free)."""
@@ -295,7 +304,7 @@ class Dedup:
         return total, shared
 
     def _judge(self, job_id: str, sessions: list[Session]) -> None:
-        """At the end of a round: whether the job's ranks here behave like data-parallel replicas."""
+        """At a collective all the job's ranks here wait at: whether they behave like replicas."""
         if min(self._state(s).rounds for s in sessions) < REPLICA_ROUNDS:
             return
         figures: dict[int, tuple[int, int]] = {}

@@ -22,6 +22,7 @@ import torch
 from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.control import ProxyControl, splice_refusal
 from singularity.proxy.server.control import ControlHandler
+from singularity.proxy.server.dedup import REPLICA_ROUNDS
 from singularity.proxy.server.service import Server
 from singularity.proxy.server.session import Session
 from tests.conftest import requires_root
@@ -89,6 +90,28 @@ def test_identical_storages_are_kept_once_and_copied_before_a_write(server: Serv
     assert torch.equal(second.tensors[1], doubled), "the write reached the base through the view"
     assert second.tensors[2].untyped_storage()._cdata == second.tensors[1].untyped_storage()._cdata
     assert server.memory.used == alone
+
+
+def test_replicas_are_judged_where_every_rank_here_waits_at_one_collective(server: Server) -> None:
+    """Two replicas whose counts of collectives are one apart (as after a restore that found one
+    rank waiting at a collective): each step, the rank that steps first reaches its collective while
+    the other still holds last step's parameters. Judged there, they would differ three rounds in a
+    row and be called not replicas; judged where both wait at the same collective, they are."""
+    first, second = open_sessions(server, 2)
+    for session in (first, second):
+        session.add(1, torch.zeros(FLOATS))
+    server.dedup.at_collective(first)  # counted one collective more than `second`
+    define = [protocol.OP_DEFINE, 1, "aten", "fill_", "Scalar"]
+    verdicts = []
+    for step in range(1, 3 * REPLICA_ROUNDS):
+        for session in (second, first):  # `second` steps and reaches the collective first
+            run(server, session, [define, [protocol.OP_CALL, 1, 100, [handle(1), float(step)], {}]])
+            run(server, session, [[protocol.OP_FREE, [100]]])
+            server.dedup.at_collective(session)
+        server.dedup.at_round([first, second])
+        verdicts.append(server.dedup.verdicts.get(JOB, ("unknown", ""))[0])
+    assert "no" not in verdicts, verdicts
+    assert verdicts[-1] == "yes", server.dedup.summary(JOB, share=False)
 
 
 def test_a_save_holds_a_shared_storage_once_and_loads_it_shared(server: Server, tmp_path: Path) -> None:
