@@ -103,7 +103,7 @@ def stage_deltas(staging: Path, base: ProcessBase) -> DeltaSummary:
             delta.with_name(delta.name + RECIPE_SUFFIX),
             delta.with_name(delta.name + LITERALS_SUFFIX),
         )
-        figures = make_recipe(image, base.index, recipe, literals)
+        figures = make_recipe(image, base.index, recipe, literals, base.folder)
         os.chmod(literals, info.st_mode & 0o777)
         image.unlink()
         summary = DeltaSummary(

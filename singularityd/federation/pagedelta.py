@@ -2,14 +2,16 @@
 
 CRIU cannot pre-dump on a kernel without memory dirty tracking, so a move would send a job's whole
 process images (pages-*.img) while it is stopped. Most of their blocks are already in an earlier
-in-place dump of the same job (a *base*, sent while the job ran), though often at other offsets.
-The sender cuts the new image into blocks, looks each up by its sha256 among the base's blocks,
-and writes a *recipe* (runs of blocks copied from the base, by file and block number, or taken in
-order from the literals) and the *literals* (the blocks the base lacks). The receiver rebuilds
-the exact file from its copy of the base and the literals, hashing it as it writes it. The rebuild
-does not trust itself: that sha256 of the rebuilt file is checked afterwards like any other file's
-(against the checkpoint's manifest), so a base that differs from the sender's, or a corrupt
-literal, fails that check instead of restoring.
+in-place dump of the same job (a *base*, sent while the job ran), often at the same offset of the
+base's image of the same name, sometimes elsewhere. The sender cuts the new image into blocks. A
+block equal to the one at the same offset of the same-named base image is taken from there after a
+byte comparison, without hashing it; any other block is looked up by its sha256 among the base's
+blocks. The sender writes a *recipe* (runs of blocks copied from the base, by file and block
+number, or taken in order from the literals) and the *literals* (the blocks the base lacks). The
+receiver rebuilds the exact file from its copy of the base and the literals, hashing it as it
+writes it. The rebuild does not trust itself: that sha256 of the rebuilt file is checked afterwards
+like any other file's (against the checkpoint's manifest), so a base that differs from the
+sender's, or a corrupt literal, fails that check instead of restoring.
 
 Recipe file: one JSON line (format, block size, output size, base file names), then the runs as
 little-endian int64 triples (base file index or -1 for literals, first block, block count).
@@ -71,9 +73,7 @@ def _block_digests(path: Path, block_bytes: int, start: int, stop: int) -> list[
                 break
             view = memoryview(data)
             whole = len(data) - len(data) % block_bytes
-            digests.extend(
-                hashlib.sha256(view[i : i + block_bytes]).digest() for i in range(0, whole, block_bytes)
-            )
+            digests.extend(_digest(view[i : i + block_bytes]) for i in range(0, whole, block_bytes))
             left -= len(data)
     return digests
 
@@ -97,27 +97,84 @@ def index_base(root: Path, names: Sequence[str], block_bytes: int = BLOCK_BYTES)
     return BaseIndex(tuple(names), block_bytes, blocks)
 
 
+def _extend(runs: list[tuple[int, int, int]], file_index: int, number: int, count: int) -> None:
+    """Append `count` blocks from `number` of base file `file_index` (or literals) to the runs,
+    joining the last run when they follow it."""
+    if runs:
+        last_file, last_first, last_count = runs[-1]
+        follows = file_index == LITERAL or number == last_first + last_count
+        if last_file == file_index and follows:
+            runs[-1] = (last_file, last_first, last_count + count)
+            return
+    runs.append((file_index, number if file_index != LITERAL else 0, count))
+
+
 def plan_runs(digests: Sequence[bytes], base: BaseIndex) -> list[tuple[int, int, int]]:
     """Runs (base file or LITERAL, first block, count) that make a file of blocks with these digests."""
     runs: list[tuple[int, int, int]] = []
     for block_digest in digests:
         where = base.blocks.get(block_digest)
         file_index, number = where if where is not None else (LITERAL, 0)
-        if runs:
-            last_file, last_first, last_count = runs[-1]
-            follows = file_index == LITERAL or number == last_first + last_count
-            if last_file == file_index and follows:
-                runs[-1] = (last_file, last_first, last_count + 1)
-                continue
-        runs.append((file_index, number, 1))
+        _extend(runs, file_index, number, 1)
     return runs
 
 
-def make_recipe(path: Path, base: BaseIndex, recipe: Path, literals: Path) -> DeltaFigures:
-    """Write the recipe and literals that rebuild `path` from `base` (a partial last block is a literal)."""
+def _digest(block: bytes | memoryview) -> bytes:
+    """The sha256 of one block."""
+    return hashlib.sha256(block).digest()
+
+
+def _same_named(path: Path, base: BaseIndex) -> int | None:
+    """The base file with the same name as `path` (CRIU numbers a tree's pages images alike), if any."""
+    found = [i for i, name in enumerate(base.names) if name.rsplit("/", 1)[-1] == path.name]
+    return found[0] if len(found) == 1 else None
+
+
+def plan_runs_against(path: Path, base: BaseIndex, base_root: Path) -> list[tuple[int, int, int]]:
+    """The runs of `path`'s whole blocks: each block equal to the one at the same offset of the
+    same-named base file comes from there (compared, not hashed), any other is looked up by digest."""
+    bs = base.block_bytes
+    same = _same_named(path, base)
+    if same is None:
+        return plan_runs(block_digests(path, bs), base)
+    count = path.stat().st_size // bs
+    runs: list[tuple[int, int, int]] = []
+    step = max(1, READ_BYTES // bs)
+    theirs_path = base_root / base.names[same]
+    with open(path, "rb", buffering=0) as mine, open(theirs_path, "rb", buffering=0) as theirs:
+        for first in range(0, count, step):
+            blocks = min(step, count - first)
+            ours = os.pread(mine.fileno(), blocks * bs, first * bs)
+            if len(ours) != blocks * bs:
+                raise DeltaError(f"{path.name} shrank while its recipe was made")
+            other = os.pread(theirs.fileno(), blocks * bs, first * bs)
+            if ours == other:
+                _extend(runs, same, first, blocks)
+                continue
+            view = memoryview(ours)
+            for n in range(blocks):
+                block = view[n * bs : (n + 1) * bs]
+                if other[n * bs : (n + 1) * bs] == block:
+                    _extend(runs, same, first + n, 1)
+                    continue
+                where = base.blocks.get(_digest(block))
+                file_index, number = where if where is not None else (LITERAL, 0)
+                _extend(runs, file_index, number, 1)
+    return runs
+
+
+def make_recipe(
+    path: Path, base: BaseIndex, recipe: Path, literals: Path, base_root: Path | None = None
+) -> DeltaFigures:
+    """Write the recipe and literals that rebuild `path` from `base` (a partial last block is a
+    literal); with `base_root` (where the base's files are), blocks where they were in the base
+    are found by comparison first."""
     size = path.stat().st_size
     bs = base.block_bytes
-    runs = plan_runs(block_digests(path, bs), base)
+    if base_root is None:
+        runs = plan_runs(block_digests(path, bs), base)
+    else:
+        runs = plan_runs_against(path, base, base_root)
     literal_bytes = 0
     with open(path, "rb") as source, open(literals, "wb") as out:
         position = 0

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from singularityd.checkpoint.manifest import FileRecord, Manifest, digest_problems
+from singularityd.federation import pagedelta
 from singularityd.federation.pagedelta import (
     BLOCK_BYTES,
     BaseIndex,
@@ -53,6 +54,45 @@ def test_a_file_made_of_moved_base_blocks_travels_as_a_small_recipe(tmp_path: Pa
     _, runs = read_recipe(tmp_path / "new.recipe")
     assert len(runs) == 5  # three copied runs, one literal run, the tail
     assert (tmp_path / "new.recipe").stat().st_size < 1000
+
+
+def test_blocks_where_they_were_in_the_base_are_compared_not_hashed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An image like the same-named base image but for a changed block and a moved one: only those
+    two blocks are hashed (the others are found by comparison at the same offset), and the recipe
+    rebuilds it exactly with one block and the tail as literals."""
+    root = tmp_path / "root"
+    (root / "base").mkdir(parents=True)
+    base = os.urandom(600 * BS)  # more than one read of READ_BYTES
+    (root / "base" / "pages-1.img").write_bytes(base)
+    index = index_base(root, ["base/pages-1.img"])
+    new = bytearray(base)
+    new[5 * BS : 6 * BS] = os.urandom(BS)
+    new[520 * BS : 521 * BS] = base[40 * BS : 41 * BS]
+    image = tmp_path / "images" / "pages-1.img"
+    image.parent.mkdir()
+    image.write_bytes(bytes(new) + b"tail")
+    hashed: list[int] = []
+    real = pagedelta._digest
+
+    def counted(block: bytes | memoryview) -> bytes:
+        hashed.append(len(block))
+        return real(block)
+
+    monkeypatch.setattr(pagedelta, "_digest", counted)
+    recipe, literals, output = tmp_path / "r", tmp_path / "l", tmp_path / "out.img"
+    figures = make_recipe(image, index, recipe, literals, root)
+    assert hashed == [BS, BS]
+    assert figures.literal_bytes == BS + 4
+    assert apply_recipe(recipe, literals, root, output)[0] == len(new) + 4
+    assert output.read_bytes() == bytes(new) + b"tail"
+
+    hashed.clear()
+    make_recipe(image, index, recipe, literals)  # without the base's files: every block hashed
+    assert len(hashed) == 600
+    assert apply_recipe(recipe, literals, root, output)[0] == len(new) + 4
+    assert output.read_bytes() == bytes(new) + b"tail"
 
 
 def test_runs_join_consecutive_base_blocks_and_literals() -> None:
