@@ -2,16 +2,16 @@
 
 CRIU cannot pre-dump on a kernel without memory dirty tracking, so a move would send a job's whole
 process images (pages-*.img) while it is stopped. Most of their blocks are already in an earlier
-in-place dump of the same job (a *base*, sent while the job ran), often at the same offset of the
-base's image of the same name, sometimes elsewhere. The sender cuts the new image into blocks. A
-block equal to the one at the same offset of the same-named base image is taken from there after a
-byte comparison, without hashing it; any other block is looked up by its sha256 among the base's
-blocks. The sender writes a *recipe* (runs of blocks copied from the base, by file and block
-number, or taken in order from the literals) and the *literals* (the blocks the base lacks). The
-receiver rebuilds the exact file from its copy of the base and the literals, hashing it as it
-writes it. The rebuild does not trust itself: that sha256 of the rebuilt file is checked afterwards
-like any other file's (against the checkpoint's manifest), so a base that differs from the
-sender's, or a corrupt literal, fails that check instead of restoring.
+in-place dump of the same job (a *base*, sent while the job ran), mostly in the same order in the
+base's image of the same name, shifted where pages came or went. The sender cuts the new image
+into blocks and compares each with the base block after the last one found; only a block that
+differs is hashed and looked up by its sha256 among the base's blocks. The sender writes a
+*recipe* (runs of blocks copied from the base, by file and block number, or taken in order from
+the literals) and the *literals* (the blocks the base lacks). The receiver rebuilds the exact file
+from its copy of the base and the literals, hashing it as it writes it. The rebuild does not trust
+itself: that sha256 of the rebuilt file is checked afterwards like any other file's (against the
+checkpoint's manifest), so a base that differs from the sender's, or a corrupt literal, fails that
+check instead of restoring.
 
 Recipe file: one JSON line (format, block size, output size, base file names), then the runs as
 little-endian int64 triples (base file index or -1 for literals, first block, block count).
@@ -20,6 +20,7 @@ Blocking file I/O throughout: call it from a thread.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -36,6 +37,9 @@ LITERAL = -1
 RUN = struct.Struct("<qqq")
 READ_BYTES = 8 << 20
 HASH_THREADS = 2
+SPAN_BLOCKS = 64
+"""The most blocks compared in one piece while the image follows the base (spans double up to it
+and start again at one after a difference)."""
 
 
 class DeltaError(ValueError):
@@ -130,36 +134,63 @@ def _same_named(path: Path, base: BaseIndex) -> int | None:
     return found[0] if len(found) == 1 else None
 
 
+def _equal_blocks(theirs: int, at: int, ours: bytes, start: int, count: int, bs: int) -> int:
+    """How many of `count` blocks of `ours` from `start` equal those of the file open at `theirs`
+    from offset `at`, in a row from the first (a difference found by halving)."""
+    other = os.pread(theirs, count * bs, at)
+    if other == ours[start : start + count * bs]:
+        return count
+    low, high = 0, min(count - 1, len(other) // bs)  # the answer lies between the two
+    while low < high:
+        middle = (low + high + 1) // 2
+        if other[: middle * bs] == ours[start : start + middle * bs]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
 def plan_runs_against(path: Path, base: BaseIndex, base_root: Path) -> list[tuple[int, int, int]]:
-    """The runs of `path`'s whole blocks: each block equal to the one at the same offset of the
-    same-named base file comes from there (compared, not hashed), any other is looked up by digest."""
+    """The runs of `path`'s whole blocks. Each block is first compared with the base block after
+    the last one found (at the start, the first of the same-named base file): memory that stayed
+    where it was, or moved in one piece, is found by comparison, in spans that double while the
+    image follows the base. Only the other blocks are hashed and looked up by digest. After a block
+    the base lacks, the next is expected where it would have followed (a page written in place)."""
     bs = base.block_bytes
-    same = _same_named(path, base)
-    if same is None:
-        return plan_runs(block_digests(path, bs), base)
     count = path.stat().st_size // bs
     runs: list[tuple[int, int, int]] = []
     step = max(1, READ_BYTES // bs)
-    theirs_path = base_root / base.names[same]
-    with open(path, "rb", buffering=0) as mine, open(theirs_path, "rb", buffering=0) as theirs:
+    with contextlib.ExitStack() as stack:
+        fds = [stack.enter_context(open(base_root / name, "rb", buffering=0)).fileno() for name in base.names]
+        same = _same_named(path, base)
+        expect = (same, 0) if same is not None else None
+        mine = stack.enter_context(open(path, "rb", buffering=0))
+        span = 1
         for first in range(0, count, step):
             blocks = min(step, count - first)
             ours = os.pread(mine.fileno(), blocks * bs, first * bs)
             if len(ours) != blocks * bs:
                 raise DeltaError(f"{path.name} shrank while its recipe was made")
-            other = os.pread(theirs.fileno(), blocks * bs, first * bs)
-            if ours == other:
-                _extend(runs, same, first, blocks)
-                continue
-            view = memoryview(ours)
-            for n in range(blocks):
-                block = view[n * bs : (n + 1) * bs]
-                if other[n * bs : (n + 1) * bs] == block:
-                    _extend(runs, same, first + n, 1)
-                    continue
-                where = base.blocks.get(_digest(block))
-                file_index, number = where if where is not None else (LITERAL, 0)
-                _extend(runs, file_index, number, 1)
+            n = 0
+            while n < blocks:
+                if expect is not None:
+                    file_index, number = expect
+                    asked = min(span, blocks - n)
+                    equal = _equal_blocks(fds[file_index], number * bs, ours, n * bs, asked, bs)
+                    span = min(2 * span, SPAN_BLOCKS) if equal == asked else 1
+                    if equal:
+                        _extend(runs, file_index, number, equal)
+                        expect, n = (file_index, number + equal), n + equal
+                        continue
+                where = base.blocks.get(_digest(ours[n * bs : (n + 1) * bs]))
+                if where is None:
+                    _extend(runs, LITERAL, 0, 1)
+                    if expect is not None:
+                        expect = (expect[0], expect[1] + 1)
+                else:
+                    _extend(runs, where[0], where[1], 1)
+                    expect = (where[0], where[1] + 1)
+                n += 1
     return runs
 
 

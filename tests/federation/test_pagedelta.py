@@ -56,23 +56,25 @@ def test_a_file_made_of_moved_base_blocks_travels_as_a_small_recipe(tmp_path: Pa
     assert (tmp_path / "new.recipe").stat().st_size < 1000
 
 
-def test_blocks_where_they_were_in_the_base_are_compared_not_hashed(
+def test_blocks_that_follow_in_the_base_are_compared_not_hashed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An image like the same-named base image but for a changed block and a moved one: only those
-    two blocks are hashed (the others are found by comparison at the same offset), and the recipe
-    rebuilds it exactly with one block and the tail as literals."""
+    """An image like the same-named base image but for a block changed in place, a block inserted
+    (the rest shifted by one) and a block that moved: only the blocks where the order breaks are
+    hashed (5 of 601), the others found by comparison, and the recipe rebuilds it exactly."""
     root = tmp_path / "root"
     (root / "base").mkdir(parents=True)
     base = os.urandom(600 * BS)  # more than one read of READ_BYTES
     (root / "base" / "pages-1.img").write_bytes(base)
     index = index_base(root, ["base/pages-1.img"])
-    new = bytearray(base)
-    new[5 * BS : 6 * BS] = os.urandom(BS)
-    new[520 * BS : 521 * BS] = base[40 * BS : 41 * BS]
+    changed, inserted = os.urandom(BS), os.urandom(BS)
+    new = (
+        base[: 5 * BS] + changed + base[6 * BS : 300 * BS] + inserted
+        + base[300 * BS : 520 * BS] + base[40 * BS : 41 * BS] + base[521 * BS :] + b"tail"
+    )  # fmt: skip
     image = tmp_path / "images" / "pages-1.img"
     image.parent.mkdir()
-    image.write_bytes(bytes(new) + b"tail")
+    image.write_bytes(new)
     hashed: list[int] = []
     real = pagedelta._digest
 
@@ -83,16 +85,16 @@ def test_blocks_where_they_were_in_the_base_are_compared_not_hashed(
     monkeypatch.setattr(pagedelta, "_digest", counted)
     recipe, literals, output = tmp_path / "r", tmp_path / "l", tmp_path / "out.img"
     figures = make_recipe(image, index, recipe, literals, root)
-    assert hashed == [BS, BS]
-    assert figures.literal_bytes == BS + 4
-    assert apply_recipe(recipe, literals, root, output)[0] == len(new) + 4
-    assert output.read_bytes() == bytes(new) + b"tail"
+    assert len(hashed) == 5  # changed; inserted, then the shifted one; moved, then the one after
+    assert figures.literal_bytes == 2 * BS + 4
+    assert apply_recipe(recipe, literals, root, output)[0] == len(new)
+    assert output.read_bytes() == new
 
     hashed.clear()
     make_recipe(image, index, recipe, literals)  # without the base's files: every block hashed
-    assert len(hashed) == 600
-    assert apply_recipe(recipe, literals, root, output)[0] == len(new) + 4
-    assert output.read_bytes() == bytes(new) + b"tail"
+    assert len(hashed) == 601
+    assert apply_recipe(recipe, literals, root, output)[0] == len(new)
+    assert output.read_bytes() == new
 
 
 def test_runs_join_consecutive_base_blocks_and_literals() -> None:
