@@ -51,7 +51,8 @@ class RankDedup:
     """What the dedup knows of one session: what it checked, and its rounds of collectives."""
 
     checked: dict[int, Any] = field(default_factory=dict)
-    """Storage key -> its stamp when last compared without a match (unchanged: not compared again)."""
+    """Storage key -> its stamp and its counterparts' when last compared without a match (all
+    unchanged: not compared again)."""
     rounds: int = 0
     """Collectives this session reached (each one a comparison)."""
     handles_before: set[int] = field(default_factory=set)
@@ -63,8 +64,22 @@ class RankDedup:
 def _stamp(session: Session, key: int) -> tuple[Any, ...]:
     """What stays equal while a storage's bytes cannot have changed (marks and version counters)."""
     tensors = session.tensors
-    versions = sorted((h, tensors[h]._version) for h in session.handles_on[key])
+    versions = sorted((h, tensors[h]._version) for h in session.handles_on.get(key, ()))
     return (session.storage_marks.get(key), *versions)
+
+
+def _counterparts(session: Session, key: int, peers: list[Session]) -> tuple[Any, ...]:
+    """The storages the peers hold under the storage's first handle, each with its stamp: a storage
+    that matched none of them is compared again once one of them changes (a peer that stepped later
+    may have come to hold the same bytes and matched another peer instead)."""
+    handle = min(session.handles_on[key])
+    found = []
+    for peer in peers:
+        tensor = peer.tensors.get(handle)
+        if tensor is not None:  # a view's version counter is its base's: a write through any view counts
+            keys = peer.storage_of.get(handle, ())
+            found.append((keys, [peer.storage_marks.get(k) for k in keys], tensor._version))
+    return tuple(found)
 
 
 def _as_words(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -182,7 +197,7 @@ class Dedup:
                 continue
             if lasting is not None and lasting.isdisjoint(session.handles_on[key]):
                 continue
-            stamp = _stamp(session, key)
+            stamp = (_stamp(session, key), _counterparts(session, key, peers))
             if state.checked.get(key) == stamp:
                 checked[key] = stamp
                 continue

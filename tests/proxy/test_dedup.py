@@ -114,6 +114,41 @@ def test_replicas_are_judged_where_every_rank_here_waits_at_one_collective(serve
     assert verdicts[-1] == "yes", server.dedup.summary(JOB, share=False)
 
 
+def test_a_rank_that_stepped_first_shares_once_the_others_catch_up(server: Server) -> None:
+    """Three replicas: rank 2 steps and reaches its collective first (the others still hold last
+    step's bytes: no match), then ranks 0 and 1 step to the same bytes and share with each other.
+    At the next collective rank 2, unchanged itself, is compared again because the others changed,
+    and the three hold one storage; judged round after round, they are replicas throughout."""
+    ranks = open_sessions(server, 3)
+    for session in ranks:
+        session.add(1, torch.zeros(FLOATS))
+    server.dedup.share_job(JOB)
+    fill = [protocol.OP_DEFINE, 1, "aten", "fill_", "Scalar"]
+    add = [protocol.OP_DEFINE, 2, "aten", "add_", "Scalar"]  # rank 2's step: same bytes, not squashed
+    verdicts = []
+    for step in range(2 * REPLICA_ROUNDS):
+        run(
+            server,
+            ranks[2],
+            [add, [protocol.OP_CALL, 2, 100, [handle(1), 1.0], {}], [protocol.OP_FREE, [100]]],
+        )
+        server.dedup.at_collective(ranks[2])
+        for session in ranks[:2]:
+            run(server, session, [fill, [protocol.OP_CALL, 1, 100, [handle(1), float(step + 1)], {}]])
+            run(server, session, [[protocol.OP_FREE, [100]]])
+        for session in ranks[:2]:
+            server.dedup.at_collective(session)
+        server.dedup.at_round(ranks)
+        for _ in range(REPLICA_ROUNDS):  # the step's further collectives (DDP's buckets)
+            for session in ranks:
+                server.dedup.at_collective(session)
+            server.dedup.at_round(ranks)
+            verdicts.append(server.dedup.verdicts.get(JOB, ("unknown", ""))[0])
+        pointers = {session.tensors[1].data_ptr() for session in ranks}
+        assert step == 0 or len(pointers) == 1, f"step {step}: the ranks hold {len(pointers)} copies"
+    assert "no" not in verdicts, verdicts
+
+
 def test_a_save_holds_a_shared_storage_once_and_loads_it_shared(server: Server, tmp_path: Path) -> None:
     """A quiesced job whose ranks share storages saves them once; loaded on another device, the
     ranks share them again (the sharing figure, read before any step, says so: the state is
