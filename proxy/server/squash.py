@@ -268,7 +268,8 @@ class Squash:
             entry.consumed.add(session)
             output = self._squash(session, call, entry)
             if output is not MISS:
-                self._retire(call.key, entry)
+                taken = {key for key, _value in _new_storages(entry.output)}
+                self._retire(call.key, entry, taken)
             return output
 
     def _storage(self, key: int, value: int) -> torch.UntypedStorage | None:
@@ -437,13 +438,14 @@ class Squash:
                 values.pop(tensor.untyped_storage()._cdata, None)
 
     # -- lifetime -------------------------------------------------------------------------------------
-    def _retire(self, key: tuple[Any, ...], entry: Entry) -> None:
-        """Drop an entry once every other session of its job has used it."""
+    def _retire(self, key: tuple[Any, ...], entry: Entry, taken: set[int]) -> None:
+        """Drop an entry once every other session of its job has used it (the storages in `taken`,
+        which the last one is about to hold, stay kept until it does: their value ids go on)."""
         others = [s for s in self.job_sessions(entry.job) if s is not entry.producer]
         if all(s in entry.consumed for s in others):
-            self._drop(key, entry)
+            self._drop(key, entry, taken)
 
-    def _drop(self, key: tuple[Any, ...], entry: Entry) -> None:
+    def _drop(self, key: tuple[Any, ...], entry: Entry, taken: set[int] | None = None) -> None:
         if not entry.used:
             operator = key[0][0]
             self.unused[operator] = self.unused.get(operator, 0) + 1
@@ -456,10 +458,11 @@ class Squash:
                 del self.near[key[0]]
         for slot in range(len(entry.written) + len(_new_storages(entry.output))):
             self.derived.pop((key, slot), None)
-        self._unreference(entry)
+        self._unreference(entry, taken)
 
-    def _unreference(self, entry: Entry) -> None:
-        """An entry is gone: the storages no entry names any more are let go if they were kept."""
+    def _unreference(self, entry: Entry, taken: set[int] | None = None) -> None:
+        """An entry is gone: the storages no entry names any more are let go if they were kept
+        (but for those in `taken`, about to be held)."""
         if not entry.keeps:
             return
         for storage in _storages_named(entry):
@@ -468,7 +471,8 @@ class Squash:
                 self.referenced[storage] = left
             else:
                 self.referenced.pop(storage, None)
-                self.memory.release(storage)
+                if taken is None or storage not in taken:
+                    self.memory.release(storage)
 
     def at_collective(self, job_id: str) -> None:
         """Drop the job's entries that every session of it has passed a collective since."""

@@ -139,3 +139,27 @@ def test_what_a_replica_made_and_freed_is_kept_for_the_others_until_they_ran_it(
     for session in (first, second):
         server.drop(session)
     assert (memory.used, memory.kept) == (0, {}), "a job that left keeps nothing here"
+
+
+def test_a_chain_goes_on_squashing_after_its_first_link_was_kept(server: Server) -> None:
+    """Rank 0 computes weights * 2, divides that by 4 and frees the product (Adam's `sqrt`, then
+    its division, as the step drops the temporary). Rank 1's product is squashed onto the kept
+    one, which keeps its value id as rank 1 takes it, so rank 1's division is squashed too."""
+    first, second = open_sessions(server, 2)
+    for session in (first, second):
+        session.add(1, torch.arange(FLOATS, dtype=torch.float32))
+    server.dedup.share_job(JOB)
+    server.squash.useful.add(id(torch.ops.aten.mul.Tensor))  # as after one squashed call of it
+    define = [
+        [protocol.OP_DEFINE, 1, "aten", "mul", "Tensor"],
+        [protocol.OP_DEFINE, 2, "aten", "div", "Tensor"],
+    ]
+    chain: list[list[object]] = [
+        [protocol.OP_CALL, 1, 100, [handle(1), 2.0], {}],
+        [protocol.OP_CALL, 2, 101, [handle(100), 4.0], {}],
+    ]
+    run(server, first, [*define, *chain, [protocol.OP_FREE, [100]]])
+    run(server, second, [*define, *chain])
+    assert server.squash.squashed == 2, server.squash.figures()
+    assert second.tensors[101].data_ptr() == first.tensors[101].data_ptr()
+    assert torch.equal(second.tensors[101], torch.arange(FLOATS, dtype=torch.float32) / 2)
