@@ -116,7 +116,7 @@ class Dedup:
     """Keeps identical storages of a job's sessions on this device once, and judges replicas."""
 
     def __init__(
-        self, memory: DeviceMemory, device_lock: threading.Lock, job_sessions: Callable[[str], list[Session]]
+        self, memory: DeviceMemory, device_lock: threading.RLock, job_sessions: Callable[[str], list[Session]]
     ) -> None:
         self.memory = memory
         self.device_lock = device_lock

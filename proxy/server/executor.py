@@ -93,8 +93,9 @@ class Executor:
     def __init__(self, device: torch.device, memory: DeviceMemory) -> None:
         self.device = device
         self.memory = memory
-        self.lock = threading.Lock()
-        """Held while anything runs on the device (operations, saves, loads)."""
+        self.lock = threading.RLock()
+        """Held while anything runs on the device (operations, saves, loads) or changes what it holds
+        (a session dropped); reentrant, since a load that fails drops what it made."""
         self.operations = 0
         """Operations run since the server started (the daemon's metrics report the rate)."""
         self.batches = 0

@@ -106,6 +106,10 @@ class Server:
 
     def drop(self, session: Session) -> None:
         """Stop a session's thread, free everything it holds and forget it."""
+        self._dispose(session, self._detach(session))
+
+    def _detach(self, session: Session) -> Runner | None:
+        """Forget a session (its runner, to be stopped, if it was still known)."""
         key = session.key
         with self.state_lock:
             runner = self.runners.get(key) if self.sessions.get(key) is session else None
@@ -113,9 +117,15 @@ class Server:
                 del self.runners[key]
                 del self.sessions[key]
                 self.squash.sessions_changed()
+        return runner
+
+    def _dispose(self, session: Session, runner: Runner | None) -> None:
+        """Stop a forgotten session's thread and free what it holds, on the device's lock: the
+        frees change storages other sessions share and the device's counts, so they never run
+        beside an operation (call without the state lock: the device's lock comes first)."""
         if runner is not None:
             runner.stop()
-        with self.state_lock:
+        with self.executor.lock:
             session.free_all()
             if not self.job_sessions(session.job_id):
                 self.squash.drop_job(session.job_id)  # what it kept for the job's sessions goes too
@@ -179,6 +189,7 @@ class Server:
             return None
         job_id, rank, index, resume = body
         key = (job_id, rank, index)
+        replaced: tuple[Session, Runner | None] | None = None
         with self.state_lock:
             existing = self.sessions.get(key)
             if resume and existing is None:
@@ -200,10 +211,12 @@ class Server:
                     connection.send(protocol.ERROR, _refusal(PermissionError, refusal))
                     return None
                 if existing is not None:
-                    self.drop(existing)
+                    replaced = (existing, self._detach(existing))
                 session = Session(job_id, rank, uid, self.memory, index)
                 self.add_session(session)
             session.connection = connection
+        if replaced is not None:
+            self._dispose(*replaced)
         return session
 
     # -- job connections --------------------------------------------------------------------------

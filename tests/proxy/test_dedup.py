@@ -12,6 +12,7 @@ judged not replicas, with the reason, and compute their own updates.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,33 @@ def test_identical_storages_are_kept_once_and_copied_before_a_write(server: Serv
     assert torch.equal(second.tensors[1], doubled), "the write reached the base through the view"
     assert second.tensors[2].untyped_storage()._cdata == second.tensors[1].untyped_storage()._cdata
     assert server.memory.used == alone
+
+
+def test_a_dropped_session_frees_only_when_nothing_runs_on_the_device(server: Server) -> None:
+    """Dropping a rank (its process ended) frees storages it may share with the ranks still
+    running: that waits for the device's lock, so it never interleaves with an operation."""
+    first, second = open_sessions(server, 2)
+    for session in (first, second):
+        session.add(1, torch.zeros(FLOATS))
+    server.dedup.share_job(JOB)
+    used = server.memory.used
+    done = threading.Event()
+
+    def drop() -> None:
+        server.drop(first)
+        done.set()
+
+    with server.executor.lock:  # an operation of `second` is running
+        dropper = threading.Thread(target=drop)
+        dropper.start()
+        assert not done.wait(0.3), "the drop went on beside a running operation"
+        assert (first.held_bytes, server.memory.is_shared(first.tensors[1].untyped_storage()._cdata)) == (
+            FLOATS * 4,
+            True,
+        )
+    dropper.join(10)
+    assert done.is_set() and first.held_bytes == 0 and not first.tensors
+    assert server.memory.used == used and server.memory.shared == 0
 
 
 def test_replicas_are_judged_where_every_rank_here_waits_at_one_collective(server: Server) -> None:
