@@ -38,7 +38,12 @@ class CriuInfo:
     @property
     def version_text(self) -> str:
         """The version as CRIU prints it (e.g. "4.2.1")."""
-        return ".".join(str(p) for p in self.version)
+        return dotted(self.version)
+
+
+def dotted(version: Sequence[int]) -> str:
+    """A version as CRIU prints it: (4, 2, 1) -> "4.2.1"."""
+    return ".".join(map(str, version))
 
 
 def parse_version(text: str) -> tuple[int, ...] | None:
@@ -57,7 +62,7 @@ def tcp_problem(criu_version: Sequence[int], kernel: tuple[int, int]) -> str:
     """Why TCP sockets cannot be dumped with this CRIU on this kernel ("" when they can)."""
     if tuple(criu_version[:2]) < TCP_FIXED_VERSION and kernel >= KERNEL_RESTRICTS_PASSCRED:
         return (
-            f"CRIU {'.'.join(map(str, criu_version))} cannot dump TCP sockets on Linux "
+            f"CRIU {dotted(criu_version)} cannot dump TCP sockets on Linux "
             f"{kernel[0]}.{kernel[1]} (SO_PASSCRED is refused on inet sockets since 6.16); "
             "CRIU 4.2 or newer is needed"
         )
@@ -96,7 +101,7 @@ def probe_criu(argv: Sequence[str], source: str) -> CriuInfo | str:
     if version is None:
         return f"{source}: {argv[-1]} --version printed no version"
     if version[:2] < MIN_VERSION:
-        return f"{source}: CRIU {'.'.join(map(str, version))} is older than 4.0"
+        return f"{source}: CRIU {dotted(version)} is older than 4.0"
     check = _run_sync([*argv, "check"])
     if check.returncode != 0:
         last = (check.stderr or check.stdout).strip().splitlines()
