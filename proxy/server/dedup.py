@@ -1,15 +1,15 @@
 """Storages whose bytes are the same across the ranks of a job on this device, kept once.
 
 When several ranks of a job share a device (replica splicing), data-parallel replicas hold the
-same parameters and optimizer state after every step. Each time a rank reaches a collective,
-its storages that changed since it last came, of tensors it already held then (parameters,
-optimizer state, buckets; not the step's activations), are compared with the other ranks' on
-this device: first the storage under the same handle (replicas allocate in the same order), then a
-few others of the same size. Bytes are compared in full (a sample first, to reject quickly);
-on a match the rank's tensors move onto the other rank's storage (`Session.repoint`) and its
-own copy is freed. Sharing is copy-on-write: before an operation writes a shared storage
-(the arguments its schema marks written, writes.py), or a collective writes its outputs,
-the writing session gets its own copy back.
+same parameters and optimizer state after every step. Each time a rank reaches a collective, its
+storages that changed since it last came, or whose counterparts in the other ranks did, of tensors
+it already held then (parameters, optimizer state, buckets; not the step's activations), are
+compared with the other ranks' on this device: first the storage under the same handle (replicas
+allocate in the same order), then a few others of the same size. Bytes are compared in full (a
+sample first, to reject quickly); on a match the rank's tensors move onto the other rank's storage
+(`Session.repoint`) and its own copy is freed. Sharing is copy-on-write: before an operation
+writes a shared storage (the arguments its schema marks written, writes.py), or a collective
+writes its outputs, the writing session gets its own copy back.
 
 The same comparison tells whether the ranks are replicas at all: at each collective that every rank
 here waits at (none of them has stepped further than another), the share of each rank's long-lived storages
