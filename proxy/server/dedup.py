@@ -64,7 +64,7 @@ class RankDedup:
 def _stamp(session: Session, key: int) -> tuple[Any, ...]:
     """What stays equal while a storage's bytes cannot have changed (marks and version counters)."""
     tensors = session.tensors
-    versions = sorted((h, tensors[h]._version) for h in session.handles_on.get(key, ()))
+    versions = sorted((h, tensors[h]._version) for h in session.handles_on[key])
     return (session.storage_marks.get(key), *versions)
 
 
