@@ -24,7 +24,7 @@ from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolErro
 
 from .session import DeviceMemory, Session, sparse_parts
 from .squash import MISS, Call, Squash
-from .writes import note_writes, written_tensors
+from .writes import note_writes, out_of_place, written_tensors
 
 _FACTORIES = frozenset(protocol.SERVER_FACTORIES)
 _HOST_ALLOCATION_FAILED = re.compile(
@@ -281,10 +281,12 @@ class Executor:
     ) -> Any:
         """Run an operator (`function`: it or its bare kernel), its written storages the session's
         own first (their value ids void: squash.py records them anew after a call it follows)."""
-        if self.memory.shared:
+        output = self._write_apart(session, operator, args, kwargs) if self.memory.shared else MISS
+        if output is MISS and self.memory.shared:
             self._own_written(session, operator, args, kwargs)
         try:
-            output = function(*args, **kwargs)
+            if output is MISS:
+                output = function(*args, **kwargs)
         except RuntimeError as e:
             raise self._as_out_of_memory(session, e) from None
         finally:
@@ -292,6 +294,35 @@ class Executor:
             if self.memory.values and self.squash is not None:
                 self.squash.wrote(written_tensors(operator, args, kwargs))
         return output
+
+    def _write_apart(self, session: Session, operator: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        """Run an in-place pointwise operator whose tensor, the whole of a storage the session
+        shares, would otherwise be copied first: out of place, its result's storage becoming the
+        session's (the others keep the old bytes). The operator's output; MISS where it does not
+        apply (then nothing ran)."""
+        functional = out_of_place(operator)
+        target = args[0] if functional is not None and args else None
+        if type(target) is not torch.Tensor or target.layout is not torch.strided or target.is_conj():
+            return MISS
+        storage = target.untyped_storage()
+        key = storage._cdata
+        whole = target.storage_offset() == 0 and target.numel() * target.element_size() == storage.nbytes()
+        if not (whole and target.is_contiguous() and self.memory.is_shared(key) and key in session.storages):
+            return MISS
+        session.check_room(storage.nbytes())
+        try:
+            result = functional(*args, **kwargs)
+        except RuntimeError as e:
+            raise self._as_out_of_memory(session, e) from None
+        same = type(result) is torch.Tensor and result.dtype == target.dtype and result.shape == target.shape
+        if not (
+            same
+            and result.stride() == target.stride()
+            and result.untyped_storage().nbytes() == storage.nbytes()
+        ):
+            return MISS  # another type or layout than the tensor it was to write: it runs in place
+        session.repoint(key, result.untyped_storage())
+        return target
 
     @staticmethod
     def _own_written(session: Session, operator: Any, args: list[Any], kwargs: dict[str, Any]) -> None:

@@ -432,7 +432,8 @@ class Session:
 
     # -- storages shared with other sessions (dedup.py) --------------------------------------------
     def repoint(self, key: int, storage: torch.UntypedStorage) -> None:
-        """Let every tensor using storage `key` use `storage` instead (which holds the same bytes).
+        """Let every tensor using storage `key` use `storage` instead (which holds the same bytes,
+        or the result of an operation the session ran apart from the others: executor.py).
 
         The tensors stay the same objects (their layout unchanged), so whatever refers to them
         sees the new storage; their version counters move, so a pre-copy copies them again.

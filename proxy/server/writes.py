@@ -4,7 +4,9 @@ A pre-copy of device state (snapshot.py) trusts a tensor's version counter to ch
 bytes do. Most kernels bump it themselves through autograd's in-place bookkeeping; some (fused
 optimizers, for one) do not, so the executor bumps it after each operation for every argument the
 schema marks written (`Tensor(a!)`, `Tensor(a!)[]`). The same arguments are the ones a session must
-own before the operation runs, where it shares their storage with other sessions (dedup.py).
+own before the operation runs, where it shares their storage with other sessions (dedup.py): an
+in-place pointwise operator on a shared tensor can instead run out of place (`out_of_place`), into
+a new storage that then becomes the session's, which spares copying the shared bytes first.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import torch
 
 _WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}
 """Operator -> (position, name) of each argument its schema says it writes (Tensor(a!), Tensor(a!)[])."""
+_OUT_OF_PLACE: dict[Any, Any] = {}
+"""In-place operator -> its out-of-place form, or None."""
 
 
 def written_arguments(operator: Any) -> tuple[tuple[int, str], ...]:
@@ -27,6 +31,31 @@ def written_arguments(operator: Any) -> tuple[tuple[int, str], ...]:
             (i, a.name) for i, a in enumerate(schema) if a.alias_info is not None and a.alias_info.is_write
         )
         _WRITTEN[operator] = found
+    return found
+
+
+def out_of_place(operator: Any) -> Any:
+    """The out-of-place form of an in-place pointwise operator that writes only its first argument
+    (aten::mul_.Tensor -> aten::mul.Tensor: the same kernel, its result in a new tensor), or None."""
+    if operator in _OUT_OF_PLACE:
+        return _OUT_OF_PLACE[operator]
+    found = None
+    schema = getattr(operator, "_schema", None)
+    namespace, _, name = schema.name.partition("::") if schema is not None else ("", "", "")
+    if (
+        name.endswith("_")
+        and torch.Tag.pointwise in operator.tags
+        and written_arguments(operator) == ((0, "self"),)
+    ):
+        packet = getattr(getattr(torch.ops, namespace), name[:-1], None)
+        candidate = getattr(packet, operator._overloadname, None) if packet is not None else None
+        if (
+            candidate is not None
+            and torch.Tag.pointwise in candidate.tags
+            and not written_arguments(candidate)
+        ):
+            found = candidate
+    _OUT_OF_PLACE[operator] = found
     return found
 
 

@@ -93,6 +93,55 @@ def test_identical_storages_are_kept_once_and_copied_before_a_write(server: Serv
     assert server.memory.used == alone
 
 
+def test_an_in_place_update_of_a_whole_shared_storage_runs_apart_without_a_copy(server: Server) -> None:
+    """An in-place pointwise operator on the whole of a shared storage (an optimizer's update of
+    a parameter) runs out of place into the writer's new storage: nothing is copied, the result
+    has the in-place operator's bits, the other rank keeps its bytes and views follow the writer's."""
+    first, second = open_sessions(server, 2)
+    values = torch.randn(FLOATS, generator=torch.Generator().manual_seed(1))
+    scale = torch.randn(FLOATS, generator=torch.Generator().manual_seed(2))
+    for session in (first, second):
+        session.add(1, values.clone())
+        session.add(2, session.tensors[1][10:20])
+        session.add(3, scale.clone())
+        session.add(4, session.tensors[3][5:9])
+        session.add(6, torch.linspace(0, 1, FLOATS))
+    server.dedup.share_job(JOB)
+    alone = server.memory.used
+    ops: list[list[object]] = [
+        [protocol.OP_DEFINE, 1, "aten", "addcdiv_", "default"],
+        [protocol.OP_CALL, 1, 100, [handle(1), handle(3), handle(1)], {"value": -0.25}],
+    ]
+    run(server, second, ops)
+    expected = values.clone().addcdiv_(scale, values.clone(), value=-0.25)
+    assert server.memory.copied_bytes == 0, "the shared bytes were copied before the write"
+    assert torch.equal(first.tensors[1], values), "the other rank's bytes are untouched"
+    assert torch.equal(second.tensors[1], expected)
+    assert torch.equal(second.tensors[2], expected[10:20]), "the view follows its base"
+    assert second.tensors[2].untyped_storage()._cdata == second.tensors[1].untyped_storage()._cdata
+    assert server.memory.used == alone + FLOATS * 4
+
+    ops = [  # only a part of a shared storage: copied first, as before
+        [protocol.OP_DEFINE, 2, "aten", "mul_", "Scalar"],
+        [protocol.OP_CALL, 2, 101, [handle(4), 2.0], {}],
+    ]
+    run(server, first, ops)
+    assert server.memory.copied_bytes == FLOATS * 4
+    assert torch.equal(first.tensors[3][5:9], scale[5:9] * 2)
+    assert torch.equal(second.tensors[3], scale)
+
+    second.add(5, torch.full((FLOATS,), 3.0, dtype=torch.float64))
+    ops = [  # out of place it would be float64: it runs in place on a copy, as before
+        [protocol.OP_DEFINE, 3, "aten", "mul_", "Tensor"],
+        [protocol.OP_CALL, 3, 102, [handle(6), handle(5)], {}],
+    ]
+    run(server, second, ops)
+    assert server.memory.copied_bytes == 2 * FLOATS * 4
+    ramp = torch.linspace(0, 1, FLOATS)
+    assert torch.equal(second.tensors[6], ramp.clone().mul_(torch.full((FLOATS,), 3.0, dtype=torch.float64)))
+    assert second.tensors[6].dtype == torch.float32 and torch.equal(first.tensors[6], ramp)
+
+
 def test_a_dropped_session_frees_only_when_nothing_runs_on_the_device(server: Server) -> None:
     """Dropping a rank (its process ended) frees storages it may share with the ranks still
     running: that waits for the device's lock, so it never interleaves with an operation."""
