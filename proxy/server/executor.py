@@ -296,10 +296,10 @@ class Executor:
         return output
 
     def _write_apart(self, session: Session, operator: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
-        """Run an in-place pointwise operator whose tensor, the whole of a storage the session
-        shares, would otherwise be copied first: out of place, its result's storage becoming the
-        session's (the others keep the old bytes). The operator's output; MISS where it does not
-        apply (then nothing ran)."""
+        """Run an in-place operator (a pointwise update, `copy_`) whose tensor, the whole of a
+        storage the session shares, would otherwise be copied first: out of place (writes.py
+        `out_of_place`), its result's storage becoming the session's (the others keep the old
+        bytes). The operator's output; MISS where it does not apply (then nothing ran)."""
         functional = out_of_place(operator)
         target = args[0] if functional is not None and args else None
         if type(target) is not torch.Tensor or target.layout is not torch.strided or target.is_conj():

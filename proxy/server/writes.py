@@ -12,6 +12,7 @@ a new storage that then becomes the session's, which spares copying the shared b
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -20,6 +21,15 @@ _WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}
 """Operator -> (position, name) of each argument its schema says it writes (Tensor(a!), Tensor(a!)[])."""
 _OUT_OF_PLACE: dict[Any, Any] = {}
 """In-place operator -> its out-of-place form, or None."""
+OVERWRITING = frozenset(
+    {
+        torch.ops.aten.copy_.default,
+        torch.ops.aten.fill_.Scalar,
+        torch.ops.aten.fill_.Tensor,
+        torch.ops.aten.zero_.default,
+    }
+)
+"""Operators that write every element of their first argument without reading it."""
 
 
 def written_arguments(operator: Any) -> tuple[tuple[int, str], ...]:
@@ -35,14 +45,19 @@ def written_arguments(operator: Any) -> tuple[tuple[int, str], ...]:
 
 
 def out_of_place(operator: Any) -> Any:
-    """The out-of-place form of an in-place pointwise operator that writes only its first argument
-    (aten::mul_.Tensor -> aten::mul.Tensor: the same kernel, its result in a new tensor), or None."""
+    """A function that computes, as a new tensor, what an in-place operator writes into its first
+    argument (its only written one), leaving that argument as it was; or None. For a pointwise
+    operator, its out-of-place form (aten::mul_.Tensor -> aten::mul.Tensor: the same kernel); for
+    one that overwrites its first argument without reading it (`copy_`, `fill_`, `zero_`), itself
+    run on a new tensor of the same layout."""
     if operator in _OUT_OF_PLACE:
         return _OUT_OF_PLACE[operator]
     found = None
     schema = getattr(operator, "_schema", None)
     namespace, _, name = schema.name.partition("::") if schema is not None else ("", "", "")
-    if (
+    if operator in OVERWRITING:
+        found = partial(_on_new_tensor, operator)
+    elif (
         name.endswith("_")
         and torch.Tag.pointwise in operator.tags
         and written_arguments(operator) == ((0, "self"),)
@@ -57,6 +72,11 @@ def out_of_place(operator: Any) -> Any:
             found = candidate
     _OUT_OF_PLACE[operator] = found
     return found
+
+
+def _on_new_tensor(operator: Any, target: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """Run an operator that overwrites its first argument on a new tensor laid out like `target`."""
+    return operator(torch.empty_like(target), *args, **kwargs)
 
 
 def written_tensors(operator: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:

@@ -95,8 +95,9 @@ def test_identical_storages_are_kept_once_and_copied_before_a_write(server: Serv
 
 def test_an_in_place_update_of_a_whole_shared_storage_runs_apart_without_a_copy(server: Server) -> None:
     """An in-place pointwise operator on the whole of a shared storage (an optimizer's update of
-    a parameter) runs out of place into the writer's new storage: nothing is copied, the result
-    has the in-place operator's bits, the other rank keeps its bytes and views follow the writer's."""
+    a parameter), or a copy into all of it, runs out of place into the writer's new storage:
+    nothing is copied, the result has the in-place operator's bits, the other rank keeps its
+    bytes and views follow the writer's."""
     first, second = open_sessions(server, 2)
     values = torch.randn(FLOATS, generator=torch.Generator().manual_seed(1))
     scale = torch.randn(FLOATS, generator=torch.Generator().manual_seed(2))
@@ -106,6 +107,7 @@ def test_an_in_place_update_of_a_whole_shared_storage_runs_apart_without_a_copy(
         session.add(3, scale.clone())
         session.add(4, session.tensors[3][5:9])
         session.add(6, torch.linspace(0, 1, FLOATS))
+        session.add(7, torch.zeros(FLOATS))
     server.dedup.share_job(JOB)
     alone = server.memory.used
     ops: list[list[object]] = [
@@ -120,6 +122,17 @@ def test_an_in_place_update_of_a_whole_shared_storage_runs_apart_without_a_copy(
     assert torch.equal(second.tensors[2], expected[10:20]), "the view follows its base"
     assert second.tensors[2].untyped_storage()._cdata == second.tensors[1].untyped_storage()._cdata
     assert server.memory.used == alone + FLOATS * 4
+
+    run(
+        server,
+        first,
+        [
+            [protocol.OP_DEFINE, 4, "aten", "copy_", "default"],
+            [protocol.OP_CALL, 4, 103, [handle(7), handle(3)], {}],
+        ],
+    )
+    assert server.memory.copied_bytes == 0, "bytes about to be overwritten were copied"
+    assert torch.equal(first.tensors[7], scale) and torch.equal(second.tensors[7], torch.zeros(FLOATS))
 
     ops = [  # only a part of a shared storage: copied first, as before
         [protocol.OP_DEFINE, 2, "aten", "mul_", "Scalar"],
