@@ -7,7 +7,8 @@ devices). Measured side by side in one run:
   counts its live storage bytes after the ranks' last collective; with the server's summary
   (shared and private bytes, its replicas verdict);
 - step time of N ranks on one device against N x the step time of one rank alone (DDP, Adam or
-  SGD, an MLP whose operations take about a millisecond), the CPU seconds per step of the ranks
+  SGD, an MLP whose operations take about a millisecond; each rank trains on its own batch, as a
+  distributed sampler gives it, so only the update is the same across ranks), the CPU seconds per step of the ranks
   and the server together against N x those of one rank alone (on a machine with fewer cores than
   processes the honest overhead figure: wall time there also measures the CPU's saturation), and
   the dedup's own cost per step (comparing storages at collectives, copies before writes to
@@ -56,7 +57,9 @@ layers = [nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU()
 net = nn.Sequential(*layers)
 model = DistributedDataParallel(net.to("cuda"))
 optimizer = (torch.optim.Adam if optimizer_name == "adam" else torch.optim.SGD)(model.parameters(), lr=1e-3)
-x, y = torch.randn(64, width).to("cuda"), torch.randint(0, 10, (64,)).to("cuda")
+batch = torch.Generator().manual_seed(1000 + rank)  # each rank its own batch, as a sampler gives it
+x = torch.randn(64, width, generator=batch).to("cuda")
+y = torch.randint(0, 10, (64,), generator=batch).to("cuda")
 def step():
     loss = nn.functional.cross_entropy(model(x), y)
     optimizer.zero_grad(); loss.backward(); optimizer.step()
