@@ -8,9 +8,10 @@ devices). Measured side by side in one run:
   (shared and private bytes, its replicas verdict);
 - step time of N ranks on one device against N x the step time of one rank alone (DDP, Adam or
   SGD, an MLP whose operations take about a millisecond; each rank trains on its own batch, as a
-  distributed sampler gives it, so only the update is the same across ranks), the CPU seconds per step of the ranks
-  and the server together against N x those of one rank alone (on a machine with fewer cores than
-  processes the honest overhead figure: wall time there also measures the CPU's saturation), and
+  distributed sampler gives it, so only the update is the same across ranks), the CPU seconds
+  per step of the ranks and the server together against N x those of one rank alone (on a
+  machine with fewer cores than processes the honest overhead figure: wall time there also
+  measures the CPU's saturation), and
   the dedup's own cost per step (comparing storages at collectives, copies before writes to
   shared storages), from the server's figures.
 

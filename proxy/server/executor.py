@@ -24,7 +24,7 @@ from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolErro
 
 from .session import DeviceMemory, Session, sparse_parts
 from .squash import MISS, Call, Squash
-from .writes import note_writes, out_of_place, written_tensors
+from .writes import covers_its_storage, note_writes, out_of_place, written_tensors
 
 _FACTORIES = frozenset(protocol.SERVER_FACTORIES)
 _HOST_ALLOCATION_FAILED = re.compile(
@@ -306,8 +306,7 @@ class Executor:
             return MISS
         storage = target.untyped_storage()
         key = storage._cdata
-        whole = target.storage_offset() == 0 and target.numel() * target.element_size() == storage.nbytes()
-        if not (whole and target.is_contiguous() and self.memory.is_shared(key) and key in session.storages):
+        if not (covers_its_storage(target) and self.memory.is_shared(key) and key in session.storages):
             return MISS
         session.check_room(storage.nbytes())
         try:

@@ -39,7 +39,7 @@ import torch
 
 from .dedup import Dedup, same_bytes
 from .session import DeviceMemory, Session, rebindable
-from .writes import written_tensors
+from .writes import OVERWRITING, covers_its_storage, written_tensors
 
 MAX_ENTRIES = 8192
 """Recorded operations kept per device at most (the oldest go first)."""
@@ -51,11 +51,9 @@ go), unless one of its calls was ever squashed: the forward and backward passes 
 own data, whose keys never match, then cost one look-up per call."""
 MISS = object()
 """What `Squash.reuse` answers when the call must run."""
-_OVERWRITES = frozenset(
-    id(op) for op in (torch.ops.aten.copy_.default, torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default)
-)
-"""Operators (by identity: an OpOverload hashes slowly) whose result does not depend on what their
-first (written) argument held before."""
+_OVERWRITES = frozenset(id(op) for op in OVERWRITING)
+"""writes.OVERWRITING by identity (an OpOverload hashes slowly): their result does not depend on
+what their first (written) argument held before."""
 
 
 @dataclass
@@ -516,13 +514,7 @@ class Squash:
 
 def _covers_storage(leaf: Leaf) -> bool:
     """Whether a written tensor's elements are every byte of its storage, each once."""
-    tensor = leaf.tensor
-    return (
-        leaf.written
-        and tensor.storage_offset() == 0
-        and tensor.is_contiguous()
-        and tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
-    )
+    return leaf.written and covers_its_storage(leaf.tensor)
 
 
 def _storages_named(entry: Entry) -> set[int]:

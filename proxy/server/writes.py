@@ -21,13 +21,13 @@ _WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}
 """Operator -> (position, name) of each argument its schema says it writes (Tensor(a!), Tensor(a!)[])."""
 _OUT_OF_PLACE: dict[Any, Any] = {}
 """In-place operator -> its out-of-place form, or None."""
-OVERWRITING = frozenset(
-    {
+OVERWRITING: frozenset[Any] = frozenset(
+    (
         torch.ops.aten.copy_.default,
         torch.ops.aten.fill_.Scalar,
         torch.ops.aten.fill_.Tensor,
         torch.ops.aten.zero_.default,
-    }
+    )
 )
 """Operators that write every element of their first argument without reading it."""
 
@@ -72,6 +72,15 @@ def out_of_place(operator: Any) -> Any:
             found = candidate
     _OUT_OF_PLACE[operator] = found
     return found
+
+
+def covers_its_storage(tensor: torch.Tensor) -> bool:
+    """Whether a tensor's elements are every byte of its storage, each once."""
+    return (
+        tensor.storage_offset() == 0
+        and tensor.is_contiguous()
+        and tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
+    )
 
 
 def _on_new_tensor(operator: Any, target: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
