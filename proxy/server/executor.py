@@ -302,7 +302,12 @@ class Executor:
         bytes). The operator's output; MISS where it does not apply (then nothing ran)."""
         functional = out_of_place(operator)
         target = args[0] if functional is not None and args else None
-        if type(target) is not torch.Tensor or target.layout is not torch.strided or target.is_conj():
+        if (
+            type(target) is not torch.Tensor
+            or target.layout is not torch.strided
+            or target.is_conj()
+            or target.is_neg()
+        ):
             return MISS
         storage = target.untyped_storage()
         key = storage._cdata

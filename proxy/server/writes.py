@@ -5,8 +5,9 @@ bytes do. Most kernels bump it themselves through autograd's in-place bookkeepin
 optimizers, for one) do not, so the executor bumps it after each operation for every argument the
 schema marks written (`Tensor(a!)`, `Tensor(a!)[]`). The same arguments are the ones a session must
 own before the operation runs, where it shares their storage with other sessions (dedup.py): an
-in-place pointwise operator on a shared tensor can instead run out of place (`out_of_place`), into
-a new storage that then becomes the session's, which spares copying the shared bytes first.
+in-place pointwise operator, or one that overwrites its argument (`copy_`), on the whole of a
+shared storage can instead run out of place (`out_of_place`), into a new storage that then becomes
+the session's, which spares copying the shared bytes first.
 """
 
 from __future__ import annotations
