@@ -281,9 +281,11 @@ class Executor:
     ) -> Any:
         """Run an operator (`function`: it or its bare kernel), its written storages the session's
         own first (their value ids void: squash.py records them anew after a call it follows)."""
-        output = self._write_apart(session, operator, args, kwargs) if self.memory.shared else MISS
-        if output is MISS and self.memory.shared:
-            self._own_written(session, operator, args, kwargs)
+        output = MISS
+        if self.memory.shared:
+            output = self._write_apart(session, operator, args, kwargs)
+            if output is MISS:
+                self._own_written(session, operator, args, kwargs)
         try:
             if output is MISS:
                 output = function(*args, **kwargs)
@@ -318,11 +320,9 @@ class Executor:
             result = functional(*args, **kwargs)
         except RuntimeError as e:
             raise self._as_out_of_memory(session, e) from None
-        same = type(result) is torch.Tensor and result.dtype == target.dtype and result.shape == target.shape
-        if not (
-            same
-            and result.stride() == target.stride()
-            and result.untyped_storage().nbytes() == storage.nbytes()
+        layout = (target.dtype, target.shape, target.stride(), storage.nbytes())
+        if type(result) is not torch.Tensor or (
+            (result.dtype, result.shape, result.stride(), result.untyped_storage().nbytes()) != layout
         ):
             return MISS  # another type or layout than the tensor it was to write: it runs in place
         session.repoint(key, result.untyped_storage())
