@@ -14,19 +14,34 @@ from pathlib import Path
 import pytest
 
 from singularityd.checkpoint import CheckpointError, Criu, CriuError, CriuInfo, NoValidCheckpoint
+from singularityd.checkpoint.store import hash_files
 from tests.checkpoint_helpers import (
+    SYSTEM_PYTHON,
     TEST_USER,
     checkpointer_in,
     counting_job,
     finish_counting,
+    finish_job,
     kill_tree,
+    launch_job,
     pid_alive,
     small_tmpfs,
+    track,
+    wait_for_line,
+    write_script,
 )
 from tests.conftest import requires_root
 from tests.helpers import ensure_user, invert_bytes, wait_until
 
 OTHER_USER = "sing-test-other"
+BALLAST = """
+import hashlib, os, sys, time
+ballast = bytearray(os.urandom(160 << 20))
+print("ready", hashlib.sha256(ballast).hexdigest(), flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
+print("after", hashlib.sha256(ballast).hexdigest(), flush=True)
+"""
 
 
 def _as_user(user: pwd.struct_passwd, *argv: str) -> subprocess.CompletedProcess[str]:
@@ -72,6 +87,31 @@ def test_corrupt_newest_falls_back(criu_info: CriuInfo, work: Path, jobs: list[i
     finish_counting(rr.pid, job, jobs, release, n)
     with pytest.raises(NoValidCheckpoint):
         asyncio.run(cp.restore_latest("nothing-here"))
+
+
+@requires_root
+def test_a_stopping_dump_hashes_its_pages_while_criu_writes_them(
+    criu_info: CriuInfo, work: Path, jobs: list[int]
+) -> None:
+    """A dump that stops a job with 160 MiB of memory: its pages images are hashed while CRIU
+    writes them, and every digest in the manifest is that of the whole file; it restores whole."""
+    release = work / "release"
+    script = write_script(work, "ballast.py", BALLAST)
+    job = launch_job(work, "ballast", [SYSTEM_PYTHON, script, str(release)], jobs)
+    assert wait_for_line(job.log(), "ready", 60)
+    cp = checkpointer_in(criu_info, work / "store")
+    r = asyncio.run(cp.checkpoint("b", job.pid, owner_uid=0, owner_gid=0, leave_running=False))
+    assert r.manifest.stats["hashed_while_dumped"] > 0
+    folder = cp.store.checkpoint_dir("b", r.seq)
+    rels = sorted(r.manifest.files)
+    assert any(rel.startswith("images/pages-") for rel in rels)
+    assert {rel: (rec.size, rec.sha256) for rel, rec in r.manifest.files.items()} == hash_files(folder, rels)
+    rr = asyncio.run(cp.restore_latest("b"))
+    track(jobs, rr.pid)
+    release.touch()
+    finish_job(rr.pid, job)
+    ready, after = job.log().read_text().splitlines()
+    assert after.split()[1] == ready.split()[1]
 
 
 @requires_root

@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -34,7 +36,7 @@ from singularityd.checkpoint.manifest import (
 )
 from singularityd.checkpoint.precheck import DaemonFacts, ProcFacts, tree_problems
 from singularityd.checkpoint.service import parse_sizes, post_dump_script
-from singularityd.checkpoint.store import hash_file, hash_files, hash_prefixes
+from singularityd.checkpoint.store import GrowingFileHasher, hash_file, hash_files, hash_prefixes
 
 
 def _manifest(seq: int = 2, **files: int) -> Manifest:
@@ -191,6 +193,41 @@ def test_a_file_hashed_in_two_goes_hashes_as_a_whole(tmp_path: Path) -> None:
     }
     state.write_bytes(b"short")
     assert hash_file(state, prefixes["images/proxy/cuda0.state"]) == (5, hashlib.sha256(b"short").hexdigest())
+
+
+def test_files_hashed_while_another_writer_appends_hash_as_a_whole(tmp_path: Path) -> None:
+    """Pages images hashed while CRIU appends to them, the rest at the manifest: the same sha256
+    as hashing each whole file after; a file replaced meanwhile and other files are left out."""
+    images = tmp_path / "images"
+    images.mkdir()
+    grown, replaced, other = images / "pages-1.img", images / "pages-2.img", images / "pagemap-1.img"
+    other.write_bytes(b"not followed")
+    done = threading.Event()
+
+    def append() -> None:
+        with grown.open("ab") as out, replaced.open("ab") as first:
+            for _ in range(40):
+                out.write(os.urandom(300_001))
+                out.flush()
+                first.write(os.urandom(4096))
+                first.flush()
+                time.sleep(0.005)
+        replaced.unlink()
+        replaced.write_bytes(os.urandom(400_000))  # longer than what was hashed of the first
+        with grown.open("ab") as out:
+            out.write(os.urandom(12345))
+        done.set()
+
+    with GrowingFileHasher(images, tmp_path, "pages-*.img", poll_s=0.002) as hasher:
+        writer = threading.Thread(target=append)
+        writer.start()
+        writer.join()
+    assert done.is_set()
+    prefixes = hasher.prefixes()
+    assert list(prefixes) == ["images/pages-1.img"]
+    assert 0 < prefixes["images/pages-1.img"].size <= grown.stat().st_size
+    rels = ["images/pages-1.img", "images/pages-2.img", "images/pagemap-1.img"]
+    assert hash_files(tmp_path, rels, prefixes=prefixes) == hash_files(tmp_path, rels)
 
 
 def test_a_daemon_killed_while_recording_a_stopping_dump_leaves_it_recordable(

@@ -387,6 +387,7 @@ class JobCheckpoints:
         parked = False
         saving: DeviceStateSave = NoDeviceState()
         capturing: asyncio.Future[None] | None = None
+        releasing: asyncio.Future[None] | None = None
         self._forget_cached(job_id)
 
         async def before_dump(images: Path) -> None:
@@ -408,7 +409,7 @@ class JobCheckpoints:
                 capturing = asyncio.ensure_future(saving.capture(copy=True))  # beside CRIU's dump
 
         async def after_dump(dump: DumpStats) -> Mapping[str, Any]:
-            nonlocal parked
+            nonlocal parked, releasing
             returned = time.monotonic()
             if capturing is not None:
                 await capturing
@@ -439,6 +440,8 @@ class JobCheckpoints:
                 dump.pause_s,
                 max(stamps.resumed_at) - returned if stamps and stamps.resumed_at else 0.0,
             )
+            if stop and connections:  # the processes are gone and their device state is saved
+                releasing = asyncio.ensure_future(self.devices.release(job_id, devices))
             return {"pause": pause.as_dict()}
 
         figures: list[DeviceSaveFigures] = []
@@ -467,9 +470,10 @@ class JobCheckpoints:
                 },
             )
         except (CheckpointError, DeviceError, OSError) as error:
-            if capturing is not None:
-                with contextlib.suppress(Exception):
-                    await capturing
+            for started in (capturing, releasing):
+                if started is not None:
+                    with contextlib.suppress(Exception):
+                        await started
             with contextlib.suppress(DeviceError):
                 await saving.abort()
             if parked:
@@ -480,9 +484,9 @@ class JobCheckpoints:
             raise error if isinstance(error, CheckpointError) else CheckpointError(str(error)) from None
         finally:
             self._forget_cached(job_id)
-        if stop and connections:
+        if releasing is not None:  # begun once CRIU was done, beside the manifest's hashing
             try:
-                await self.devices.release(job_id, devices)
+                await releasing
             except DeviceError as error:
                 log.error("job %d: releasing its devices after the checkpoint failed: %s", job_id, error)
         pause = pauses[0]

@@ -31,6 +31,7 @@ from singularityd.checkpoint.namespaces import ExternalMounts, read_external_mou
 from singularityd.checkpoint.precheck import dump_problems, tree_holds_tcp, tree_pids
 from singularityd.checkpoint.staging import Staged, StagingArea, mark_staged, move_images
 from singularityd.checkpoint.store import (
+    GrowingFileHasher,
     ImageStore,
     JobUsage,
     PendingCheckpoint,
@@ -41,6 +42,8 @@ from singularityd.checkpoint.store import (
 
 TCP_STREAM_IMAGES = "tcp-stream-*.img"
 """CRIU's image of an established TCP connection: one may not appear in a dump without the lock."""
+PAGES_IMAGES = "pages-*.img"
+"""CRIU's images of process memory: nearly all of a dump's bytes, each written from start to end."""
 
 InheritFds = Mapping[str, int] | Callable[[Manifest], Mapping[str, int]]
 KnownDigests = Mapping[int, Mapping[str, str]]
@@ -264,7 +267,7 @@ class Checkpointer:
                         "extra": dict(extra or {}),
                     }
                     await asyncio.to_thread(self.store.record_intent, pending, intent)
-                pre_stats, dump_stats, sizes = await self._dump(
+                pre_stats, dump_stats, sizes, followed = await self._dump(
                     pending,
                     staged.folder or pending.images,
                     pid,
@@ -295,6 +298,7 @@ class Checkpointer:
                 "pre_copy_skipped": skipped,
                 "staging": {"staged": staged.folder is not None, "move_s": move_s, "reason": staged.reason},
                 "network_locked": lock_network,
+                "hashed_while_dumped": sum(p.size for p in followed.values()),
                 **after,
             }
             try:
@@ -309,7 +313,7 @@ class Checkpointer:
                     rewind_sizes=sizes,
                     stats=stats,
                     extra=extra,
-                    prefixes={**(prefixes or {}), **moved},
+                    prefixes={**(prefixes or {}), **followed, **moved},
                 )
             except BaseException as e:
                 if leave_running:
@@ -401,7 +405,10 @@ class Checkpointer:
         rewind_paths: Sequence[str],
         before_final_dump: Callable[[Path], Any] | None,
         lock_network: bool,
-    ) -> tuple[list[DumpStats], DumpStats, dict[str, int]]:
+    ) -> tuple[list[DumpStats], DumpStats, dict[str, int], dict[str, PrefixHash]]:
+        """Pre-dump, then dump the job into `image_dir`; the dump's figures, the rewound files'
+        sizes, and (for a dump that stops the job, whose manifest is on the way to its restore)
+        the pages images as hashed while CRIU wrote them."""
         logs = self.store.logs_dir(pending.job_id)
         tag = f"{pending.seq:08d}"
         dump_log, script_file, sizes_file = dump_files(logs, pending.seq)
@@ -430,19 +437,22 @@ class Checkpointer:
             script = script_file
             script.write_text(post_dump_script(rewind_paths, sizes_file))
             script.chmod(0o700)
+        following = image_dir == pending.images and not leave_running
+        hasher = GrowingFileHasher(image_dir, pending.path, PAGES_IMAGES)
         try:
-            dump_stats = await self.criu.dump(
-                pid,
-                image_dir,
-                log_file=dump_log,
-                leave_running=leave_running,
-                parent_image_dir=parent,
-                track_mem=rounds > 0,
-                external_unix_inodes=external_unix_inodes,
-                action_script=script,
-                external_mounts=mounts,
-                lock_network=lock_network,
-            )
+            with hasher if following else contextlib.nullcontext(hasher):
+                dump_stats = await self.criu.dump(
+                    pid,
+                    image_dir,
+                    log_file=dump_log,
+                    leave_running=leave_running,
+                    parent_image_dir=parent,
+                    track_mem=rounds > 0,
+                    external_unix_inodes=external_unix_inodes,
+                    action_script=script,
+                    external_mounts=mounts,
+                    lock_network=lock_network,
+                )
             _refuse_unlocked_tcp(pending.job_id, image_dir, lock_network)
             if not leave_running:
                 faults.reached(faults.STOPPING_DUMP_DONE)
@@ -455,7 +465,7 @@ class Checkpointer:
                 if f is not None:
                     with contextlib.suppress(FileNotFoundError):
                         f.unlink()
-        return pre_stats, dump_stats, sizes
+        return pre_stats, dump_stats, sizes, hasher.prefixes() if following else {}
 
     async def restore_latest(
         self,

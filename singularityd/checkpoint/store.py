@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import stat
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -85,6 +86,65 @@ def hash_prefixes(folder: Path, base: Path) -> dict[str, PrefixHash]:
                 size = hash_into(h, path, 0, path.stat().st_size)
                 found[path.relative_to(base).as_posix()] = PrefixHash(size, h)
     return found
+
+
+class GrowingFileHasher:
+    """Hashes the files of a folder that match a pattern while another process only appends to
+    them (CRIU writing a dump's pages images), so that the manifest, written after, reads only
+    what came last. Use as a context manager around the writing; then `prefixes()`."""
+
+    def __init__(self, folder: Path, base: Path, pattern: str, poll_s: float = 0.01) -> None:
+        self.folder, self.base, self.pattern, self.poll_s = folder, base, pattern, poll_s
+        self._files: dict[Path, tuple[int, int, PrefixHash]] = {}
+        """By path: its open fd, its inode, and the hash of what was read of it so far."""
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name="growing-file-hasher", daemon=True)
+        self._failed = False
+
+    def __enter__(self) -> GrowingFileHasher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stopping.set()
+        self._thread.join()
+        for fd, _, _ in self._files.values():
+            os.close(fd)
+
+    def prefixes(self) -> dict[str, PrefixHash]:
+        """What was hashed of each file still at its path, by path relative to `base` (after the
+        block; the files must only have grown since); none if following failed."""
+        found = {}
+        for path, (_, inode, prefix) in self._files.items():
+            with contextlib.suppress(OSError):
+                if os.stat(path, follow_symlinks=False).st_ino == inode and prefix.size:
+                    found[path.relative_to(self.base).as_posix()] = prefix
+        return {} if self._failed else found
+
+    def _follow(self) -> None:
+        buf = bytearray(HASH_CHUNK)
+        try:
+            while not self._stopping.is_set():
+                for path in sorted(self.folder.glob(self.pattern)):
+                    self._catch_up(path, memoryview(buf))
+                self._stopping.wait(self.poll_s)
+        except OSError:
+            self._failed = True  # the manifest hashes everything itself
+
+    def _catch_up(self, path: Path, view: memoryview) -> None:
+        """Hash what was appended to `path` since the last time."""
+        if path not in self._files:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            self._files[path] = (fd, os.fstat(fd).st_ino, PrefixHash(0, hashlib.sha256()))
+        fd, inode, prefix = self._files[path]
+        end, size = os.fstat(fd).st_size, prefix.size
+        while size < end and not self._stopping.is_set():
+            n = os.preadv(fd, [view[: min(HASH_CHUNK, end - size)]], size)
+            if n == 0:
+                break
+            prefix.state.update(view[:n])
+            size += n
+        self._files[path] = (fd, inode, PrefixHash(size, prefix.state))
 
 
 def hash_file(path: Path, prefix: PrefixHash | None = None) -> tuple[int, str]:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from singularityd.checkpoint.coordinator import JobCheckpoints
 from singularityd.checkpoint.manifest import IMAGES_DIR
+from singularityd.checkpoint.service import PAGES_IMAGES
 from singularityd.federation import jobfiles
 from singularityd.federation.pagedelta import BaseIndex, apply_recipe, index_base, make_recipe
 
@@ -36,7 +37,6 @@ BASE_DIR = "base"
 DELTA_DIR = "delta"
 RECIPE_SUFFIX = ".recipe"
 LITERALS_SUFFIX = ".literals"
-PAGES_GLOB = "pages-*.img"
 DELTA_MIN_BYTES = 1 << 20
 """Smaller pages images are sent as they are (a recipe would save next to nothing)."""
 
@@ -76,7 +76,7 @@ async def dump_base(checkpoints: JobCheckpoints, job_id: int, pid: int, folder: 
     images = folder / BASE_DIR
     images.mkdir(mode=0o700)
     stats = await checkpoints.dump_in_place(job_id, pid, images, folder / "dump.log")
-    names = sorted(f"{BASE_DIR}/{p.name}" for p in images.glob(PAGES_GLOB))
+    names = sorted(f"{BASE_DIR}/{p.name}" for p in images.glob(PAGES_IMAGES))
     index = await asyncio.to_thread(index_base, folder, names)
     return ProcessBase(folder, index, stats.pause_s)
 
@@ -92,7 +92,7 @@ def stage_deltas(staging: Path, base: ProcessBase) -> DeltaSummary:
     """Replace each large pages image of the staged checkpoint by its recipe and literals against
     `base`, and add the base (see the module's docstring); what was replaced."""
     summary = DeltaSummary()
-    images = sorted(staging.glob(f"{jobfiles.CHECKPOINT_DIR}/*/{IMAGES_DIR}/{PAGES_GLOB}"))
+    images = sorted(staging.glob(f"{jobfiles.CHECKPOINT_DIR}/*/{IMAGES_DIR}/{PAGES_IMAGES}"))
     for image in images:
         info = image.lstat()
         if info.st_size < DELTA_MIN_BYTES or not image.is_file():
