@@ -122,13 +122,16 @@ class Server:
     def _dispose(self, session: Session, runner: Runner | None) -> None:
         """Stop a forgotten session's thread and free what it holds, on the device's lock: the
         frees change storages other sessions share and the device's counts, so they never run
-        beside an operation (call without the state lock: the device's lock comes first)."""
+        beside an operation (call without the state lock: the device's lock comes first). The
+        memory itself goes on a thread of its own, so that whoever waits for the release does not
+        wait for the kernel to take back gigabytes."""
         if runner is not None:
             runner.stop()
         with self.executor.lock:
-            session.free_all()
+            held = session.free_all()
             if not self.job_sessions(session.job_id):
                 self.squash.drop_job(session.job_id)  # what it kept for the job's sessions goes too
+        threading.Thread(target=held.clear, name="free-memory", daemon=True).start()
 
     def job_runners(self, job_id: str) -> list[Runner]:
         """The runners of a job's sessions, by rank."""

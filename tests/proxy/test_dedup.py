@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -180,6 +181,19 @@ def test_a_dropped_session_frees_only_when_nothing_runs_on_the_device(server: Se
     dropper.join(10)
     assert done.is_set() and first.held_bytes == 0 and not first.tensors
     assert server.memory.used == used and server.memory.shared == 0
+
+
+def test_a_dropped_session_lets_its_memory_go_on_a_thread_of_its_own(server: Server) -> None:
+    """Dropping a session (a released job) counts its bytes off at once, and the tensors die on
+    another thread: whoever waits for the release does not wait for the kernel to take the memory."""
+    (session,) = open_sessions(server, 1)
+    session.add(1, torch.zeros(FLOATS))
+    died_on: list[str] = []
+    weakref.finalize(session.tensors[1], lambda: died_on.append(threading.current_thread().name))
+    server.drop(session)
+    assert session.held_bytes == 0 and server.memory.used == 0
+    wait_until(lambda: died_on, timeout=10)
+    assert died_on == ["free-memory"]
 
 
 def test_replicas_are_judged_where_every_rank_here_waits_at_one_collective(server: Server) -> None:
