@@ -98,7 +98,29 @@ class Arrivals:
         self.restoring: dict[int, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         """Per arriving job: held by its restore (or preload), so that a discard waits for it to end."""
         self.preloads = Preloads(daemon, holdings, self.restoring.__getitem__, self._free_devices, self.note)
-        self.receivers = Receivers(self.authorize, self.preloads.received)
+        self.drafting: dict[tuple[int, int], asyncio.Future[int]] = {}
+        """Per (job, epoch): the copy of a received base into drafts of its process images."""
+        self.receivers = Receivers(self.authorize, self._received)
+
+    def _received(self, job_id: str, epoch: int, directory: Path) -> None:
+        """A transfer for (job, epoch) has all its chunks: if it was the pre-send (no recipes yet),
+        preload its device state and draft its process images over the base that came with it,
+        while the job still runs on its source (bases.draft_images)."""
+        self.preloads.received(job_id, epoch, directory)
+        key = (int(job_id), epoch)
+        pre_send = not (directory / bases.DELTA_DIR).exists()
+        if pre_send and key not in self.drafting and (directory / bases.BASE_DIR).is_dir():
+            self.drafting[key] = asyncio.ensure_future(asyncio.to_thread(bases.draft_images, directory))
+
+    async def _drafted(self, job_id: int, epoch: int) -> None:
+        """Wait for the drafting of (job, epoch)'s process images, if any, to end (a failure only
+        means the rebuild writes new files)."""
+        drafting = self.drafting.pop((job_id, epoch), None)
+        if drafting is not None:
+            try:
+                await drafting
+            except OSError as error:
+                log.warning("job %d: drafting its process images failed: %s", job_id, error)
 
     def incoming(self, job_id: str, epoch: int) -> Path:
         """Where the files of one epoch of an arriving job are received."""
@@ -183,6 +205,8 @@ class Arrivals:
             raise RuntimeError(f"the received record is for job {arrival.job_id}, not {job_id}")
         began = time.monotonic()
         received = self.receivers.take_digests(job_id, epoch)
+        await self._drafted(job_number, epoch)
+        drafts = await asyncio.to_thread(bases.drafts_ready, incoming)
         try:  # before the restore checks every file against the checkpoint's manifest
             rebuilt = await asyncio.to_thread(bases.rebuild_deltas, incoming)
         except (OSError, DeltaError) as error:
@@ -191,6 +215,7 @@ class Arrivals:
         if rebuilt:
             rebuilt_note = (
                 f"rebuilt {len(rebuilt)} process images from their base and changes in {rebuild_s:.1f}s"
+                + (f", over {drafts} drafts copied from the base while the job ran" if drafts else "")
             )
             self.note(job_id, rebuilt_note)
         await self._kill_frozen(job_number)
@@ -266,6 +291,7 @@ class Arrivals:
         job_number = int(job_id)
         self._notes.pop(job_number, None)
         await self.preloads.drop(job_number, epoch)
+        await self._drafted(job_number, epoch)
         await asyncio.to_thread(jobfiles.remove, self.incoming(job_id, epoch))
         holding = self.holdings.load(job_id)
         if self._arriving_epoch(job_number) != epoch or (holding is not None and holding.owns):

@@ -8,11 +8,16 @@ pre-copied device state. After the stop, each large pages image of the final che
 as a recipe against that base plus the blocks the base lacks (`stage_deltas`, see pagedelta); the
 target rebuilds the images (`rebuild_deltas`, hashing them as it writes them) before its restore
 checks every file of the checkpoint against the manifest's sha256, so a base that went wrong fails
-the move, never the job.
+the move, never the job. As soon as the base has arrived, the target copies each of its pages
+images to a draft (`draft_images`, while the job still runs): the rebuild writes over the draft,
+quicker than filling a new file while the job is stopped (on this VM writes into new files run
+at a fraction of the speed of writes over pages a file already has), and leaves alone the runs
+the base holds at the same offset.
 
 In the directory a move sends (see jobfiles), besides the job's files:
 
     base/pages-<n>.img                       the base's pages images (sent while the job ran)
+    draft/pages-<n>.img                      on the target only: a copy of the base's, to rebuild over
     delta/checkpoint/<seq>/images/pages-<n>.img.recipe    how to rebuild the image from the base
     delta/checkpoint/<seq>/images/pages-<n>.img.literals  the blocks the base lacks
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +40,8 @@ from singularityd.federation import jobfiles
 from singularityd.federation.pagedelta import BaseIndex, apply_recipe, index_base, make_recipe
 
 BASE_DIR = "base"
+DRAFT_DIR = "draft"
+DRAFT_SUFFIX = ".partial"
 DELTA_DIR = "delta"
 RECIPE_SUFFIX = ".recipe"
 LITERALS_SUFFIX = ".literals"
@@ -117,6 +125,26 @@ def stage_deltas(staging: Path, base: ProcessBase) -> DeltaSummary:
     return summary
 
 
+def draft_images(incoming: Path) -> int:
+    """Copy each pages image of the base received in `incoming` to a draft of the image of the same
+    name that the rebuild will write (see the module's docstring); the bytes copied. A draft is
+    renamed into place once whole, so the rebuild never takes a partial one."""
+    copied = 0
+    for base in sorted((incoming / BASE_DIR).glob(PAGES_IMAGES)):
+        drafts = incoming / DRAFT_DIR
+        drafts.mkdir(mode=0o700, exist_ok=True)
+        partial = drafts / (base.name + DRAFT_SUFFIX)
+        shutil.copyfile(base, partial, follow_symlinks=False)
+        partial.rename(drafts / base.name)
+        copied += (drafts / base.name).stat().st_size
+    return copied
+
+
+def drafts_ready(incoming: Path) -> int:
+    """How many whole drafts `incoming` holds (draft_images)."""
+    return len(list((incoming / DRAFT_DIR).glob(PAGES_IMAGES)))
+
+
 def rebuild_deltas(incoming: Path) -> dict[str, str]:
     """Rebuild every image a received directory holds as a recipe, then drop the recipes and the
     base; the sha256 of each image rebuilt (hashed as it was written), by path in `incoming`.
@@ -130,8 +158,11 @@ def rebuild_deltas(incoming: Path) -> dict[str, str]:
         image = incoming / relative.with_name(relative.name.removesuffix(RECIPE_SUFFIX))
         literals = recipe.with_name(recipe.name.removesuffix(RECIPE_SUFFIX) + LITERALS_SUFFIX)
         image.unlink(missing_ok=True)
-        _, rebuilt[image.relative_to(incoming).as_posix()] = apply_recipe(recipe, literals, incoming, image)
+        draft = incoming / DRAFT_DIR / image.name
+        _, rebuilt[image.relative_to(incoming).as_posix()] = apply_recipe(
+            recipe, literals, incoming, image, draft
+        )
         os.chmod(image, literals.stat().st_mode & 0o777)
-    jobfiles.remove(incoming / DELTA_DIR)
-    jobfiles.remove(incoming / BASE_DIR)
+    for left in (DELTA_DIR, BASE_DIR, DRAFT_DIR):
+        jobfiles.remove(incoming / left)
     return rebuilt

@@ -227,16 +227,13 @@ def make_recipe(
     return DeltaFigures(size, literal_bytes, recipe.stat().st_size)
 
 
-def _copy(source: BinaryIO, out: BinaryIO, length: int, sha256: Any = None) -> None:
-    """Copy `length` bytes from one open binary file to another, feeding them to `sha256` (a
-    hashlib object) when given (DeltaError if the source ends)."""
+def _copy(source: BinaryIO, out: BinaryIO, length: int) -> None:
+    """Copy `length` bytes from one open binary file to another (DeltaError if the source ends)."""
     while length > 0:
         data = source.read(min(READ_BYTES, length))
         if not data:
             raise DeltaError("a file ended before its recipe did")
         out.write(data)
-        if sha256 is not None:
-            sha256.update(data)
         length -= len(data)
 
 
@@ -283,12 +280,18 @@ def _runs_in_order(
         raise DeltaError(f"the recipe makes {position} bytes, not {size}")
 
 
-def apply_recipe(recipe: Path, literals: Path, base_root: Path, output: Path) -> tuple[int, str]:
+def apply_recipe(
+    recipe: Path, literals: Path, base_root: Path, output: Path, draft: Path | None = None
+) -> tuple[int, str]:
     """Rebuild a file from its recipe, its literals and the base under `base_root`; its size and
-    the sha256 of what was written (hashed as it was written, so the file is not read again).
+    the sha256 of the file as rebuilt (hashed as it was written, so it is not read again).
 
-    DeltaError when the recipe is malformed, a base block it names is missing, or the literals
-    are too short or too long. The content is not checked here (see the module's docstring)."""
+    A `draft` (a copy of the same-named base file, made while the job still ran) becomes the
+    output: it is written over, which is quicker than filling a new file, and the runs the base
+    holds at the same offset are left as they are (read back and hashed, so a bad draft fails the
+    manifest check like any bad file). DeltaError when the recipe is malformed, a base block it
+    names is missing, or the literals are too short or too long. The content is not checked here
+    (see the module's docstring)."""
     header, runs = read_recipe(recipe)
     size, bs = int(str(header["size"])), int(str(header["block_bytes"]))
     names = [str(n) for n in header["base"]]  # type: ignore[attr-defined]
@@ -296,30 +299,55 @@ def apply_recipe(recipe: Path, literals: Path, base_root: Path, output: Path) ->
         if name.startswith("/") or ".." in name.split("/"):
             raise DeltaError(f"the recipe names a base file outside the transfer: {name!r}")
     plan = list(_runs_in_order(runs, names, size, bs))
+    drafted = [
+        i for i, name in enumerate(names) if draft is not None and name.rsplit("/", 1)[-1] == draft.name
+    ]
+    in_place = drafted[0] if len(drafted) == 1 and draft is not None and draft.is_file() else None
     fds: dict[int, int] = {}
     written = hashlib.sha256()
     try:
-        with open(literals, "rb") as taken, open(output, "wb") as out:
-            for file_index, first, length in plan:
-                if file_index == LITERAL:
-                    _copy(taken, out, length, written)
-                    continue
-                if file_index not in fds:
-                    try:
-                        fds[file_index] = os.open(base_root / names[file_index], os.O_RDONLY | os.O_CLOEXEC)
-                    except OSError as error:
-                        raise DeltaError(
-                            f"base file {names[file_index]} is missing ({error.strerror})"
-                        ) from None
-                data = os.pread(fds[file_index], length, first * bs)
-                if len(data) != length:
-                    raise DeltaError(
-                        f"base file {names[file_index]} lacks blocks {first}..{first + length // bs}"
-                    )
-                out.write(data)
-                written.update(data)
-            if taken.read(1):
-                raise DeltaError(f"{literals.name} holds more than its recipe uses")
+        if in_place is not None and draft is not None:
+            os.replace(draft, output)
+            out = os.open(output, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        else:
+            out = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            drafted_bytes = os.fstat(out).st_size if in_place is not None else 0
+            with open(literals, "rb") as taken:
+                position = 0
+                for file_index, first, length in plan:
+                    if file_index == LITERAL:
+                        _place(
+                            taken.read(length),
+                            length,
+                            out,
+                            position,
+                            written,
+                            "a file ended before its recipe did",
+                        )
+                    elif (
+                        file_index == in_place
+                        and first * bs == position
+                        and position + length <= drafted_bytes
+                    ):
+                        _place(
+                            os.pread(out, length, position),
+                            length,
+                            None,
+                            position,
+                            written,
+                            "the draft shrank",
+                        )
+                    else:
+                        data = os.pread(_base_fd(fds, file_index, base_root, names), length, first * bs)
+                        short = f"base file {names[file_index]} lacks blocks {first}..{first + length // bs}"
+                        _place(data, length, out, position, written, short)
+                    position += length
+                if taken.read(1):
+                    raise DeltaError(f"{literals.name} holds more than its recipe uses")
+            os.ftruncate(out, size)
+        finally:
+            os.close(out)
     except DeltaError:
         output.unlink(missing_ok=True)
         raise
@@ -327,3 +355,26 @@ def apply_recipe(recipe: Path, literals: Path, base_root: Path, output: Path) ->
         for fd in fds.values():
             os.close(fd)
     return size, written.hexdigest()
+
+
+def _base_fd(fds: dict[int, int], file_index: int, base_root: Path, names: Sequence[str]) -> int:
+    """The open base file `file_index` (opened on first use; DeltaError when it is missing)."""
+    if file_index not in fds:
+        try:
+            fds[file_index] = os.open(base_root / names[file_index], os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as error:
+            raise DeltaError(f"base file {names[file_index]} is missing ({error.strerror})") from None
+    return fds[file_index]
+
+
+def _place(data: bytes, length: int, out: int | None, position: int, written: Any, short: str) -> None:
+    """Hash `data` (which must be `length` bytes, else DeltaError saying `short`) and write it at
+    `position` of the open file `out` (unless None: it is there already)."""
+    if len(data) != length:
+        raise DeltaError(short)
+    if out is not None:
+        done = 0
+        view = memoryview(data)
+        while done < length:
+            done += os.pwrite(out, view[done:], position + done)
+    written.update(data)

@@ -75,12 +75,13 @@ def test_images_travel_as_changes_and_are_rebuilt_exactly(tmp_path: Path) -> Non
     assert (summary.images, summary.image_bytes) == (1, len(image))
     assert summary.literal_bytes == 8 * BS + len(b"odd tail")
     assert not (staging / IMAGE).exists()
+    assert bases.draft_images(incoming) == 4 * MiB and bases.drafts_ready(incoming) == 1  # still running
     sent = send(staging, incoming)  # after the stop: only what the base lacks
     assert sent < 16 * BS + 5000, sent
     assert bases.rebuild_deltas(incoming) == {IMAGE: hashlib.sha256(image).hexdigest()}
     assert (incoming / IMAGE).read_bytes() == image
     assert (incoming / IMAGE).stat().st_mode & 0o777 == 0o600
-    assert not (incoming / bases.DELTA_DIR).exists() and not (incoming / bases.BASE_DIR).exists()
+    assert not any((incoming / d).exists() for d in (bases.DELTA_DIR, bases.BASE_DIR, bases.DRAFT_DIR))
     assert (incoming / "checkpoint/7/images/pages-2.img").stat().st_size == 3 * BS
 
 

@@ -474,6 +474,8 @@ def test_a_moved_job_sends_its_process_images_as_changes_against_a_base(lab: Lab
     events = [e["reason"] for e in left["events"]]
     assert any(" base of its process images to node-b in " in e for e in events), events
     assert any(e.startswith("process images (") and " of changes against the base" in e for e in events)
+    rebuilt = [e["reason"] for e in arrived["events"] if e["reason"].startswith("rebuilt ")]
+    assert len(rebuilt) == 1 and " drafts copied from the base while the job ran" in rebuilt[0], rebuilt
     after = [e for e in events if e.startswith("sent ") and " after the stop (" in e]
     assert len(after) == 1, events
     sent = int(after[0].split(" after the stop (")[1].split(" bytes")[0])

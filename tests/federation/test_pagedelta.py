@@ -20,6 +20,7 @@ from singularityd.federation.pagedelta import (
     plan_runs,
     read_recipe,
 )
+from tests.helpers import invert_bytes
 
 BS = BLOCK_BYTES
 
@@ -54,6 +55,38 @@ def test_a_file_made_of_moved_base_blocks_travels_as_a_small_recipe(tmp_path: Pa
     _, runs = read_recipe(tmp_path / "new.recipe")
     assert len(runs) == 5  # three copied runs, one literal run, the tail
     assert (tmp_path / "new.recipe").stat().st_size < 1000
+
+
+def test_a_rebuild_over_a_draft_of_the_base_writes_only_what_moved_and_hashes_the_file(
+    tmp_path: Path,
+) -> None:
+    """A draft (a copy of the same-named base file) becomes the output: the runs the base holds at
+    the same offset are left as they are, the rest written over it, the file cut to its size; the
+    digest is of the file as it ends up, so a draft that differs from the base fails the manifest."""
+    base = os.urandom(64 * BS)
+    new = base[: 20 * BS] + os.urandom(2 * BS) + base[22 * BS : 40 * BS] + base[: 5 * BS] + b"tail"
+    root = tmp_path / "root"
+    (root / "base").mkdir(parents=True)
+    (root / "base/pages-1.img").write_bytes(base)
+    image, recipe, literals = (tmp_path / n for n in ("pages-1.img", "new.recipe", "new.lit"))
+    image.write_bytes(new)
+    make_recipe(image, index_base(root, ["base/pages-1.img"]), recipe, literals)
+    wanted = (len(new), hashlib.sha256(new).hexdigest())
+    for case in ("same", "bad in place", "bad elsewhere", "other name"):
+        draft = tmp_path / "draft" / ("pages-2.img" if case == "other name" else "pages-1.img")
+        draft.parent.mkdir(exist_ok=True)
+        draft.write_bytes(base)
+        if case.startswith("bad"):
+            invert_bytes(draft, (3 if case == "bad in place" else 50) * BS, 8)
+        output = tmp_path / "out" / "pages-1.img"
+        output.parent.mkdir(exist_ok=True)
+        got = apply_recipe(recipe, literals, root, output, draft)
+        if case != "bad in place":
+            assert output.read_bytes() == new
+        assert output.stat().st_size == len(new)
+        assert (got == wanted) == (case != "bad in place"), case
+        assert got == (len(new), hashlib.sha256(output.read_bytes()).hexdigest())
+        assert draft.exists() == (case == "other name")
 
 
 def test_blocks_that_follow_in_the_base_are_compared_not_hashed(
