@@ -128,9 +128,10 @@ def _digest(block: bytes | memoryview) -> bytes:
     return hashlib.sha256(block).digest()
 
 
-def _same_named(path: Path, base: BaseIndex) -> int | None:
-    """The base file with the same name as `path` (CRIU numbers a tree's pages images alike), if any."""
-    found = [i for i, name in enumerate(base.names) if name.rsplit("/", 1)[-1] == path.name]
+def _same_named(path: Path, names: Sequence[str]) -> int | None:
+    """The base file (of `names`) with the same name as `path` (CRIU numbers a tree's pages images
+    alike), if exactly one."""
+    found = [i for i, name in enumerate(names) if name.rsplit("/", 1)[-1] == path.name]
     return found[0] if len(found) == 1 else None
 
 
@@ -162,7 +163,7 @@ def plan_runs_against(path: Path, base: BaseIndex, base_root: Path) -> list[tupl
     step = max(1, READ_BYTES // bs)
     with contextlib.ExitStack() as stack:
         fds = [stack.enter_context(open(base_root / name, "rb", buffering=0)).fileno() for name in base.names]
-        same = _same_named(path, base)
+        same = _same_named(path, base.names)
         expect = (same, 0) if same is not None else None
         mine = stack.enter_context(open(path, "rb", buffering=0))
         span = 1
@@ -299,14 +300,11 @@ def apply_recipe(
         if name.startswith("/") or ".." in name.split("/"):
             raise DeltaError(f"the recipe names a base file outside the transfer: {name!r}")
     plan = list(_runs_in_order(runs, names, size, bs))
-    drafted = [
-        i for i, name in enumerate(names) if draft is not None and name.rsplit("/", 1)[-1] == draft.name
-    ]
-    in_place = drafted[0] if len(drafted) == 1 and draft is not None and draft.is_file() else None
+    in_place = _same_named(draft, names) if draft is not None and draft.is_file() else None
     fds: dict[int, int] = {}
     written = hashlib.sha256()
     try:
-        if in_place is not None and draft is not None:
+        if draft is not None and in_place is not None:
             os.replace(draft, output)
             out = os.open(output, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         else:
