@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from singularityd.checkpoint import CheckpointError, Criu, CriuError, CriuInfo, NoValidCheckpoint
-from singularityd.checkpoint.store import hash_files
+from singularityd.checkpoint.hashing import hash_files
 from tests.checkpoint_helpers import (
     SYSTEM_PYTHON,
     TEST_USER,

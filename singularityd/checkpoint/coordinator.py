@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from singularityd.checkpoint.criu import DumpStats
 from singularityd.checkpoint.errors import CheckpointError, JobEnded
+from singularityd.checkpoint.hashing import PrefixHash, hash_prefixes
 from singularityd.checkpoint.interrupted import settle_interrupted
 from singularityd.checkpoint.manifest import IMAGES_DIR, MANIFEST_NAME, Manifest
 from singularityd.checkpoint.pause import (
@@ -34,7 +35,6 @@ from singularityd.checkpoint.pause import (
 )
 from singularityd.checkpoint.precheck import tree_pids
 from singularityd.checkpoint.service import Checkpointer, CheckpointResult, KnownDigests
-from singularityd.checkpoint.store import PrefixHash, hash_prefixes
 from singularityd.devices.access import (
     DeviceAccess,
     DeviceError,

@@ -26,16 +26,15 @@ from singularityd.checkpoint.criu import (
     run_to_completion,
 )
 from singularityd.checkpoint.errors import CheckpointError, NoValidCheckpoint
+from singularityd.checkpoint.hashing import GrowingFileHasher, PrefixHash
 from singularityd.checkpoint.manifest import IMAGES_DIR, Manifest, Skipped, Verdict
 from singularityd.checkpoint.namespaces import ExternalMounts, read_external_mounts
 from singularityd.checkpoint.precheck import dump_problems, tree_holds_tcp, tree_pids
 from singularityd.checkpoint.staging import Staged, StagingArea, mark_staged, move_images
 from singularityd.checkpoint.store import (
-    GrowingFileHasher,
     ImageStore,
     JobUsage,
     PendingCheckpoint,
-    PrefixHash,
     rewind_files,
     tree_anon_bytes,
 )
@@ -438,9 +437,9 @@ class Checkpointer:
             script.write_text(post_dump_script(rewind_paths, sizes_file))
             script.chmod(0o700)
         following = image_dir == pending.images and not leave_running
-        hasher = GrowingFileHasher(image_dir, pending.path, PAGES_IMAGES)
+        hasher = GrowingFileHasher(image_dir, pending.path, PAGES_IMAGES) if following else None
         try:
-            with hasher if following else contextlib.nullcontext(hasher):
+            with hasher or contextlib.nullcontext():
                 dump_stats = await self.criu.dump(
                     pid,
                     image_dir,
@@ -465,7 +464,7 @@ class Checkpointer:
                 if f is not None:
                     with contextlib.suppress(FileNotFoundError):
                         f.unlink()
-        return pre_stats, dump_stats, sizes, hasher.prefixes() if following else {}
+        return pre_stats, dump_stats, sizes, hasher.prefixes() if hasher is not None else {}
 
     async def restore_latest(
         self,

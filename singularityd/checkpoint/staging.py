@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from singularityd import faults
-from singularityd.checkpoint.store import HASH_CHUNK, STAGED_MARK, PrefixHash, write_durably
+from singularityd.checkpoint.hashing import HASH_CHUNK, PrefixHash
+from singularityd.checkpoint.store import STAGED_MARK, write_durably
 from singularityd.units import human_bytes
 
 RECORD_NAME = ".staging"

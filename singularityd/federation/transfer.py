@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from singularityd.checkpoint.hashing import hash_into
 from singularityd.checkpoint.manifest import path_is_safe
-from singularityd.checkpoint.store import hash_into
 
 MiB = 1 << 20
 MIN_CHUNK = 1 * MiB
