@@ -36,7 +36,7 @@ from singularityd.checkpoint.manifest import (
     structural_problems,
 )
 from singularityd.checkpoint.precheck import DaemonFacts, ProcFacts, tree_problems
-from singularityd.checkpoint.service import parse_sizes, post_dump_script
+from singularityd.checkpoint.service import TCP_REFUSED_EXIT, parse_sizes, post_dump_script
 
 
 def _manifest(seq: int = 2, **files: int) -> Manifest:
@@ -287,3 +287,21 @@ def test_post_dump_script_records_sizes(tmp_path: Path) -> None:
     assert not out.exists()
     subprocess.run([str(script)], env={"CRTOOLS_SCRIPT_ACTION": "post-dump"}, check=True)
     assert parse_sizes(paths, out.read_text()) == {str(a): 5, str(tmp_path / "missing"): -1}
+
+
+def test_post_dump_script_of_a_dump_without_the_lock_fails_on_a_tcp_connection(tmp_path: Path) -> None:
+    """The script of a dump taken without the network lock fails (so CRIU lets the tree run on)
+    exactly when the images hold an established TCP connection, and records sizes otherwise."""
+    images = tmp_path / "the images"
+    images.mkdir()
+    out = tmp_path / "sizes"
+    script = tmp_path / "s.sh"
+    script.write_text(post_dump_script([], out, images))
+    script.chmod(0o700)
+    post_dump = {"CRTOOLS_SCRIPT_ACTION": "post-dump"}
+    assert subprocess.run([str(script)], env=post_dump).returncode == 0 and out.exists()
+    (images / "inetsk.img").write_bytes(b"")
+    assert subprocess.run([str(script)], env=post_dump).returncode == 0
+    (images / "tcp-stream-82e3b8.img").write_bytes(b"")
+    assert subprocess.run([str(script)], env={"CRTOOLS_SCRIPT_ACTION": "pre-dump"}).returncode == 0
+    assert subprocess.run([str(script)], env=post_dump).returncode == TCP_REFUSED_EXIT

@@ -6,6 +6,8 @@ the images straight to disk, saying so; a real daemon killed (at a fault point) 
 checkpoint's images to disk restarts with that checkpoint removed, never used half-written, and its
 job runs on to an exact end. A tree without TCP sockets is dumped without CRIU's network lock; one
 with them under it, and a TCP connection found in a dump taken without it fails that checkpoint.
+A dump that stops a tree holding no TCP socket skips the lock too; a connection that appeared
+meanwhile makes CRIU let the tree run on, and it is dumped again under the lock.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from tests.checkpoint_helpers import (
     SYSTEM_PYTHON,
     TRAIN,
     LaunchedJob,
+    finish_counting,
     finish_job,
     kill_tree,
     launch_job,
@@ -170,6 +173,57 @@ def test_network_lock_is_skipped_only_without_tcp(
     assert cp.store.seqs("tcp") == [locked.seq] and pid_alive(job.pid)
     crash_and_restore(cp, "tcp", job, jobs, release)
     assert log.read_text() == "".join(f"{i}\n" for i in range(300)) + "done\n"
+
+
+def stop(cp: Checkpointer, job: str, pid: int, log: Path) -> CheckpointResult:
+    """Checkpoint a root-owned job and stop it (a preemption), its log to be rewound on restore."""
+    return asyncio.run(
+        cp.checkpoint(job, pid, owner_uid=0, owner_gid=0, leave_running=False, rewind_paths=[str(log)])
+    )
+
+
+@requires_root
+def test_a_stopping_dump_without_tcp_skips_the_lock_and_the_tree_is_gone_when_it_returns(
+    criu_info: CriuInfo, work: Path, jobs: list[int]
+) -> None:
+    """A preemption of a tree holding no TCP socket: dumped without the network lock, the tree is
+    gone when the checkpoint returns, and restored it ends exactly."""
+    script = write_script(work, "count.py", COUNTER)
+    release = work / "release"
+    job = launch_job(work, "stopped", [SYSTEM_PYTHON, script, "200", str(release)], jobs)
+    cp = Checkpointer(Criu(criu_info), ImageStore(work / "store"))
+    assert wait_for_line(job.log(), "5\n", 30)
+    r = stop(cp, "stopped", job.pid, job.log())
+    assert r.manifest.stats["network_locked"] is False
+    assert not pid_alive(job.pid), "the checkpoint returned with the job's tree still there"
+    assert not list((r.path / "images").glob(service.TCP_STREAM_IMAGES))
+    restored = asyncio.run(cp.restore_latest("stopped"))
+    finish_counting(restored.pid, job, jobs, release, 200)
+
+
+@requires_root
+def test_a_tcp_connection_in_a_stopping_dump_without_the_lock_has_it_dumped_again_under_the_lock(
+    criu_info: CriuInfo, work: Path, jobs: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Were a TCP connection to appear in a stopping dump taken without the lock (the tree held none
+    when checked), the dump's action script fails while the tree is frozen, CRIU lets it run on, and
+    it is dumped again under the lock: the checkpoint says it was locked, the tree is gone, and
+    restored the connection carries on to an exact end."""
+    script = write_script(work, "tcp.py", TCP_PAIR)
+    release = work / "release"
+    job = launch_job(work, "tcp", [SYSTEM_PYTHON, script, "300", str(release)], jobs)
+    cp = Checkpointer(Criu(criu_info), ImageStore(work / "store"))
+    assert wait_for_line(job.log(), "5\n", 30)
+    monkeypatch.setattr(service, "tree_holds_tcp", lambda pids: False)
+    r = stop(cp, "tcp", job.pid, job.log())
+    assert r.manifest.stats["network_locked"] is True
+    assert not pid_alive(job.pid)
+    assert list((r.path / "images").glob(service.TCP_STREAM_IMAGES))
+    restored = asyncio.run(cp.restore_latest("tcp"))
+    track(jobs, restored.pid)
+    release.touch()
+    finish_job(restored.pid, job)
+    assert job.log().read_text() == "".join(f"{i}\n" for i in range(300)) + "done\n"
 
 
 def staging_folder(state_dir: Path) -> Path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shlex
 import shutil
 import time
@@ -25,7 +26,7 @@ from singularityd.checkpoint.criu import (
     RestoreOutcome,
     run_to_completion,
 )
-from singularityd.checkpoint.errors import CheckpointError, NoValidCheckpoint
+from singularityd.checkpoint.errors import CheckpointError, CriuError, NoValidCheckpoint
 from singularityd.checkpoint.hashing import GrowingFileHasher, PrefixHash
 from singularityd.checkpoint.manifest import IMAGES_DIR, Manifest, Skipped, Verdict
 from singularityd.checkpoint.namespaces import ExternalMounts, read_external_mounts
@@ -41,6 +42,8 @@ from singularityd.checkpoint.store import (
 
 TCP_STREAM_IMAGES = "tcp-stream-*.img"
 """CRIU's image of an established TCP connection: one may not appear in a dump without the lock."""
+TCP_REFUSED_EXIT = 75
+"""How the action script of a dump without the network lock fails when the dump holds a TCP connection."""
 PAGES_IMAGES = "pages-*.img"
 """CRIU's images of process memory: nearly all of a dump's bytes, each written from start to end."""
 
@@ -59,13 +62,27 @@ def _refuse_unlocked_tcp(job_id: str, image_dir: Path, lock_network: bool) -> No
         )
 
 
-def post_dump_script(paths: Sequence[str], out: Path) -> str:
-    """A CRIU action script that records the sizes of `paths` while the tree is still frozen."""
+def _remove_new_files(folder: Path, kept: set[str]) -> None:
+    """Remove the files of `folder` whose names are not in `kept` (what a failed dump wrote)."""
+    for name in set(os.listdir(folder)) - kept:
+        with contextlib.suppress(FileNotFoundError):
+            (folder / name).unlink()
+
+
+def post_dump_script(paths: Sequence[str], out: Path, refuse_tcp_in: Path | None = None) -> str:
+    """A CRIU action script that records the sizes of `paths` while the tree is still frozen; with
+    `refuse_tcp_in` (a dump without the network lock) it first fails if that images folder holds an
+    established TCP connection, so that CRIU lets the tree run on instead of killing it."""
     lines = [f"stat -L -c %s -- {shlex.quote(p)} 2>/dev/null || echo -1" for p in paths]
-    body = "\n".join(lines)
+    body = "\n".join(lines) or ":"
+    refuse = ""
+    if refuse_tcp_in is not None:
+        found = f"{shlex.quote(str(refuse_tcp_in))}/{TCP_STREAM_IMAGES}"
+        refuse = f'for image in {found}; do [ -e "$image" ] && exit {TCP_REFUSED_EXIT}; done\n'
     return (
         "#!/bin/sh\n"
         '[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\n'
+        f"{refuse}"
         f"{{\n{body}\n}} > {shlex.quote(str(out))}\n"
         "exit 0\n"
     )
@@ -244,7 +261,7 @@ class Checkpointer:
         with self.store.locked(job_id):
             pids = await asyncio.to_thread(tree_pids, pid)
             needed = await asyncio.to_thread(tree_anon_bytes, pids)
-            lock_network = not leave_running or await asyncio.to_thread(tree_holds_tcp, pids)
+            lock_network = await asyncio.to_thread(tree_holds_tcp, pids)
             pending = await asyncio.to_thread(
                 self.store.begin,
                 job_id,
@@ -266,7 +283,7 @@ class Checkpointer:
                         "extra": dict(extra or {}),
                     }
                     await asyncio.to_thread(self.store.record_intent, pending, intent)
-                pre_stats, dump_stats, sizes, followed = await self._dump(
+                pre_stats, dump_stats, sizes, followed, lock_network = await self._dump(
                     pending,
                     staged.folder or pending.images,
                     pid,
@@ -404,10 +421,15 @@ class Checkpointer:
         rewind_paths: Sequence[str],
         before_final_dump: Callable[[Path], Any] | None,
         lock_network: bool,
-    ) -> tuple[list[DumpStats], DumpStats, dict[str, int], dict[str, PrefixHash]]:
+    ) -> tuple[list[DumpStats], DumpStats, dict[str, int], dict[str, PrefixHash], bool]:
         """Pre-dump, then dump the job into `image_dir`; the dump's figures, the rewound files'
-        sizes, and (for a dump that stops the job, whose manifest is on the way to its restore)
-        the pages images as hashed while CRIU wrote them."""
+        sizes, (for a dump that stops the job, whose manifest is on the way to its restore) the
+        pages images as hashed while CRIU wrote them, and whether the network lock was taken.
+
+        A dump that stops a tree holding no TCP socket goes without CRIU's network lock (a few
+        tenths of a second of the freeze): should a TCP connection have appeared in its images
+        since the tree was checked, its action script fails while the tree is still frozen, CRIU
+        lets the tree run on, and the dump is taken again under the lock."""
         logs = self.store.logs_dir(pending.job_id)
         tag = f"{pending.seq:08d}"
         dump_log, script_file, sizes_file = dump_files(logs, pending.seq)
@@ -431,27 +453,40 @@ class Checkpointer:
             r = before_final_dump(pending.images)
             if asyncio.iscoroutine(r) or isinstance(r, asyncio.Future):
                 await r
-        script: Path | None = None
-        if rewind_paths:
-            script = script_file
-            script.write_text(post_dump_script(rewind_paths, sizes_file))
-            script.chmod(0o700)
         following = image_dir == pending.images and not leave_running
-        hasher = GrowingFileHasher(image_dir, pending.path, PAGES_IMAGES) if following else None
         try:
-            with hasher or contextlib.nullcontext():
-                dump_stats = await self.criu.dump(
-                    pid,
-                    image_dir,
-                    log_file=dump_log,
-                    leave_running=leave_running,
-                    parent_image_dir=parent,
-                    track_mem=rounds > 0,
-                    external_unix_inodes=external_unix_inodes,
-                    action_script=script,
-                    external_mounts=mounts,
-                    lock_network=lock_network,
-                )
+            while True:
+                refusing = not leave_running and not lock_network
+                script: Path | None = None
+                if rewind_paths or refusing:
+                    script = script_file
+                    script.write_text(
+                        post_dump_script(rewind_paths, sizes_file, image_dir if refusing else None)
+                    )
+                    script.chmod(0o700)
+                written_before = set(os.listdir(image_dir))
+                hasher = GrowingFileHasher(image_dir, pending.path, PAGES_IMAGES) if following else None
+                try:
+                    with hasher or contextlib.nullcontext():
+                        dump_stats = await self.criu.dump(
+                            pid,
+                            image_dir,
+                            log_file=dump_log,
+                            leave_running=leave_running,
+                            parent_image_dir=parent,
+                            track_mem=rounds > 0,
+                            external_unix_inodes=external_unix_inodes,
+                            action_script=script,
+                            external_mounts=mounts,
+                            lock_network=lock_network,
+                        )
+                except CriuError:
+                    if not refusing or not any(image_dir.glob(TCP_STREAM_IMAGES)):
+                        raise
+                    await asyncio.to_thread(_remove_new_files, image_dir, written_before)
+                    lock_network = True
+                    continue
+                break
             _refuse_unlocked_tcp(pending.job_id, image_dir, lock_network)
             if not leave_running:
                 faults.reached(faults.STOPPING_DUMP_DONE)
@@ -460,11 +495,11 @@ class Checkpointer:
                 with contextlib.suppress(OSError):
                     sizes = parse_sizes(rewind_paths, sizes_file.read_text())
         finally:
-            for f in (script, sizes_file):
-                if f is not None:
-                    with contextlib.suppress(FileNotFoundError):
-                        f.unlink()
-        return pre_stats, dump_stats, sizes, hasher.prefixes() if hasher is not None else {}
+            for f in (script_file, sizes_file):
+                with contextlib.suppress(FileNotFoundError):
+                    f.unlink()
+        followed = hasher.prefixes() if hasher is not None else {}
+        return pre_stats, dump_stats, sizes, followed, lock_network
 
     async def restore_latest(
         self,
