@@ -62,6 +62,8 @@ class Row:
     precopy_pause_s: float | None
     precopy_total_frozen_s: float | None
     preempt_dump_s: float
+    preempt_frozen_s: float
+    preempt_locked: bool
     restore_s: float
     verify_s: float
     copy_gbs: float
@@ -159,6 +161,8 @@ async def bench_size(cp: Checkpointer, work: Path, mib: int, dirty: float, copy_
             precopy_pause_s=pre_pause,
             precopy_total_frozen_s=pre_total,
             preempt_dump_s=rq.dump.wall_s,
+            preempt_frozen_s=rq.pause_s,
+            preempt_locked=bool(rq.manifest.stats["network_locked"]),
             restore_s=rr.outcome.wall_s,
             verify_s=rr.verify_s,
             copy_gbs=copy_gbs,
@@ -181,6 +185,9 @@ HEADER = (
     "pause s (pre-copy)",
     "frozen s (pre-copy, all)",
     "hash+record s",
+    "preempt dump s",
+    "preempt frozen s",
+    "preempt network lock",
     "restore s",
     "verify s",
     "image GB/s",
@@ -200,6 +207,9 @@ def table_rows(rows: list[Row]) -> list[tuple[str, ...]]:
             _fmt(r.precopy_pause_s, ".3f"),
             _fmt(r.precopy_total_frozen_s, ".3f"),
             f"{r.record_s:.2f}",
+            f"{r.preempt_dump_s:.2f}",
+            f"{r.preempt_frozen_s:.3f}",
+            "yes" if r.preempt_locked else "no",
             f"{r.restore_s:.2f}",
             f"{r.verify_s:.2f}",
             f"{r.throughput_gbs:.2f}",
