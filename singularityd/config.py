@@ -100,7 +100,7 @@ class Config:
     move_timeout_seconds: float = 600.0
     move_hold_seconds: float = 900.0
     move_connect_seconds: float = 10.0
-    move_process_base: bool = False
+    move_process_base: bool = True
     move_preload: bool = True
 
     @property
@@ -233,8 +233,8 @@ OPTIONS: dict[str, str] = {
     "move_process_base": "While a job being moved still runs, dump its processes in place (a pause like "
     "any checkpoint's) and send those images to the target as a base, so that after the stop its "
     "process images travel as the blocks the base lacks, rebuilt and checked on the target (default "
-    "false: it pays where the link between peers is slower than about 200 MB/s or busy; off, or whenever "
-    "the base cannot be made or sent, the images are sent whole).",
+    "true; off, or whenever the base cannot be made or sent, the images are sent whole after the stop: "
+    "fewer bytes on the link and one freeze less, a longer downtime).",
     "move_preload": "As a move's target, read the device state the source pre-copied onto this node's "
     "devices as soon as it has arrived, while the job still runs there, so that the restore after its "
     "stop reads only what changed since (default true; off: the restore reads all of it).",

@@ -12,8 +12,9 @@ be exactly what an uninterrupted run of the same number of steps prints. A refer
 once, nor may one node have a live copy while another holds one it may still let run.
 
 CI runs a fixed sample of trials (one per fault kind and a few steps); SING_FAULT_TRIALS=N runs N
-random ones (SING_FAULT_SEED picks them) and prints a table of outcomes; SING_FAULT_PROCESS_BASE=1
-runs them with `move_process_base` on (the process images sent as changes against a base).
+random ones (SING_FAULT_SEED picks them) and prints a table of outcomes; they run with the default
+`move_process_base` (on: the process images sent as changes against a base), SING_FAULT_PROCESS_BASE=0
+runs them with it off (the images sent whole after the stop).
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ def fault_lab() -> Iterator[Lab]:
     if why:
         pytest.skip(why)
     config: dict[str, Any] = {"move_timeout_seconds": MOVE_TIMEOUT_S, "move_hold_seconds": MOVE_HOLD_S}
-    if os.environ.get("SING_FAULT_PROCESS_BASE") == "1":
-        config["move_process_base"] = True
+    if os.environ.get("SING_FAULT_PROCESS_BASE") == "0":
+        config["move_process_base"] = False
     with joined_lab(NODES, f"flt{os.getpid() % 10000}", config) as made:
         yield made
 
