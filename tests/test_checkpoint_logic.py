@@ -26,6 +26,7 @@ from singularityd.checkpoint import (
 from singularityd.checkpoint import store as store_module
 from singularityd.checkpoint.criu import parse_stats, summarize_log
 from singularityd.checkpoint.criu_discovery import parse_version, privilege_problem, tcp_problem
+from singularityd.checkpoint.dump_script import TCP_REFUSED_EXIT, parse_sizes, post_dump_script
 from singularityd.checkpoint.hashing import GrowingFileHasher, hash_file, hash_files, hash_prefixes
 from singularityd.checkpoint.manifest import (
     FileFact,
@@ -36,7 +37,6 @@ from singularityd.checkpoint.manifest import (
     structural_problems,
 )
 from singularityd.checkpoint.precheck import DaemonFacts, ProcFacts, tree_problems
-from singularityd.checkpoint.service import TCP_REFUSED_EXIT, parse_sizes, post_dump_script
 
 
 def _manifest(seq: int = 2, **files: int) -> Manifest:

@@ -31,6 +31,7 @@ from singularityd.checkpoint import (
     ImageStore,
     service,
 )
+from singularityd.checkpoint.dump_script import TCP_STREAM_IMAGES
 from singularityd.checkpoint.staging import RECORD_NAME, StagingArea, staging_need
 from tests.checkpoint_helpers import (
     COUNTER,
@@ -196,7 +197,7 @@ def test_a_stopping_dump_without_tcp_skips_the_lock_and_the_tree_is_gone_when_it
     r = stop(cp, "stopped", job.pid, job.log())
     assert r.manifest.stats["network_locked"] is False
     assert not pid_alive(job.pid), "the checkpoint returned with the job's tree still there"
-    assert not list((r.path / "images").glob(service.TCP_STREAM_IMAGES))
+    assert not list((r.path / "images").glob(TCP_STREAM_IMAGES))
     restored = asyncio.run(cp.restore_latest("stopped"))
     finish_counting(restored.pid, job, jobs, release, 200)
 
@@ -218,7 +219,7 @@ def test_a_tcp_connection_in_a_stopping_dump_without_the_lock_has_it_dumped_agai
     r = stop(cp, "tcp", job.pid, job.log())
     assert r.manifest.stats["network_locked"] is True
     assert not pid_alive(job.pid)
-    assert list((r.path / "images").glob(service.TCP_STREAM_IMAGES))
+    assert list((r.path / "images").glob(TCP_STREAM_IMAGES))
     restored = asyncio.run(cp.restore_latest("tcp"))
     track(jobs, restored.pid)
     release.touch()

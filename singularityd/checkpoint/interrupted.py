@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from singularityd.checkpoint.service import Checkpointer, dump_files, parse_sizes
+from singularityd.checkpoint.dump_script import dump_files, parse_sizes
+from singularityd.checkpoint.service import Checkpointer
 from singularityd.checkpoint.staging import staged_folder
 from singularityd.checkpoint.store import PendingCheckpoint
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shlex
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -25,6 +24,12 @@ from singularityd.checkpoint.criu import (
     DumpStats,
     RestoreOutcome,
     run_to_completion,
+)
+from singularityd.checkpoint.dump_script import (
+    TCP_STREAM_IMAGES,
+    dump_files,
+    parse_sizes,
+    post_dump_script,
 )
 from singularityd.checkpoint.errors import CheckpointError, CriuError, NoValidCheckpoint
 from singularityd.checkpoint.hashing import GrowingFileHasher, PrefixHash
@@ -40,10 +45,6 @@ from singularityd.checkpoint.store import (
     tree_anon_bytes,
 )
 
-TCP_STREAM_IMAGES = "tcp-stream-*.img"
-"""CRIU's image of an established TCP connection: one may not appear in a dump without the lock."""
-TCP_REFUSED_EXIT = 75
-"""How the action script of a dump without the network lock fails when the dump holds a TCP connection."""
 PAGES_IMAGES = "pages-*.img"
 """CRIU's images of process memory: nearly all of a dump's bytes, each written from start to end."""
 
@@ -67,39 +68,6 @@ def _remove_new_files(folder: Path, kept: set[str]) -> None:
     for name in set(os.listdir(folder)) - kept:
         with contextlib.suppress(FileNotFoundError):
             (folder / name).unlink()
-
-
-def post_dump_script(paths: Sequence[str], out: Path, refuse_tcp_in: Path | None = None) -> str:
-    """A CRIU action script that records the sizes of `paths` while the tree is still frozen; with
-    `refuse_tcp_in` (a dump without the network lock) it first fails if that images folder holds an
-    established TCP connection, so that CRIU lets the tree run on instead of killing it."""
-    lines = [f"stat -L -c %s -- {shlex.quote(p)} 2>/dev/null || echo -1" for p in paths]
-    body = "\n".join(lines) or ":"
-    refuse = ""
-    if refuse_tcp_in is not None:
-        found = f"{shlex.quote(str(refuse_tcp_in))}/{TCP_STREAM_IMAGES}"
-        refuse = f'for image in {found}; do [ -e "$image" ] && exit {TCP_REFUSED_EXIT}; done\n'
-    return (
-        "#!/bin/sh\n"
-        '[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\n'
-        f"{refuse}"
-        f"{{\n{body}\n}} > {shlex.quote(str(out))}\n"
-        "exit 0\n"
-    )
-
-
-def dump_files(logs: Path, seq: int) -> tuple[Path, Path, Path]:
-    """The final dump of checkpoint `seq`: CRIU's log, its action script, the sizes it records."""
-    tag = f"{seq:08d}"
-    return logs / f"dump-{tag}.log", logs / f"post-dump-{tag}.sh", logs / f"sizes-{tag}.txt"
-
-
-def parse_sizes(paths: Sequence[str], text: str) -> dict[str, int]:
-    """Pair the action script's output lines with the paths it was given."""
-    values = text.split()
-    if len(values) != len(paths):
-        return {}
-    return {p: int(v) for p, v in zip(paths, values, strict=True) if v.lstrip("-").isdigit()}
 
 
 @dataclass(frozen=True)

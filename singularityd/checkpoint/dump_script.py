@@ -1,0 +1,51 @@
+"""The action script of a checkpoint's final dump, which CRIU runs while the tree is still frozen.
+
+After the dump (`post-dump`) it records the sizes of the job's append-only logs, so a restore can
+cut them back to what the images saw, and, for a dump that stops the job without CRIU's network
+lock, fails when the images hold an established TCP connection: CRIU then lets the tree run on
+instead of killing it, and the checkpointer dumps it again under the lock (Checkpointer._dump).
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+
+TCP_STREAM_IMAGES = "tcp-stream-*.img"
+"""CRIU's image of an established TCP connection: one may not appear in a dump without the lock."""
+TCP_REFUSED_EXIT = 75
+"""How the action script of a dump without the network lock fails when the dump holds a TCP connection."""
+
+
+def post_dump_script(paths: Sequence[str], out: Path, refuse_tcp_in: Path | None = None) -> str:
+    """A CRIU action script that records the sizes of `paths` while the tree is still frozen; with
+    `refuse_tcp_in` (a dump without the network lock) it first fails if that images folder holds an
+    established TCP connection, so that CRIU lets the tree run on instead of killing it."""
+    lines = [f"stat -L -c %s -- {shlex.quote(p)} 2>/dev/null || echo -1" for p in paths]
+    body = "\n".join(lines) or ":"
+    refuse = ""
+    if refuse_tcp_in is not None:
+        found = f"{shlex.quote(str(refuse_tcp_in))}/{TCP_STREAM_IMAGES}"
+        refuse = f'for image in {found}; do [ -e "$image" ] && exit {TCP_REFUSED_EXIT}; done\n'
+    return (
+        "#!/bin/sh\n"
+        '[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\n'
+        f"{refuse}"
+        f"{{\n{body}\n}} > {shlex.quote(str(out))}\n"
+        "exit 0\n"
+    )
+
+
+def dump_files(logs: Path, seq: int) -> tuple[Path, Path, Path]:
+    """The final dump of checkpoint `seq`: CRIU's log, its action script, the sizes it records."""
+    tag = f"{seq:08d}"
+    return logs / f"dump-{tag}.log", logs / f"post-dump-{tag}.sh", logs / f"sizes-{tag}.txt"
+
+
+def parse_sizes(paths: Sequence[str], text: str) -> dict[str, int]:
+    """Pair the action script's output lines with the paths it was given."""
+    values = text.split()
+    if len(values) != len(paths):
+        return {}
+    return {p: int(v) for p, v in zip(paths, values, strict=True) if v.lstrip("-").isdigit()}
