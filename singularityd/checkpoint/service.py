@@ -432,7 +432,7 @@ class Checkpointer:
                         post_dump_script(rewind_paths, sizes_file, image_dir if refusing else None)
                     )
                     script.chmod(0o700)
-                written_before = set(os.listdir(image_dir))
+                written_before = set(os.listdir(image_dir)) if refusing else set()
                 hasher = GrowingFileHasher(image_dir, pending.path, PAGES_IMAGES) if following else None
                 try:
                     with hasher or contextlib.nullcontext():
