@@ -27,7 +27,14 @@ from singularityd.checkpoint import store as store_module
 from singularityd.checkpoint.criu import parse_stats, summarize_log
 from singularityd.checkpoint.criu_discovery import parse_version, privilege_problem, tcp_problem
 from singularityd.checkpoint.dump_script import TCP_REFUSED_EXIT, parse_sizes, post_dump_script
-from singularityd.checkpoint.hashing import GrowingFileHasher, hash_file, hash_files, hash_prefixes
+from singularityd.checkpoint.hashing import (
+    GrowingFileHasher,
+    hash_file,
+    hash_files,
+    hash_open_files,
+    hash_prefixes,
+    open_for_hashing,
+)
 from singularityd.checkpoint.manifest import (
     FileFact,
     ManifestError,
@@ -273,6 +280,34 @@ def test_files_hashed_as_they_arrived_are_checked_against_the_manifest_without_a
     damaged = {"images/pages-1.img": hashlib.sha256(b"x" + pages[1:]).hexdigest()}
     verdict = store.verify("9", pending.seq, known=damaged)
     assert not verdict.ok and verdict.reason == "images/pages-1.img fails its sha256 check"
+
+    left = store.verify("9", pending.seq, known=damaged, checked_later=["images/pages-1.img"])
+    assert left == Verdict.good(pending.seq, len(core)), (
+        "a file left to the caller is not read or judged here"
+    )
+    (pending.path / "images" / "pages-1.img").write_bytes(pages[:-1])
+    shrunk = store.verify("9", pending.seq, checked_later=["images/pages-1.img"])
+    assert not shrunk.ok, "a file left to the caller still has its size checked"
+
+
+def test_open_files_are_hashed_after_a_rename_and_closed(tmp_path: Path) -> None:
+    """A move's target opens the rebuilt images, places them (a rename), and hashes them beside
+    CRIU's restore: the digests are of the files opened, and every fd is closed afterwards."""
+    data = {"a.img": os.urandom(5 << 20), "b.img": b""}
+    for name, content in data.items():
+        (tmp_path / name).write_bytes(content)
+    opened = open_for_hashing(tmp_path, list(data))
+    (tmp_path / "moved").mkdir()
+    for name in data:
+        (tmp_path / name).rename(tmp_path / "moved" / name)
+    assert hash_open_files(opened) == {
+        name: hashlib.sha256(content).hexdigest() for name, content in data.items()
+    }
+    for fd in opened.values():
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    with pytest.raises(FileNotFoundError):
+        open_for_hashing(tmp_path / "moved", ["a.img", "missing.img"])
 
 
 def test_post_dump_script_records_sizes(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from singularityd.checkpoint import (
     service,
 )
 from singularityd.checkpoint.dump_script import TCP_STREAM_IMAGES
+from singularityd.checkpoint.service import KnownDigests
 from singularityd.checkpoint.staging import RECORD_NAME, StagingArea, staging_need
 from tests.checkpoint_helpers import (
     COUNTER,
@@ -198,6 +199,10 @@ def test_a_stopping_dump_without_tcp_skips_the_lock_and_the_tree_is_gone_when_it
     assert r.manifest.stats["network_locked"] is False
     assert not pid_alive(job.pid), "the checkpoint returned with the job's tree still there"
     assert not list((r.path / "images").glob(TCP_STREAM_IMAGES))
+    left_to_caller = KnownDigests(r.seq, {}, frozenset(r.manifest.files))
+    assert not cp.restores_stopped
+    with pytest.raises(ValueError, match="leaving the processes stopped"):
+        asyncio.run(cp.restore_latest("stopped", known_digests=left_to_caller))
     restored = asyncio.run(cp.restore_latest("stopped"))
     finish_counting(restored.pid, job, jobs, release, 200)
 

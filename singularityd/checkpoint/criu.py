@@ -26,6 +26,8 @@ from singularityd.checkpoint.namespaces import ExternalMounts, dump_mount_args, 
 
 log = logging.getLogger(__name__)
 
+LEAVE_STOPPED = "--leave-stopped"
+"""The restore option that leaves the restored processes stopped, for the caller to let run."""
 FORK_RETRY_PATTERN = "Can't fork for"
 PARASITE_PROC_DIR = "proc.crtools"
 """The directory CRIU's parasite makes, in the working directory of the init of a job whose PID

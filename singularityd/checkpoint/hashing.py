@@ -115,21 +115,26 @@ def hash_file(path: Path, prefix: PrefixHash | None = None) -> tuple[int, str]:
 def hash_into(h: Any, path: Path, offset: int, limit: int | None) -> int:
     """Feed the file's bytes from `offset` (up to `limit` in all, else to its end) into `h`; the
     offset reached."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        return _hash_fd_into(h, fd, offset, limit)
+    finally:
+        os.close(fd)
+
+
+def _hash_fd_into(h: Any, fd: int, offset: int, limit: int | None) -> int:
+    """hash_into for a file already open as `fd`."""
     size = offset
     buf = bytearray(HASH_CHUNK)
     view = memoryview(buf)
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        os.lseek(fd, offset, os.SEEK_SET)
-        while limit is None or size < limit:
-            want = HASH_CHUNK if limit is None else min(HASH_CHUNK, limit - size)
-            n = os.readv(fd, [view[:want]])
-            if n == 0:
-                break
-            h.update(view[:n])
-            size += n
-    finally:
-        os.close(fd)
+    os.lseek(fd, offset, os.SEEK_SET)
+    while limit is None or size < limit:
+        want = HASH_CHUNK if limit is None else min(HASH_CHUNK, limit - size)
+        n = os.readv(fd, [view[:want]])
+        if n == 0:
+            break
+        h.update(view[:n])
+        size += n
     return size
 
 
@@ -142,3 +147,33 @@ def hash_files(
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(rels)))) as pool:
         results = pool.map(lambda r: hash_file(root / r, known.get(r)), rels)
         return dict(zip(rels, results, strict=True))
+
+
+def open_for_hashing(root: Path, rels: Sequence[str]) -> dict[str, int]:
+    """Read-only fds of the relative paths under `root`, for hash_open_files to hash later (the
+    files may be renamed meanwhile); none is left open when one cannot be opened."""
+    fds: dict[str, int] = {}
+    try:
+        for rel in rels:
+            fds[rel] = os.open(root / rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    return fds
+
+
+def hash_open_files(fds: Mapping[str, int], workers: int = 2) -> dict[str, str]:
+    """The sha256 of each open file (from its start), on a few threads; closes every fd."""
+
+    def digest(fd: int) -> str:
+        h = hashlib.sha256()
+        _hash_fd_into(h, fd, 0, None)
+        return h.hexdigest()
+
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(fds)))) as pool:
+            return dict(zip(fds, pool.map(digest, fds.values()), strict=True))
+    finally:
+        for fd in fds.values():
+            os.close(fd)

@@ -8,7 +8,7 @@ latest usable one, and which ones to prune are decided here from facts gathered 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -196,12 +196,15 @@ def structural_problems(
     return problems
 
 
-def digest_problems(manifest: Manifest, digests: Mapping[str, str]) -> list[str]:
-    """Files whose sha256 differs from the manifest's (each named once, in path order)."""
+def digest_problems(
+    manifest: Manifest, digests: Mapping[str, str], files: Collection[str] | None = None
+) -> list[str]:
+    """Files whose sha256 differs from the manifest's (each named once, in path order), among
+    `files` when given (else all the manifest names)."""
     return [
         f"{rel} fails its sha256 check"
         for rel, rec in sorted(manifest.files.items())
-        if digests.get(rel) != rec.sha256
+        if (files is None or rel in files) and digests.get(rel) != rec.sha256
     ]
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from singularityd import faults
 from singularityd.checkpoint.criu import (
+    LEAVE_STOPPED,
     Criu,
     DumpStats,
     RestoreOutcome,
@@ -49,8 +50,20 @@ PAGES_IMAGES = "pages-*.img"
 """CRIU's images of process memory: nearly all of a dump's bytes, each written from start to end."""
 
 InheritFds = Mapping[str, int] | Callable[[Manifest], Mapping[str, int]]
-KnownDigests = Mapping[int, Mapping[str, str]]
-"""By checkpoint number: the sha256 of its files (by path in the checkpoint) already known here."""
+
+
+@dataclass(frozen=True)
+class KnownDigests:
+    """What is known here of checkpoint `seq`'s files without reading them: the sha256 of those
+    hashed as they arrived (by path in the checkpoint), and the files whose checksums the caller
+    checks itself, while CRIU restores, before it lets the processes run (only for a restore that
+    leaves them stopped)."""
+
+    seq: int
+    digests: Mapping[str, str]
+    checked_by_caller: frozenset[str] = frozenset()
+
+
 AfterDump = Callable[[DumpStats], Awaitable[Mapping[str, Any]]]
 
 
@@ -143,6 +156,11 @@ class Checkpointer:
         self.userns_problem = ""
         """Why jobs do not run in user namespaces here ("" if they do or need not): told to users
         whose jobs cannot be checkpointed for want of one."""
+
+    @property
+    def restores_stopped(self) -> bool:
+        """Whether restored processes are left stopped (CRIU --leave-stopped) for the caller to let run."""
+        return LEAVE_STOPPED in self.criu.options.extra_restore_args
 
     def close(self) -> None:
         """Remove the staging folder, if there is one (the daemon stops; the next one opens its own)."""
@@ -491,7 +509,7 @@ class Checkpointer:
         with self.store.locked(job_id):
             skipped: list[Skipped] = []
             for seq in reversed(self.store.seqs(job_id)):
-                known = (known_digests or {}).get(seq)
+                known = known_digests if known_digests is not None and known_digests.seq == seq else None
                 result = await run_to_completion(
                     self._try_restore(job_id, seq, inherit_fds, rewind, deep_verify, tuple(skipped), known)
                 )
@@ -527,11 +545,20 @@ class Checkpointer:
         rewind: bool,
         deep_verify: bool,
         skipped: tuple[Skipped, ...],
-        known: Mapping[str, str] | None = None,
+        known: KnownDigests | None = None,
     ) -> RestoreResult | Verdict:
+        if known is not None and known.checked_by_caller and not self.restores_stopped:
+            raise ValueError("only a restore leaving the processes stopped leaves checksums to its caller")
         with self.store.sealed(job_id, seq) as path:
             t0 = time.monotonic()
-            verdict = await asyncio.to_thread(self.store.verify, job_id, seq, deep=deep_verify, known=known)
+            verdict = await asyncio.to_thread(
+                self.store.verify,
+                job_id,
+                seq,
+                deep=deep_verify,
+                known=None if known is None else known.digests,
+                checked_later=() if known is None else known.checked_by_caller,
+            )
             verify_s = time.monotonic() - t0
             if not verdict.ok:
                 return verdict

@@ -26,7 +26,7 @@ import re
 import shutil
 import stat
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -351,12 +351,19 @@ class ImageStore:
         return facts
 
     def verify(
-        self, job_id: str, seq: int, *, deep: bool = True, known: Mapping[str, str] | None = None
+        self,
+        job_id: str,
+        seq: int,
+        *,
+        deep: bool = True,
+        known: Mapping[str, str] | None = None,
+        checked_later: Collection[str] = (),
     ) -> Verdict:
         """Whether checkpoint `seq` may be restored: structure always, checksums when `deep`.
 
         `known` gives the sha256 of files hashed as they were written here (by path in the
-        checkpoint): those are checked against the manifest without being read again."""
+        checkpoint): those are checked against the manifest without being read again. The
+        checksums of `checked_later` are left to the caller (only their structure is checked)."""
         try:
             manifest = self.read_manifest(job_id, seq)
         except ManifestError as e:
@@ -369,13 +376,14 @@ class ImageStore:
             return Verdict.bad(seq, problems)
         if not deep:
             return Verdict.good(seq)
-        given = {rel: known[rel] for rel in manifest.files if known and rel in known}
-        unknown = [rel for rel in manifest.files if rel not in given]
+        checked_here = [rel for rel in manifest.files if rel not in checked_later]
+        given = {rel: known[rel] for rel in checked_here if known and rel in known}
+        unknown = [rel for rel in checked_here if rel not in given]
         try:
             hashed = hash_files(self.checkpoint_dir(job_id, seq), unknown) if unknown else {}
         except OSError as e:
             return Verdict.bad(seq, [f"cannot read an image file: {e}"])
-        problems = digest_problems(manifest, given | {r: h for r, (_s, h) in hashed.items()})
+        problems = digest_problems(manifest, given | {r: h for r, (_s, h) in hashed.items()}, checked_here)
         if problems:
             return Verdict.bad(seq, problems)
         return Verdict.good(seq, sum(size for size, _h in hashed.values()))

@@ -27,13 +27,15 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 from pathlib import Path
 
 from singularityd import faults
 from singularityd.checkpoint.coordinator import Checkpoints, JobCheckpoints
-from singularityd.checkpoint.criu import Criu
+from singularityd.checkpoint.criu import LEAVE_STOPPED, Criu
+from singularityd.checkpoint.hashing import hash_open_files, open_for_hashing
+from singularityd.checkpoint.manifest import ManifestError, digest_problems
 from singularityd.checkpoint.precheck import tree_pids
 from singularityd.checkpoint.service import Checkpointer, KnownDigests
 from singularityd.checkpoint.store import ImageStore
@@ -61,7 +63,7 @@ def frozen_restorer(checkpoints: Checkpoints) -> Checkpoints:
     base = checkpoints.checkpointer
     options = base.criu.options
     criu = Criu(
-        base.criu.info, replace(options, extra_restore_args=(*options.extra_restore_args, "--leave-stopped"))
+        base.criu.info, replace(options, extra_restore_args=(*options.extra_restore_args, LEAVE_STOPPED))
     )
     frozen = Checkpointer(criu, base.store, keep=base.keep, pre_copy=0)
     frozen.userns_problem = base.userns_problem
@@ -75,12 +77,31 @@ def signal_tree(pid: int, sig: int) -> None:
             os.kill(each, sig)
 
 
-def arrived_digests(seq: int, digests: dict[str, str]) -> KnownDigests:
-    """The sha256 of checkpoint `seq`'s files hashed here as they were received or rebuilt (given by
-    path in the received folder), for its frozen restore to check against the manifest without
-    reading them again."""
+def arrived_digests(seq: int, digests: Mapping[str, str], hashing: Collection[str] = ()) -> KnownDigests:
+    """For checkpoint `seq`'s frozen restore, by path in the received folder: the sha256 of its
+    files hashed here as they were received (checked against the manifest without reading them
+    again), and the files still being hashed (`hashing`, checked once CRIU has restored)."""
     prefix = f"{jobfiles.CHECKPOINT_DIR}/{seq}/"
-    return {seq: {path.removeprefix(prefix): d for path, d in digests.items() if path.startswith(prefix)}}
+    return KnownDigests(
+        seq,
+        {path.removeprefix(prefix): d for path, d in digests.items() if path.startswith(prefix)},
+        frozenset(path.removeprefix(prefix) for path in hashing if path.startswith(prefix)),
+    )
+
+
+async def rebuilt_problems(
+    checking: asyncio.Future[dict[str, str]], known: KnownDigests, images: ImageStore, job_id: str
+) -> list[str]:
+    """Once `checking` (the sha256 of the rebuilt images, by path in the received folder) is done:
+    those of `known.checked_by_caller` that differ from the restored checkpoint's manifest."""
+    try:
+        digests = await checking
+        manifest = await asyncio.to_thread(images.read_manifest, job_id, known.seq)
+    except (OSError, ManifestError) as error:
+        return [f"the rebuilt process images could not be checked: {error}"]
+    prefix = f"{jobfiles.CHECKPOINT_DIR}/{known.seq}/"
+    by_name = {path.removeprefix(prefix): digest for path, digest in digests.items()}
+    return digest_problems(manifest, by_name, known.checked_by_caller)
 
 
 class Arrivals:
@@ -196,21 +217,19 @@ class Arrivals:
 
     async def _restore_frozen(self, job_id: str, epoch: int, holding: Holding) -> None:
         """See restore_frozen (the job's restore lock held)."""
-        job_number = int(job_id)
-        daemon = self.daemon
-        source = holding.peer
         incoming = self.incoming(job_id, epoch)
         arrival = await asyncio.to_thread(jobfiles.read_arrival, incoming)
-        if arrival.job_id != job_number:
+        if arrival.job_id != int(job_id):
             raise RuntimeError(f"the received record is for job {arrival.job_id}, not {job_id}")
         began = time.monotonic()
-        received = self.receivers.take_digests(job_id, epoch)
-        await self._drafted(job_number, epoch)
+        await self._drafted(arrival.job_id, epoch)
         drafts = await asyncio.to_thread(bases.drafts_ready, incoming)
-        try:  # before the restore checks every file against the checkpoint's manifest
-            rebuilt = await asyncio.to_thread(bases.rebuild_deltas, incoming)
+        try:  # hashed beside CRIU's restore and checked before the processes run (the rest before it)
+            rebuilt = await asyncio.to_thread(bases.rebuild_deltas, incoming, hash_as_written=False)
+            opened = await asyncio.to_thread(open_for_hashing, incoming, list(rebuilt))
         except (OSError, DeltaError) as error:
             raise RuntimeError(f"cannot rebuild the process images from their base: {error}") from None
+        checking = asyncio.ensure_future(asyncio.to_thread(hash_open_files, opened))
         rebuild_s = time.monotonic() - began
         if rebuilt:
             rebuilt_note = (
@@ -218,6 +237,28 @@ class Arrivals:
                 + (f", over {drafts} drafts copied from the base while the job ran" if drafts else "")
             )
             self.note(job_id, rebuilt_note)
+        try:
+            known = arrived_digests(arrival.seq or 0, self.receivers.take_digests(job_id, epoch), rebuilt)
+            await self._restore_placed(job_id, epoch, holding, arrival, known, checking, began, rebuild_s)
+        finally:  # a hashing never awaited is let go (its thread still closes the files)
+            if not checking.cancel() and not checking.cancelled():
+                checking.exception()  # seen, so that an error of the hashing is not reported as lost
+
+    async def _restore_placed(
+        self,
+        job_id: str,
+        epoch: int,
+        holding: Holding,
+        arrival: jobfiles.Arrival,
+        known: KnownDigests,
+        checking: asyncio.Future[dict[str, str]],
+        began: float,
+        rebuild_s: float,
+    ) -> None:
+        """_restore_frozen once the process images are rebuilt (begun at `began`, taking
+        `rebuild_s`), the files of `known.checked_by_caller` still being hashed by `checking`."""
+        job_number = int(job_id)
+        daemon = self.daemon
         await self._kill_frozen(job_number)
         needed = arrival.gpus if arrival.seq is not None else 0
         free = self._free_devices(arriving=job_number)
@@ -225,7 +266,7 @@ class Arrivals:
             raise RuntimeError(f"no room: the job needs {needed} devices; {len(free)} are free")
         preloaded = self.preloads.take(job_number, epoch, needed)
         devices = preloaded.devices if preloaded is not None else tuple(free[:needed])
-        reason = f"arriving from {source} (epoch {epoch})"
+        reason = f"arriving from {holding.peer} (epoch {epoch})"
         notes = self._notes.pop(job_number, [])
         # The marker goes first: a restart that finds it gives the copy up whether or not the record
         # below was imported, while a record imported without it would stay MIGRATING for good.
@@ -234,6 +275,7 @@ class Arrivals:
         faults.reached(faults.ARRIVAL_IMPORTED)
         daemon.feed.publish(job_number)
         paths = daemon.processes.paths(job_number)
+        incoming = self.incoming(job_id, epoch)
         await asyncio.to_thread(jobfiles.place_arrival, incoming, arrival, self.images, paths)
         if arrival.seq is None:
             return  # a queued job: nothing runs until it is released
@@ -242,19 +284,25 @@ class Arrivals:
             await daemon.devices.admit(job_number, identity(job), devices)  # a preload's servers go
         daemon.processes.forget_outcome(job_number)
         restore_began = time.monotonic()
-        known = arrived_digests(arrival.seq, received | rebuilt)
         restored = await self.frozen.restore(job_number, devices, known_digests=known)
         process = daemon.processes.adopt_restored(job_number, restored.pid)
         daemon.store.set_process(job_number, process.pid, process.start_ticks)
         if restored.problem:
             raise RuntimeError(restored.problem)
+        restored_at = time.monotonic()
+        if restored.seq == known.seq and known.checked_by_caller:
+            problems = await rebuilt_problems(checking, known, self.images, job_id)
+            if problems:
+                raise RuntimeError(f"the process images rebuilt from their base: {'; '.join(problems)}")
+        checked_at = time.monotonic()
         await asyncio.to_thread(jobfiles.remove, incoming)
-        ended = time.monotonic()
         parts = f": {restored.parts.summary()}" if restored.parts is not None else ""
         self.note(
             job_id,
-            f"restore frozen took {ended - began:.2f}s (images rebuilt in {rebuild_s:.2f}s, files placed in "
-            f"{restore_began - began - rebuild_s:.2f}s, restored in {ended - restore_began:.2f}s{parts})",
+            f"restore frozen took {time.monotonic() - began:.2f}s (images rebuilt in {rebuild_s:.2f}s, "
+            f"files placed in {restore_began - began - rebuild_s:.2f}s, "
+            f"restored in {restored_at - restore_began:.2f}s{parts}; "
+            f"the rebuilt images' checksums awaited {checked_at - restored_at:.2f}s more)",
         )
 
     async def release_frozen(self, job_id: str, epoch: int) -> None:

@@ -6,13 +6,13 @@ in place (`dump_base`: CRIU --leave-running into a folder of its own, outside th
 job is frozen as long as any checkpoint's dump freezes it) and sends the pages images with the
 pre-copied device state. After the stop, each large pages image of the final checkpoint is staged
 as a recipe against that base plus the blocks the base lacks (`stage_deltas`, see pagedelta); the
-target rebuilds the images (`rebuild_deltas`, hashing them as it writes them) before its restore
-checks every file of the checkpoint against the manifest's sha256, so a base that went wrong fails
-the move, never the job. As soon as the base has arrived, the target copies each of its pages
-images to a draft (`draft_images`, while the job still runs): the rebuild writes over the draft,
-quicker than filling a new file while the job is stopped (on this VM writes into new files run
-at a fraction of the speed of writes over pages a file already has), and leaves alone the runs
-the base holds at the same offset.
+target rebuilds the images (`rebuild_deltas`) and checks every file of the checkpoint against the
+manifest's sha256 before the job runs there (the rebuilt images while CRIU restores the processes
+stopped), so a base that went wrong fails the move, never the job. As soon as the base has
+arrived, the target copies each of its pages images to a draft (`draft_images`, while the job
+still runs): the rebuild writes over the draft, quicker than filling a new file while the job is
+stopped (on this VM writes into new files run at a fraction of the speed of writes over pages a
+file already has), and leaves alone the runs the base holds at the same offset.
 
 In the directory a move sends (see jobfiles), besides the job's files:
 
@@ -145,10 +145,11 @@ def drafts_ready(incoming: Path) -> int:
     return len(list((incoming / DRAFT_DIR).glob(PAGES_IMAGES)))
 
 
-def rebuild_deltas(incoming: Path) -> dict[str, str]:
+def rebuild_deltas(incoming: Path, *, hash_as_written: bool = True) -> dict[str, str | None]:
     """Rebuild every image a received directory holds as a recipe, then drop the recipes and the
-    base; the sha256 of each image rebuilt (hashed as it was written), by path in `incoming`.
-    DeltaError or OSError when one cannot be (nothing is dropped)."""
+    base; by path in `incoming`, each image rebuilt and its sha256 (hashed as it was written; None
+    without `hash_as_written`, the caller hashing the images later). DeltaError or OSError when one
+    cannot be (nothing is dropped)."""
     recipes = (
         sorted((incoming / DELTA_DIR).rglob(f"*{RECIPE_SUFFIX}")) if (incoming / DELTA_DIR).is_dir() else []
     )
@@ -160,7 +161,7 @@ def rebuild_deltas(incoming: Path) -> dict[str, str]:
         image.unlink(missing_ok=True)
         draft = incoming / DRAFT_DIR / image.name
         _, rebuilt[image.relative_to(incoming).as_posix()] = apply_recipe(
-            recipe, literals, incoming, image, draft
+            recipe, literals, incoming, image, draft, hash_as_written=hash_as_written
         )
         os.chmod(image, literals.stat().st_mode & 0o777)
     for left in (DELTA_DIR, BASE_DIR, DRAFT_DIR):

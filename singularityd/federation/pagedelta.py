@@ -8,10 +8,10 @@ into blocks and compares each with the base block after the last one found; only
 differs is hashed and looked up by its sha256 among the base's blocks. The sender writes a
 *recipe* (runs of blocks copied from the base, by file and block number, or taken in order from
 the literals) and the *literals* (the blocks the base lacks). The receiver rebuilds the exact file
-from its copy of the base and the literals, hashing it as it writes it. The rebuild does not trust
-itself: that sha256 of the rebuilt file is checked afterwards like any other file's (against the
-checkpoint's manifest), so a base that differs from the sender's, or a corrupt literal, fails that
-check instead of restoring.
+from its copy of the base and the literals. The rebuild does not trust itself: the sha256 of the
+rebuilt file (hashed as it is written, or afterwards beside CRIU's frozen restore) is checked like
+any other file's against the checkpoint's manifest before the job runs, so a base that differs from
+the sender's, or a corrupt literal, fails that check instead of running.
 
 Recipe file: one JSON line (format, block size, output size, base file names), then the runs as
 little-endian int64 triples (base file index or -1 for literals, first block, block count).
@@ -282,17 +282,24 @@ def _runs_in_order(
 
 
 def apply_recipe(
-    recipe: Path, literals: Path, base_root: Path, output: Path, draft: Path | None = None
-) -> tuple[int, str]:
+    recipe: Path,
+    literals: Path,
+    base_root: Path,
+    output: Path,
+    draft: Path | None = None,
+    *,
+    hash_as_written: bool = True,
+) -> tuple[int, str | None]:
     """Rebuild a file from its recipe, its literals and the base under `base_root`; its size and
-    the sha256 of the file as rebuilt (hashed as it was written, so it is not read again).
+    the sha256 of the file as rebuilt (hashed as it was written, so it is not read again; None
+    without `hash_as_written`, for a caller that hashes the file later, beside other work).
 
     A `draft` (a copy of the same-named base file, made while the job still ran) becomes the
     output: it is written over, which is quicker than filling a new file, and the runs the base
     holds at the same offset are left as they are (read back and hashed, so a bad draft fails the
-    manifest check like any bad file). DeltaError when the recipe is malformed, a base block it
-    names is missing, or the literals are too short or too long. The content is not checked here
-    (see the module's docstring)."""
+    manifest check like any bad file; not read at all without `hash_as_written`). DeltaError when
+    the recipe is malformed, a base block it names is missing, or the literals are too short or
+    too long. The content is not checked here (see the module's docstring)."""
     header, runs = read_recipe(recipe)
     size, bs = int(str(header["size"])), int(str(header["block_bytes"]))
     names = [str(n) for n in header["base"]]  # type: ignore[attr-defined]
@@ -302,7 +309,7 @@ def apply_recipe(
     plan = list(_runs_in_order(runs, names, size, bs))
     in_place = _same_named(draft, names) if draft is not None and draft.is_file() else None
     fds: dict[int, int] = {}
-    written = hashlib.sha256()
+    written = hashlib.sha256() if hash_as_written else None
     try:
         if draft is not None and in_place is not None:
             os.replace(draft, output)
@@ -328,14 +335,15 @@ def apply_recipe(
                         and first * bs == position
                         and position + length <= drafted_bytes
                     ):
-                        _place(
-                            os.pread(out, length, position),
-                            length,
-                            None,
-                            position,
-                            written,
-                            "the draft shrank",
-                        )
+                        if written is not None:  # the bytes are in place: read only to hash them
+                            _place(
+                                os.pread(out, length, position),
+                                length,
+                                None,
+                                position,
+                                written,
+                                "the draft shrank",
+                            )
                     else:
                         data = os.pread(_base_fd(fds, file_index, base_root, names), length, first * bs)
                         short = f"base file {names[file_index]} lacks blocks {first}..{first + length // bs}"
@@ -352,7 +360,7 @@ def apply_recipe(
     finally:
         for fd in fds.values():
             os.close(fd)
-    return size, written.hexdigest()
+    return size, None if written is None else written.hexdigest()
 
 
 def _base_fd(fds: dict[int, int], file_index: int, base_root: Path, names: Sequence[str]) -> int:
@@ -366,8 +374,8 @@ def _base_fd(fds: dict[int, int], file_index: int, base_root: Path, names: Seque
 
 
 def _place(data: bytes, length: int, out: int | None, position: int, written: Any, short: str) -> None:
-    """Hash `data` (which must be `length` bytes, else DeltaError saying `short`) and write it at
-    `position` of the open file `out` (unless None: it is there already)."""
+    """Hash `data` into `written` (unless None) and write it at `position` of the open file `out`
+    (unless None: it is there already); it must be `length` bytes, else DeltaError saying `short`."""
     if len(data) != length:
         raise DeltaError(short)
     if out is not None:
@@ -375,4 +383,5 @@ def _place(data: bytes, length: int, out: int | None, position: int, written: An
         view = memoryview(data)
         while done < length:
             done += os.pwrite(out, view[done:], position + done)
-    written.update(data)
+    if written is not None:
+        written.update(data)
