@@ -232,6 +232,7 @@ RESTORE_PARTS = {
     "taken_mib": r"device state loaded in [0-9.]+s \([0-9.]+[BKMGT] read, ([0-9.]+)([BKMGT]) taken preloaded",
     "criu": r"CRIU ([0-9.]+)s",
     "resume": r"proxies resumed in ([0-9.]+)s",
+    "awaited": r"checksums awaited ([0-9.]+)s more",
 }
 
 
@@ -308,7 +309,8 @@ def main() -> None:
             f"| {mib} MiB | {mode} | {m['transfer']:.2f} s | {m['staged']:.2f} s | {m['sending']:.2f} s | "
             f"{m['checked']:.2f} s | {m['restore']:.2f} s | {m['rebuild']:.2f} s | {m['placed']:.2f} s | "
             f"{m['verify']:.2f} s | {m['hashed_mib']:.0f} MiB | {m['device_state']:.2f} s | "
-            f"{m['criu']:.2f} s | {m['resume']:.2f} s | {m['preload']:.2f} s | {m['taken_mib']:.0f} MiB |"
+            f"{m['criu']:.2f} s | {m['resume']:.2f} s | {m['awaited']:.2f} s | {m['preload']:.2f} s | "
+            f"{m['taken_mib']:.0f} MiB |"
         )
     print(
         "\nThe transfer after the stop (the source's event) and the target's restore frozen (its "
@@ -317,9 +319,9 @@ def main() -> None:
     print(
         "| device state | mode | transfer | staged | sending | receiver's check | restore frozen "
         "| images rebuilt | files placed | files checked | read and hashed | device state loaded | CRIU "
-        "| proxies resumed | preloaded while running | taken preloaded |"
+        "| proxies resumed | checksums awaited after CRIU | preloaded while running | taken preloaded |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     print("\n".join(rows))
 
 
