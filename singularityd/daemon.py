@@ -21,7 +21,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from typing import Any
 
-from singularityd.checkpoint.coordinator import BeforePause, Checkpoints, CheckpointTaken
+from singularityd.checkpoint.coordinator import Checkpoints, CheckpointTaken, PauseHooks
 from singularityd.checkpoint.errors import CheckpointError
 from singularityd.config import Config
 from singularityd.core.actions import (
@@ -100,8 +100,8 @@ class Daemon:
         self.holding_queue = ""
         """Why the scheduler starts no queued job here ('' when it may), e.g. the node is draining."""
         self.records: dict[int, JobRuntime] = {}
-        self.before_move_pause: dict[int, BeforePause] = {}
-        """Per job being moved: awaited once its device state is pre-copied, before its final pause."""
+        self.move_pause_hooks: dict[int, PauseHooks] = {}
+        """Per job being moved: what its final checkpoint runs before its pause and once dumped."""
         self.reserved_devices: Callable[[], set[int]] = set
         """Devices no job here may take now: those holding the device state preloaded for jobs
         arriving from peers (federation sets it)."""
@@ -392,8 +392,8 @@ class Daemon:
     ) -> None:
         """Take the checkpoint, report it to the state machine, then to whoever waits on `outcome`."""
         try:
-            hook = self.before_move_pause.get(job.id) if take.for_move else None
-            stimulus, result = await work.checkpoint(job, take, self.processes, self.checkpoints, hook)
+            hooks = self.move_pause_hooks.get(job.id) if take.for_move else None
+            stimulus, result = await work.checkpoint(job, take, self.processes, self.checkpoints, hooks)
             self.apply(job.id, stimulus)
             if isinstance(result, StateConflict):
                 outcome.set_exception(result)

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from singularityd.checkpoint.coordinator import (
-    BeforePause,
     CheckpointTaken,
     CheckpointTarget,
     CriuStatus,
+    PauseHooks,
     Restoration,
     StoredCheckpoint,
 )
@@ -161,7 +161,7 @@ class FakeCheckpoints:
         *,
         stop: bool,
         reason: str,
-        before_pause: BeforePause | None = None,
+        hooks: PauseHooks | None = None,
         purpose: Mapping[str, Any] | None = None,
     ) -> CheckpointTaken:
         self.taken.append((target.job_id, stop, reason))

@@ -54,6 +54,17 @@ BeforePause = Callable[[Path], Awaitable[None]]
 
 
 @dataclass(frozen=True)
+class PauseHooks:
+    """What a caller runs with a checkpoint's images folder: `before_pause`, awaited once the
+    device state is pre-copied, the job still running (a move sends that part then); `once_dumped`,
+    called as soon as CRIU has returned from a stopping dump, while the manifest is still being
+    hashed (a move begins its process images' changes then); it must not block."""
+
+    before_pause: BeforePause | None = None
+    once_dumped: Callable[[Path], None] | None = None
+
+
+@dataclass(frozen=True)
 class CriuStatus:
     """Whether checkpoints can work here, with the binary used or the reason they cannot."""
 
@@ -183,15 +194,14 @@ class Checkpoints(Protocol):
         *,
         stop: bool,
         reason: str,
-        before_pause: BeforePause | None = None,
+        hooks: PauseHooks | None = None,
         purpose: Mapping[str, Any] | None = None,
     ) -> CheckpointTaken:
         """Checkpoint the job (stopping it when `stop`); CheckpointError says why it failed.
 
-        `before_pause` is awaited with the images folder once the device state is pre-copied into
-        it, while the job still runs (a move sends that part to the peer then). `purpose` (small
-        JSON: why a stopping dump stops the job) is kept with the dump's intent and manifest, so a
-        daemon killed before it stored the job's new state finds it (core.lost_processes)."""
+        `hooks` are run with the images folder (see PauseHooks). `purpose` (small JSON: why a
+        stopping dump stops the job) is kept with the dump's intent and manifest, so a daemon
+        killed before it stored the job's new state finds it (core.lost_processes)."""
 
     async def restore(
         self,
@@ -247,7 +257,7 @@ class NoCheckpoints:
         *,
         stop: bool,
         reason: str,
-        before_pause: BeforePause | None = None,
+        hooks: PauseHooks | None = None,
         purpose: Mapping[str, Any] | None = None,
     ) -> CheckpointTaken:
         """Always fails, saying why."""
@@ -372,7 +382,7 @@ class JobCheckpoints:
         *,
         stop: bool,
         reason: str,
-        before_pause: BeforePause | None = None,
+        hooks: PauseHooks | None = None,
         purpose: Mapping[str, Any] | None = None,
     ) -> CheckpointTaken:
         """Checkpoint the job with the shortest pause its devices allow, then release or resume them.
@@ -397,8 +407,9 @@ class JobCheckpoints:
             await saving.prepare()
             if stop:  # what was pre-copied is only appended to from now on: hash it while the job runs
                 prefixes.update(await asyncio.to_thread(hash_prefixes, images, images.parent))
-            if before_pause is not None:
-                await before_pause(images)
+            dumped_into.append(images)
+            if hooks is not None and hooks.before_pause is not None:
+                await hooks.before_pause(images)
             parked = True
             await saving.park()
             marks["parked"] = time.monotonic()
@@ -411,6 +422,8 @@ class JobCheckpoints:
         async def after_dump(dump: DumpStats) -> Mapping[str, Any]:
             nonlocal parked, releasing
             returned = time.monotonic()
+            if stop and hooks is not None and hooks.once_dumped is not None and dumped_into:
+                hooks.once_dumped(dumped_into[-1])
             if capturing is not None:
                 await capturing
             if parked and not stop:
@@ -445,6 +458,7 @@ class JobCheckpoints:
             return {"pause": pause.as_dict()}
 
         figures: list[DeviceSaveFigures] = []
+        dumped_into: list[Path] = []
         prefixes: dict[str, PrefixHash] = {}
         pauses: list[Pause] = []
         marks: dict[str, float] = {}

@@ -5,7 +5,8 @@ the job's whole process images. Instead, while the job still runs, the source du
 in place (`dump_base`: CRIU --leave-running into a folder of its own, outside the image store; the
 job is frozen as long as any checkpoint's dump freezes it) and sends the pages images with the
 pre-copied device state. After the stop, each large pages image of the final checkpoint is staged
-as a recipe against that base plus the blocks the base lacks (`stage_deltas`, see pagedelta); the
+as a recipe against that base plus the blocks the base lacks (`stage_deltas`, see pagedelta; made by
+`early_deltas` as soon as CRIU has written the images, beside the hashing of the manifest); the
 target rebuilds the images (`rebuild_deltas`) and checks every file of the checkpoint against the
 manifest's sha256 before the job runs there (the rebuilt images while CRIU restores the processes
 stopped), so a base that went wrong fails the move, never the job. As soon as the base has
@@ -30,6 +31,8 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import stat
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +40,7 @@ from singularityd.checkpoint.coordinator import JobCheckpoints
 from singularityd.checkpoint.manifest import IMAGES_DIR
 from singularityd.checkpoint.service import PAGES_IMAGES
 from singularityd.federation import jobfiles
-from singularityd.federation.pagedelta import BaseIndex, apply_recipe, index_base, make_recipe
+from singularityd.federation.pagedelta import BaseIndex, DeltaFigures, apply_recipe, index_base, make_recipe
 
 BASE_DIR = "base"
 DRAFT_DIR = "draft"
@@ -96,22 +99,66 @@ def stage_base(staging: Path, base: ProcessBase) -> None:
         jobfiles.link_or_copy(base.folder / name, staging / name)
 
 
-def stage_deltas(staging: Path, base: ProcessBase) -> DeltaSummary:
-    """Replace each large pages image of the staged checkpoint by its recipe and literals against
-    `base`, and add the base (see the module's docstring); what was replaced."""
-    summary = DeltaSummary()
-    images = sorted(staging.glob(f"{jobfiles.CHECKPOINT_DIR}/*/{IMAGES_DIR}/{PAGES_IMAGES}"))
+@dataclass(frozen=True)
+class EarlyDelta:
+    """A pages image's recipe and literals against the base, made as soon as CRIU had written the
+    image (beside the hashing of the checkpoint's manifest), for stage_deltas to take."""
+
+    image: tuple[int, int, int, int]
+    """The image it was made from: device, inode, size, modification time (ns)."""
+    recipe: Path
+    literals: Path
+    figures: DeltaFigures
+
+
+def _file_identity(info: os.stat_result) -> tuple[int, int, int, int]:
+    """Which file, of what size and age (a staged image is a hard link to the checkpoint's)."""
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
+
+
+def _large_pages_images(images: Sequence[Path]) -> Iterator[tuple[Path, os.stat_result]]:
+    """The regular files among these pages images that are large enough for a recipe, with their lstat."""
     for image in images:
         info = image.lstat()
-        if info.st_size < DELTA_MIN_BYTES or not image.is_file():
-            continue
+        if info.st_size >= DELTA_MIN_BYTES and stat.S_ISREG(info.st_mode):
+            yield image, info
+
+
+def early_deltas(images: Path, base: ProcessBase, folder: Path) -> dict[str, EarlyDelta]:
+    """Make the recipe and literals of each large pages image in a checkpoint's `images` folder
+    (CRIU done with it) against `base`, into `folder` (made afresh); by image name."""
+    jobfiles.remove(folder)
+    folder.mkdir(parents=True, mode=0o700)
+    made = {}
+    for image, info in _large_pages_images(sorted(images.glob(PAGES_IMAGES))):
+        recipe, literals = folder / (image.name + RECIPE_SUFFIX), folder / (image.name + LITERALS_SUFFIX)
+        figures = make_recipe(image, base.index, recipe, literals, base.folder)
+        made[image.name] = EarlyDelta(_file_identity(info), recipe, literals, figures)
+    return made
+
+
+def stage_deltas(
+    staging: Path, base: ProcessBase, early: Mapping[str, EarlyDelta] | None = None
+) -> DeltaSummary:
+    """Replace each large pages image of the staged checkpoint by its recipe and literals against
+    `base` (taken from `early` where made from the same file), and add the base (see the module's
+    docstring); what was replaced."""
+    summary = DeltaSummary()
+    images = sorted(staging.glob(f"{jobfiles.CHECKPOINT_DIR}/*/{IMAGES_DIR}/{PAGES_IMAGES}"))
+    for image, info in _large_pages_images(images):
         delta = staging / DELTA_DIR / image.relative_to(staging)
         delta.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         recipe, literals = (
             delta.with_name(delta.name + RECIPE_SUFFIX),
             delta.with_name(delta.name + LITERALS_SUFFIX),
         )
-        figures = make_recipe(image, base.index, recipe, literals, base.folder)
+        made = (early or {}).get(image.name)
+        if made is not None and made.image == _file_identity(info):
+            os.replace(made.recipe, recipe)
+            os.replace(made.literals, literals)
+            figures = made.figures
+        else:
+            figures = make_recipe(image, base.index, recipe, literals, base.folder)
         os.chmod(literals, info.st_mode & 0o777)
         image.unlink()
         summary = DeltaSummary(

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from singularityd.checkpoint.coordinator import JobCheckpoints
+from singularityd.checkpoint.coordinator import JobCheckpoints, PauseHooks
 from singularityd.checkpoint.errors import CheckpointError
 from singularityd.checkpoint.manifest import MANIFEST_NAME, parse_seq_dir_name
 from singularityd.checkpoint.store import ImageStore
@@ -45,6 +46,13 @@ CHUNK_BYTES = 4 * MiB
 SEND_ATTEMPTS = 30
 SEND_PAUSE_S = 1.0
 LAUNCH_WAIT_S = 120.0
+
+log = logging.getLogger(__name__)
+
+
+def early_folder(staging: Path) -> Path:
+    """Where the recipes of the process images staged in `staging` are made once CRIU returned."""
+    return staging.with_name(f"{staging.name}.early")
 
 
 def newest_complete_seq(images: ImageStore, job: str) -> int | None:
@@ -85,6 +93,8 @@ class DaemonMoves:
         """Per job on its way out: what was sent of its device state while it still ran."""
         self.bases: dict[int, bases.ProcessBase] = {}
         """Per job on its way out: the base of its process images sent while it still ran."""
+        self.early: dict[int, asyncio.Future[dict[str, bases.EarlyDelta]]] = {}
+        """Per job on its way out: the recipes of its final dump's images, begun once CRIU returned."""
 
     # Places
 
@@ -135,11 +145,14 @@ class DaemonMoves:
         holding = self.holdings.load(job_id)
         peer = holding.peer if holding is not None else "a peer"
         daemon = self.daemon
-        daemon.before_move_pause[job_number] = partial(self._pre_send, job_id, peer, epoch)
+        daemon.move_pause_hooks[job_number] = PauseHooks(
+            before_pause=partial(self._pre_send, job_id, peer, epoch),
+            once_dumped=partial(self._begin_early_deltas, job_id, epoch),
+        )
         try:
             await self._stop(job_number, peer)
         finally:
-            daemon.before_move_pause.pop(job_number, None)
+            daemon.move_pause_hooks.pop(job_number, None)
 
     async def _stop(self, job_number: int, peer: str) -> None:
         """Have the state machine stop the job with a checkpoint for the move (see stop_for_move)."""
@@ -234,10 +247,36 @@ class DaemonMoves:
         return base
 
     def _drop_base(self, job_id: int) -> None:
-        """Forget the job's base and delete its files, and any a killed daemon left (blocking)."""
+        """Forget the job's base and delete its files and early recipes, and any a killed daemon
+        left (blocking)."""
         self.bases.pop(job_id, None)
-        for folder in (self.daemon.config.checkpoints / jobfiles.OUTGOING_DIR).glob(f"{job_id}@*.base"):
+        self.early.pop(job_id, None)
+        outgoing = self.daemon.config.checkpoints / jobfiles.OUTGOING_DIR
+        for folder in (*outgoing.glob(f"{job_id}@*.base"), *outgoing.glob(f"{job_id}@*.early")):
             jobfiles.remove(folder)
+
+    def _begin_early_deltas(self, job_id: str, epoch: int, images: Path) -> None:
+        """CRIU has written the final dump into `images`: begin its images' recipes against the
+        base (if there is one) while the checkpoint's manifest is hashed."""
+        base = self.bases.get(int(job_id))
+        if base is None:
+            return
+        folder = early_folder(self.outgoing(job_id, epoch))
+        making = asyncio.ensure_future(asyncio.to_thread(bases.early_deltas, images, base, folder))
+        making.add_done_callback(lambda done: done.cancelled() or done.exception())  # seen if never awaited
+        self.early[int(job_id)] = making
+
+    async def _early_deltas(self, job_id: str) -> dict[str, bases.EarlyDelta]:
+        """The recipes begun once CRIU returned ({} when none were, or their making failed: the
+        images' recipes are made now)."""
+        making = self.early.pop(int(job_id), None)
+        if making is None:
+            return {}
+        try:
+            return await making
+        except (OSError, DeltaError) as error:
+            log.warning("job %s: the recipes begun after the dump failed (%s); made again", job_id, error)
+            return {}
 
     async def send_checkpoint(self, job_id: str, peer: str, epoch: int) -> None:
         """Stream the job's checkpoint, logs and record to `peer` (resuming after broken links);
@@ -296,11 +335,14 @@ class DaemonMoves:
             return
         began = time.monotonic()
         try:
-            summary = await asyncio.to_thread(bases.stage_deltas, staging, base)
+            early = await self._early_deltas(job_id)
+            summary = await asyncio.to_thread(bases.stage_deltas, staging, base, early)
         except (OSError, DeltaError) as error:
             await asyncio.to_thread(restage)
             self.note(job_id, f"process images sent whole to {peer}: no changes against the base ({error})")
             return
+        finally:
+            await asyncio.to_thread(jobfiles.remove, early_folder(staging))
         if summary.images:
             sent = human_bytes(summary.literal_bytes + summary.recipe_bytes)
             self.note(

@@ -7,7 +7,7 @@ finished tasks back to their state machine).
 
 from __future__ import annotations
 
-from singularityd.checkpoint.coordinator import BeforePause, Checkpoints, CheckpointTaken, CheckpointTarget
+from singularityd.checkpoint.coordinator import Checkpoints, CheckpointTaken, CheckpointTarget, PauseHooks
 from singularityd.checkpoint.errors import CheckpointError, JobEnded
 from singularityd.core.actions import TakeCheckpoint
 from singularityd.core.lost_processes import StopPurpose
@@ -75,7 +75,7 @@ async def checkpoint(
     take: TakeCheckpoint,
     processes: Processes,
     checkpoints: Checkpoints,
-    before_pause: BeforePause | None = None,
+    hooks: PauseHooks | None = None,
 ) -> tuple[Checkpointed | CheckpointFailed, CheckpointTaken | StateConflict]:
     """Checkpoint the job's processes; the stimulus, and what the request that asked receives."""
     try:
@@ -88,7 +88,7 @@ async def checkpoint(
             target,
             stop=take.stop,
             reason=take.reason,
-            before_pause=before_pause,
+            hooks=hooks,
             purpose=purpose.as_dict() if purpose else None,
         )
     except CheckpointError as error:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from singularityd.federation import bases
-from singularityd.federation.pagedelta import BLOCK_BYTES, DeltaError, index_base
+from singularityd.federation import bases, pagedelta
+from singularityd.federation.pagedelta import BLOCK_BYTES, DeltaError, DeltaFigures, index_base
 from singularityd.federation.transfer import Destination, MiB, Source, copy_locally, missing
 
 BS = BLOCK_BYTES
@@ -112,3 +113,39 @@ def test_without_large_images_nothing_changes_and_a_broken_base_fails_the_rebuil
     with pytest.raises(DeltaError, match="missing"):
         bases.rebuild_deltas(incoming)
     assert (incoming / bases.DELTA_DIR).is_dir()  # kept: nothing is dropped on failure
+
+
+def test_recipes_made_once_dumped_are_taken_only_for_the_same_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The recipes a move begins as soon as CRIU has written the final dump are taken by the
+    staging when its image is that very file (a hard link); another file gets its recipe made
+    then. Either way the target rebuilds the image exactly."""
+    base, old = make_base(tmp_path / "base-dump", 4 * MiB)
+    image = old[MiB:] + os.urandom(8 * BS)
+    dumped = tmp_path / "dumped"
+    dumped.mkdir()
+    (dumped / "pages-1.img").write_bytes(image)
+    early = bases.early_deltas(dumped, base, tmp_path / "early")
+    assert set(early) == {"pages-1.img"} and early["pages-1.img"].figures.literal_bytes == 8 * BS
+    made: list[Path] = []
+    real_make_recipe = pagedelta.make_recipe
+
+    def make_recipe(path: Path, *args: Any) -> DeltaFigures:
+        made.append(path)
+        return real_make_recipe(path, *args)
+
+    monkeypatch.setattr(bases, "make_recipe", make_recipe)
+    for case in ("another file", "the same file"):
+        staging, incoming = tmp_path / f"staging {case}", tmp_path / f"incoming {case}"
+        make_staging(staging, image)
+        if case == "the same file":
+            (staging / IMAGE).unlink()
+            os.link(dumped / "pages-1.img", staging / IMAGE)
+        made.clear()
+        summary = bases.stage_deltas(staging, base, early)
+        assert (summary.images, summary.literal_bytes) == (1, 8 * BS)
+        assert made == ([] if case == "the same file" else [staging / IMAGE]), case
+        send(staging, incoming)
+        bases.rebuild_deltas(incoming)
+        assert (incoming / IMAGE).read_bytes() == image, case
