@@ -33,6 +33,9 @@ being moved to disk (one file moved); the manifest is not written yet."""
 ARRIVAL_IMPORTED = "arrival-imported"
 """A target has stored an arriving job's record (MIGRATING, its devices reserved) and has not
 placed its files or restored its processes."""
+PRELOADED = "preloaded"
+"""A target has read the pre-copied device state of an arriving job onto its devices and not yet
+answered the pre-send (its sender has not stopped the job)."""
 RESTORED_FROZEN = "restored-frozen"
 """A target has restored an arriving job frozen (its processes exist, stopped) and not yet
 reported it: the hand-off still says it is restoring."""

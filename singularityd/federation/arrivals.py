@@ -27,7 +27,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -123,15 +123,18 @@ class Arrivals:
         """Per (job, epoch): the copy of a received base into drafts of its process images."""
         self.receivers = Receivers(self.authorize, self._received)
 
-    def _received(self, job_id: str, epoch: int, directory: Path) -> None:
+    def _received(self, job_id: str, epoch: int, directory: Path) -> Awaitable[object] | None:
         """A transfer for (job, epoch) has all its chunks: if it was the pre-send (no recipes yet),
         preload its device state and draft its process images over the base that came with it,
-        while the job still runs on its source (bases.draft_images)."""
-        self.preloads.received(job_id, epoch, directory)
+        while the job still runs on its source (bases.draft_images); both, for the sender to wait
+        for before it stops the job."""
+        preloading = self.preloads.received(job_id, epoch, directory)
         key = (int(job_id), epoch)
         pre_send = not (directory / bases.DELTA_DIR).exists()
         if pre_send and key not in self.drafting and (directory / bases.BASE_DIR).is_dir():
             self.drafting[key] = asyncio.ensure_future(asyncio.to_thread(bases.draft_images, directory))
+        started = [each for each in (preloading, self.drafting.get(key) if pre_send else None) if each]
+        return asyncio.gather(*started, return_exceptions=True) if started else None
 
     async def _drafted(self, job_id: int, epoch: int) -> None:
         """Wait for the drafting of (job, epoch)'s process images, if any, to end (a failure only

@@ -6,7 +6,9 @@ change afterwards), the records that part holds (`cudaN.precopied`, proxies.py) 
 runs as (jobfiles.PRECOPY_OWNER_FILE) before it stops the job. Once every chunk of that transfer
 has arrived and been checked (transfer_grpc.Receivers calls `received`), the target starts the
 job's proxy servers on devices free now and has them read those records into device memory
-(proxy/server/preloads.py). The restore takes those servers and devices when they are still free
+(proxy/server/preloads.py); the sender is answered once that is done (at most
+transfer_grpc.SETTLE_WAIT_S), so it stops the job only then and the preload is not part of the
+downtime. The restore takes those servers and devices when they are still free
 and the record names the same owner and number of devices (else it starts afresh: the preloaded
 state goes with the servers). A preload only uses devices free at the time, and holds them until
 the restore takes them or the preload is dropped: neither local jobs (the daemon's
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from singularityd import faults
 from singularityd.daemon import Daemon
 from singularityd.devices.access import DeviceError
 from singularityd.devices.proxy_servers import JobIdentity
@@ -71,14 +74,15 @@ class Preloads:
         """Devices holding preloaded state of arriving jobs (but `but`'s)."""
         return {device for job, held in self.held.items() if job != but for device in held.devices}
 
-    def received(self, job_id: str, epoch: int, directory: Path) -> None:
-        """A transfer for (job, epoch) has all its chunks: preload, if it was the pre-copy."""
+    def received(self, job_id: str, epoch: int, directory: Path) -> asyncio.Future[None] | None:
+        """A transfer for (job, epoch) has all its chunks: preload, if it was the pre-copy; the
+        preload under way for the job, if any."""
         number = int(job_id)
         if not self.daemon.config.move_preload or number in self.running:
-            return
+            return self.running.get(number)
         held = self.held.get(number)
         if held is not None and held.epoch == epoch:
-            return
+            return None
         task = asyncio.ensure_future(self._preload(job_id, epoch, directory))
         self.running[number] = task
 
@@ -89,6 +93,7 @@ class Preloads:
                 log.error("job %s: preload failed", job_id, exc_info=finished.exception())
 
         task.add_done_callback(done)
+        return task
 
     async def _preload(self, job_id: str, epoch: int, directory: Path) -> None:
         """Start the job's servers on free devices and have them read the pre-copied records received
@@ -130,6 +135,7 @@ class Preloads:
                 else:
                     self.note(job_id, f"nothing preloaded on device {device}: {result.get('refused')}")
             log.info("job %s: preload took %.2fs", job_id, time.monotonic() - began)
+            await faults.held_at(faults.PRELOADED)
 
     def take(self, job_id: int, epoch: int, needed: int) -> Preloaded | None:
         """The servers holding the epoch's preloaded state, for its restore, if they fit it (as many

@@ -14,7 +14,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 READ_AHEAD = 4
 PUTS_IN_FLIGHT = 2
+SETTLE_WAIT_S = 60.0
+"""The longest a receiver waits for the work a complete transfer starts (see Received) before it
+answers: a pre-copy's sender stops the job only then, so that work is not part of the downtime."""
 TRANSFER_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
 RETRIABLE = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
@@ -164,9 +167,10 @@ class Sending:
 
 Authorize = Callable[[str, str, int], Path]
 """(peer node, job id, epoch) -> the directory to receive into; raises Refused when not expected."""
-Received = Callable[[str, int, Path], None]
+Received = Callable[[str, int, Path], Awaitable[object] | None]
 """(job id, epoch, directory): every chunk a transfer's sender opened it with has arrived and been
-checked (before its FinishTransfer, which a pre-copy never sends)."""
+checked (before its FinishTransfer, which a pre-copy never sends); what it returns (the work the
+arrival starts here: a preload) is waited for, at most SETTLE_WAIT_S, before the sender is answered."""
 
 
 @dataclass
@@ -232,7 +236,9 @@ class Receivers:
             if current is not None:
                 await asyncio.to_thread(self._flush, current)
                 if self.received is not None and current.destination.complete:
-                    self.received(current.job_id, current.epoch, current.destination.root)
+                    settling = self.received(current.job_id, current.epoch, current.destination.root)
+                    if settling is not None:  # its outcome is the arrival's to report
+                        await asyncio.wait([asyncio.ensure_future(settling)], timeout=SETTLE_WAIT_S)
         except TransferError as e:
             raise DataLoss(str(e)) from e
         finally:

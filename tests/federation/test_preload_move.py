@@ -97,6 +97,39 @@ def test_the_target_restores_from_the_preloaded_state_and_reads_only_the_rest(la
     assert read < 1 << 20, f"the restore read more than what the job wrote after its pre-copy: {restore}"
 
 
+def test_the_source_stops_the_job_only_once_the_target_has_preloaded(lab: Lab) -> None:
+    """The target holds at the end of its preload (a fault point): its answer to the pre-send waits,
+    so the job still runs on the source, not stopped; once the preload is over the move goes on,
+    and the job ends on the target, exact."""
+    expected = direct_output("held_state.py", ARGS)
+    release, hold = lab.paths.root / "release-preload-wait", lab.paths.root / "hold-preloaded"
+    a, b = lab.node("node-a"), lab.node("node-b")
+    b.kill(signal.SIGTERM)
+    b.start(env={faults.ENV: faults.PRELOADED, faults.HOLD_ENV: str(hold)})
+    try:
+        job = submit_held_state(a, release)
+        wait_state(a, job, "RUNNING")
+        wait_until(progressed(a, job, 20), timeout=240)
+        mover = Background(lambda: a.sing("migrate", str(job), "--to", "node-b", timeout=300))
+        wait_until(lambda: Path(f"{hold}.reached").exists(), timeout=120, interval=0.05)
+        time.sleep(1.0)
+        shown = a.job(job)
+        assert shown is not None and shown["state"] == "RUNNING", shown
+        reasons = [str(e["reason"]) for e in shown["events"]]
+        assert not any(r.startswith("stopped to move") for r in reasons), reasons
+        hold.touch()
+        assert mover.result().code == 0, mover.result().err
+        wait_state(b, job, "RUNNING")
+        release.touch()
+        assert b.sing("wait", str(job), timeout=300).code == 0, b.sing("logs", str(job)).out[-2000:]
+        assert b.sing("logs", str(job)).out == expected
+    finally:
+        hold.touch()
+        release.touch()
+        b.kill(signal.SIGTERM)
+        b.start()
+
+
 @pytest.mark.parametrize("then", ["discarded", "target-restarted"])
 def test_a_move_given_up_after_the_preload_leaves_nothing_on_the_target(lab: Lab, then: str) -> None:
     """The source dies as CRIU begins its final dump (a fault point), after the target preloaded;
