@@ -230,15 +230,22 @@ def run_trial(lab: Lab, referee: Referee, trial: Trial, rng: random.Random) -> T
     source_phases, target_phases, source_state = STEPS[trial.step]
     mover = Background(lambda: source.sing("migrate", str(job), "--to", trial.target, timeout=300))
 
+    def over() -> bool:
+        """The move ended (or failed) before the chosen step was seen."""
+        return mover.done() or phase(target, job) == "owned" or phase(source, job) == "handed-off"
+
     def reached() -> bool:
         if phase(source, job) in source_phases and source_state in (None, job_state(source, job)):
             return True
-        if phase(target, job) in target_phases:
-            return True
-        return phase(target, job) == "owned" or phase(source, job) == "handed-off"
+        return phase(target, job) in target_phases or over()
 
-    wait_until(reached, timeout=120, interval=0.002)
-    trial.hit = not (phase(target, job) == "owned" or phase(source, job) == "handed-off")
+    try:
+        wait_until(reached, timeout=120, interval=0.002)
+    except AssertionError as error:
+        raise AssertionError(f"{error}: the move reached no step\n{where_it_stands(lab, job)}") from None
+    trial.hit = not over()
+    if mover.done() and mover.result().code != 0:
+        print(f"trial {trial.number}: the move ended before the step: {mover.result().err.strip()}")
     time.sleep(trial.delay)
     inject(lab, trial, rng)
     result = mover.result()
