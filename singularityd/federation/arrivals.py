@@ -34,6 +34,7 @@ from pathlib import Path
 from singularityd import faults
 from singularityd.checkpoint.coordinator import Checkpoints, JobCheckpoints
 from singularityd.checkpoint.criu import LEAVE_STOPPED, Criu
+from singularityd.checkpoint.errors import CheckpointError
 from singularityd.checkpoint.hashing import hash_open_files, open_for_hashing
 from singularityd.checkpoint.manifest import ManifestError, digest_problems
 from singularityd.checkpoint.precheck import tree_pids
@@ -287,16 +288,21 @@ class Arrivals:
             await daemon.devices.admit(job_number, identity(job), devices)  # a preload's servers go
         daemon.processes.forget_outcome(job_number)
         restore_began = time.monotonic()
-        restored = await self.frozen.restore(job_number, devices, known_digests=known)
+        try:
+            restored = await self.frozen.restore(job_number, devices, known_digests=known)
+        except CheckpointError:
+            # Wrong memory can make CRIU itself fail (its restorer runs inside the restored
+            # processes): then the wrong image, not CRIU's symptom, is the reason given.
+            if known.checked_by_caller:
+                await self._refuse_wrong_rebuild(checking, known, job_id)
+            raise
         process = daemon.processes.adopt_restored(job_number, restored.pid)
         daemon.store.set_process(job_number, process.pid, process.start_ticks)
         if restored.problem:
             raise RuntimeError(restored.problem)
         restored_at = time.monotonic()
         if restored.seq == known.seq and known.checked_by_caller:
-            problems = await rebuilt_problems(checking, known, self.images, job_id)
-            if problems:
-                raise RuntimeError(f"the process images rebuilt from their base: {'; '.join(problems)}")
+            await self._refuse_wrong_rebuild(checking, known, job_id)
         checked_at = time.monotonic()
         await asyncio.to_thread(jobfiles.remove, incoming)
         parts = f": {restored.parts.summary()}" if restored.parts is not None else ""
@@ -307,6 +313,15 @@ class Arrivals:
             f"restored in {restored_at - restore_began:.2f}s{parts}; "
             f"the rebuilt images' checksums awaited {checked_at - restored_at:.2f}s more)",
         )
+
+    async def _refuse_wrong_rebuild(
+        self, checking: asyncio.Future[dict[str, str]], known: KnownDigests, job_id: str
+    ) -> None:
+        """Raise RuntimeError if the rebuilt process images being hashed by `checking` differ from
+        the manifest of the checkpoint that arrived."""
+        problems = await rebuilt_problems(checking, known, self.images, job_id)
+        if problems:
+            raise RuntimeError(f"the process images rebuilt from their base: {'; '.join(problems)}")
 
     async def release_frozen(self, job_id: str, epoch: int) -> None:
         """The job is ours: let the processes restored for `epoch` run (nothing if they already do)."""
