@@ -41,6 +41,19 @@ def write(target: torch.Tensor, values: torch.Tensor) -> None:
         target.copy_(values.reshape(target.shape))
 
 
+def write_alike(x: Exchange, targets: Sequence[tuple[int, torch.Tensor]], values: torch.Tensor) -> None:
+    """Put the same values into several local members' tensors (group rank, tensor): the first
+    is written, and each other one takes its storage where that gives it the same bytes (spliced
+    replicas: kept once and copy-on-write, dedup.py), else is written too."""
+    first_rank, first = targets[0]
+    write(first, values)
+    dedup = x.collectives.dedup
+    writer = x.instance.sessions[first_rank]
+    for rank, tensor in targets[1:]:
+        if dedup is None or not dedup.share_alike(writer, first, x.instance.sessions[rank], tensor):
+            write(tensor, values)
+
+
 def fold(values: Sequence[torch.Tensor], op: str, factor: float, size: int) -> torch.Tensor:
     """The reduction of the values in the order given (global rank order)."""
     shape = values[0].shape
@@ -123,9 +136,9 @@ def allreduce(x: Exchange) -> None:
     chunks = exchange(x, shares, {("b", i, j) for i in range(count) for j in range(len(servers))})
     with x.device_lock:
         for i in range(count):
-            whole = torch.cat([chunks[("b", i, j)] for j in range(len(servers))])
-            for rank in x.local:
-                write(x.params[rank]["tensors"][i], whole)
+            pieces = [chunks[("b", i, j)] for j in range(len(servers))]
+            whole = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            write_alike(x, [(rank, x.params[rank]["tensors"][i]) for rank in x.local], whole)
 
 
 def broadcast(x: Exchange) -> None:

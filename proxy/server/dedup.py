@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .session import DeviceMemory, Session, rebindable
+from .writes import covers_its_storage
 
 MIN_SHARED_BYTES = 4096
 """Storages smaller than this are not compared (their bytes would not pay for the bookkeeping)."""
@@ -295,6 +296,31 @@ class Dedup:
                             break
                     else:
                         kept.append((session, storage))
+
+    def share_alike(
+        self, writer: Session, written: torch.Tensor, session: Session, tensor: torch.Tensor
+    ) -> bool:
+        """During a collective that puts the same values into both tensors and has just written
+        `written` (the writer's): let the session's `tensor` take the writer's storage instead of
+        being written, where that gives it the same bytes (both tensors laid out alike over the
+        whole of their storages) and both storages may be shared, as `share_written` would after
+        comparing them. Whether it did (if not, the caller writes the tensor)."""
+        if session is writer or not (covers_its_storage(written) and covers_its_storage(tensor)):
+            return False
+        if (written.dtype, written.shape) != (tensor.dtype, tensor.shape):
+            return False
+        theirs, mine = written.untyped_storage(), tensor.untyped_storage()
+        key = mine._cdata
+        if theirs._cdata in session.storages or key not in session.storages:
+            return False
+        if session.storages[key][0] < MIN_SHARED_BYTES or theirs.device != mine.device:
+            return False
+        with self.device_lock:
+            movable = _rebindable_storage(session, key) is not None
+            if not movable or _rebindable_storage(writer, theirs._cdata) is None:
+                return False
+            session.repoint(key, theirs)
+        return True
 
     def release(self, keys: set[int]) -> None:
         """The collective that claimed these storages is done writing them."""

@@ -23,6 +23,8 @@ import torch
 
 from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.control import ProxyControl, splice_refusal
+from singularity.proxy.server.collective_kinds import write_alike
+from singularity.proxy.server.collectives import Exchange, Instance
 from singularity.proxy.server.control import ControlHandler
 from singularity.proxy.server.dedup import REPLICA_ROUNDS
 from singularity.proxy.server.service import Server
@@ -154,6 +156,47 @@ def test_an_in_place_update_of_a_whole_shared_storage_runs_apart_without_a_copy(
     ramp = torch.linspace(0, 1, FLOATS)
     assert torch.equal(second.tensors[6], ramp.clone().mul_(torch.full((FLOATS,), 3.0, dtype=torch.float64)))
     assert second.tensors[6].dtype == torch.float32 and torch.equal(first.tensors[6], ramp)
+
+
+def test_an_all_reduce_result_is_written_once_for_the_ranks_here(server: Server) -> None:
+    """The same result for three ranks here (an all-reduce's): the first rank's tensor is written,
+    the second's takes its storage (nothing copied or compared, held once, copy-on-write after),
+    and a tensor that is only a part of its storage is written as before."""
+    first, second, third = open_sessions(server, 3)
+    for session in (first, second, third):
+        session.add(1, torch.full((FLOATS,), float(session.rank)))  # each rank's own gradients
+        session.add(2, session.tensors[1][:8])
+        session.add(3, torch.zeros(2 * FLOATS))
+    third.add(4, third.tensors[3][:FLOATS])  # a bucket that is a part of a larger storage
+    members = (first, second, third)
+    instance = Instance(
+        JOB,
+        "group",
+        0,
+        locals={s.rank: {"op": "sum", "factor": 1.0, "root": 0} for s in members},
+        sessions={s.rank: s for s in members},
+    )
+    exchange = Exchange(server.collectives, instance, runner=None)  # type: ignore[arg-type]
+    result = torch.linspace(0, 1, FLOATS)
+    before = (server.memory.used, server.dedup.comparisons, server.memory.copied_bytes)
+    with server.executor.lock:
+        write_alike(exchange, [(0, first.tensors[1]), (1, second.tensors[1]), (2, third.tensors[4])], result)
+    for tensor in (first.tensors[1], second.tensors[1], third.tensors[4]):
+        assert torch.equal(tensor, result)
+    assert torch.equal(second.tensors[2], result[:8]), "the view follows its base"
+    assert second.tensors[1].untyped_storage()._cdata == first.tensors[1].untyped_storage()._cdata
+    assert third.tensors[3].untyped_storage()._cdata != first.tensors[1].untyped_storage()._cdata
+    assert torch.equal(third.tensors[3][FLOATS:], torch.zeros(FLOATS)), "the rest of its storage stays"
+    assert server.memory.used == before[0] - FLOATS * 4
+    assert (server.dedup.comparisons, server.memory.copied_bytes) == before[1:]
+
+    ops: list[list[object]] = [
+        [protocol.OP_DEFINE, 1, "aten", "add_", "Tensor"],
+        [protocol.OP_CALL, 1, 100, [handle(2), handle(2)], {}],
+    ]
+    run(server, second, ops)
+    assert torch.equal(first.tensors[1], result), "a write after it reaches only the writer"
+    assert torch.equal(second.tensors[2], result[:8] * 2)
 
 
 def test_a_dropped_session_frees_only_when_nothing_runs_on_the_device(server: Server) -> None:
