@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from textual.pilot import Pilot
-from textual.widgets import Input
+from textual.widgets import DataTable, Input
 
 from singularity.cli.top.app import TopApp
 from singularity.cli.top.screens import ChoiceScreen, ConfirmScreen
@@ -139,6 +139,25 @@ async def test_migration_goes_to_the_chosen_peer_after_a_confirmation() -> None:
                 break
             await pilot.pause(0.05)
         assert source.actions == [("migrate", chosen, "node-b")]
+
+
+async def test_a_refresh_right_after_a_cursor_move_keeps_it() -> None:
+    """A refresh that lands between a key moving the jobs cursor and the table's message about it
+    (a busy machine) leaves the cursor where the key put it, and that job becomes the chosen one."""
+    top = app()
+    async with top.run_test(size=SIZE) as pilot:
+        await settled(pilot)
+        table = top.query_one("#jobs", DataTable)
+        first = top.selected
+        table.move_cursor(row=table.cursor_row + 1, animate=False)
+        moved_to = top._job_at_cursor()
+        assert moved_to is not None and moved_to != first
+        top._sync_jobs(top.source.now())  # before the highlight message is handled
+        for _ in range(200):
+            if top.selected == moved_to:
+                break
+            await pilot.pause(0.05)
+        assert (top.selected, top._job_at_cursor()) == (moved_to, moved_to)
 
 
 def test_resize_asks_how_many_devices(snap_compare: Compare) -> None:

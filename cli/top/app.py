@@ -289,7 +289,9 @@ class TopApp(JobActions):
         """Bring the jobs table in line with the jobs and the filter; the chosen job keeps the cursor."""
         table = self.query_one("#jobs", DataTable)
         shown = {str(j.id): j for j in self.jobs.values() if view.matches(j, self.filter_words)}
-        kept_cursor = self.selected
+        # The job under the cursor, not the chosen one: a key that just moved the cursor has not
+        # chosen its job yet (its highlight message comes after this refresh), and must not be undone.
+        kept_cursor = self._job_at_cursor() if table.row_count else self.selected
         gone = [str(row.value) for row in table.rows if row.value not in shown]
         if gone and len(gone) > len(table.rows) // 2:
             for row in table.rows:
