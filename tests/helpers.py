@@ -190,6 +190,20 @@ class Daemon:
         result: dict[str, Any] = wait_until(reached, timeout)
         return result
 
+    def wait_ok(self, job_id: int, timeout: float = 300.0) -> None:
+        """Wait for the job to end and fail, with its reason, events, log and the daemon's log, unless
+        it exited 0."""
+        code = self.sing("wait", str(job_id), timeout=timeout).code
+        if code == 0:
+            return
+        job = self.job(job_id)
+        events = "\n".join(f"  {e.get('to_state', '')}: {e.get('reason', '')}" for e in job["events"])
+        printed = self.sing("logs", str(job_id)).out
+        raise AssertionError(
+            f"job {job_id} ended with {code} ({job['state']}: {job['reason']})\nevents:\n{events}\n"
+            f"its log (end):\n{printed[-3000:]}\nthe daemon's log (end):\n{self.log.read_text()[-6000:]}"
+        )
+
     def supervisor_pid(self, job_id: int) -> int:
         """The host PID of the job's supervisor, from the file the launcher writes (once written)."""
         path = self.state_dir / "jobs" / str(job_id) / "init.pid"

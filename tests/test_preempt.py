@@ -155,7 +155,7 @@ def test_preempt_resume_and_checkpoint_are_bitwise_exact(cr_daemon: Daemon) -> N
             cr_daemon.wait_state(job, "RUNNING")
     preempts = operations.count("preempt")
     release.touch()
-    assert cr_daemon.sing("wait", str(job), timeout=300).code == 0
+    cr_daemon.wait_ok(job, timeout=300)
     assert cr_daemon.sing("logs", str(job)).out == expected
     reasons = [e["reason"] for e in events(cr_daemon, job)]
     assert sum(r.startswith("preempted by root: checkpoint") for r in reasons) == preempts
@@ -186,7 +186,7 @@ def test_a_job_computing_in_bfloat16_is_preempted_and_resumed_exactly(cr_daemon:
         assert result.code == 0, result.err
         cr_daemon.wait_state(job, "RUNNING", timeout=120)
     release_file(cr_daemon).touch()
-    assert cr_daemon.sing("wait", str(job), timeout=300).code == 0, cr_daemon.job(job)["reason"]
+    cr_daemon.wait_ok(job, timeout=300)
     assert cr_daemon.sing("logs", str(job)).out == direct
     reasons = [e["reason"] for e in events(cr_daemon, job)]
     assert sum(r.startswith("restored from checkpoint") for r in reasons) == 2, reasons
@@ -207,7 +207,7 @@ def test_suspend_hold_and_resume(cr_daemon: Daemon) -> None:
     again = cr_daemon.sing("resume", str(job))
     assert again.code == 0, again.err
     release.touch()
-    assert cr_daemon.sing("wait", str(job), timeout=300).code == 0
+    cr_daemon.wait_ok(job, timeout=300)
     assert cr_daemon.sing("logs", str(job)).out == uninterrupted_output(120)
 
 
@@ -218,11 +218,11 @@ def test_scheduler_preempts_lower_priority_job(daemon_root: Path) -> None:
         daemon.wait_state(low, "RUNNING")
         wait_progress(daemon, low, 10, steps=150)
         high = daemon.submit("sh", "-c", "echo urgent", options=["--priority", "10"])
-        assert daemon.sing("wait", str(high), timeout=120).code == 0
+        daemon.wait_ok(high, timeout=120)
         reasons = [e["reason"] for e in events(daemon, low)]
         assert any(r.startswith("preempted for a higher-priority job: checkpoint") for r in reasons), reasons
         release.touch()
-        assert daemon.sing("wait", str(low), timeout=300).code == 0
+        daemon.wait_ok(low, timeout=300)
         assert daemon.sing("logs", str(low)).out == uninterrupted_output(150)
         high_events = events(daemon, high)
         assert high_events[1]["to_state"] == "RUNNING"
@@ -245,7 +245,7 @@ def test_daemon_and_job_killed_resume_from_periodic_checkpoint(daemon_root: Path
         lost = daemon.wait_state(job, "RUNNING", "PREEMPTED", timeout=60)
         assert lost["state"] != "FAILED"
         release.touch()
-        assert daemon.sing("wait", str(job), timeout=300).code == 0
+        daemon.wait_ok(job, timeout=300)
         reasons = [e["reason"] for e in events(daemon, job)]
         assert any("queued to resume from its last checkpoint" in r for r in reasons), reasons
         assert daemon.sing("logs", str(job)).out == expected, "logs rewound to the checkpoint, then replayed"
@@ -284,7 +284,7 @@ def test_corrupt_newest_image_falls_back_to_previous(cr_daemon: Daemon) -> None:
         handle.write(b"\xff\x00\xff\x00 corrupt")
     assert cr_daemon.sing("resume", str(job)).code == 0
     release.touch()
-    assert cr_daemon.sing("wait", str(job), timeout=300).code == 0
+    cr_daemon.wait_ok(job, timeout=300)
     reasons = [e["reason"] for e in events(cr_daemon, job)]
     skipped = [r for r in reasons if r.startswith("checkpoint ") and " not used: " in r]
     assert skipped, reasons
@@ -334,7 +334,7 @@ def test_another_users_job_preempted_and_resumed_exactly(cr_daemon: Daemon) -> N
         cr_daemon.wait_state(job, "RUNNING")
         assert_runs_as_owner(cr_daemon, job)
     release.touch()
-    assert cr_daemon.sing("wait", str(job), timeout=300).code == 0
+    cr_daemon.wait_ok(job, timeout=300)
     assert cr_daemon.sing("logs", str(job), user=owner).out == uninterrupted_output(200)
     reasons = [e["reason"] for e in events(cr_daemon, job)]
     assert sum(r.startswith(f"preempted by {owner}: checkpoint") for r in reasons) == 2, reasons
@@ -355,7 +355,7 @@ def test_another_users_job_suspended_and_resumed(cr_daemon: Daemon) -> None:
     assert again.code == 0, again.err
     cr_daemon.wait_state(job, "RUNNING")
     release.touch()
-    assert cr_daemon.sing("wait", str(job), timeout=300).code == 0
+    cr_daemon.wait_ok(job, timeout=300)
     assert cr_daemon.sing("logs", str(job)).out == uninterrupted_output(120)
 
 
@@ -495,7 +495,7 @@ def test_two_rank_job_preempted_and_restored_exactly(cr_daemon: Daemon) -> None:
         assert result.code == 0, result.err
         cr_daemon.wait_state(job, "RUNNING")
     release.touch()
-    assert cr_daemon.sing("wait", str(job), timeout=300).code == 0
+    cr_daemon.wait_ok(job, timeout=300)
     outputs = [cr_daemon.sing("logs", "--rank", str(rank), str(job)).out for rank in range(2)]
     assert outputs == expected
 
@@ -516,7 +516,7 @@ def test_a_client_giving_up_does_not_strand_the_checkpoint(cr_daemon: Daemon) ->
     again = cr_daemon.sing("checkpoint", str(job))
     assert again.code == 0, again.err
     release.touch()
-    assert cr_daemon.sing("wait", str(job), timeout=300).code == 0
+    cr_daemon.wait_ok(job, timeout=300)
     assert cr_daemon.sing("logs", str(job)).out == uninterrupted_output(150)
 
 
@@ -542,7 +542,7 @@ def test_another_users_two_rank_job_in_a_private_network(daemon_root: Path) -> N
             daemon.wait_state(job, "RUNNING")
             assert_runs_as_owner(daemon, job)
         release.touch()
-        assert daemon.sing("wait", str(job), timeout=300).code == 0
+        daemon.wait_ok(job, timeout=300)
         outputs = [daemon.sing("logs", "--rank", str(rank), str(job)).out for rank in range(2)]
     assert [without_name_lookup_warnings(output) for output in outputs] == expected
 
