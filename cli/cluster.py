@@ -15,7 +15,7 @@ import typer
 
 from singularity.cli import output
 from singularity.cli.client import connect
-from singularity.cli.errors import EXIT_FAILURE, EXIT_OK, CliError, warn
+from singularity.cli.errors import EXIT_CONFLICT, EXIT_FAILURE, EXIT_OK, CliError, warn
 from singularityd.api.v1 import singularity_pb2 as pb
 from singularityd.units import human_bytes
 
@@ -111,7 +111,7 @@ def peers(
         return
     if not response.node:
         raise CliError(
-            "this node is in no lab cluster (sing cluster init, or sing cluster join)", EXIT_FAILURE
+            "this node is in no lab cluster: run `sing cluster init` or `sing cluster join`", EXIT_CONFLICT
         )
     text = peers_table(response, header)
     if text:

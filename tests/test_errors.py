@@ -55,6 +55,14 @@ def test_empty_command(daemon: Daemon, args: list[str]) -> None:
     assert_one_line_error(daemon.sing(*args), 2, "empty command")
 
 
+@pytest.mark.parametrize("command", [["peers"], ["drain"], ["migrate", "1", "--to", "node-b"]])
+def test_cluster_verbs_outside_a_cluster(daemon: Daemon, command: list[str]) -> None:
+    """Every verb that needs a lab cluster says the same thing, with the same exit, on a lone node."""
+    daemon.submit("sleep", "30")
+    text = "this node is in no lab cluster: run `sing cluster init` or `sing cluster join`"
+    assert_one_line_error(daemon.sing(*command), 6, text)
+
+
 def test_bad_output_format(daemon: Daemon) -> None:
     assert_one_line_error(daemon.sing("ps", "-o", "yaml"), 2, "-o must be one of table, wide, json")
 
