@@ -130,3 +130,13 @@ def test_threads_of_the_program_use_the_proxied_device(server: ProxyServer) -> N
     assert proxied.returncode == 0, proxied.stderr
     assert proxied.stdout == direct.stdout
     assert len(proxied.stdout.splitlines()) == 9 and " False " not in proxied.stdout
+
+
+def test_tensors_asked_for_on_the_host_are_made_there(server: ProxyServer) -> None:
+    direct = run_program(["probe_placement.py", "cpu"], base_env())
+    proxied = run_program(["probe_placement.py", "cuda"], proxy_env([server.socket], "placement"))
+    assert direct.returncode == 0, direct.stderr
+    assert proxied.returncode == 0, proxied.stderr
+    expected = direct.stdout.replace("new_zeros on the device cpu", "new_zeros on the device cuda")
+    expected = expected.replace("trunc_normal_ cpu", "trunc_normal_ cuda")
+    assert proxied.stdout == expected

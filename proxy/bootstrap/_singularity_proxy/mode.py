@@ -137,10 +137,38 @@ def _tolist(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return func(*args, **kwargs)
 
 
+_HOST_PLACEABLE = frozenset(
+    {
+        _Tensor.new_tensor, _Tensor.new_empty, _Tensor.new_zeros, _Tensor.new_ones, _Tensor.new_full,
+        torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like, torch.rand_like,
+        torch.randn_like, torch.randint_like,
+    }
+)  # fmt: skip
+"""Calls that make a tensor like a given one, placed where their `device` says."""
+_MADE_BY_METHOD = frozenset(
+    {_Tensor.new_tensor, _Tensor.new_empty, _Tensor.new_zeros, _Tensor.new_ones, _Tensor.new_full}
+)
+
+
+def _made_on_host(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`x.new_zeros(n, device="cpu")`, `torch.zeros_like(x, device="cpu")` and the like of a stand-in
+    x: made on the host as CUDA makes them, from a host tensor with x's layout and dtype (the data
+    of `new_tensor` brought to the host first)."""
+    like = args[0]
+    if func in _MADE_BY_METHOD:
+        host_like = torch.empty(0, dtype=like.dtype)  # only its dtype counts
+    else:
+        host_like = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype)
+    rest = [download(arg.detach()) if isinstance(arg, ProxyTensor) else arg for arg in args[1:]]
+    return func(host_like, *rest, **kwargs)
+
+
 def _new_tensor(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     self = args[0]
     device = kwargs.get("device")
-    if isinstance(self, ProxyTensor) or (device is not None and _is_cuda(device)):
+    if device is not None and not _is_cuda(device):
+        return _made_on_host(func, args, kwargs) if isinstance(self, ProxyTensor) else func(*args, **kwargs)
+    if isinstance(self, ProxyTensor) or device is not None:
         index = self._channel.index if device is None else device_index(device)
         options = dict(kwargs)
         options.pop("device", None)
@@ -482,6 +510,9 @@ class DeviceMode(TorchFunctionMode):
             if device is not None and _is_cuda(device):
                 with CLIENT_LOCK:
                     return _factory(func, args, kwargs)
+            if device is not None and func in _HOST_PLACEABLE and isinstance(args[0], ProxyTensor):
+                with CLIENT_LOCK:
+                    return _made_on_host(func, args, kwargs)
         if len(args) > 1 and func not in _MIXING_ALLOWED:
             _check_devices(args)
         if type(func) is FunctionType and _needs_mode(func):
