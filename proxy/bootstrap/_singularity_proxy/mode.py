@@ -137,17 +137,15 @@ def _tolist(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return func(*args, **kwargs)
 
 
-_HOST_PLACEABLE = frozenset(
-    {
-        _Tensor.new_tensor, _Tensor.new_empty, _Tensor.new_zeros, _Tensor.new_ones, _Tensor.new_full,
-        torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like, torch.rand_like,
-        torch.randn_like, torch.randint_like,
-    }
-)  # fmt: skip
-"""Calls that make a tensor like a given one, placed where their `device` says."""
 _MADE_BY_METHOD = frozenset(
     {_Tensor.new_tensor, _Tensor.new_empty, _Tensor.new_zeros, _Tensor.new_ones, _Tensor.new_full}
 )
+"""Methods that make a tensor of their tensor's dtype, placed where their `device` says."""
+_HOST_PLACEABLE = _MADE_BY_METHOD | {
+    torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like, torch.rand_like,
+    torch.randn_like, torch.randint_like,
+}  # fmt: skip
+"""Those methods and the functions that make a tensor like a given one (its layout and dtype)."""
 
 
 def _made_on_host(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
