@@ -214,3 +214,38 @@ def test_ranks_using_two_devices_served_by_one_survive_restores(daemon_root: Pat
 def ranks_beyond(daemon: Daemon, job: int, ranks: int, beyond: int) -> bool:
     """Whether every one of the job's `ranks` printed more than `beyond` steps."""
     return steps_done(daemon, job, ranks) > beyond
+
+
+def rank_processes(daemon: Daemon, job: int) -> list[str]:
+    """The PIDs of the job's rank processes alive now (its supervisor's children)."""
+    supervisor = daemon.supervisor_pid(job)
+    return Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split()
+
+
+@requires_root
+@pytest.mark.timeout(900)
+def test_a_rank_that_ended_with_work_left_moves_with_the_job(daemon_root: Path) -> None:
+    """nanoGPT's pattern: only rank 0 reads values, so rank 1 queues all its steps and its process
+    ends while its session still has them to run, waiting in collectives for rank 0. The job, rank
+    0 held at a gate, is then resized 2 -> 1, preempted, and resized 1 -> 2: rank 1's session moves
+    with the job and runs its work, and rank 0 prints exactly what it prints uninterrupted."""
+    args = ["--steps", "40", "--rank0-reads"]
+    with running_daemon(daemon_root, virtual_devices=2) as daemon:
+        expected = run_job(daemon, "ddp_train.py", args, ranks=2, gpus=2)
+        assert expected[1] == "" and "rank 0 final " in expected[0], expected
+        gate = daemon_root / "gate"
+        options = [*JOB_OPTIONS, "--ranks", "2", "--gpus", "2"]
+        job = daemon.submit(PYTHON, "ddp_train.py", *args, "--gate", f"10:{gate}", options=options)
+        try:
+            daemon.wait_state(job, "RUNNING")
+            wait_until(lambda: steps_done(daemon, job, 1) == 10 and len(rank_processes(daemon, job)) == 1)
+            for command in (("resize", "--gpus", "1"), ("preempt",), ("resize", "--gpus", "2")):
+                result = daemon.sing(command[0], str(job), *command[1:], timeout=300)
+                assert result.code == 0, result.err
+                daemon.wait_state(job, "RUNNING", timeout=300)
+            gate.touch()
+            daemon.wait_ok(job, timeout=300)
+        except BaseException:
+            daemon.sing("cancel", str(job))
+            raise
+        assert printed(rank_logs(daemon, job, 2)) == expected

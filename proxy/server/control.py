@@ -67,6 +67,7 @@ class ControlHandler:
                 session.parked_event.clear()
                 session.park_asked = True
                 session.connection.send(protocol.PARK)
+            session.park_asked = True  # a session whose process ended stays, with what it has left
         parked = []
         for session in sessions:
             connection = session.connection
@@ -77,8 +78,10 @@ class ControlHandler:
             arrived = session.parked_event.wait(max(0.0, deadline - time.monotonic()))
             if not arrived and not session.parked:
                 raise TimeoutError(f"job {job_id} rank {session.rank} did not park in {timeout}s")
-            if not session.parked:
-                continue  # the process ended meanwhile
+            if not session.parked:  # the process ended meanwhile: its session is saved as it is
+                session.parked = True
+                parked.append(session.rank)
+                continue
             while connection.unread_bytes() > 0:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"job {job_id} rank {session.rank}: channel not drained")
@@ -167,6 +170,13 @@ class ControlHandler:
                 session.connection.send(protocol.RESUME)
                 session.resumed_at = time.monotonic()
                 ranks.append(session.rank)
+            elif session.connection is None:  # its process ended before the checkpoint
+                with self.server.state_lock:
+                    session.parked = False
+                    session.park_asked = False
+                    retired = session.retiring  # the thread retiring it goes on
+                if not retired:
+                    threading.Thread(target=self.server.retire, args=(session,), daemon=True).start()
         return ranks
 
     def replicas(self, job_id: str) -> dict[str, Any]:

@@ -251,18 +251,33 @@ class Server:
                 self._closed(session, connection)
 
     def _closed(self, session: Session, connection: Connection) -> None:
-        """A job connection ended: a process that ended unparked has what it sent run, then loses
-        its session, and its collectives' other members learn it (what waits for it fails)."""
+        """A job connection ended: the session of a process that ended unparked retires."""
         session.parked_event.set()  # a quiesce waiting on this process must not wait forever
         with self.state_lock:
             if session.connection is not connection:
                 return
             session.connection = None
             if session.parked:
+                return  # a checkpoint takes the session; resuming the job retires it
+        self.retire(session)
+
+    def retire(self, session: Session) -> None:
+        """The session's process has ended: run what it sent (a GPU finishes what a process
+        launched before it ended), then forget the session, and its collectives' other members
+        learn it (what waits for it fails). A checkpoint that parks the job meanwhile keeps the
+        session, with what it has left to run; the job's resume retires it again."""
+        with self.state_lock:
+            if session.retiring:
                 return
+            session.retiring = True
             runner = self.runners.get(session.key)
         if runner is not None:
             runner.finish()
+        with self.state_lock:
+            session.retiring = False
+            if session.park_asked:
+                return
+        if runner is not None:
             self.collectives.rank_gone(runner)
         self.drop(session)
 

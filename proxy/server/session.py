@@ -263,6 +263,8 @@ class Session:
         self.park_asked = False
         """Whether the daemon asked the process to park (only then is PARKED taken)."""
         self.parked = False
+        self.retiring = False
+        """Whether a thread is retiring the session (its process ended: service.Server.retire)."""
         self.waiting = False
         """Whether the process was waiting for an answer when it parked."""
         self.parked_event = threading.Event()

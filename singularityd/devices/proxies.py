@@ -27,7 +27,7 @@ from singularity.proxy.control import (
     open_restored_connection,
 )
 from singularityd.devices.proxy_servers import PROXY_DIR, ProxyError, ProxyServers
-from singularityd.devices.regroup import RegroupError, regroup, session_slots
+from singularityd.devices.regroup import RegroupError, regroup
 from singularityd.devices.splicing import SavedLayout, device_slots
 
 STATE_FILE_SUFFIX = ".state"
@@ -217,11 +217,10 @@ class JobProxies(ProxyServers):
         files: Sequence[Path | None] = [device_state_file(images, index) for index in range(len(devices))]
         if saved.servers != len(devices):
             try:
-                moves = session_slots(connections, device_slots(saved.logical, saved.servers), slots)
                 sources = [device_state_file(images, index) for index in range(saved.servers)]
                 files = regroup(
                     [path if path.exists() else None for path in sources],
-                    moves,
+                    slots,
                     len(devices),
                     images / PROXY_DIR / f"on-{len(devices)}",
                 )

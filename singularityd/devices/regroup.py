@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,22 +57,6 @@ def read_index(path: Path) -> SavedFile:
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise RegroupError(f"{path.name} is not a device-state file of this version")
     return SavedFile(path, index, start)
-
-
-def session_slots(
-    connections: Sequence[Mapping[str, int]], old_slots: Sequence[int], new_slots: Sequence[int]
-) -> dict[tuple[int, int], int]:
-    """{(rank, logical device): new slot} for every session a restored process reconnects to.
-
-    A process's connection to logical device cuda:j was served by old_slots[j]; its session
-    goes to new_slots[j] (new_slots is indexed like old_slots: the job sees the same devices)."""
-    moves: dict[tuple[int, int], int] = {}
-    for entry in connections:
-        rank, logical = int(entry["rank"]), int(entry["index"])
-        if not 0 <= logical < min(len(old_slots), len(new_slots)):
-            raise RegroupError(f"rank {rank} used cuda:{logical}, beyond the job's {len(old_slots)} devices")
-        moves[(rank, logical)] = new_slots[logical]
-    return moves
 
 
 def _copy(source: int, target: int, offset: int, nbytes: int, at: int) -> None:
@@ -139,11 +123,14 @@ def _moved_session(writer: _Writer, saved: SavedFile, source: int, session: dict
 
 
 def regroup(
-    sources: Sequence[Path | None], moves: Mapping[tuple[int, int], int], servers: int, folder: Path
+    sources: Sequence[Path | None], new_slots: Sequence[int], servers: int, folder: Path
 ) -> list[Path | None]:
     """Write the state of `servers` slots into `folder` from the old slots' files (None: no file);
-    the new files by slot (None where no session goes). Sessions no process reconnects to stay
-    behind (nothing would use them)."""
+    the new files by slot (None where no session goes).
+
+    Each session goes to the slot that now serves its logical device: `new_slots[j]` for cuda:j.
+    That includes the sessions of processes that ended before the checkpoint with work still to
+    run (a rank that never waited for its device): other ranks' collectives wait for that work."""
     folder.mkdir(parents=True, exist_ok=True)
     saved = [read_index(path) if path is not None else None for path in sources]
     wanted: dict[int, list[tuple[SavedFile, dict[str, Any]]]] = {}
@@ -156,9 +143,11 @@ def regroup(
                     f"{found.path.name} was saved before sessions named their device: "
                     "it can be restored on its own number of devices only"
                 )
-            new = moves.get((int(session["rank"]), int(session["index"])))
-            if new is not None:
-                wanted.setdefault(new, []).append((found, session))
+            rank, logical = int(session["rank"]), int(session["index"])
+            if not 0 <= logical < len(new_slots):
+                beyond = f"beyond the job's {len(new_slots)} devices"
+                raise RegroupError(f"rank {rank} used cuda:{logical}, {beyond}")
+            wanted.setdefault(new_slots[logical], []).append((found, session))
     results: list[Path | None] = []
     for slot in range(servers):
         if slot not in wanted:

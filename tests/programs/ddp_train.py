@@ -7,6 +7,9 @@ buckets (several allreduces per step). `--device cpu` runs it directly with gloo
 With --hold FILE every rank waits, before its checksum, until FILE exists (a test's signal to end).
 With --gate STEP:FILE (repeatable) every rank waits before that step until FILE exists, so a test
 can change the job's devices at a known point of its training.
+With --rank0-reads only rank 0 reads its loss and weights and waits (gates, hold), as nanoGPT's master
+process alone logs: the other ranks never wait for anything, so they queue all their work and end
+while much of it is still to run.
 With --die-once RANK:STEP that rank kills itself once as it starts that step, when the test says
 (files in its working directory; a rank restored from a checkpoint finds it died before).
 """
@@ -40,6 +43,7 @@ parser.add_argument("--hold", help="before the checksum, wait until this file ex
 parser.add_argument(
     "--gate", action="append", default=[], help="STEP:FILE: before that step, wait until FILE exists"
 )
+parser.add_argument("--rank0-reads", action="store_true", help="only rank 0 reads values, prints and waits")
 parser.add_argument("--crash", help="RANK:STEP: that rank dies (exit 3) as it starts that step")
 parser.add_argument("--die-once", help="RANK:STEP: that rank is killed (SIGKILL) once, see die_once")
 args = parser.parse_args()
@@ -105,8 +109,9 @@ labels = torch.randint(0, 4, (256,), generator=generator)
 crash_rank, _, crash_step = (args.crash or "-1:-1").partition(":")
 die_rank, _, die_step = (args.die_once or "-1:-1").partition(":")
 gates = {int(step): path for step, _, path in (gate.partition(":") for gate in args.gate)}
+reads = rank == 0 or not args.rank0_reads
 for step in range(args.steps):
-    while step in gates and not os.path.exists(gates[step]):
+    while step in gates and reads and not os.path.exists(gates[step]):
         time.sleep(0.05)
     if rank == int(die_rank) and step == int(die_step):
         die_once()
@@ -126,13 +131,16 @@ for step in range(args.steps):
         else:
             loss = nn.functional.cross_entropy(model(x, use_side), y)
             loss.backward()
-        total += loss.item()
+        if reads:
+            total += loss.item()
     optimizer.step()
-    print(f"rank {rank} step {step} loss {total:.10f}", flush=True)
+    if reads:
+        print(f"rank {rank} step {step} loss {total:.10f}", flush=True)
     if args.sleep:
         time.sleep(args.sleep)
 
-while args.hold and not os.path.exists(args.hold):
+while reads and args.hold and not os.path.exists(args.hold):
     time.sleep(0.05)
-print(f"rank {rank} final {checksum(net)}", flush=True)
+if reads:
+    print(f"rank {rank} final {checksum(net)}", flush=True)
 dist.destroy_process_group()
