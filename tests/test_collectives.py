@@ -154,8 +154,9 @@ def without(lines: str, *words: str) -> str:
 @pytest.mark.timeout(1500)
 def test_programs_run_unmodified_with_1_2_and_4_ranks(daemon: Daemon) -> None:
     """A pytorch/examples-style DDP demo (the accelerator's default backend), a nanoGPT-style
-    trainer (nccl because RANK is set), FSDP2 and every raw collective run as jobs of 1, 2 and 4
-    ranks; with 1 and 2 ranks they print what the same program prints directly on the CPU."""
+    trainer (nccl because RANK is set), FSDP2 (also built on the meta device) and every raw
+    collective run as jobs of 1, 2 and 4 ranks; with 1 and 2 ranks they print what the same
+    program prints directly on the CPU."""
     nano = ["--max_iters=6", "--eval_interval=3"]
     jobs = {
         ("example", 1): submit(daemon, "ddp_example.py", [], 1, 1),
@@ -166,6 +167,7 @@ def test_programs_run_unmodified_with_1_2_and_4_ranks(daemon: Daemon) -> None:
         ("nano", 4): submit(daemon, "nanogpt_style.py", nano, 4, 4),
         ("fsdp", 2): submit(daemon, "fsdp_train.py", ["--steps", "3"], 2, 2),
         ("fsdp", 4): submit(daemon, "fsdp_train.py", ["--steps", "3"], 4, 4),
+        ("fsdp-meta", 2): submit(daemon, "fsdp_train.py", ["--steps", "3", "--meta-init"], 2, 2),
         ("raw", 2): submit(daemon, "raw_collectives.py", [], 2, 1),
         ("raw", 4): submit(daemon, "raw_collectives.py", ["--backend", "gloo"], 4, 2),
     }
@@ -188,9 +190,9 @@ def test_programs_run_unmodified_with_1_2_and_4_ranks(daemon: Daemon) -> None:
         master = printed(succeeded(daemon, jobs[("nano", ranks)], ranks), kept)[0]
         assert f"done in {ranks} process(es)" in master
 
-    assert printed(succeeded(daemon, jobs[("fsdp", 2)], 2)) == direct_ranks(
-        "fsdp_train.py", ["--steps", "3", "--device", "cpu"], 2
-    )
+    fsdp_direct = direct_ranks("fsdp_train.py", ["--steps", "3", "--device", "cpu"], 2)
+    assert printed(succeeded(daemon, jobs[("fsdp", 2)], 2)) == fsdp_direct
+    assert printed(succeeded(daemon, jobs[("fsdp-meta", 2)], 2)) == fsdp_direct  # to_empty of DTensors
     fsdp = printed(succeeded(daemon, jobs[("fsdp", 4)], 4))
     assert len({log.splitlines()[-1].split()[-1] for log in fsdp}) == 1
 

@@ -2,7 +2,8 @@
 
 Each block and the whole model are sharded over the ranks; every rank prints its loss per step
 and, at the end, a checksum of the full (gathered) weights. `--device cpu` runs it directly with
-gloo, for comparison.
+gloo, for comparison. With `--meta-init` the model is built on the meta device, sharded, moved to
+its device empty (`to_empty`) and given the same initial weights as the other runs, shard by shard.
 """
 
 import argparse
@@ -13,10 +14,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import distribute_tensor
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=8)
 parser.add_argument("--device", default="cuda", help="cuda (backend nccl), or cpu (backend gloo)")
+parser.add_argument("--meta-init", action="store_true", help="build on the meta device, then to_empty")
 args = parser.parse_args()
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -27,12 +30,28 @@ else:
     device = torch.device("cpu")
 dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
+
+def build() -> nn.Module:
+    """Three blocks and a head."""
+    return nn.Sequential(*[nn.Sequential(nn.Linear(48, 48), nn.GELU()) for _ in range(3)], nn.Linear(48, 6))
+
+
 torch.manual_seed(5)
-model = nn.Sequential(*[nn.Sequential(nn.Linear(48, 48), nn.GELU()) for _ in range(3)], nn.Linear(48, 6))
-model.to(device)
+if args.meta_init:
+    initial = build().state_dict()
+    with torch.device("meta"):
+        model = build()
+else:
+    model = build().to(device)
 for block in model[:3]:
     fully_shard(block)
 fully_shard(model)
+if args.meta_init:
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            mesh, placements = parameter.device_mesh, parameter.placements
+            parameter.copy_(distribute_tensor(initial[name].to(device), mesh, placements))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 generator = torch.Generator().manual_seed(300 + rank)
 for step in range(args.steps):

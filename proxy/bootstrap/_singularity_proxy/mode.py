@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode, handle_torch_function
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import protocol
 from .channel import CLIENT_LOCK, ReaderThread
@@ -202,8 +203,39 @@ def _untouched(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
 _SERVER_FACTORIES = {getattr(torch, name) for name in protocol.SERVER_FACTORIES}
 
 
+_FILLED_LIKE = frozenset({torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like})
+"""The functions making a tensor like a given one, empty or of one value: made part by part, a
+subclass's parts are what the whole would be (random ones are not: a DTensor draws by its own rules)."""
+
+
+def _wraps_tensors(tensor: Any) -> bool:
+    """Whether `tensor` is a subclass made of other tensors (DTensor: its local shard)."""
+    return (
+        isinstance(tensor, torch.Tensor)
+        and not isinstance(tensor, ProxyTensor)
+        and is_traceable_wrapper_subclass(tensor)
+    )
+
+
+def _factory_of_parts(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`torch.empty_like(x, device="cuda")` and kin of a subclass made of tensors (a meta DTensor
+    moved by `module.to_empty`): each part made on the device, wrapped again as x wraps its own."""
+    outer = args[0]
+    options = dict(kwargs)
+    requires_grad = bool(options.pop("requires_grad", False))
+    names, context = outer.__tensor_flatten__()
+    parts = {name: getattr(outer, name) for name in names}
+    for name, part in parts.items():
+        if isinstance(part, torch.Tensor):  # beside them: what describes the parts (a device mesh)
+            parts[name] = _factory(func, [part, *args[1:]], options)
+    made = type(outer).__tensor_unflatten__(parts, context, outer.size(), outer.stride()).detach()
+    return made.requires_grad_(True) if requires_grad else made
+
+
 def _factory(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """A tensor-making call with device='cuda...': made by the server, or on the host and uploaded."""
+    if args and func in _FILLED_LIKE and _wraps_tensors(args[0]):
+        return _factory_of_parts(func, args, kwargs)
     index = device_index(kwargs["device"])
     options = dict(kwargs)
     if args and isinstance(args[0], ProxyTensor) and args[0]._channel.index == index:
