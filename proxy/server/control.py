@@ -63,11 +63,10 @@ class ControlHandler:
         deadline = time.monotonic() + timeout
         sessions = self.server.job_sessions(job_id)
         for session in sessions:
+            session.park_asked = True  # also a session whose process ended: it stays, as it is
             if session.connection is not None and not session.parked:
                 session.parked_event.clear()
-                session.park_asked = True
                 session.connection.send(protocol.PARK)
-            session.park_asked = True  # a session whose process ended stays, with what it has left
         parked = []
         for session in sessions:
             connection = session.connection

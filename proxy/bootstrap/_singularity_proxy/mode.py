@@ -142,10 +142,10 @@ _MADE_BY_METHOD = frozenset(
     {_Tensor.new_tensor, _Tensor.new_empty, _Tensor.new_zeros, _Tensor.new_ones, _Tensor.new_full}
 )
 """Methods that make a tensor of their tensor's dtype, placed where their `device` says."""
-_HOST_PLACEABLE = _MADE_BY_METHOD | {
-    torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like, torch.rand_like,
-    torch.randn_like, torch.randint_like,
-}  # fmt: skip
+_FILLED_LIKE = frozenset({torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like})
+"""The functions making a tensor like a given one, empty or of one value: made part by part, a
+subclass's parts are what the whole would be (random ones are not: a DTensor draws by its own rules)."""
+_HOST_PLACEABLE = _MADE_BY_METHOD | _FILLED_LIKE | {torch.rand_like, torch.randn_like, torch.randint_like}
 """Those methods and the functions that make a tensor like a given one (its layout and dtype)."""
 
 
@@ -203,20 +203,6 @@ def _untouched(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
 _SERVER_FACTORIES = {getattr(torch, name) for name in protocol.SERVER_FACTORIES}
 
 
-_FILLED_LIKE = frozenset({torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like})
-"""The functions making a tensor like a given one, empty or of one value: made part by part, a
-subclass's parts are what the whole would be (random ones are not: a DTensor draws by its own rules)."""
-
-
-def _wraps_tensors(tensor: Any) -> bool:
-    """Whether `tensor` is a subclass made of other tensors (DTensor: its local shard)."""
-    return (
-        isinstance(tensor, torch.Tensor)
-        and not isinstance(tensor, ProxyTensor)
-        and is_traceable_wrapper_subclass(tensor)
-    )
-
-
 def _factory_of_parts(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """`torch.empty_like(x, device="cuda")` and kin of a subclass made of tensors (a meta DTensor
     moved by `module.to_empty`): each part made on the device, wrapped again as x wraps its own."""
@@ -234,7 +220,7 @@ def _factory_of_parts(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) ->
 
 def _factory(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """A tensor-making call with device='cuda...': made by the server, or on the host and uploaded."""
-    if args and func in _FILLED_LIKE and _wraps_tensors(args[0]):
+    if args and func in _FILLED_LIKE and is_traceable_wrapper_subclass(args[0]):  # a DTensor
         return _factory_of_parts(func, args, kwargs)
     index = device_index(kwargs["device"])
     options = dict(kwargs)
