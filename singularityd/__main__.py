@@ -76,7 +76,13 @@ def device_access(config: Config, inventory: Inventory) -> DeviceAccess:
     """The daemon's proxy servers when `device_proxy` is on, else the devices themselves."""
     if not config.device_proxy:
         return DirectDevices(nvml=inventory.kind == "nvml")
-    pool = JobProxies(config.socket.parent, config.state_dir, inventory.devices, config.proxy_threads)
+    pool = JobProxies(
+        config.socket.parent,
+        config.state_dir,
+        inventory.devices,
+        config.proxy_threads,
+        splice_lean=config.splice_lean,
+    )
     return ProxiedDevices(pool)
 
 

@@ -64,6 +64,12 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--memory-bytes", type=int, required=True)
     parser.add_argument("--cuda-device", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="intra-op CPU threads")
+    parser.add_argument(
+        "--splice-lean",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="spliced ranks take turns and wait in host memory (pace.py; default on)",
+    )
     parser.add_argument("--name", default=None, help="device name the jobs see")
     parser.add_argument(
         "--listen-fd",
@@ -101,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         job_id=options.job_id,
         job_uid=options.job_uid,
         daemon_uid=options.daemon_uid,
+        splice_lean=options.splice_lean,
     )
     if options.cuda_device is None:
         bound_host_memory(options.memory_bytes)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .collectives import Exchange
+from .session import Session
 
 Key = tuple[Any, ...]
 
@@ -46,32 +47,47 @@ def write_alike(x: Exchange, targets: Sequence[tuple[int, torch.Tensor]], values
     is written, and each other one takes its storage where that gives it the same bytes (spliced
     replicas: kept once and copy-on-write, dedup.py), else is written too."""
     first_rank, first = targets[0]
+    writer = x.instance.sessions[first_rank]
+    _bring_back(writer, first)
     write(first, values)
     dedup = x.collectives.dedup
-    writer = x.instance.sessions[first_rank]
     for rank, tensor in targets[1:]:
-        if dedup is None or not dedup.share_alike(writer, first, x.instance.sessions[rank], tensor):
+        session = x.instance.sessions[rank]
+        _bring_back(session, tensor)
+        if dedup is None or not dedup.share_alike(writer, first, session, tensor):
             write(tensor, values)
 
 
-def fold(values: Sequence[torch.Tensor], op: str, factor: float, size: int) -> torch.Tensor:
-    """The reduction of the values in the order given (global rank order)."""
+def _bring_back(session: Session, tensor: torch.Tensor) -> None:
+    """Bring a member's tensor about to be written back from host memory (collectives.py moves a
+    waiting member's storages there), without its old bytes where every one is overwritten."""
+    key = tensor.untyped_storage()._cdata
+    if key in session.swapped:
+        session.swap_in(key, keep_bytes=not session.covers_counted(tensor))
+
+
+def fold(
+    values: Sequence[torch.Tensor], op: str, factor: float, size: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """The reduction of the values in the order given (global rank order), on `device` (values
+    read from host memory are brought there one at a time; by default the first value's)."""
     shape = values[0].shape
     for value in values:
         if value.shape != shape:
             raise RuntimeError(
                 f"proxy: mismatched collective: parts of {list(shape)} and {list(value.shape)}"
             )
+    device = device or values[0].device
     with torch.no_grad():
         if op == "premul_sum":
-            result = values[0] * factor
+            result = values[0].to(device) * factor
             for value in values[1:]:
-                result.add_(value * factor)
+                result.add_(value.to(device) * factor)
             return result
-        result = values[0].clone()
+        result = values[0].to(device, copy=True)
         combine = _COMBINE[op]
         for value in values[1:]:
-            combine(result, value)
+            combine(result, value.to(device))
         if op == "avg":
             if result.is_floating_point() or result.is_complex():
                 result.div_(size)
@@ -115,7 +131,8 @@ def _count(x: Exchange, name: str) -> int:
 def allreduce(x: Exchange) -> None:
     """Every member's tensors become the reduction of all members' (in place)."""
     count = _count(x, "tensors")
-    flats = {rank: [flat(t) for t in x.params[rank]["tensors"]] for rank in x.local}
+    sessions = x.instance.sessions
+    flats = {rank: [flat(sessions[rank].readable(t)) for t in x.params[rank]["tensors"]] for rank in x.local}
     servers, position = x.servers, x.servers.index(x.me)
     sizes = [flats[x.local[0]][i].numel() for i in range(count)]
     bounds = [[n * j // len(servers) for j in range(len(servers) + 1)] for n in sizes]
@@ -129,7 +146,13 @@ def allreduce(x: Exchange) -> None:
     parts = exchange(x, offers, needs)
     with x.device_lock:
         folded = [
-            fold([parts[("a", i, position, rank)] for rank in range(x.size)], x.op, x.factor, x.size)
+            fold(
+                [parts[("a", i, position, rank)] for rank in range(x.size)],
+                x.op,
+                x.factor,
+                x.size,
+                x.collectives.device,
+            )
             for i in range(count)
         ]
     shares = {("b", i, position): (servers, folded[i]) for i in range(count)}

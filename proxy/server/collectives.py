@@ -41,9 +41,14 @@ from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolErro
 from . import operators
 from .dedup import Dedup
 from .links import PeerLink
-from .session import Session
+from .session import Session, rebindable
 from .squash import Squash
 
+SWAP_MIN_BYTES = 64 << 10
+"""Smallest storage a waiting member moves to host memory (smaller ones are not worth a copy)."""
+READS_FROM_HOST = frozenset({"allreduce"})
+"""Kinds whose driver reads a waiting member's tensors from host memory (collective_kinds.py):
+their members move their own collective tensors off the device too."""
 MAX_GROUP_SIZE = 4096
 """Most members of a process group (the daemon's limit on a job's ranks)."""
 _NAMES = protocol.torch_names()
@@ -79,10 +84,10 @@ def _resolve(session: Any, value: Any) -> Any:
     return session.tensor(value)
 
 
-def _written(params: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors of a member that a collective may write (its tensors and outputs)."""
+def _tensors_of(params: dict[str, Any], names: Sequence[str] = _TENSOR_KEYS) -> list[torch.Tensor]:
+    """The tensors a member gives a collective under these names (all of them by default)."""
     found: list[torch.Tensor] = []
-    stack: list[Any] = [params.get("tensors", []), params.get("outputs", [])]
+    stack: list[Any] = [params.get(name, []) for name in names]
     while stack:
         value = stack.pop()
         if isinstance(value, torch.Tensor):
@@ -90,6 +95,11 @@ def _written(params: dict[str, Any]) -> list[torch.Tensor]:
         elif type(value) is list:
             stack.extend(value)
     return found
+
+
+def _written(params: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors of a member that a collective may write (its tensors and outputs)."""
+    return _tensors_of(params, ("tensors", "outputs"))
 
 
 def parse_spec(session: Any, spec: Any, size: int) -> dict[str, Any]:
@@ -114,7 +124,8 @@ def parse_spec(session: Any, spec: Any, size: int) -> dict[str, Any]:
 
 class Member(Protocol):
     """What a collective needs of a session's runner (runner.Runner): who it is, the groups it is in,
-    how far it got in each, a wait that ends when its session does, and whether it can go on."""
+    how far it got in each, a wait that ends when its session does, whether it can go on, and
+    what it does once it stopped using the device for the collective (gives its turn up: pace.py)."""
 
     session: Session
     groups: dict[str, tuple[int, list[int]]]
@@ -126,6 +137,8 @@ class Member(Protocol):
     def wait(self, ready: Callable[[], bool]) -> None: ...
 
     def idle(self) -> bool: ...
+
+    def arrived(self) -> None: ...
 
 
 Kind = Callable[["Exchange"], None]
@@ -159,6 +172,9 @@ class Collectives:
         """Changes so far (queues, collectives, messages): unchanged between two looks means quiet."""
         self.squash: Squash | None = None
         """Operations of spliced ranks run once (squash.py): what every rank passed is forgotten."""
+        self.move_off_waiting = True
+        """Whether a member waiting for other ranks of its job here moves what it alone holds to
+        host memory (`_move_off`; the daemon's splice_lean)."""
         self.dedup: Dedup | None = None
         """Storages shared across the ranks here (dedup.py): compared when a rank reaches a
         collective, copied before a collective writes them."""
@@ -273,6 +289,13 @@ class Collectives:
                 self.squash.at_collective(runner.session.job_id)
         job = runner.session.job_id
         placement = self._place(runner, job, group, me, members)
+        if runner.session.swapped and kind not in READS_FROM_HOST:
+            with self.device_lock:  # what the driver reads and writes of this member is on the device
+                runner.session.swap_in_tensors(_tensors_of(params))
+        spliced = self.move_off_waiting and placement.count(self.index) > 1
+        if spliced and self._will_wait(job, group, seq, placement):
+            self._move_off(runner.session, params, kind)
+        runner.arrived()
         with self.cond:
             if seq <= runner.last_seq.get(group, -1):
                 raise ProtocolError(
@@ -316,6 +339,34 @@ class Collectives:
                     del self.instances[(job, group, seq)]
                 self.events += 1
                 self.cond.notify_all()
+
+    def _will_wait(self, job: str, group: str, seq: int, placement: list[int]) -> bool:
+        """Whether a member arriving now at this instance waits for other members here."""
+        with self.cond:
+            found = self.instances.get((job, group, seq))
+            arrived = 0 if found is None else len(found.locals)
+            return arrived + 1 < placement.count(self.index)
+
+    def _move_off(self, session: Session, params: dict[str, Any], kind: str) -> None:
+        """Before a member waits for the other ranks of its job on this device (spliced), move the
+        storages it alone holds to host memory, so that the device holds the private state of
+        the ranks that run, not of those that wait (their bytes come back when next used:
+        Session.swap_in; squashing brings back one it hands to another rank: squash.py
+        `_storage`). What others may read stays: shared storages, those a collective writes, and
+        the member's collective tensors unless the driver reads them from host memory."""
+        keep: set[int] = set()
+        if kind not in READS_FROM_HOST:
+            keep = {tensor.untyped_storage()._cdata for tensor in _tensors_of(params)}
+        memory = session.memory
+        pinned = self.dedup.pinned if self.dedup is not None else set()
+        with self.device_lock:
+            for key, (nbytes, _count) in list(session.storages.items()):
+                if nbytes < SWAP_MIN_BYTES or key in keep or key in session.swapped or key in pinned:
+                    continue
+                if memory.is_shared(key):
+                    continue
+                if all(rebindable(session.tensors[h]) for h in session.handles_on[key]):
+                    session.swap_out(key)
 
     def _failure(self, instance: Instance) -> str:
         """Why an instance failed or cannot complete ('' while it still can)."""

@@ -210,6 +210,8 @@ class ControlHandler:
                 "allocated": server.memory.used - server.memory.kept_bytes,
                 "kept": server.memory.kept_bytes,
                 "peak": server.memory.peak,
+                "swapped": server.memory.swapped_bytes,
+                "swapped_total": server.memory.swapped_total,
                 "dedup": {
                     "compare_seconds": server.dedup.compare_seconds,
                     "compared_bytes": server.dedup.compared_bytes,

@@ -196,6 +196,8 @@ class Dedup:
         for key, (nbytes, _count) in list(session.storages.items()):
             if nbytes < MIN_SHARED_BYTES or key in self.pinned or self.memory.is_shared(key):
                 continue
+            if key in session.swapped:  # its bytes are in host memory while the session waits
+                continue
             if lasting is not None and lasting.isdisjoint(session.handles_on[key]):
                 continue
             stamp = (_stamp(session, key), _counterparts(session, key, peers))
@@ -247,6 +249,8 @@ class Dedup:
         for peer, other_key in candidates:
             if other_key in tried or other_key in session.storages or other_key in self.pinned:
                 continue
+            if other_key in peer.swapped:
+                continue
             tried.add(other_key)
             other = _rebindable_storage(peer, other_key)
             if other is None or other.nbytes() != storage.nbytes():
@@ -282,6 +286,8 @@ class Dedup:
                 for tensor in tensors:
                     key = tensor.untyped_storage()._cdata
                     if key not in session.storages or session.storages[key][0] < MIN_SHARED_BYTES:
+                        continue
+                    if key in session.swapped:
                         continue
                     storage = _rebindable_storage(session, key)
                     if storage is None:

@@ -14,10 +14,11 @@ import math
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
@@ -27,6 +28,11 @@ from .squash import MISS, Call, Squash
 from .writes import covers_its_storage, note_writes, out_of_place, written_tensors
 
 _FACTORIES = frozenset(protocol.SERVER_FACTORIES)
+_NOT_READING = frozenset(
+    (protocol.OP_RUN, protocol.OP_CALL, protocol.OP_FREE, protocol.OP_PLAN, protocol.OP_DEFINE,
+     protocol.OP_ALLOCATE, protocol.OP_UPLOAD)
+)  # fmt: skip
+"""Operations that touch no stored bytes outside an operator call (which brings back its own)."""
 _HOST_ALLOCATION_FAILED = re.compile(
     r"DefaultCPUAllocator: can't allocate memory: you tried to allocate (\d+) bytes"
 )
@@ -192,6 +198,7 @@ class Executor:
         call, output = self._reused(session, served.operator, args, kwargs)
         ran = output is MISS
         if ran:
+            self._note_lead(session, call)
             output = self._run_operator(session, served.operator, served.operator, args, kwargs)
         new_handles: list[int] = []
         try:
@@ -227,6 +234,7 @@ class Executor:
         call, output = self._reused(session, plan.served.operator, args, kwargs)
         ran = output is MISS
         if ran:
+            self._note_lead(session, call)
             output = self._run_operator(session, plan.served.operator, plan.call, args, kwargs)
         new_handles: list[int] = []
         added = self._keep(session, output, inputs, [protocol.integer(first_handle)], new_handles)
@@ -263,6 +271,14 @@ class Executor:
             return added
         return 0
 
+    def _note_lead(self, session: Session, call: Call | None) -> None:
+        """Before a call runs that squashing follows: whether every storage it uses is shared with
+        another rank here, so that the others will be squashed onto what it makes (an update of
+        replicated state: they should follow closely, pace.py)."""
+        if call is not None and self.memory.shared:
+            shared = self.memory.is_shared
+            call.led = session.led = all(shared(leaf.key) for leaf in call.leaves)
+
     def _reused(
         self, session: Session, operator: Any, args: list[Any], kwargs: dict[str, Any]
     ) -> tuple[Call | None, Any]:
@@ -282,6 +298,8 @@ class Executor:
         """Run an operator (`function`: it or its bare kernel), its written storages the session's
         own first (their value ids void: squash.py records them anew after a call it follows)."""
         output = MISS
+        if session.swapped:  # its storages moved to host memory while it waited: the call uses them
+            session.swap_in_tensors(tree_leaves((args, kwargs)))
         if self.memory.shared:
             output = self._write_apart(session, operator, args, kwargs)
             if output is MISS:
@@ -298,8 +316,9 @@ class Executor:
         return output
 
     def _write_apart(self, session: Session, operator: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
-        """Run an in-place operator (a pointwise update, `copy_`) whose tensor, the whole of a
-        storage the session shares, would otherwise be copied first: out of place (writes.py
+        """Run an in-place operator (a pointwise update, `copy_`) whose tensor is the whole of a
+        storage the session shares (it would otherwise be copied first) or one squashing keeps
+        for the other sessions (what they are about to be squashed onto): out of place (writes.py
         `out_of_place`), its result's storage becoming the session's (the others keep the old
         bytes). The operator's output; MISS where it does not apply (then nothing ran)."""
         functional = out_of_place(operator)
@@ -313,7 +332,9 @@ class Executor:
             return MISS
         storage = target.untyped_storage()
         key = storage._cdata
-        if not (covers_its_storage(target) and self.memory.is_shared(key) and key in session.storages):
+        keeps = self.memory.keeps
+        wanted = self.memory.is_shared(key) or (keeps is not None and keeps(key))
+        if not (wanted and covers_its_storage(target) and key in session.storages):
             return MISS
         session.check_room(storage.nbytes())
         try:
@@ -371,6 +392,8 @@ class Executor:
         if type(op) is not list or not op:
             raise ProtocolError(f"malformed operation {str(op)[:100]}")
         kind = op[0]
+        if session.swapped and kind not in _NOT_READING:
+            session.swap_in_all()
         if kind == protocol.OP_RUN:
             self._run_plan(session, op, buffers, answer=False)
         elif kind == protocol.OP_CALL:
@@ -480,6 +503,8 @@ class Executor:
             return self._call(session, request, buffers)
         if kind == protocol.REQ_FETCH:
             tensor = session.tensor(_operation(request, 2)[1])
+            if session.swapped:
+                session.swap_in_tensors([tensor])
             if tensor.layout == torch.strided:
                 return _raw(tensor)
             return {
@@ -496,22 +521,34 @@ class Executor:
             return self._memory(session, _operation(request, 2)[1])
         raise ProtocolError(f"unknown request {kind!r}")
 
-    def run_ops(self, session: Session, ops: list[Any], start: int, end: int, buffers: Sequence[Any]) -> None:
+    def run_ops(
+        self, session: Session, ops: list[Any], start: int, end: int, buffers: Sequence[Any],
+        pauses: Callable[[int], bool] | None = None,
+    ) -> int:  # fmt: skip
         """Run operations start..end-1 of a frame in order, holding the device; failures are kept.
+        Where an operation made what other ranks here will be squashed onto and `pauses(operations
+        run)` says so, stop there (pace.py). Where it stopped.
 
         The first failure is remembered in the session and reported at its next request.
         """
         with self.lock:
             began = time.perf_counter()
+            position = start
             try:
-                for op in ops[start:end]:
+                while position < end:
                     try:
-                        self._run(session, op, buffers)
+                        self._run(session, ops[position], buffers)
                     except Exception as e:
                         session.fail(e)
+                    position += 1
+                    if session.led:
+                        session.led = False
+                        if pauses is not None and position < end and pauses(position - start):
+                            break
             finally:
-                self.operations += end - start
+                self.operations += position - start
                 self.busy_seconds += time.perf_counter() - began
+            return position
 
     def answer(self, session: Session, request: Any, buffers: Sequence[Any]) -> Any:
         """The answer to a request, after raising what failed first since the last answer."""

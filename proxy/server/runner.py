@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
 
 from .collectives import MAX_GROUP_SIZE, Collectives
+from .pace import Pace
 from .session import Session, exception_info
 
 if TYPE_CHECKING:
@@ -103,10 +105,19 @@ class Runner:
         collectives: Collectives,
         saved_queue: list[Any] | None = None,
         groups: dict[str, tuple[int, list[int]]] | None = None,
+        pace: Pace | None = None,
     ) -> None:
         self.session = session
         self.executor = executor
         self.collectives = collectives
+        self.pace = pace or Pace()
+        """The turns of the job's spliced ranks on this device (pace.py)."""
+        self.rounds = 0
+        """Collectives, collective requests and process groups defined that the session went past."""
+        self.ran = 0
+        """Operations the session ran since the last of them."""
+        self.idle_since = 0.0
+        """When the session last finished a frame (by time.monotonic)."""
         self.cond = collectives.cond
         """The server-wide condition: queues, waits and collectives change under it."""
         self.has_work = threading.Condition(collectives.lock)
@@ -189,6 +200,11 @@ class Runner:
         if threading.current_thread() is not self.thread:
             self.thread.join(timeout)
 
+    def arrived(self) -> None:
+        """The session reached a collective, its private storages off the device: the other
+        ranks of its job here may take their turn."""
+        self.pace.give_turn(self)
+
     def wait(self, ready: Callable[[], bool]) -> None:
         """Wait (with the condition held) until `ready()`; Stopped if the session ends first."""
         self.waiting_on = ready
@@ -221,6 +237,7 @@ class Runner:
                     self.queue.popleft()
                     self.queued_bytes -= work.nbytes
                 self.busy = False
+                self.idle_since = time.monotonic()
                 self.collectives.events += 1
                 self.cond.notify_all()
 
@@ -249,13 +266,22 @@ class Runner:
                     raise
                 except Exception as e:
                     session.fail(e)
+                self.pace.passed_collective(self)
                 work.position += 1
                 continue
             end = work.position
             while end < len(ops) and not is_collective(ops[end]):
                 end += 1
-            self.executor.run_ops(session, ops, work.position, end, work.buffers)
-            work.position = end
+            pauses = self.pace.pauses(self)
+            while work.position < end:
+                self.pace.take_turn(self)
+                if self.stopping:
+                    raise Stopped("stopped")
+                reached = self.executor.run_ops(session, ops, work.position, end, work.buffers, pauses)
+                self.pace.ran(self, reached - work.position)
+                work.position = reached
+                if reached < end:
+                    self.pace.give_turn(self)
         self.executor.batches += 1
         if not work.answer:
             return
@@ -263,7 +289,10 @@ class Runner:
             request = work.request
             if type(request) is list and request and request[0] == protocol.REQ_COLLECTIVE:
                 session.raise_pending()
-                self.collectives.run(self, request[1:])
+                try:
+                    self.collectives.run(self, request[1:])
+                finally:
+                    self.pace.passed_collective(self)
                 session.raise_pending()
                 value = None
             else:

@@ -27,6 +27,7 @@ from .collective_kinds import KINDS
 from .collectives import Collectives
 from .dedup import Dedup
 from .executor import Executor
+from .pace import Pace
 from .runner import Runner, Work
 from .session import UNKNOWN_DEVICE, Connection, DeviceMemory, Session, exception_info
 from .squash import Squash
@@ -49,6 +50,7 @@ class Server:
         job_id: str | None = None,
         job_uid: int | None = None,
         daemon_uid: int | None = None,
+        splice_lean: bool = True,
     ) -> None:
         self.index = device_index
         self.job_id = job_id
@@ -85,6 +87,9 @@ class Server:
         """Operations of a job's ranks here run once (squash.py)."""
         self.executor.squash = self.squash
         self.collectives.squash = self.squash
+        self.pace = Pace(enabled=splice_lean)
+        """The turns spliced ranks of a job take on the device (pace.py)."""
+        self.collectives.move_off_waiting = splice_lean
         self.sessions: dict[tuple[str, int, int], Session] = {}
         self.runners: dict[tuple[str, int, int], Runner] = {}
         """The queue and thread of each session."""
@@ -98,10 +103,12 @@ class Server:
         """Hold a new session and start its thread (a restored one holds its saved work until resumed)."""
         key = session.key
         with self.state_lock:
-            runner = Runner(session, self.executor, self.collectives, saved_queue, groups)
+            runner = Runner(session, self.executor, self.collectives, saved_queue, groups, self.pace)
             self.sessions[key] = session
             self.runners[key] = runner
             self.squash.sessions_changed()
+            with self.collectives.cond:
+                self.pace.join(runner)
         return runner
 
     def drop(self, session: Session) -> None:
@@ -117,6 +124,9 @@ class Server:
                 del self.runners[key]
                 del self.sessions[key]
                 self.squash.sessions_changed()
+        if runner is not None:
+            with self.collectives.cond:
+                self.pace.leave(runner)
         return runner
 
     def _dispose(self, session: Session, runner: Runner | None) -> None:

@@ -23,6 +23,7 @@ from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolErro
 
 from . import operators
 from .plans import Plan
+from .statefile import storage_bytes
 
 _SIOCOUTQ = 0x5411
 _STORAGE_MARKS = itertools.count(1)
@@ -146,6 +147,27 @@ class DeviceMemory:
         allocation needs them), not as what the jobs hold."""
         self.keeps: Callable[[int], bool] | None = None
         """Whether squashing wants a storage its last holder lets go (set by squash.py)."""
+        self.swapped_bytes = 0
+        """Bytes of storages moved to host memory while their sessions wait (not in `used`)."""
+        self.swapped_total = 0
+        """Bytes moved to host memory so far."""
+
+    def moved_off(self, nbytes: int) -> None:
+        """Count a storage's bytes moved to host memory."""
+        self.used -= nbytes
+        self.swapped_bytes += nbytes
+        self.swapped_total += nbytes
+
+    def moved_back(self, nbytes: int) -> None:
+        """Count a storage's bytes back on the device."""
+        self.dropped_off(nbytes)
+        self.peak = max(self.peak, self.used - self.kept_bytes)
+
+    def dropped_off(self, nbytes: int) -> None:
+        """Count the bytes of a storage let go while in host memory back in `used`, for `let_go`
+        to take them out."""
+        self.used += nbytes
+        self.swapped_bytes -= nbytes
 
     def hold(self, key: int, nbytes: int, session: Session) -> None:
         """Count a session's use of a storage (its bytes once, however many sessions use it)."""
@@ -272,6 +294,13 @@ class Session:
         """When the process last parked, by CLOCK_MONOTONIC (one clock for every process here)."""
         self.resumed_at = 0.0
         """When the server last let the process go on after parking (same clock)."""
+        self.led = False
+        """Whether the session just ran an operation on storages it shares with other ranks here,
+        whose result they will be squashed onto (pace.py)."""
+        self.swapped: dict[int, torch.Tensor] = {}
+        """Storage identity -> its bytes in host memory, for a storage moved off the device while
+        the session waits in a collective (the device storage keeps its identity at no bytes;
+        whatever next uses it brings it back: `swap_in`)."""
         self.storage_marks: dict[int, int] = {}
         """Storage identity -> a number renewed whenever a tensor that may not share the storage's
         version counter starts using it (a new storage, an alias that is not a view): with the
@@ -430,7 +459,10 @@ class Session:
                 del self.handles_on[key]
                 self.storage_marks.pop(key, None)
                 self.held_bytes -= entry[0]
-                self.memory.let_go(key, entry[0], self, self._if_kept(tensor, key))
+                if self._forget_swapped(key):
+                    self.memory.let_go(key, entry[0], self)
+                else:
+                    self.memory.let_go(key, entry[0], self, self._if_kept(tensor, key))
 
     # -- storages shared with other sessions (dedup.py) --------------------------------------------
     def repoint(self, key: int, storage: torch.UntypedStorage) -> None:
@@ -444,7 +476,8 @@ class Session:
         handles = self.handles_on.pop(key)
         nbytes, count = self.storages.pop(key)
         self.storage_marks.pop(key, None)
-        old = self._if_kept(self.tensors[next(iter(handles))], key) if handles else None
+        swapped = self._forget_swapped(key)
+        old = self._if_kept(self.tensors[next(iter(handles))], key) if handles and not swapped else None
         with torch.no_grad():
             for handle in handles:
                 tensor = self.tensors[handle]
@@ -484,6 +517,79 @@ class Session:
         for other in list(self.memory.holders[key]):
             if other is not self:
                 other.own_copy(key, storage)
+
+    # -- storages moved to host memory while the session waits (collectives.py) --------------------
+    def storage(self, key: int) -> torch.UntypedStorage:
+        """The storage `key` the session holds."""
+        tensor = self.tensors[next(iter(self.handles_on[key]))]
+        return next(storage for storage in storages(tensor) if storage._cdata == key)
+
+    def swap_out(self, key: int) -> bool:
+        """Move a storage's bytes to host memory and give its device memory back; whether it could
+        (a storage the allocator does not own cannot give its memory back)."""
+        storage = self.storage(key)
+        if not storage.resizable():
+            return False
+        nbytes = self.storages[key][0]
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
+        host.copy_(storage_bytes(storage))
+        storage.resize_(0)
+        self.swapped[key] = host
+        self.memory.moved_off(nbytes)
+        return True
+
+    def swap_in(self, key: int, keep_bytes: bool = True) -> None:
+        """Bring a storage moved to host memory back to the device (without its old bytes when
+        the caller overwrites all of them)."""
+        host = self.swapped[key]
+        nbytes = host.numel()
+        self.check_room(nbytes)
+        storage = self.storage(key)
+        storage.resize_(nbytes)
+        if keep_bytes:
+            storage_bytes(storage).copy_(host)
+        del self.swapped[key]
+        self.memory.moved_back(nbytes)
+
+    def swap_in_all(self) -> None:
+        """Bring every storage of the session back to the device."""
+        for key in list(self.swapped):
+            self.swap_in(key)
+
+    def swap_in_tensors(self, values: list[Any]) -> None:
+        """Bring the storages of the tensors among these values back to the device, where they were
+        moved off."""
+        for tensor in values:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            for storage in storages(tensor):
+                if storage._cdata in self.swapped:
+                    self.swap_in(storage._cdata)
+
+    def covers_counted(self, tensor: torch.Tensor) -> bool:
+        """Whether a tensor's elements are every byte of its storage, each once, at the size the
+        session counts (a storage in host memory keeps its size there)."""
+        key = tensor.untyped_storage()._cdata
+        whole = tensor.numel() * tensor.element_size() == self.storages[key][0]
+        return whole and tensor.storage_offset() == 0 and tensor.is_contiguous()
+
+    def readable(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor, or where its storage was moved to host memory the same layout over the host
+        bytes (what a collective reads of a member that waits without bringing it back)."""
+        host = self.swapped.get(tensor.untyped_storage()._cdata) if self.swapped else None
+        if host is None:
+            return tensor
+        view = torch.empty(0, dtype=tensor.dtype)
+        return view.set_(host.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride())
+
+    def _forget_swapped(self, key: int) -> bool:
+        """Drop the host bytes of a storage the session lets go (counted back in `used` for
+        `let_go`); whether it was on the host."""
+        host = self.swapped.pop(key, None) if self.swapped else None
+        if host is None:
+            return False
+        self.memory.dropped_off(host.numel())
+        return True
 
     def free_all(self) -> list[torch.Tensor]:
         """Drop every tensor of the session; they are returned, so that the caller may let their

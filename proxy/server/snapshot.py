@@ -70,9 +70,13 @@ class LiveStorage:
 
 
 def live_storages(sessions: Sequence[Session]) -> dict[int, LiveStorage]:
-    """Every storage the sessions' plain tensors use, with its stamp. Call with the executor lock held."""
+    """Every storage the sessions' plain tensors use (all back on the device), with its stamp. Call
+    with the executor lock held."""
     holders: dict[int, set[Any]] = {}
     found: dict[int, LiveStorage] = {}
+    for session in sessions:
+        if session.swapped:  # what a waiting session moved to host memory is saved as it was
+            session.swap_in_all()
     for session in sessions:
         marks = session.storage_marks
         for tensor in list(session.tensors.values()):

@@ -77,6 +77,9 @@ class Call:
     """The coarse key with each tensor's value id and which tensors share a storage (the exact key)."""
     inputs: tuple[tuple[int, int], ...] = ()
     """(storage key, value id) of each tensor argument before the call runs."""
+    led: bool = False
+    """Whether every storage the call uses was shared with another session when it ran: what it
+    makes is what they will be squashed onto (executor.py `_note_lead`)."""
 
 
 @dataclass
@@ -170,6 +173,10 @@ class Squash:
         self.dedup = dedup
         self.job_sessions = job_sessions
         self.entries: OrderedDict[tuple[Any, ...], Entry] = OrderedDict()
+        self.earlier: dict[tuple[Any, ...], list[Entry]] = {}
+        """Exact key -> older entries under it that other sessions have still to use (a session
+        that ran the same call twice in a row, as Adam making both its states with `zeros_like`),
+        oldest first: each later session takes them in the order they were made."""
         self.near: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
         """Coarse key -> exact keys of the entries recorded under it (newest last)."""
         self.derived: dict[tuple[Any, ...], int] = {}
@@ -250,15 +257,25 @@ class Squash:
         first: dict[int, int] = {}
         sharing = tuple(first.setdefault(leaf.key, i) for i, leaf in enumerate(call.leaves))
         values = [value for _key, value in call.inputs]
-        if id(call.operator) in _OVERWRITES and _covers_storage(call.leaves[0]):
+        if id(call.operator) in _OVERWRITES and self._covers_storage(call.leaves[0]):
             values[0] = 0  # every byte of its storage is written: what it held does not matter
         return (call.shape, tuple(values), sharing)
+
+    def _covers_storage(self, leaf: Leaf) -> bool:
+        """Whether a written tensor's elements are every byte of its storage, each once (as its
+        session counts the storage: one moved to host memory keeps its size there)."""
+        if not leaf.written:
+            return False
+        holders = self.memory.holders.get(leaf.key)
+        if not holders or leaf.key not in holders[0].swapped:
+            return covers_its_storage(leaf.tensor)
+        return holders[0].covers_counted(leaf.tensor)
 
     def reuse(self, session: Session, call: Call) -> Any:
         """The output of the call, made from another session's run of it, if one can be reused
         (the session's written storages moved onto the producer's); else MISS and the call runs."""
         with self.lock:
-            entry = self.entries.get(call.key)
+            entry = self._awaited(call.key, session)
             if entry is None:
                 entry = self._near_miss(session, call)
             if entry is None or entry.producer is session:
@@ -270,8 +287,9 @@ class Squash:
                 self._retire(call.key, entry, taken)
             return output
 
-    def _storage(self, key: int, value: int) -> torch.UntypedStorage | None:
-        """The storage `key` if it still holds value `value` and can be shared."""
+    def _storage(self, key: int, value: int, bring_back: bool = True) -> torch.UntypedStorage | None:
+        """The storage `key` if it still holds value `value` and can be shared (one its session
+        moved to host memory is brought back if `bring_back`, else it is not given)."""
         if self.memory.values.get(key) != value or key in self.dedup.pinned:
             return None
         holders = self.memory.holders.get(key)
@@ -282,6 +300,13 @@ class Squash:
         tensors = [holder.tensors[h] for h in holder.handles_on.get(key, ())]
         if not tensors or not all(rebindable(t) for t in tensors):
             return None
+        if key in holder.swapped:  # moved to host memory while its session waits (collectives.py)
+            if not bring_back:
+                return None
+            try:
+                holder.swap_in(key)
+            except torch.OutOfMemoryError:
+                return None
         return tensors[0].untyped_storage()
 
     def _movable(self, session: Session, key: int, onto: int) -> bool:
@@ -330,7 +355,7 @@ class Squash:
             for leaf, (key, value), mine in zip(call.leaves, entry.inputs, call.inputs, strict=True):
                 if mine[1] == value:
                     continue
-                other = None if leaf.written else self._storage(key, value)
+                other = None if leaf.written else self._storage(key, value, bring_back=False)
                 if other is None or not self._movable(session, leaf.key, key):
                     pairs = {}
                     break
@@ -411,12 +436,15 @@ class Squash:
             if replaced is None:
                 self.near.setdefault(call.shape, []).append(call.key)
             self.entries[call.key] = entry = Entry(session.job_id, session, round_, inputs, written, made)
-            if id(call.operator) in self.useful:  # an operator whose calls other sessions reuse
+            if call.led or id(call.operator) in self.useful:  # other sessions are likely to reuse it
                 entry.keeps = True
                 for key in _storages_named(entry):
                     self.referenced[key] = self.referenced.get(key, 0) + 1
             if replaced is not None:
-                self._unreference(replaced)
+                if replaced.producer is session and not self._used_by_all(replaced):
+                    self.earlier.setdefault(call.key, []).append(replaced)
+                else:
+                    self._unreference(replaced)
             while len(self.entries) > MAX_ENTRIES:
                 oldest, entry = next(iter(self.entries.items()))
                 self._drop(oldest, entry)
@@ -436,12 +464,35 @@ class Squash:
                 values.pop(tensor.untyped_storage()._cdata, None)
 
     # -- lifetime -------------------------------------------------------------------------------------
+    def _awaited(self, key: tuple[Any, ...], session: Session) -> Entry | None:
+        """The entry under `key` for the session: the oldest it has not used yet, else the newest."""
+        for entry in self.earlier.get(key, ()):
+            if entry.producer is not session and session not in entry.consumed:
+                return entry
+        return self.entries.get(key)
+
+    def _used_by_all(self, entry: Entry) -> bool:
+        """Whether every other session of the entry's job has used it."""
+        return all(s in entry.consumed for s in self.job_sessions(entry.job) if s is not entry.producer)
+
     def _retire(self, key: tuple[Any, ...], entry: Entry, taken: set[int]) -> None:
         """Drop an entry once every other session of its job has used it (the storages in `taken`,
         which the last one is about to hold, stay kept until it does: their value ids go on)."""
-        others = [s for s in self.job_sessions(entry.job) if s is not entry.producer]
-        if all(s in entry.consumed for s in others):
+        if not self._used_by_all(entry):
+            return
+        older = self.earlier.get(key)
+        if older is not None and entry in older:
+            self._forget_earlier(key, entry, taken)
+        else:
             self._drop(key, entry, taken)
+
+    def _forget_earlier(self, key: tuple[Any, ...], entry: Entry, taken: set[int] | None = None) -> None:
+        """Drop one of the older entries under `key`."""
+        older = self.earlier[key]
+        older.remove(entry)
+        if not older:
+            del self.earlier[key]
+        self._unreference(entry, taken)
 
     def _drop(self, key: tuple[Any, ...], entry: Entry, taken: set[int] | None = None) -> None:
         if not entry.used:
@@ -481,6 +532,10 @@ class Squash:
             for key, entry in list(self.entries.items()):
                 if entry.job == job_id and entry.round < passed:
                     self._drop(key, entry)
+            for key, older in list(self.earlier.items()):
+                for entry in list(older):
+                    if entry.job == job_id and entry.round < passed:
+                        self._forget_earlier(key, entry)
 
     def drop_job(self, job_id: str) -> None:
         """Forget the job's entries (and let go what they kept): it has one session here or none."""
@@ -488,11 +543,16 @@ class Squash:
             for key, entry in list(self.entries.items()):
                 if entry.job == job_id:
                     self._drop(key, entry)
+            for key, older in list(self.earlier.items()):
+                for entry in list(older):
+                    if entry.job == job_id:
+                        self._forget_earlier(key, entry)
 
     def clear(self) -> None:
         """Forget everything (device state replaced wholesale: a load)."""
         with self.lock:
             self.entries.clear()
+            self.earlier.clear()
             self.near.clear()
             self.derived.clear()
             self.referenced.clear()
@@ -510,11 +570,6 @@ class Squash:
             "near_hits": self.near_hits,
             "memo_entries": len(self.entries),
         }
-
-
-def _covers_storage(leaf: Leaf) -> bool:
-    """Whether a written tensor's elements are every byte of its storage, each once."""
-    return leaf.written and covers_its_storage(leaf.tensor)
 
 
 def _storages_named(entry: Entry) -> set[int]:

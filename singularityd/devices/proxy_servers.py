@@ -131,12 +131,15 @@ class ProxyServers:
         devices: Sequence[Device],
         threads: int,
         spawner: Callable[[], SpawnerClient] = SpawnerClient,
+        splice_lean: bool = True,
     ) -> None:
         self.run_dir = run_dir / PROXY_DIR
         self.state_dir = state_dir / PROXY_DIR
         self.bootstrap = state_dir / "bootstrap"
         self.devices = {device.index: device for device in devices}
         self.threads = threads
+        self.splice_lean = splice_lean
+        """Whether the servers make spliced ranks take turns and wait in host memory."""
         self._make_spawner = spawner
         self._spawner: concurrent.futures.Future[SpawnerClient] | None = None
         self._watches: dict[tuple[int, int], ProcessWatch] = {}
@@ -347,6 +350,7 @@ class ProxyServers:
             "--control-fd", str(CONTROL_FD), "--device-index", str(index),
             "--memory-bytes", str(spec.memory_total), "--name", spec.name, "--threads", str(self.threads),
             "--job-id", str(job_id), "--job-uid", str(identity.uid), "--daemon-uid", str(os.geteuid()),
+            "--splice-lean" if self.splice_lean else "--no-splice-lean",
         ]  # fmt: skip
         if spec.kind == "nvml":
             argv += ["--cuda-device", str(device)]

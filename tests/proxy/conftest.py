@@ -87,8 +87,11 @@ def start_server(
     return ProxyServer(sock, ctl, proc)
 
 
-def start_linked_servers(directory: Path, count: int, memory_bytes: int = 1 << 30) -> list[ProxyServer]:
-    """Servers of one job's `count` devices (dev0.sock...), linked pairwise as the daemon links them."""
+def start_linked_servers(
+    directory: Path, count: int, memory_bytes: int = 1 << 30, options: Sequence[str] = ()
+) -> list[ProxyServer]:
+    """Servers of one job's `count` devices (dev0.sock...), linked pairwise as the daemon links them
+    (with these further command-line options)."""
     links: dict[tuple[int, int], socket.socket] = {}
     for i in range(count):
         for j in range(i + 1, count):
@@ -100,7 +103,7 @@ def start_linked_servers(directory: Path, count: int, memory_bytes: int = 1 << 3
             sock = directory / f"dev{i}.sock"
             command = [
                 PYTHON, "-m", "singularity.proxy.server", "--socket", str(sock), "--device-index", str(i),
-                "--memory-bytes", str(memory_bytes), "--threads", "1",
+                "--memory-bytes", str(memory_bytes), "--threads", "1", *options,
             ]  # fmt: skip
             if peers:
                 command += ["--peer-fds", ",".join(f"{j}:{s.fileno()}" for j, s in peers.items())]

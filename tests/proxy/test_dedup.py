@@ -23,8 +23,8 @@ import torch
 
 from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.control import ProxyControl, splice_refusal
-from singularity.proxy.server.collective_kinds import write_alike
-from singularity.proxy.server.collectives import Exchange, Instance
+from singularity.proxy.server.collective_kinds import allreduce, write_alike
+from singularity.proxy.server.collectives import SWAP_MIN_BYTES, Exchange, Instance
 from singularity.proxy.server.control import ControlHandler
 from singularity.proxy.server.dedup import REPLICA_ROUNDS
 from singularity.proxy.server.service import Server
@@ -197,6 +197,54 @@ def test_an_all_reduce_result_is_written_once_for_the_ranks_here(server: Server)
     run(server, second, ops)
     assert torch.equal(first.tensors[1], result), "a write after it reaches only the writer"
     assert torch.equal(second.tensors[2], result[:8] * 2)
+
+
+def test_a_waiting_rank_keeps_what_it_alone_holds_in_host_memory(server: Server) -> None:
+    """While a spliced rank waits at a collective, what it alone holds moves to host memory
+    (collectives.py): counted off the device, never matched by the dedup, read there by the
+    all-reduce that it waits for, and brought back bit for bit by the next operation that uses
+    it; a storage freed meanwhile leaves the counts right."""
+    first, second = open_sessions(server, 2)
+    floats = SWAP_MIN_BYTES // 4
+    nbytes = floats * 4
+    for session in (first, second):
+        session.add(1, torch.full((floats,), float(session.rank + 1)))  # the bucket it all-reduces
+        session.add(2, torch.arange(floats, dtype=torch.float32) * (session.rank + 1))
+        session.add(3, torch.zeros(floats))
+    before = server.memory.used
+    server.collectives._move_off(first, {"tensors": [first.tensors[1]]}, "allreduce")
+    assert server.memory.used == before - 3 * nbytes
+    assert server.memory.swapped_bytes == 3 * nbytes
+    assert first.tensors[2].untyped_storage().nbytes() == 0, "its device memory was given back"
+
+    server.dedup.share_job(JOB)  # second's zeros are not matched with first's, held on the host
+    assert not server.memory.shared
+
+    members = (first, second)
+    instance = Instance(
+        JOB,
+        "group",
+        0,
+        members=[0, 1],
+        placement=[0, 0],
+        locals={s.rank: {"tensors": [s.tensors[1]], "op": "sum", "factor": 1.0, "root": 0} for s in members},
+        sessions={s.rank: s for s in members},
+    )
+    allreduce(Exchange(server.collectives, instance, runner=None))  # type: ignore[arg-type]
+    assert torch.equal(first.tensors[1], torch.full((floats,), 3.0))
+    assert second.tensors[1].untyped_storage()._cdata == first.tensors[1].untyped_storage()._cdata
+    assert server.memory.swapped_bytes == 2 * nbytes, "the result came back; the rest waits"
+
+    first.free(3)
+    assert server.memory.swapped_bytes == nbytes
+    ops: list[list[object]] = [
+        [protocol.OP_DEFINE, 1, "aten", "add_", "Tensor"],
+        [protocol.OP_CALL, 1, 100, [handle(2), handle(2)], {}],
+    ]
+    run(server, first, ops)
+    assert torch.equal(first.tensors[2], torch.arange(floats, dtype=torch.float32) * 2)
+    assert server.memory.swapped_bytes == 0 and not first.swapped
+    assert server.memory.used == before - 2 * nbytes  # first's bucket shared, its zeros freed
 
 
 def test_a_dropped_session_frees_only_when_nothing_runs_on_the_device(server: Server) -> None:
@@ -390,27 +438,39 @@ class Held:
         return [out for out, _ in outputs]
 
 
-def held_job(started: list[ProxyServer], tmp: Path, devices: int, ranks: int, args: Sequence[str]) -> Held:
-    """Start a job of `ranks` ranks on `devices` linked servers and wait until it is trained."""
+def held_job(
+    started: list[ProxyServer],
+    tmp: Path,
+    devices: int,
+    ranks: int,
+    args: Sequence[str],
+    options: Sequence[str] = (),
+) -> Held:
+    """Start a job of `ranks` ranks on `devices` linked servers (with these server options) and
+    wait until it is trained."""
     where = tmp / f"servers-{len(started)}"
     where.mkdir()
-    servers = start_linked_servers(where, devices)
+    servers = start_linked_servers(where, devices, options=options)
     job = Held(tmp / f"job-{len(started)}", servers, ranks, args)
     started.extend(servers)
     job.wait_trained()
     return job
 
 
+def server_status(server: ProxyServer) -> dict[str, Any]:
+    """The server's status (its memory figures among them)."""
+    with ProxyControl(server.control) as control:
+        return dict(control.status())
+
+
 def allocated(server: ProxyServer) -> int:
     """The server's own count of its live storage bytes."""
-    with ProxyControl(server.control) as control:
-        return int(control.status()["allocated"])
+    return int(server_status(server)["allocated"])
 
 
 def peak(server: ProxyServer) -> int:
     """The most live storage bytes the server held at once."""
-    with ProxyControl(server.control) as control:
-        return int(control.status()["peak"])
+    return int(server_status(server)["peak"])
 
 
 def replicas(server: ProxyServer) -> dict[str, Any]:
@@ -420,12 +480,14 @@ def replicas(server: ProxyServer) -> dict[str, Any]:
 
 MODEL = ["--width", "256", "--layers", "4", "--steps", "5"]
 """Parameters and Adam state of about 3 MiB against a few KiB of activations."""
-PEAK_RATIO = 3.0
+PEAK_RATIO = 1.6
 """The most 4 spliced ranks hold at once against 1 rank alone. One rank alone peaks at about 5 P
-(P: the parameters' bytes; parameters, gradients, DDP bucket, Adam's two states; temporaries
-are freed where the program drops them). Until the all_reduce each spliced rank's unreduced
-gradients and bucket are its own: 3 P shared + 4 x 2 P, 2.2x-2.6x measured. Without squashing
-each rank also wrote a copy of the state in its step: more than 3x."""
+(P: the parameters' bytes; parameters, gradients, DDP bucket, Adam's two states). Spliced, the
+ranks take turns up to their collectives and wait there with what they alone hold in host
+memory, and they update what they share a few operations apart (pace.py): 3 P shared plus about
+one rank's own gradients and bucket, 1.32x-1.41x measured on a quiet machine (2.2x-2.6x before
+the turns). The room above the issue's 1.5x is for a loaded machine, where a rank that sends its
+operations late loses its turn."""
 
 
 @pytest.mark.timeout(900)
@@ -434,7 +496,8 @@ def test_four_spliced_replicas_train_like_four_devices_in_one_model_of_memory(
 ) -> None:
     """4 DDP ranks on 1 device print what they print on 4 devices, bit for bit; the device holds at
     most 1.5x what 1 rank alone holds after the step, and at most PEAK_RATIO during it, their
-    updates squashed (run once); the server judges the ranks data-parallel replicas."""
+    updates squashed (run once) and their waits in host memory; the server judges the ranks
+    data-parallel replicas."""
     alone = held_job(started, tmp_path, 1, 1, MODEL)
     alone_bytes = allocated(alone.servers[0])
     alone_peak = peak(alone.servers[0])
@@ -444,6 +507,7 @@ def test_four_spliced_replicas_train_like_four_devices_in_one_model_of_memory(
     spliced = held_job(started, tmp_path, 1, 4, MODEL)
     spliced_bytes = allocated(spliced.servers[0])  # as the collectives left it, before any request
     spliced_peak = peak(spliced.servers[0])
+    swapped = server_status(spliced.servers[0])["swapped_total"]
     summary = replicas(spliced.servers[0])
     spliced_out = spliced.finish()
 
@@ -453,6 +517,13 @@ def test_four_spliced_replicas_train_like_four_devices_in_one_model_of_memory(
     assert splice_refusal([summary]) == ""
     assert summary["squashed"] > 0, summary
     assert spliced_peak <= PEAK_RATIO * alone_peak, (spliced_peak, alone_peak, summary)
+    assert swapped > 0, "the waiting ranks' storages were moved to host memory"
+
+    side_by_side = held_job(started, tmp_path, 1, 4, MODEL, ["--no-splice-lean"])
+    side_by_side_peak = peak(side_by_side.servers[0])
+    assert server_status(side_by_side.servers[0])["swapped_total"] == 0
+    assert side_by_side.finish() == spliced_out
+    assert spliced_peak < side_by_side_peak, (spliced_peak, side_by_side_peak, "splice_lean false")
 
     spread = held_job(started, tmp_path, 4, 4, MODEL)
     assert all(replicas(s)["replicas"] == "unknown" for s in spread.servers), "one rank per device"

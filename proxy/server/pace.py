@@ -1,0 +1,155 @@
+"""Spliced ranks of a job take turns on their device: a turn is a rank's stretch of work up to
+its next collective, and an update of what the ranks share is taken a few operations apart.
+
+Turns: ranks spliced on one device each hold their own gradients and activations until their
+collective. Run side by side, the device holds all of them at once; run one after the other,
+each rank waits at its collective with its private storages moved off the device
+(collectives.py), so the device holds the private state of one rank at a time. A rank takes the
+turn before running operations and gives it up when it reaches a collective; a holder whose
+queue stays empty for `GRACE` seconds (its process computes on its own, or waits for something
+outside the server) loses it, so no rank waits for another that cannot go on.
+
+Updates: the ranks run the same update on parameters and optimizer state they share (dedup.py):
+the first to update a shared storage writes a new one (executor.py `_write_apart`), the others
+are squashed onto it (squash.py), and the old storage goes once every rank moved on. A rank that
+went through its whole update alone would leave the device holding the old state and the new,
+so a rank that just wrote a shared storage apart gives its turn up while another rank of its job
+that can run is more than `WINDOW` operations behind it (since the last collective both passed),
+and a free turn goes to such a rank first: the shared state is replaced a few operations at a time.
+
+A rank that cannot run (its queue is empty, it waits in a collective, it is held) holds no one
+back, and the rank furthest behind never waits for a laggard: the pacing cannot deadlock, and it
+only decides the order in which operations run, never what they compute. The sessions of one
+rank on several devices here never wait for each other.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .runner import Runner
+
+WINDOW = 4
+"""Operations a rank may run ahead of another rank of its job on the device while it writes
+apart storages they share."""
+GRACE = 0.02
+"""Seconds the holder of a turn keeps it with nothing to run."""
+
+
+class Pace:
+    """The runners of each job on one device, and the turns their spliced ranks take."""
+
+    def __init__(self, window: int = WINDOW, grace: float = GRACE, enabled: bool = True) -> None:
+        self.enabled = enabled
+        """Whether ranks take turns at all (the daemon's splice_lean: off, they run side by side)."""
+        self.window = window
+        self.grace = grace
+        self.jobs: dict[str, list[Runner]] = {}
+        """Job id -> its runners here (changed under the server-wide condition)."""
+        self.holders: dict[str, Runner] = {}
+        """Job id -> the runner whose turn it is."""
+        self.waiting = 0
+        """Runners waiting for their turn (only then does progress notify)."""
+
+    def join(self, runner: Runner) -> None:
+        """Count a new runner of a job (call with the condition held)."""
+        self.jobs.setdefault(runner.session.job_id, []).append(runner)
+
+    def leave(self, runner: Runner) -> None:
+        """Forget a runner (call with the condition held); whoever waited for it may go on."""
+        job = runner.session.job_id
+        runners = self.jobs.get(job, [])
+        if runner in runners:
+            runners.remove(runner)
+        if not runners:
+            self.jobs.pop(job, None)
+        if self.holders.get(job) is runner:
+            del self.holders[job]
+        runner.cond.notify_all()
+
+    def take_turn(self, runner: Runner) -> None:
+        """Before the runner runs operations: wait until the turn is free (or its holder lapsed)
+        and no rank of the job that can run lags it by more than the window, and take it."""
+        job = runner.session.job_id
+        peers = self.jobs.get(job)
+        if not self.enabled or peers is None or len(peers) < 2 or self.holders.get(job) is runner:
+            return
+        with runner.cond:
+            while not runner.stopping:
+                holder = self.holders.get(job)
+                if holder is runner:
+                    return
+                free = holder is None or holder.session.rank == runner.session.rank or self._lapsed(holder)
+                if free and not self._laggard(runner, peers, 0):
+                    self.holders[job] = runner
+                    return
+                self.waiting += 1
+                try:
+                    runner.cond.wait(self.grace)
+                finally:
+                    self.waiting -= 1
+
+    def give_turn(self, runner: Runner) -> None:
+        """The runner reached a collective, or paused in an update: the turn is free."""
+        job = runner.session.job_id
+        if self.holders.get(job) is not runner:
+            return
+        with runner.cond:
+            if self.holders.get(job) is runner:
+                del self.holders[job]
+                runner.cond.notify_all()
+
+    def pauses(self, runner: Runner) -> Callable[[int], bool] | None:
+        """What the executor asks after an operation of the runner that wrote a shared storage
+        apart, `done` operations into its run: whether to give the device up there. None for a
+        rank alone on the device."""
+        peers = self.jobs.get(runner.session.job_id)
+        if not self.enabled or peers is None or len(peers) < 2:
+            return None
+
+        def pause(done: int) -> bool:
+            with runner.cond:  # after the device's lock, as everywhere both are held
+                return self._laggard(runner, peers, done)
+
+        return pause
+
+    def ran(self, runner: Runner, count: int) -> None:
+        """Count operations the runner ran; wake the runners waiting for their turn."""
+        runner.ran += count
+        if self.waiting:
+            with runner.cond:
+                runner.cond.notify_all()
+
+    def passed_collective(self, runner: Runner) -> None:
+        """The runner went past a collective: its count starts again from there."""
+        runner.rounds += 1
+        runner.ran = 0
+        if self.waiting:
+            with runner.cond:
+                runner.cond.notify_all()
+
+    def _lapsed(self, holder: Runner) -> bool:
+        """Whether the holder of a turn lost it: ended, or idle for longer than the grace."""
+        return holder.stopping or (holder.idle() and time.monotonic() - holder.idle_since > self.grace)
+
+    def _laggard(self, runner: Runner, peers: list[Runner], done: int) -> bool:
+        """Whether another rank of the job that can run lags this one (`done` operations further
+        than it counted) by more than the window."""
+        ahead = (runner.rounds, runner.ran + done - self.window)
+        rank = runner.session.rank
+        return any(
+            peer.session.rank != rank and (peer.rounds, peer.ran) < ahead and self._may_run(peer)
+            for peer in list(peers)
+        )
+
+    def _may_run(self, peer: Runner) -> bool:
+        """Whether a rank can run now, or ran until a moment ago and is likely to send more
+        (its process is still producing the operations the others have run)."""
+        if not peer.idle():
+            return True
+        if peer.waiting_on is not None or peer.held or peer.stopping:
+            return False
+        return time.monotonic() - peer.idle_since < self.grace
