@@ -17,8 +17,9 @@ devices). Measured side by side in one run:
 
 Options: --quick (10 timed steps, not 40), --optimizer adam|sgd, --steps-only (skip the memory part),
 --width N (the step-time MLP, default 256),
---compare TREE (another checkout with its own .venv, e.g. main's: every figure measured for it and for
-this tree in turn, one after the other, both optimizers; it prints the two side by side).
+--compare TREE (another checkout with its own .venv, e.g. main's: every figure measured for it, for
+this tree, and for this tree with its spliced ranks side by side (server option --no-splice-lean, the
+daemon's splice_lean = false) in turn, both optimizers; it prints the three together).
 """
 
 from __future__ import annotations
@@ -81,11 +82,12 @@ JOB = "job"
 
 
 def step_time(
-    directory: Path, ranks: int, steps: int, width: int, optimizer: str
+    directory: Path, ranks: int, steps: int, width: int, optimizer: str, options: Sequence[str] = ()
 ) -> tuple[float, float, dict[str, Any]]:
-    """Rank 0's seconds per step with `ranks` ranks on one device, the CPU seconds per step of the
-    ranks and the server together (over rank 0's timed steps), and the server's summary after."""
-    servers = start_linked_servers(_folder(directory), 1, 4 << 30)
+    """Rank 0's seconds per step with `ranks` ranks on one device (its server started with these
+    options), the CPU seconds per step of the ranks and the server together (over rank 0's timed
+    steps), and the server's summary after."""
+    servers = start_linked_servers(_folder(directory), 1, 4 << 30, options=options)
     try:
         command = ["-c", STEP, str(steps), str(width), optimizer, str(servers[0].proc.pid)]
         processes = start_ranks(command, ranks, [servers[0].socket])
@@ -100,11 +102,14 @@ def step_time(
         stop_server(servers[0])
 
 
-def held_memory(directory: Path, ranks: int, args: Sequence[str]) -> tuple[int, int, dict[str, Any]]:
+def held_memory(
+    directory: Path, ranks: int, args: Sequence[str], options: Sequence[str] = ()
+) -> tuple[int, int, dict[str, Any]]:
     """The server's live bytes once `ranks` ranks of splice_train.py finished training on one
-    device (as their last collective left them), its peak bytes, and its summary."""
+    device (its server started with these options; as their last collective left them), its
+    peak bytes, and its summary."""
     folder = _folder(directory)
-    servers = start_linked_servers(folder, 1, 4 << 30)
+    servers = start_linked_servers(folder, 1, 4 << 30, options=options)
     release, ready = folder / "release", folder / "ready-"
     command = [str(PROGRAMS / "splice_train.py"), *args, "--hold", str(release), "--ready", str(ready)]
     processes = start_ranks(command, ranks, [servers[0].socket])
@@ -160,8 +165,11 @@ with tempfile.TemporaryDirectory(prefix="bench-splice-") as folder:
 """Runs one measurement of a tree's own bench_splice.py with that tree's interpreter (its server)."""
 
 
-def measure(tree: Path, what: str, args: Sequence[Any]) -> Any:
-    """One figure (`held_memory` or `step_time` with these arguments) as the checkout `tree` has it."""
+def measure(tree: Path, what: str, args: Sequence[Any], options: Sequence[str] = ()) -> Any:
+    """One figure (`held_memory` or `step_time` with these arguments, and these server options if
+    any) as the checkout `tree` has it."""
+    if options:
+        args = [*args, list(options)]
     command = [str(tree / ".venv" / "bin" / "python"), "-c", MEASURE, str(tree), what, json.dumps(args)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=3600, check=False)
     if done.returncode != 0:
@@ -169,15 +177,21 @@ def measure(tree: Path, what: str, args: Sequence[Any]) -> Any:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def compare_memory(trees: list[tuple[str, Path]], base: Path) -> None:
+SIDE_BY_SIDE = ("--no-splice-lean",)
+"""Server options of spliced ranks that run side by side (the daemon's splice_lean = false)."""
+Tree = tuple[str, Path, Sequence[str]]
+"""A name, a checkout, and the options its servers start with (only this checkout's take any)."""
+
+
+def compare_memory(trees: list[Tree], base: Path) -> None:
     """Print the device memory of 4 spliced ranks against 1 rank alone, for each tree in turn."""
     model = ["--width", "512", "--layers", "4", "--steps", "4"]
     rows = [
         ["tree", "1 rank", "4 ranks", "ratio", "1 rank peak", "4 ranks peak", "peak ratio", "squashed ops"]
     ]
-    for name, tree in trees:
-        alone, alone_peak, _ = measure(tree, "memory", [1, model])
-        spliced, spliced_peak, summary = measure(tree, "memory", [4, model])
+    for name, tree, options in trees:
+        alone, alone_peak, _ = measure(tree, "memory", [1, model], options)
+        spliced, spliced_peak, summary = measure(tree, "memory", [4, model], options)
         rows.append(
             [
                 name, _mib(alone), _mib(spliced), f"{spliced / alone:.2f}x", _mib(alone_peak),
@@ -191,7 +205,7 @@ def compare_memory(trees: list[tuple[str, Path]], base: Path) -> None:
 def compare(base: Path, steps: int, width: int, memory: bool) -> None:
     """Print memory (with `memory`) and step figures of the checkout `base` and of this one,
     measured in turn."""
-    trees = [("base", base), ("this", REPO)]
+    trees: list[Tree] = [("base", base, ()), ("this", REPO, ()), ("this, side by side", REPO, SIDE_BY_SIDE)]
     if memory:
         compare_memory(trees, base)
     rows = [
@@ -209,13 +223,13 @@ def compare(base: Path, steps: int, width: int, memory: bool) -> None:
     ]
     for optimizer in ("adam", "sgd"):
         single: dict[str, tuple[float, float]] = {}
-        for name, tree in trees:
-            one, one_cpu, _ = measure(tree, "step", [1, steps, width, optimizer])
+        for name, tree, options in trees:
+            one, one_cpu, _ = measure(tree, "step", [1, steps, width, optimizer], options)
             single[name] = (one, one_cpu)
             rows.append([optimizer, "1", name, _ms(one), _ms(one_cpu), "1.000", "1.000", "", ""])
         for ranks in (2, 4):
-            for name, tree in trees:
-                many, cpu, figures = measure(tree, "step", [ranks, steps, width, optimizer])
+            for name, tree, options in trees:
+                many, cpu, figures = measure(tree, "step", [ranks, steps, width, optimizer], options)
                 one, one_cpu = single[name]
                 total_steps = steps + 5
                 rows.append(
