@@ -247,6 +247,36 @@ def test_a_waiting_rank_keeps_what_it_alone_holds_in_host_memory(server: Server)
     assert server.memory.used == before - 2 * nbytes  # first's bucket shared, its zeros freed
 
 
+def test_a_save_brings_back_what_a_waiting_rank_moved_to_host_memory(server: Server, tmp_path: Path) -> None:
+    """A checkpoint taken while a rank waits with its storages in host memory saves their bytes:
+    loaded on another device, the rank holds what it held."""
+    first, second = open_sessions(server, 2)
+    floats = SWAP_MIN_BYTES // 4
+    held = torch.randn(floats, generator=torch.Generator().manual_seed(9))
+    first.add(1, held.clone())
+    first.parked = second.parked = True
+    server.collectives._move_off(first, {}, "barrier")
+    assert first.swapped, "moved to host memory"
+    path = tmp_path / "state"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        ControlHandler(server).save(JOB, fd)
+    finally:
+        os.close(fd)
+    loaded_on = Server(1, 1 << 30, None)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            ControlHandler(loaded_on).load(JOB, fd)
+        finally:
+            os.close(fd)
+        loaded = next(s for s in loaded_on.job_sessions(JOB) if s.rank == 0)
+        assert loaded.tensors[1].view(torch.int32).equal(held.view(torch.int32))
+    finally:
+        for session in loaded_on.job_sessions(JOB):
+            loaded_on.drop(session)
+
+
 def test_a_dropped_session_frees_only_when_nothing_runs_on_the_device(server: Server) -> None:
     """Dropping a rank (its process ended) frees storages it may share with the ranks still
     running: that waits for the device's lock, so it never interleaves with an operation."""
