@@ -25,12 +25,29 @@ rank on several devices here never wait for each other.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from .runner import Runner
+from .session import Session
+
+
+class Runner(Protocol):
+    """What the pacing needs of a session's runner (runner.Runner): its session, the server-wide
+    condition, how far it got since its last collective, and whether it can run."""
+
+    session: Session
+    cond: threading.Condition
+    rounds: int
+    ran: int
+    idle_since: float
+    stopping: bool
+    held: bool
+    waiting_on: Callable[[], bool] | None
+
+    def idle(self) -> bool: ...
+
 
 WINDOW = 4
 """Operations a rank may run ahead of another rank of its job on the device while it writes
