@@ -52,10 +52,8 @@ class Runner(Protocol):
 WINDOW = 4
 """Operations a rank may run ahead of another rank of its job on the device while it writes
 apart storages they share."""
-GRACE = 0.001
-"""Seconds the holder of a turn keeps it with nothing to run (longer made no difference to the
-device's peak here and cost step time: a rank's process that is off the CPU for a moment stalls
-the others)."""
+GRACE = 0.02
+"""Seconds the holder of a turn keeps it with nothing to run."""
 
 
 class Pace:
@@ -107,7 +105,7 @@ class Pace:
                     return
                 self.waiting += 1
                 try:
-                    runner.cond.wait(self._until_lapse(peers))
+                    runner.cond.wait(self.grace)
                 finally:
                     self.waiting -= 1
 
@@ -149,13 +147,6 @@ class Pace:
         if self.waiting:
             with runner.cond:
                 runner.cond.notify_all()
-
-    def _until_lapse(self, peers: list[Runner]) -> float | None:
-        """Seconds until the grace of an idle rank of the job runs out, the one change of the turn
-        that no event announces (None: there is none to wait for)."""
-        now = time.monotonic()
-        left = [p.idle_since + self.grace - now for p in list(peers) if p.idle() and not p.stopping]
-        return min((seconds + 1e-4 for seconds in left if seconds > 0), default=None)
 
     def _lapsed(self, holder: Runner) -> bool:
         """Whether the holder of a turn lost it: ended, or idle for longer than the grace."""
