@@ -62,6 +62,24 @@ def run(server: Server, session: Session, ops: list[list[object]]) -> None:
     session.raise_pending()
 
 
+def save_job(server: Server, path: Path) -> None:
+    """Save the test's job (its sessions parked) into a device-state file at `path`."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        ControlHandler(server).save(JOB, fd)
+    finally:
+        os.close(fd)
+
+
+def load_job(server: Server, path: Path) -> None:
+    """Load the test's job from the device-state file at `path` onto `server`."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        ControlHandler(server).load(JOB, fd)
+    finally:
+        os.close(fd)
+
+
 def handle(number: int) -> dict[str, int]:
     return {protocol.TAG_HANDLE: number}
 
@@ -258,18 +276,10 @@ def test_a_save_brings_back_what_a_waiting_rank_moved_to_host_memory(server: Ser
     server.collectives._move_off(first, {}, "barrier")
     assert first.swapped, "moved to host memory"
     path = tmp_path / "state"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        ControlHandler(server).save(JOB, fd)
-    finally:
-        os.close(fd)
+    save_job(server, path)
     loaded_on = Server(1, 1 << 30, None)
     try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            ControlHandler(loaded_on).load(JOB, fd)
-        finally:
-            os.close(fd)
+        load_job(loaded_on, path)
         loaded = next(s for s in loaded_on.job_sessions(JOB) if s.rank == 0)
         assert loaded.tensors[1].view(torch.int32).equal(held.view(torch.int32))
     finally:
@@ -391,20 +401,12 @@ def test_a_save_holds_a_shared_storage_once_and_loads_it_shared(server: Server, 
     server.dedup.share_job(JOB)
     assert server.dedup.summary(JOB, share=False)["shared_bytes"] == FLOATS * 4
     path = tmp_path / "state"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        ControlHandler(server).save(JOB, fd)
-    finally:
-        os.close(fd)
+    save_job(server, path)
     assert path.stat().st_size < 5 * FLOATS * 4, "the shared storage is written once"
 
     loaded_on = Server(1, 1 << 30, None)
     try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            ControlHandler(loaded_on).load(JOB, fd)
-        finally:
-            os.close(fd)
+        load_job(loaded_on, path)
         assert loaded_on.memory.used == server.memory.used == 4 * FLOATS * 4
         restored = loaded_on.dedup.summary(JOB, share=False)  # as a status read sees it, before any step
         assert (restored["measured"], restored["shared_bytes"]) == (True, FLOATS * 4), restored
