@@ -13,9 +13,11 @@ Updates: the ranks run the same update on parameters and optimizer state they sh
 the first to update a shared storage writes a new one (executor.py `_write_apart`), the others
 are squashed onto it (squash.py), and the old storage goes once every rank moved on. A rank that
 went through its whole update alone would leave the device holding the old state and the new,
-so a rank that just wrote a shared storage apart gives its turn up while another rank of its job
-that can run is more than `WINDOW` operations behind it (since the last collective both passed),
-and a free turn goes to such a rank first: the shared state is replaced a few operations at a time.
+so a rank that just ran an operation on storages it shares with the others (executor.py
+`_note_lead`: the others will be squashed onto its result) gives its turn up while another rank
+of its job that can run is more than `WINDOW` operations behind it (since the last collective
+both passed), and a free turn goes to such a rank first: the shared state is replaced a few
+operations at a time.
 
 A rank that cannot run (its queue is empty, it waits in a collective, it is held) holds no one
 back, and the rank furthest behind never waits for a laggard: the pacing cannot deadlock, and it
@@ -50,8 +52,8 @@ class Runner(Protocol):
 
 
 WINDOW = 4
-"""Operations a rank may run ahead of another rank of its job on the device while it writes
-apart storages they share."""
+"""Operations a rank may run ahead of another rank of its job on the device while it updates
+storages they share (4 or 16 made no difference measurable to the step time here)."""
 GRACE = 0.02
 """Seconds the holder of a turn keeps it with nothing to run."""
 
