@@ -23,8 +23,8 @@ import torch
 
 from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.control import ProxyControl, splice_refusal
-from singularity.proxy.server.collective_kinds import allreduce, write_alike
-from singularity.proxy.server.collectives import SWAP_MIN_BYTES, Exchange, Instance
+from singularity.proxy.server.collective_kinds import write_alike
+from singularity.proxy.server.collectives import Exchange, Instance
 from singularity.proxy.server.control import ControlHandler
 from singularity.proxy.server.dedup import REPLICA_ROUNDS
 from singularity.proxy.server.service import Server
@@ -215,76 +215,6 @@ def test_an_all_reduce_result_is_written_once_for_the_ranks_here(server: Server)
     run(server, second, ops)
     assert torch.equal(first.tensors[1], result), "a write after it reaches only the writer"
     assert torch.equal(second.tensors[2], result[:8] * 2)
-
-
-def test_a_waiting_rank_keeps_what_it_alone_holds_in_host_memory(server: Server) -> None:
-    """While a spliced rank waits at a collective, what it alone holds moves to host memory
-    (collectives.py): counted off the device, never matched by the dedup, read there by the
-    all-reduce that it waits for, and brought back bit for bit by the next operation that uses
-    it; a storage freed meanwhile leaves the counts right."""
-    first, second = open_sessions(server, 2)
-    floats = SWAP_MIN_BYTES // 4
-    nbytes = floats * 4
-    for session in (first, second):
-        session.add(1, torch.full((floats,), float(session.rank + 1)))  # the bucket it all-reduces
-        session.add(2, torch.arange(floats, dtype=torch.float32) * (session.rank + 1))
-        session.add(3, torch.zeros(floats))
-    before = server.memory.used
-    server.collectives._move_off(first, {"tensors": [first.tensors[1]]}, "allreduce")
-    assert server.memory.used == before - 3 * nbytes
-    assert server.memory.swapped_bytes == 3 * nbytes
-    assert first.tensors[2].untyped_storage().nbytes() == 0, "its device memory was given back"
-
-    server.dedup.share_job(JOB)  # second's zeros are not matched with first's, held on the host
-    assert not server.memory.shared
-
-    members = (first, second)
-    instance = Instance(
-        JOB,
-        "group",
-        0,
-        members=[0, 1],
-        placement=[0, 0],
-        locals={s.rank: {"tensors": [s.tensors[1]], "op": "sum", "factor": 1.0, "root": 0} for s in members},
-        sessions={s.rank: s for s in members},
-    )
-    allreduce(Exchange(server.collectives, instance, runner=None))  # type: ignore[arg-type]
-    assert torch.equal(first.tensors[1], torch.full((floats,), 3.0))
-    assert second.tensors[1].untyped_storage()._cdata == first.tensors[1].untyped_storage()._cdata
-    assert server.memory.swapped_bytes == 2 * nbytes, "the result came back; the rest waits"
-
-    first.free(3)
-    assert server.memory.swapped_bytes == nbytes
-    ops: list[list[object]] = [
-        [protocol.OP_DEFINE, 1, "aten", "add_", "Tensor"],
-        [protocol.OP_CALL, 1, 100, [handle(2), handle(2)], {}],
-    ]
-    run(server, first, ops)
-    assert torch.equal(first.tensors[2], torch.arange(floats, dtype=torch.float32) * 2)
-    assert server.memory.swapped_bytes == 0 and not first.swapped
-    assert server.memory.used == before - 2 * nbytes  # first's bucket shared, its zeros freed
-
-
-def test_a_save_brings_back_what_a_waiting_rank_moved_to_host_memory(server: Server, tmp_path: Path) -> None:
-    """A checkpoint taken while a rank waits with its storages in host memory saves their bytes:
-    loaded on another device, the rank holds what it held."""
-    first, second = open_sessions(server, 2)
-    floats = SWAP_MIN_BYTES // 4
-    held = torch.randn(floats, generator=torch.Generator().manual_seed(9))
-    first.add(1, held.clone())
-    first.parked = second.parked = True
-    server.collectives._move_off(first, {}, "barrier")
-    assert first.swapped, "moved to host memory"
-    path = tmp_path / "state"
-    save_job(server, path)
-    loaded_on = Server(1, 1 << 30, None)
-    try:
-        load_job(loaded_on, path)
-        loaded = next(s for s in loaded_on.job_sessions(JOB) if s.rank == 0)
-        assert loaded.tensors[1].view(torch.int32).equal(held.view(torch.int32))
-    finally:
-        for session in loaded_on.job_sessions(JOB):
-            loaded_on.drop(session)
 
 
 def test_a_dropped_session_frees_only_when_nothing_runs_on_the_device(server: Server) -> None:
