@@ -41,6 +41,7 @@ from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolErro
 from . import operators
 from .dedup import Dedup
 from .links import PeerLink
+from .pace import Pace
 from .session import Session, rebindable
 from .squash import Squash
 
@@ -125,9 +126,12 @@ def parse_spec(session: Any, spec: Any, size: int) -> dict[str, Any]:
 class Member(Protocol):
     """What a collective needs of a session's runner (runner.Runner): who it is, the groups it is in,
     how far it got in each, a wait that ends when its session does, whether it can go on, and
-    what it does once it stopped using the device for the collective (gives its turn up: pace.py)."""
+    what it does once it stopped using the device for the collective (gives its turn up), and the
+    turns of its job's ranks here (pace.py: while they take turns, a member that waits for others
+    moves what it alone holds to host memory)."""
 
     session: Session
+    pace: Pace
     groups: dict[str, tuple[int, list[int]]]
     last_seq: dict[str, int]
 
@@ -172,9 +176,6 @@ class Collectives:
         """Changes so far (queues, collectives, messages): unchanged between two looks means quiet."""
         self.squash: Squash | None = None
         """Operations of spliced ranks run once (squash.py): what every rank passed is forgotten."""
-        self.move_off_waiting = True
-        """Whether a member waiting for other ranks of its job here moves what it alone holds to
-        host memory (`_move_off`; the daemon's splice_lean)."""
         self.dedup: Dedup | None = None
         """Storages shared across the ranks here (dedup.py): compared when a rank reaches a
         collective, copied before a collective writes them."""
@@ -292,7 +293,7 @@ class Collectives:
         if runner.session.swapped and kind not in READS_FROM_HOST:
             with self.device_lock:  # what the driver reads and writes of this member is on the device
                 runner.session.swap_in_tensors(_tensors_of(params))
-        spliced = self.move_off_waiting and placement.count(self.index) > 1
+        spliced = runner.pace.enabled and placement.count(self.index) > 1
         if spliced and self._will_wait(job, group, seq, placement):
             self._move_off(runner.session, params, kind)
         runner.arrived()

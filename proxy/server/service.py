@@ -89,7 +89,6 @@ class Server:
         self.collectives.squash = self.squash
         self.pace = Pace(enabled=splice_lean)
         """The turns spliced ranks of a job take on the device (pace.py)."""
-        self.collectives.move_off_waiting = splice_lean
         self.sessions: dict[tuple[str, int, int], Session] = {}
         self.runners: dict[tuple[str, int, int], Runner] = {}
         """The queue and thread of each session."""
