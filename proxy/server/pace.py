@@ -5,9 +5,11 @@ Turns: ranks spliced on one device each hold their own gradients and activations
 collective. Run side by side, the device holds all of them at once; run one after the other,
 each rank waits at its collective with its private storages moved off the device
 (collectives.py), so the device holds the private state of one rank at a time. A rank takes the
-turn before running operations and gives it up when it reaches a collective; a holder whose
-queue stays empty for `GRACE` seconds (its process computes on its own, or waits for something
-outside the server) loses it, so no rank waits for another that cannot go on.
+turn before running operations and gives it up when it reaches a collective, or starts waiting
+in one; a holder whose queue stays empty for `GRACE` seconds (its process computes on its own,
+or waits for something outside the server) loses it, so no rank waits for another that cannot
+go on. A rank waiting for its turn sleeps until an event that could free it (every change of
+what a rank can run notifies, `waits` included) or until an idle rank's grace runs out.
 
 Updates: the ranks run the same update on parameters and optimizer state they share (dedup.py):
 the first to update a shared storage writes a new one (executor.py `_write_apart`), the others
@@ -54,8 +56,10 @@ class Runner(Protocol):
 WINDOW = 4
 """Operations a rank may run ahead of another rank of its job on the device while it updates
 storages they share (4 or 16 made no difference measurable to the step time here)."""
-GRACE = 0.02
-"""Seconds the holder of a turn keeps it with nothing to run."""
+GRACE = 0.001
+"""Seconds the holder of a turn keeps it with nothing to run (longer made no difference to the
+device's peak here and cost step time: a rank's process that is off the CPU for a moment stalls
+the others)."""
 
 
 class Pace:
@@ -107,7 +111,7 @@ class Pace:
                     return
                 self.waiting += 1
                 try:
-                    runner.cond.wait(self.grace)
+                    runner.cond.wait(self._until_lapse(peers))
                 finally:
                     self.waiting -= 1
 
@@ -120,6 +124,15 @@ class Pace:
             if self.holders.get(job) is runner:
                 del self.holders[job]
                 runner.cond.notify_all()
+
+    def waits(self, runner: Runner) -> None:
+        """The runner starts waiting in a collective (call with the condition held): it can run
+        nothing now, so it holds no turn, and a rank held back while it could run may go on."""
+        job = runner.session.job_id
+        if self.holders.get(job) is runner:
+            del self.holders[job]
+        if self.waiting:
+            runner.cond.notify_all()
 
     def pauses(self, runner: Runner) -> Callable[[int], bool] | None:
         """What the executor asks after an operation of the runner that wrote a shared storage
@@ -149,6 +162,13 @@ class Pace:
         if self.waiting:
             with runner.cond:
                 runner.cond.notify_all()
+
+    def _until_lapse(self, peers: list[Runner]) -> float | None:
+        """Seconds until the grace of an idle rank of the job runs out: the one change of the turns
+        that no event announces (None: no grace runs, a waiter sleeps until an event)."""
+        now = time.monotonic()
+        ends = [peer.idle_since + self.grace for peer in list(peers) if peer.idle() and not peer.stopping]
+        return min((end - now + 1e-4 for end in ends if end > now), default=None)
 
     def _lapsed(self, holder: Runner) -> bool:
         """Whether the holder of a turn lost it: ended, or idle for longer than the grace."""

@@ -208,6 +208,8 @@ class Runner:
     def wait(self, ready: Callable[[], bool]) -> None:
         """Wait (with the condition held) until `ready()`; Stopped if the session ends first."""
         self.waiting_on = ready
+        if not ready():
+            self.pace.waits(self)  # once: two waiting threads must not wake each other forever
         try:
             while not ready():
                 if self.stopping:
