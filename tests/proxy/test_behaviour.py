@@ -140,3 +140,16 @@ def test_tensors_asked_for_on_the_host_are_made_there(server: ProxyServer) -> No
     expected = direct.stdout.replace("new_zeros on the device cpu", "new_zeros on the device cuda")
     expected = expected.replace("trunc_normal_ cpu", "trunc_normal_ cuda")
     assert proxied.stdout == expected
+
+
+def test_warnings_inside_operations_are_shown_at_the_lines_a_direct_run_shows(server: ProxyServer) -> None:
+    direct = run_program(["probe_warnings.py", "cpu"], base_env())
+    proxied = run_program(["probe_warnings.py", "cuda"], proxy_env([server.socket], "warnings"))
+    assert direct.returncode == 0 and proxied.returncode == 0, proxied.stderr[-3000:]
+
+    def shown(stderr: str) -> list[str]:
+        return [line for line in stderr.splitlines() if "Warning: " in line]
+
+    assert len(shown(direct.stderr)) == 3 and "probe_warnings.py:16: UserWarning" in direct.stderr
+    assert shown(proxied.stderr) == shown(direct.stderr)
+    assert proxied.stdout == direct.stdout and "probe_warnings.py:21 UserWarning" in direct.stdout

@@ -42,7 +42,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
 
     from . import compiler, composites, cuda_surface, process_group, serialization, tensor
     from .devices import DEVICES
-    from .mode import DeviceMode, enter_in_new_threads
+    from .mode import DeviceMode, enter_in_new_threads, locate_warnings
     from .randomness import RANDOM_OPS, host_random_handler
     from .transfers import TRANSFER_OPS
 
@@ -58,6 +58,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     composites.install()
     compiler.patch_compile()
     process_group.install()
+    locate_warnings()
     mode = DeviceMode()
     mode.__enter__()  # type: ignore[no-untyped-call,unused-ignore]
     enter_in_new_threads(mode)
