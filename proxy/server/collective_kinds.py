@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from .collectives import Exchange
-from .session import Session
 
 Key = tuple[Any, ...]
 
@@ -48,22 +47,14 @@ def write_alike(x: Exchange, targets: Sequence[tuple[int, torch.Tensor]], values
     replicas: kept once and copy-on-write, dedup.py), else is written too."""
     first_rank, first = targets[0]
     writer = x.instance.sessions[first_rank]
-    _bring_back(writer, first)
+    writer.swap_in_overwritten(first)
     write(first, values)
     dedup = x.collectives.dedup
     for rank, tensor in targets[1:]:
         session = x.instance.sessions[rank]
-        _bring_back(session, tensor)
+        session.swap_in_overwritten(tensor)
         if dedup is None or not dedup.share_alike(writer, first, session, tensor):
             write(tensor, values)
-
-
-def _bring_back(session: Session, tensor: torch.Tensor) -> None:
-    """Bring a member's tensor about to be written back from host memory (collectives.py moves a
-    waiting member's storages there), without its old bytes where every one is overwritten."""
-    key = tensor.untyped_storage()._cdata
-    if key in session.swapped:
-        session.swap_in(key, keep_bytes=not session.covers_counted(tensor))
 
 
 def fold(

@@ -33,6 +33,11 @@ _NOT_READING = frozenset(
      protocol.OP_ALLOCATE, protocol.OP_UPLOAD)
 )  # fmt: skip
 """Operations that touch no stored bytes outside an operator call (which brings back its own)."""
+_OVERWRITING = frozenset(
+    (torch.ops.aten.copy_.default, torch.ops.aten.fill_.Scalar, torch.ops.aten.fill_.Tensor,
+     torch.ops.aten.zero_.default)
+)  # fmt: skip
+"""In-place operators whose result never depends on the bytes their first argument held."""
 _HOST_ALLOCATION_FAILED = re.compile(
     r"DefaultCPUAllocator: can't allocate memory: you tried to allocate (\d+) bytes"
 )
@@ -299,7 +304,10 @@ class Executor:
         own first (their value ids void: squash.py records them anew after a call it follows)."""
         output = MISS
         if session.swapped:  # its storages moved to host memory while it waited: the call uses them
-            session.swap_in_tensors(tree_leaves((args, kwargs)))
+            leaves = tree_leaves((args, kwargs))
+            if operator in _OVERWRITING and leaves and type(leaves[0]) is torch.Tensor:
+                session.swap_in_overwritten(leaves[0], leaves[1:])
+            session.swap_in_tensors(leaves)
         if self.memory.shared:
             output = self._write_apart(session, operator, args, kwargs)
             if output is MISS:

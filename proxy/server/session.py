@@ -13,7 +13,7 @@ import itertools
 import socket
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -565,6 +565,17 @@ class Session:
             for storage in storages(tensor):
                 if storage._cdata in self.swapped:
                     self.swap_in(storage._cdata)
+
+    def swap_in_overwritten(self, tensor: torch.Tensor, others: Sequence[Any] = ()) -> None:
+        """Bring back a tensor about to be overwritten, without its old bytes where it covers its
+        storage and none of the `others` (what the write reads) uses that storage."""
+        key = tensor.untyped_storage()._cdata
+        if key not in self.swapped:
+            return
+        read = any(
+            isinstance(other, torch.Tensor) and key in {s._cdata for s in storages(other)} for other in others
+        )
+        self.swap_in(key, keep_bytes=read or not self.covers_counted(tensor))
 
     def covers_counted(self, tensor: torch.Tensor) -> bool:
         """Whether a tensor's elements are every byte of its storage, each once, at the size the

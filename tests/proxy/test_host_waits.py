@@ -87,3 +87,45 @@ def test_a_save_brings_back_what_a_waiting_rank_moved_to_host_memory(server: Ser
     finally:
         for session in loaded_on.job_sessions(JOB):
             loaded_on.drop(session)
+
+
+def test_an_operation_that_overwrites_a_waiting_storage_brings_it_back_without_its_old_bytes(
+    server: Server,
+) -> None:
+    """`copy_` or `fill_` into the whole of a storage moved to host memory brings it back without
+    copying its old bytes (DDP copies the all-reduced bucket into each gradient); into part of
+    one, the rest comes back as it was."""
+    first, _second = open_sessions(server, 2)
+    floats = SWAP_MIN_BYTES // 4
+    first.add(1, torch.full((floats,), 5.0))
+    first.add(2, torch.arange(floats, dtype=torch.float32))
+    first.add(3, torch.full((floats,), 7.0))
+    first.add(4, first.tensors[3][: floats // 2])
+    first.add(5, torch.full((floats,), 9.0))
+    first.add(6, torch.ones(floats // 2))  # below the size moved off
+    server.collectives._move_off(first, {}, "barrier")
+    assert set(first.swapped) == {first.tensors[h].untyped_storage()._cdata for h in (1, 2, 3, 5)}
+    brought: list[tuple[int, bool]] = []
+    swap_in = first.swap_in
+
+    def noting(key: int, keep_bytes: bool = True) -> None:
+        brought.append((key, keep_bytes))
+        swap_in(key, keep_bytes)
+
+    first.swap_in = noting  # type: ignore[method-assign]
+    ops: list[list[object]] = [
+        [protocol.OP_DEFINE, 1, "aten", "copy_", "default"],
+        [protocol.OP_DEFINE, 2, "aten", "fill_", "Scalar"],
+        [protocol.OP_CALL, 1, 100, [handle(1), handle(2)], {}],
+        [protocol.OP_CALL, 1, 101, [handle(4), handle(6)], {}],
+        [protocol.OP_CALL, 2, 102, [handle(5), 3.0], {}],
+    ]
+    run(server, first, ops)
+    key = {h: first.tensors[h].untyped_storage()._cdata for h in (1, 2, 3, 5)}
+    assert (key[1], False) in brought and (key[5], False) in brought
+    assert (key[3], True) in brought and (key[2], True) in brought
+    assert torch.equal(first.tensors[1], torch.arange(floats, dtype=torch.float32))
+    assert torch.equal(first.tensors[3][floats // 2 :], torch.full((floats - floats // 2,), 7.0))
+    assert torch.equal(first.tensors[3][: floats // 2], torch.ones(floats // 2))
+    assert torch.equal(first.tensors[5], torch.full((floats,), 3.0))
+    assert not first.swapped and server.memory.swapped_bytes == 0
