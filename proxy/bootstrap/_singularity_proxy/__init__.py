@@ -6,8 +6,9 @@ protocol (what both sides agree on), channel (connection, batching, parking), de
 process's devices), tensor (stand-ins and dispatch), transfers, randomness, mode (the
 torch-function mode: placement, factories, device-mix checks), cuda_surface (torch.cuda and
 torch.accelerator), serialization (torch.save / torch.load), composites (operators run whole),
-compiler (torch.compile runs eagerly), collectives (collectives on stand-ins, run by the
-servers) and process_group (the "nccl" process group, DDP's buckets). See docs/proxy.md.
+compiler (torch.compile runs eagerly), located_warnings (warnings shown at the program's line),
+collectives (collectives on stand-ins, run by the servers) and process_group (the "nccl" process
+group, DDP's buckets). See docs/proxy.md.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
 
     from . import compiler, composites, cuda_surface, process_group, serialization, tensor
     from .devices import DEVICES
-    from .mode import DeviceMode, enter_in_new_threads, locate_warnings
+    from .located_warnings import locate_warnings
+    from .mode import DeviceMode, enter_in_new_threads
     from .randomness import RANDOM_OPS, host_random_handler
     from .transfers import TRANSFER_OPS
 
