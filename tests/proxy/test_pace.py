@@ -36,8 +36,8 @@ class StandIn:
         return not self.busy
 
 
-def job_of(count: int) -> tuple[Pace, list[StandIn]]:
-    pace = Pace()
+def job_of(count: int, pace: Pace | None = None) -> tuple[Pace, list[StandIn]]:
+    pace = pace or Pace()
     cond = threading.Condition(threading.RLock())
     runners = [StandIn(rank, cond) for rank in range(count)]
     for runner in runners:
@@ -115,11 +115,7 @@ def test_a_rank_alone_or_with_pacing_off_never_waits() -> None:
     pace, (alone,) = job_of(1)
     pace.take_turn(alone)
     assert pace.pauses(alone) is None and JOB not in pace.holders
-    off = Pace(enabled=False)
-    cond = threading.Condition(threading.RLock())
-    one, two = StandIn(0, cond), StandIn(1, cond)
-    off.join(one)
-    off.join(two)
+    off, (one, two) = job_of(2, Pace(enabled=False))
     two.ran = 10 * off.window
     off.take_turn(one)
     off.take_turn(two)
