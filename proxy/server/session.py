@@ -89,6 +89,20 @@ def sparse_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
     return [getattr(tensor, name)() for name in names]
 
 
+_CAN_HAND_OVER = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def in_host_memory(storage: torch.UntypedStorage) -> bool:
+    """Whether a storage's bytes already lie in host memory (a virtual device's), so that moving
+    them to host memory and back hands the same bytes over instead of copying them."""
+    return storage.device.type == "cpu" and _CAN_HAND_OVER
+
+
+def _hand_over(holder: torch.UntypedStorage, empty: torch.UntypedStorage) -> None:
+    """Give a storage's bytes (its memory, unmoved) to an empty storage on the same device."""
+    holder._swap_data_ptr_(empty)  # type: ignore[attr-defined]
+
+
 def storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
     """The storages holding a tensor's data: its own, or its components' if it is sparse."""
     if tensor.layout == torch.strided:
@@ -531,9 +545,14 @@ class Session:
         if not storage.resizable():
             return False
         nbytes = self.storages[key][0]
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
-        host.copy_(storage_bytes(storage))
-        storage.resize_(0)
+        if in_host_memory(storage):
+            host = torch.empty(0, dtype=torch.uint8)
+            _hand_over(storage, host.untyped_storage())
+            host.set_(host.untyped_storage(), 0, (nbytes,), (1,))
+        else:
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
+            host.copy_(storage_bytes(storage))
+            storage.resize_(0)
         self.swapped[key] = host
         self.memory.moved_off(nbytes)
         return True
@@ -545,9 +564,12 @@ class Session:
         nbytes = host.numel()
         self.check_room(nbytes)
         storage = self.storage(key)
-        storage.resize_(nbytes)
-        if keep_bytes:
-            storage_bytes(storage).copy_(host)
+        if in_host_memory(storage):
+            _hand_over(host.untyped_storage(), storage)
+        else:
+            storage.resize_(nbytes)
+            if keep_bytes:
+                storage_bytes(storage).copy_(host)
         del self.swapped[key]
         self.memory.moved_back(nbytes)
 

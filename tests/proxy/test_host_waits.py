@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from singularity.proxy.bootstrap._singularity_proxy import protocol
+from singularity.proxy.server import session as session_module
 from singularity.proxy.server.collective_kinds import allreduce
 from singularity.proxy.server.collectives import SWAP_MIN_BYTES, Exchange, Instance
 from singularity.proxy.server.service import Server
@@ -19,7 +21,32 @@ from tests.proxy.test_dedup import JOB, handle, load_job, open_sessions, run, sa
 __all__ = ["server"]  # the fixture, shared with test_dedup.py
 
 
-def test_a_waiting_rank_keeps_what_it_alone_holds_in_host_memory(server: Server) -> None:
+@pytest.fixture(params=["handed over", "copied"])
+def moves(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How storages move to host memory: a virtual device hands its memory over; a GPU's bytes
+    are copied (forced here on the virtual device, so that both ways are tested)."""
+    if request.param == "copied":
+        monkeypatch.setattr(session_module, "_CAN_HAND_OVER", False)
+    return str(request.param)
+
+
+def test_a_virtual_device_hands_its_memory_to_the_host_without_copying(server: Server) -> None:
+    """On a virtual device the device's memory is host memory: moving a storage off hands the
+    same bytes to the host tensor, and bringing it back returns them, with no copy either way."""
+    first, _second = open_sessions(server, 2)
+    floats = SWAP_MIN_BYTES // 4
+    first.add(1, torch.arange(floats, dtype=torch.float32))
+    storage = first.tensors[1].untyped_storage()
+    address, key = storage.data_ptr(), storage._cdata
+    assert first.swap_out(key)
+    assert first.swapped[key].data_ptr() == address and storage.nbytes() == 0
+    assert torch.equal(first.readable(first.tensors[1]), torch.arange(floats, dtype=torch.float32))
+    first.swap_in(key)
+    assert storage.data_ptr() == address and storage.nbytes() == floats * 4
+    assert torch.equal(first.tensors[1], torch.arange(floats, dtype=torch.float32))
+
+
+def test_a_waiting_rank_keeps_what_it_alone_holds_in_host_memory(server: Server, moves: str) -> None:
     """While a spliced rank waits at a collective, what it alone holds moves to host memory
     (collectives.py): counted off the device, never matched by the dedup, read there by the
     all-reduce that it waits for, and brought back bit for bit by the next operation that uses
@@ -67,7 +94,9 @@ def test_a_waiting_rank_keeps_what_it_alone_holds_in_host_memory(server: Server)
     assert server.memory.used == before - 2 * nbytes  # first's bucket shared, its zeros freed
 
 
-def test_a_save_brings_back_what_a_waiting_rank_moved_to_host_memory(server: Server, tmp_path: Path) -> None:
+def test_a_save_brings_back_what_a_waiting_rank_moved_to_host_memory(
+    server: Server, tmp_path: Path, moves: str
+) -> None:
     """A checkpoint taken while a rank waits with its storages in host memory saves their bytes:
     loaded on another device, the rank holds what it held."""
     first, second = open_sessions(server, 2)
@@ -90,7 +119,7 @@ def test_a_save_brings_back_what_a_waiting_rank_moved_to_host_memory(server: Ser
 
 
 def test_an_operation_that_overwrites_a_waiting_storage_brings_it_back_without_its_old_bytes(
-    server: Server,
+    server: Server, moves: str
 ) -> None:
     """`copy_` or `fill_` into the whole of a storage moved to host memory brings it back without
     copying its old bytes (DDP copies the all-reduced bucket into each gradient); into part of
