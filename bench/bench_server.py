@@ -30,12 +30,13 @@ import base64, json, sys, time, torch
 torch.set_num_threads(1)
 from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.server.executor import Executor
-from singularity.proxy.server.session import DeviceMemory, Session
+from singularity.proxy.server.device_memory import DeviceMemory
+from singularity.proxy.server.session import Session
 assert Executor.__module__ and sys.modules[Executor.__module__].__file__.startswith(sys.argv[2]), "wrong tree"
 log = json.load(open(sys.argv[1]))
 frames = [(k, b.encode(), [memoryview(bytearray(base64.b64decode(x))) for x in d]) for k, b, d in log]
 def replay():
-    memory = DeviceMemory(0, 8 << 30)
+    memory: DeviceMemory[Session] = DeviceMemory(0, 8 << 30)
     executor = Executor(torch.device("cpu"), memory)
     session = Session("bench", 0, 0, memory)
     torch.set_grad_enabled(True)

@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from .session import DeviceMemory, Session, rebindable
+from .device_memory import DeviceMemory
+from .session import Session, rebindable
 from .writes import covers_its_storage
 
 MIN_SHARED_BYTES = 4096
@@ -117,7 +118,10 @@ class Dedup:
     """Keeps identical storages of a job's sessions on this device once, and judges replicas."""
 
     def __init__(
-        self, memory: DeviceMemory, device_lock: threading.RLock, job_sessions: Callable[[str], list[Session]]
+        self,
+        memory: DeviceMemory[Session],
+        device_lock: threading.RLock,
+        job_sessions: Callable[[str], list[Session]],
     ) -> None:
         self.memory = memory
         self.device_lock = device_lock

@@ -23,7 +23,8 @@ from torch.utils._pytree import tree_leaves
 from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
 
-from .session import DeviceMemory, Session, sparse_parts
+from .device_memory import DeviceMemory
+from .session import Session, sparse_parts
 from .squash import MISS, Call, Squash
 from .writes import covers_its_storage, note_writes, out_of_place, written_tensors
 
@@ -101,7 +102,7 @@ def _operation(op: Any, length: int) -> list[Any]:
 class Executor:
     """Runs operations for the sessions of one device, one at a time."""
 
-    def __init__(self, device: torch.device, memory: DeviceMemory) -> None:
+    def __init__(self, device: torch.device, memory: DeviceMemory[Session]) -> None:
         self.device = device
         self.memory = memory
         self.lock = threading.RLock()

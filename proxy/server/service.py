@@ -26,10 +26,11 @@ from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolErro
 from .collective_kinds import KINDS
 from .collectives import Collectives
 from .dedup import Dedup
+from .device_memory import DeviceMemory
 from .executor import Executor
 from .pace import Pace
 from .runner import Runner, Work
-from .session import UNKNOWN_DEVICE, Connection, DeviceMemory, Session, exception_info
+from .session import UNKNOWN_DEVICE, Connection, Session, exception_info
 from .squash import Squash
 
 
@@ -77,7 +78,7 @@ class Server:
         )
         # torch leaves the index checks of sparse tensors off by default
         torch.sparse.check_sparse_tensor_invariants.enable()  # type: ignore[no-untyped-call]
-        self.memory = DeviceMemory(device_index, memory_bytes)
+        self.memory: DeviceMemory[Session] = DeviceMemory(device_index, memory_bytes)
         self.executor = Executor(self.device, self.memory)
         self.collectives = Collectives(device_index, self.device, self.executor.lock, KINDS)
         self.dedup = Dedup(self.memory, self.executor.lock, self.job_sessions)

@@ -1,9 +1,10 @@
-"""What one job process holds on a device, and the device's memory accounting.
+"""What one job process holds on a device.
 
 A session is keyed by (job id, rank, logical device). It owns the process's tensors by handle, the operators
 the process defined, its memory figures, the first error of an operation not yet reported,
 and its park state. Memory is counted per storage (views share their base's bytes), per
-session and for the whole device, whose capacity is what the program sees as total memory.
+session and for the whole device (device_memory.py), whose capacity is what the program sees as
+total memory.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import itertools
 import socket
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
 
 from . import operators
+from .device_memory import DeviceMemory
 from .plans import Plan
 from .statefile import storage_bytes
 
@@ -63,14 +65,6 @@ def exception_info(error: BaseException) -> list[str]:
     # the server's own exception classes travel as their nearest standard base class
     kind = next(k for k in type(error).__mro__ if not k.__module__.startswith("singularity."))
     return [kind.__module__, kind.__qualname__, message]
-
-
-def allocator_bytes(count: float) -> str:
-    """A byte count the way the CUDA allocator prints it in out-of-memory messages."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if count >= size:
-            return f"{count / size:.2f} {unit}"
-    return f"{int(count)} bytes"
 
 
 _SPARSE_PARTS = {
@@ -133,130 +127,6 @@ class Connection:
         return int(struct.unpack("i", buf)[0])
 
 
-class DeviceMemory:
-    """The device's capacity and the bytes all sessions on it hold (a storage that several sessions
-    share, see dedup.py, counts once)."""
-
-    def __init__(self, index: int, capacity: int) -> None:
-        self.index = index
-        self.capacity = capacity
-        self.used = 0
-        self.holders: dict[int, list[Session]] = {}
-        """Storage identity -> the sessions using it (more than one: a deduplicated storage)."""
-        self.shared = 0
-        """Storages used by more than one session (0: nothing to copy before a write)."""
-        self.copied_bytes = 0
-        """Bytes copied so far because a session wrote a storage it shared."""
-        self.peak = 0
-        """The most bytes held at once since the server started."""
-        self.values: dict[int, int] = {}
-        """Storage identity -> its value id, while squashing follows it (squash.py); dropped when
-        the storage is let go, so an identity reused by a new storage never inherits one."""
-        self.kept: dict[int, tuple[torch.UntypedStorage, int]] = {}
-        """Storage identity -> (storage, bytes) of storages no session holds any more, kept and
-        counted while squashing may still hand them to another session of the job: what one
-        replica made and freed before the others ran the same operation."""
-        self.kept_bytes = 0
-        """Bytes of the kept storages: counted against the capacity (and let go when an
-        allocation needs them), not as what the jobs hold."""
-        self.keeps: Callable[[int], bool] | None = None
-        """Whether squashing wants a storage its last holder lets go (set by squash.py)."""
-        self.swapped_bytes = 0
-        """Bytes of storages moved to host memory while their sessions wait (not in `used`)."""
-        self.swapped_total = 0
-        """Bytes moved to host memory so far."""
-
-    def moved_off(self, nbytes: int) -> None:
-        """Count a storage's bytes moved to host memory."""
-        self.used -= nbytes
-        self.swapped_bytes += nbytes
-        self.swapped_total += nbytes
-
-    def moved_back(self, nbytes: int) -> None:
-        """Count a storage's bytes back on the device."""
-        self.dropped_off(nbytes)
-        self.peak = max(self.peak, self.used - self.kept_bytes)
-
-    def dropped_off(self, nbytes: int) -> None:
-        """Count the bytes of a storage let go while in host memory back in `used`, for `let_go`
-        to take them out."""
-        self.used += nbytes
-        self.swapped_bytes -= nbytes
-
-    def hold(self, key: int, nbytes: int, session: Session) -> None:
-        """Count a session's use of a storage (its bytes once, however many sessions use it)."""
-        holders = self.holders.get(key)
-        if holders is None:
-            self.holders[key] = [session]
-            kept = self.kept.pop(key, None)
-            if kept is not None:
-                self.kept_bytes -= kept[1]  # counted in `used` while kept
-            else:
-                self.values.pop(key, None)  # an identity last used by a storage held by no one here
-                self.used += nbytes
-            self.peak = max(self.peak, self.used - self.kept_bytes)
-            return
-        holders.append(session)
-        if len(holders) == 2:
-            self.shared += 1
-
-    def let_go(
-        self, key: int, nbytes: int, session: Session, storage: torch.UntypedStorage | None = None
-    ) -> None:
-        """Forget a session's use of a storage (its bytes when no session uses it any more, unless
-        squashing keeps `storage` for another session)."""
-        holders = self.holders[key]
-        holders.remove(session)
-        if not holders:
-            del self.holders[key]
-            if storage is not None:  # squashing keeps it (Session._if_kept)
-                self.kept[key] = (storage, nbytes)
-                self.kept_bytes += nbytes
-                return
-            self.values.pop(key, None)
-            self.used -= nbytes
-        elif len(holders) == 1:
-            self.shared -= 1
-
-    def release(self, key: int) -> None:
-        """Let a kept storage go (squashing no longer wants it)."""
-        found = self.kept.pop(key, None)
-        if found is not None:
-            self.values.pop(key, None)
-            self.used -= found[1]
-            self.kept_bytes -= found[1]
-
-    def room_for(self, nbytes: int) -> bool:
-        """Whether `nbytes` more fit on the device, letting the kept storages go if that is what
-        it takes (they only save squashed sessions a run of an operation)."""
-        if self.used + nbytes <= self.capacity:
-            return True
-        for key in list(self.kept):
-            self.release(key)
-        return self.used + nbytes <= self.capacity
-
-    def is_shared(self, key: int) -> bool:
-        """Whether more than one session uses the storage."""
-        return self.shared > 0 and len(self.holders.get(key, ())) > 1
-
-    def free_bytes(self) -> int:
-        """Bytes not held by any session (kept storages count as free: they go when needed)."""
-        return max(0, self.capacity - self.used + self.kept_bytes)
-
-    def out_of_memory(self, session: Session, asked: int) -> torch.OutOfMemoryError:
-        """The error CUDA's allocator raises, with this device's figures."""
-        return torch.OutOfMemoryError(
-            f"CUDA out of memory. Tried to allocate {allocator_bytes(asked)}. GPU {self.index} has a "
-            f"total capacity of {allocator_bytes(self.capacity)} of which "
-            f"{allocator_bytes(self.free_bytes())} is free. Of the allocated memory "
-            f"{allocator_bytes(session.held_bytes)} is allocated by PyTorch, "
-            "and 0 bytes is reserved by PyTorch but unallocated. If reserved but unallocated memory is "
-            "large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
-            "fragmentation.  See documentation for Memory Management  "
-            "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
-        )
-
-
 UNKNOWN_DEVICE = -1
 """The logical device of a session restored from a file that did not name it (the rank's only one)."""
 
@@ -266,7 +136,9 @@ class Session:
     it sees (`index`, its cuda:index): a process whose cuda:0 and cuda:1 are both served here has a
     session for each, as on two GPUs."""
 
-    def __init__(self, job_id: str, rank: int, uid: int, memory: DeviceMemory, index: int = 0) -> None:
+    def __init__(
+        self, job_id: str, rank: int, uid: int, memory: DeviceMemory[Session], index: int = 0
+    ) -> None:
         self.job_id = job_id
         self.rank = rank
         self.index = index

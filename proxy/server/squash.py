@@ -38,7 +38,8 @@ from typing import Any
 import torch
 
 from .dedup import Dedup, same_bytes
-from .session import DeviceMemory, Session, rebindable
+from .device_memory import DeviceMemory
+from .session import Session, rebindable
 from .writes import OVERWRITING, covers_its_storage, written_tensors
 
 MAX_ENTRIES = 8192
@@ -167,7 +168,7 @@ class Squash:
     """The memo of a device: operations of spliced jobs' sessions, by key, for the others to reuse."""
 
     def __init__(
-        self, memory: DeviceMemory, dedup: Dedup, job_sessions: Callable[[str], list[Session]]
+        self, memory: DeviceMemory[Session], dedup: Dedup, job_sessions: Callable[[str], list[Session]]
     ) -> None:
         self.memory = memory
         self.dedup = dedup
