@@ -18,6 +18,7 @@ import torch
 
 from .control import ControlHandler
 from .links import parse_peer_fds
+from .pace import GRACE
 from .service import Server
 
 
@@ -70,6 +71,12 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
         default=True,
         help="spliced ranks take turns and wait in host memory (pace.py; default on)",
     )
+    parser.add_argument(
+        "--turn-grace",
+        type=float,
+        default=GRACE,
+        help=f"seconds a spliced rank keeps its turn with nothing to run (default {GRACE})",
+    )
     parser.add_argument("--name", default=None, help="device name the jobs see")
     parser.add_argument(
         "--listen-fd",
@@ -108,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         job_uid=options.job_uid,
         daemon_uid=options.daemon_uid,
         splice_lean=options.splice_lean,
+        turn_grace=options.turn_grace,
     )
     if options.cuda_device is None:
         bound_host_memory(options.memory_bytes)

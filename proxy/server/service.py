@@ -28,7 +28,7 @@ from .collectives import Collectives
 from .dedup import Dedup
 from .device_memory import DeviceMemory
 from .executor import Executor
-from .pace import Pace
+from .pace import GRACE, Pace
 from .runner import Runner, Work
 from .session import UNKNOWN_DEVICE, Connection, Session, exception_info
 from .squash import Squash
@@ -52,6 +52,7 @@ class Server:
         job_uid: int | None = None,
         daemon_uid: int | None = None,
         splice_lean: bool = True,
+        turn_grace: float = GRACE,
     ) -> None:
         self.index = device_index
         self.job_id = job_id
@@ -88,7 +89,7 @@ class Server:
         """Operations of a job's ranks here run once (squash.py)."""
         self.executor.squash = self.squash
         self.collectives.squash = self.squash
-        self.pace = Pace(enabled=splice_lean)
+        self.pace = Pace(grace=turn_grace, enabled=splice_lean)
         """The turns spliced ranks of a job take on the device (pace.py)."""
         self.sessions: dict[tuple[str, int, int], Session] = {}
         self.runners: dict[tuple[str, int, int], Runner] = {}
