@@ -41,14 +41,18 @@ def write(target: torch.Tensor, values: torch.Tensor) -> None:
         target.copy_(values.reshape(target.shape))
 
 
-def write_alike(x: Exchange, targets: Sequence[tuple[int, torch.Tensor]], values: torch.Tensor) -> None:
+def write_alike(
+    x: Exchange, targets: Sequence[tuple[int, torch.Tensor]], values: torch.Tensor, first_holds: bool = False
+) -> None:
     """Put the same values into several local members' tensors (group rank, tensor): the first
-    is written, and each other one takes its storage where that gives it the same bytes (spliced
-    replicas: kept once and copy-on-write, dedup.py), else is written too."""
+    is written (unless it already holds them), and each other one takes its storage where that
+    gives it the same bytes (spliced replicas: kept once and copy-on-write, dedup.py), else is
+    written too."""
     first_rank, first = targets[0]
     writer = x.instance.sessions[first_rank]
-    writer.swap_in_overwritten(first)
-    write(first, values)
+    if not first_holds:
+        writer.swap_in_overwritten(first)
+        write(first, values)
     dedup = x.collectives.dedup
     for rank, tensor in targets[1:]:
         session = x.instance.sessions[rank]
@@ -58,10 +62,16 @@ def write_alike(x: Exchange, targets: Sequence[tuple[int, torch.Tensor]], values
 
 
 def fold(
-    values: Sequence[torch.Tensor], op: str, factor: float, size: int, device: torch.device | None = None
+    values: Sequence[torch.Tensor],
+    op: str,
+    factor: float,
+    size: int,
+    device: torch.device | None = None,
+    into_first: bool = False,
 ) -> torch.Tensor:
     """The reduction of the values in the order given (global rank order), on `device` (values
-    read from host memory are brought there one at a time; by default the first value's)."""
+    read from host memory are brought there one at a time; by default the first value's); with
+    `into_first`, computed in the first value itself (on the device), which is returned."""
     shape = values[0].shape
     for value in values:
         if value.shape != shape:
@@ -71,11 +81,11 @@ def fold(
     device = device or values[0].device
     with torch.no_grad():
         if op == "premul_sum":
-            result = values[0].to(device) * factor
+            result = values[0].mul_(factor) if into_first else values[0].to(device) * factor
             for value in values[1:]:
                 result.add_(value.to(device) * factor)
             return result
-        result = values[0].to(device, copy=True)
+        result = values[0] if into_first else values[0].to(device, copy=True)
         combine = _COMBINE[op]
         for value in values[1:]:
             combine(result, value.to(device))
@@ -122,6 +132,9 @@ def _count(x: Exchange, name: str) -> int:
 def allreduce(x: Exchange) -> None:
     """Every member's tensors become the reduction of all members' (in place)."""
     count = _count(x, "tensors")
+    if x.servers == [x.me] and _distinct_storages(x.params[0]["tensors"]):
+        _allreduce_here(x, count)
+        return
     sessions = x.instance.sessions
     flats = {rank: [flat(sessions[rank].readable(t)) for t in x.params[rank]["tensors"]] for rank in x.local}
     servers, position = x.servers, x.servers.index(x.me)
@@ -153,6 +166,30 @@ def allreduce(x: Exchange) -> None:
             pieces = [chunks[("b", i, j)] for j in range(len(servers))]
             whole = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
             write_alike(x, [(rank, x.params[rank]["tensors"][i]) for rank in x.local], whole)
+
+
+def _allreduce_here(x: Exchange, count: int) -> None:
+    """`allreduce` with every member on this device: each tensor of rank 0 folds the others' into
+    itself, in rank order (the same bits as a fold into a new tensor), and the others take the
+    result; no result buffer is made and rank 0's values are not copied."""
+    sessions = x.instance.sessions
+    lead = x.params[0]["tensors"]
+    others = x.local[1:]
+    flats = {rank: [flat(sessions[rank].readable(t)) for t in x.params[rank]["tensors"]] for rank in others}
+    with x.device_lock:
+        sessions[0].swap_in_tensors(lead)  # its values are the first the fold takes
+        for i, tensor in enumerate(lead):
+            values = [flat(tensor), *(flats[rank][i] for rank in others)]
+            folded = fold(values, x.op, x.factor, x.size, x.collectives.device, into_first=True)
+            targets = [(rank, x.params[rank]["tensors"][i]) for rank in x.local]
+            write_alike(x, targets, folded, first_holds=True)
+
+
+def _distinct_storages(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every tensor is contiguous and has a storage of its own among them (so that folding
+    into one in place changes no other's values)."""
+    keys = {tensor.untyped_storage()._cdata for tensor in tensors}
+    return len(keys) == len(tensors) and all(tensor.is_contiguous() for tensor in tensors)
 
 
 def broadcast(x: Exchange) -> None:
