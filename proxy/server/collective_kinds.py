@@ -132,7 +132,7 @@ def _count(x: Exchange, name: str) -> int:
 def allreduce(x: Exchange) -> None:
     """Every member's tensors become the reduction of all members' (in place)."""
     count = _count(x, "tensors")
-    if x.servers == [x.me] and _distinct_storages(x.params[0]["tensors"]):
+    if x.servers == [x.me] and all(_distinct_storages(x.params[rank]["tensors"]) for rank in x.local):
         _allreduce_here(x, count)
         return
     sessions = x.instance.sessions
@@ -186,8 +186,8 @@ def _allreduce_here(x: Exchange, count: int) -> None:
 
 
 def _distinct_storages(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether every tensor is contiguous and has a storage of its own among them (so that folding
-    into one in place changes no other's values)."""
+    """Whether every tensor of a member is contiguous and has a storage of its own among them: then
+    folding into one in place, or bringing one back from host memory, changes no other's values."""
     keys = {tensor.untyped_storage()._cdata for tensor in tensors}
     return len(keys) == len(tensors) and all(tensor.is_contiguous() for tensor in tensors)
 
