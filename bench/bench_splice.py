@@ -19,7 +19,9 @@ Options: --quick (10 timed steps, not 40), --optimizer adam|sgd, --steps-only (s
 --width N (the step-time MLP, default 256),
 --compare TREE (another checkout with its own .venv, e.g. main's: every figure measured for it, for
 this tree, and for this tree with its spliced ranks side by side (server option --no-splice-lean, the
-daemon's splice_lean = false) in turn, both optimizers; it prints the three together).
+daemon's splice_lean = false) in turn, both optimizers; it prints the three together), --repeat N
+(with --compare: N rounds of the three in turn, each step figure the median of its rounds; this
+VM's step times wander by 10-20% between runs).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -202,9 +205,9 @@ def compare_memory(trees: list[Tree], base: Path) -> None:
     _table(rows)
 
 
-def compare(base: Path, steps: int, width: int, memory: bool) -> None:
+def compare(base: Path, steps: int, width: int, memory: bool, repeat: int = 1) -> None:
     """Print memory (with `memory`) and step figures of the checkout `base` and of this one,
-    measured in turn."""
+    measured in turn (`repeat` rounds of all the trees, each figure the median of its rounds)."""
     trees: list[Tree] = [("base", base, ()), ("this", REPO, ()), ("this, side by side", REPO, SIDE_BY_SIDE)]
     if memory:
         compare_memory(trees, base)
@@ -221,16 +224,24 @@ def compare(base: Path, steps: int, width: int, memory: bool) -> None:
             "squashed / step",
         ]
     ]
+
+    def medians(ranks: int, optimizer: str) -> dict[str, tuple[float, float, dict[str, Any]]]:
+        runs: dict[str, list[tuple[float, float, dict[str, Any]]]] = {name: [] for name, _, _ in trees}
+        for _round in range(repeat):
+            for name, tree, options in trees:
+                runs[name].append(measure(tree, "step", [ranks, steps, width, optimizer], options))
+        return {
+            name: (statistics.median(r[0] for r in got), statistics.median(r[1] for r in got), got[-1][2])
+            for name, got in runs.items()
+        }
+
     for optimizer in ("adam", "sgd"):
-        single: dict[str, tuple[float, float]] = {}
-        for name, tree, options in trees:
-            one, one_cpu, _ = measure(tree, "step", [1, steps, width, optimizer], options)
-            single[name] = (one, one_cpu)
+        single = medians(1, optimizer)
+        for name, (one, one_cpu, _) in single.items():
             rows.append([optimizer, "1", name, _ms(one), _ms(one_cpu), "1.000", "1.000", "", ""])
         for ranks in (2, 4):
-            for name, tree, options in trees:
-                many, cpu, figures = measure(tree, "step", [ranks, steps, width, optimizer], options)
-                one, one_cpu = single[name]
+            for name, (many, cpu, figures) in medians(ranks, optimizer).items():
+                one, one_cpu, _ = single[name]
                 total_steps = steps + 5
                 rows.append(
                     [
@@ -239,9 +250,10 @@ def compare(base: Path, steps: int, width: int, memory: bool) -> None:
                         f"{figures.get('squashed', 0) / total_steps:.0f}",
                     ]
                 )  # fmt: skip
+    rounds = f", the median of {repeat} rounds" if repeat > 1 else ""
     print(
-        f"\nstep time, DDP, MLP {width}, batch 64, {steps} steps after 5 warm-up, against N x 1 rank alone "
-        f"of the same tree; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+        f"\nstep time, DDP, MLP {width}, batch 64, {steps} steps after 5 warm-up{rounds}, against N x 1 rank "
+        f"alone of the same tree; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     )
     _table(rows)
 
@@ -262,12 +274,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps-only", action="store_true", help="skip the device memory part")
     parser.add_argument("--compare", type=Path, help="another checkout (with .venv) measured in turn")
     parser.add_argument("--width", type=int, default=256, help="of the step-time part's MLP")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="with --compare: rounds of every tree, each figure their median"
+    )
     options = parser.parse_args(argv)
     steps = 10 if options.quick else 40
     if options.compare is not None:
         if not (options.compare / ".venv" / "bin" / "python").exists():
             parser.error(f"{options.compare} has no .venv/bin/python")
-        compare(options.compare.resolve(), steps, options.width, not options.steps_only)
+        if options.repeat < 1:
+            parser.error("--repeat must be at least 1")
+        compare(options.compare.resolve(), steps, options.width, not options.steps_only, options.repeat)
         return
     with tempfile.TemporaryDirectory(prefix="bench-splice-") as folder:
         directory = Path(folder)
