@@ -238,7 +238,10 @@ def test_a_rank_that_ended_with_work_left_moves_with_the_job(daemon_root: Path) 
         job = daemon.submit(PYTHON, "ddp_train.py", *args, "--gate", f"10:{gate}", options=options)
         try:
             daemon.wait_state(job, "RUNNING")
-            wait_until(lambda: steps_done(daemon, job, 1) == 10 and len(rank_processes(daemon, job)) == 1)
+            wait_until(
+                lambda: steps_done(daemon, job, 1) == 10 and len(rank_processes(daemon, job)) == 1,
+                timeout=120,
+            )
             for command in (("resize", "--gpus", "1"), ("preempt",), ("resize", "--gpus", "2")):
                 result = daemon.sing(command[0], str(job), *command[1:], timeout=300)
                 assert result.code == 0, result.err
