@@ -192,7 +192,7 @@ OPTIONS: dict[str, str] = {
     "with what they alone hold in host memory, and update what they share a few operations apart "
     "(default true: 4 spliced Adam ranks peak at 1.3-1.5x one rank's device memory instead of "
     "about 2x); false lets them run side by side, faster where the device has the memory (their "
-    "steps took 15-25% less time here, about 30% less for steps of a few milliseconds). Takes effect "
+    "steps took 12-15% less time here, about 30% less for steps of a few milliseconds). Takes effect "
     "for jobs started after a restart.",
     "proxy_pre_copy": "Rounds of pre-copy of a job's device state by its proxy servers while it runs, "
     "before a checkpoint's pause, so the pause copies only what the job wrote meanwhile (default 2; "
