@@ -22,12 +22,11 @@ __all__ = ["server"]  # the fixture, shared with test_dedup.py
 
 
 @pytest.fixture(params=["handed over", "copied"])
-def moves(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def moves(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """How storages move to host memory: a virtual device hands its memory over; a GPU's bytes
     are copied (forced here on the virtual device, so that both ways are tested)."""
     if request.param == "copied":
         monkeypatch.setattr(session_module, "_CAN_HAND_OVER", False)
-    return str(request.param)
 
 
 def test_a_virtual_device_hands_its_memory_to_the_host_without_copying(server: Server) -> None:
@@ -46,7 +45,8 @@ def test_a_virtual_device_hands_its_memory_to_the_host_without_copying(server: S
     assert torch.equal(first.tensors[1], torch.arange(floats, dtype=torch.float32))
 
 
-def test_a_waiting_rank_keeps_what_it_alone_holds_in_host_memory(server: Server, moves: str) -> None:
+@pytest.mark.usefixtures("moves")
+def test_a_waiting_rank_keeps_what_it_alone_holds_in_host_memory(server: Server) -> None:
     """While a spliced rank waits at a collective, what it alone holds moves to host memory
     (collectives.py): counted off the device, never matched by the dedup, read there by the
     all-reduce that it waits for, and brought back bit for bit by the next operation that uses
@@ -94,9 +94,8 @@ def test_a_waiting_rank_keeps_what_it_alone_holds_in_host_memory(server: Server,
     assert server.memory.used == before - 2 * nbytes  # first's bucket shared, its zeros freed
 
 
-def test_a_save_brings_back_what_a_waiting_rank_moved_to_host_memory(
-    server: Server, tmp_path: Path, moves: str
-) -> None:
+@pytest.mark.usefixtures("moves")
+def test_a_save_brings_back_what_a_waiting_rank_moved_to_host_memory(server: Server, tmp_path: Path) -> None:
     """A checkpoint taken while a rank waits with its storages in host memory saves their bytes:
     loaded on another device, the rank holds what it held."""
     first, second = open_sessions(server, 2)
@@ -118,8 +117,9 @@ def test_a_save_brings_back_what_a_waiting_rank_moved_to_host_memory(
             loaded_on.drop(session)
 
 
+@pytest.mark.usefixtures("moves")
 def test_an_operation_that_overwrites_a_waiting_storage_brings_it_back_without_its_old_bytes(
-    server: Server, moves: str
+    server: Server,
 ) -> None:
     """`copy_` or `fill_` into the whole of a storage moved to host memory brings it back without
     copying its old bytes (DDP copies the all-reduced bucket into each gradient); into part of
