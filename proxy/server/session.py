@@ -385,10 +385,10 @@ class Session:
     def own_copy(self, key: int, storage: torch.UntypedStorage) -> None:
         """Give the session its own copy of a storage it shares, before it writes there."""
         self.check_room(storage.nbytes())
-        copy = torch.empty(storage.nbytes(), dtype=torch.uint8, device=storage.device).untyped_storage()
-        copy.copy_(storage)
+        copy = torch.empty(storage.nbytes(), dtype=torch.uint8, device=storage.device)
+        copy.copy_(storage_bytes(storage))  # unlike UntypedStorage.copy_, lets the other threads run
         self.memory.copied_bytes += storage.nbytes()
-        self.repoint(key, copy)
+        self.repoint(key, copy.untyped_storage())
 
     def before_write(self, tensor: torch.Tensor) -> None:
         """Copy the storages of a tensor the session is about to write, where it shares them."""
