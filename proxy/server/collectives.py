@@ -284,7 +284,7 @@ class Collectives:
         me, members = defined
         params = parse_spec(runner.session, spec, len(members))
         if self.dedup is not None:
-            self.dedup.at_collective(runner.session)
+            self.dedup.at_collective(runner.session, _written(params))
         if self.squash is not None:
             with self.device_lock:  # it may let kept storages go: the device's counts change
                 self.squash.at_collective(runner.session.job_id)

@@ -149,14 +149,17 @@ class Dedup:
         return found
 
     # -- at a collective ---------------------------------------------------------------------------
-    def at_collective(self, session: Session) -> None:
-        """A session reached a collective: share what it holds like another rank here, count a round."""
+    def at_collective(self, session: Session, written: Iterable[torch.Tensor] = ()) -> None:
+        """A session reached a collective: share what it holds like another rank here, count a round.
+        The storages of the tensors the collective may write are left out (their bytes are about
+        to change; `share_written` compares them after)."""
         peers = [s for s in self.job_sessions(session.job_id) if s is not session]
         if not peers:
             return
         with self.device_lock:
             state = self._state(session)
-            self._share(session, peers, state.handles_before)
+            skip = {tensor.untyped_storage()._cdata for tensor in written}
+            self._share(session, peers, state.handles_before, skip)
             self.compared.add(session.job_id)
             state.rounds += 1
             handles = set(session.tensors)
@@ -189,10 +192,16 @@ class Dedup:
             self._share(session, [s for s in sessions if s is not session])
         self.compared.add(job_id)
 
-    def _share(self, session: Session, peers: list[Session], lasting: set[int] | None = None) -> None:
+    def _share(
+        self,
+        session: Session,
+        peers: list[Session],
+        lasting: set[int] | None = None,
+        skip: set[int] | None = None,
+    ) -> None:
         """Move the session's changed storages onto identical storages of its peers (with `lasting`,
         only those of tensors under these handles: what outlived the previous collective, not the
-        step's activations)."""
+        step's activations), but for those in `skip`."""
         began = time.perf_counter()
         state = self._state(session)
         checked: dict[int, Any] = {}
@@ -201,6 +210,8 @@ class Dedup:
             if nbytes < MIN_SHARED_BYTES or key in self.pinned or self.memory.is_shared(key):
                 continue
             if key in session.swapped:  # its bytes are in host memory while the session waits
+                continue
+            if skip and key in skip:
                 continue
             if lasting is not None and lasting.isdisjoint(session.handles_on[key]):
                 continue

@@ -217,6 +217,26 @@ def test_an_all_reduce_result_is_written_once_for_the_ranks_here(server: Server)
     assert torch.equal(second.tensors[2], result[:8] * 2)
 
 
+def test_a_rank_arriving_at_a_collective_leaves_out_what_the_collective_writes(server: Server) -> None:
+    """A rank that reaches a collective shares its long-lived storages that match another rank's,
+    but not those the collective is about to write: their bytes change (it compares them after)."""
+    first, second = open_sessions(server, 2)
+    for session in (first, second):
+        session.add(1, torch.full((FLOATS,), 1.0))  # parameters
+        session.add(2, torch.full((FLOATS,), 2.0))  # a bucket the collective writes, alike before it
+    for session in (first, second):
+        server.dedup.at_collective(session)  # the first round notes what each rank holds
+    before = server.dedup.comparisons
+    server.dedup.at_collective(first, [first.tensors[2]])
+
+    def storage(session: Session, handle: int) -> int:
+        return int(session.tensors[handle].untyped_storage()._cdata)
+
+    assert storage(first, 1) == storage(second, 1)
+    assert storage(first, 2) != storage(second, 2)
+    assert server.dedup.comparisons == before + 1
+
+
 def test_a_dropped_session_frees_only_when_nothing_runs_on_the_device(server: Server) -> None:
     """Dropping a rank (its process ended) frees storages it may share with the ranks still
     running: that waits for the device's lock, so it never interleaves with an operation."""
