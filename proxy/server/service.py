@@ -92,6 +92,9 @@ class Server:
         self.pace = Pace(grace=turn_grace, enabled=splice_lean)
         """The turns spliced ranks of a job take on the device (pace.py)."""
         self.sessions: dict[tuple[str, int, int], Session] = {}
+        self.by_job: dict[str, list[Session]] = {}
+        """Job id -> its sessions by rank, worked out once after sessions came or went
+        (`job_sessions` is asked at every spliced operation and collective)."""
         self.runners: dict[tuple[str, int, int], Runner] = {}
         """The queue and thread of each session."""
         self.state_lock = threading.RLock()
@@ -107,6 +110,7 @@ class Server:
             runner = Runner(session, self.executor, self.collectives, saved_queue, groups, self.pace)
             self.sessions[key] = session
             self.runners[key] = runner
+            self.by_job.clear()
             self.squash.sessions_changed()
             with self.collectives.cond:
                 self.pace.join(runner)
@@ -124,6 +128,7 @@ class Server:
             if runner is not None:
                 del self.runners[key]
                 del self.sessions[key]
+                self.by_job.clear()
                 self.squash.sessions_changed()
         if runner is not None:
             with self.collectives.cond:
@@ -166,8 +171,11 @@ class Server:
     def job_sessions(self, job_id: str) -> list[Session]:
         """The sessions of a job, by rank."""
         with self.state_lock:
-            found = (s for (job, _rank, _index), s in self.sessions.items() if job == job_id)
-            return sorted(found, key=lambda s: (s.rank, s.index))
+            found = self.by_job.get(job_id)
+            if found is None:
+                of_job = (s for (job, _rank, _index), s in self.sessions.items() if job == job_id)
+                found = self.by_job[job_id] = sorted(of_job, key=lambda s: (s.rank, s.index))
+            return list(found)
 
     def admission_problem(self, job_id: str, uid: int) -> str:
         """Why a process of this uid may not open a session for this job ('' when it may).
