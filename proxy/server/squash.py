@@ -24,28 +24,25 @@ draw random numbers, return views or non-tensor values, allocate uninitialised m
 resize, restride or rebind their arguments; nor sparse, inference or quantized tensors.
 Value ids are dropped whenever anything else writes a storage (the executor's other writes,
 collectives' outputs), so a recorded value is trusted only while its storage is untouched.
+How long a recorded operation is kept, and what it keeps on the device meanwhile: memo.py.
 """
 
 from __future__ import annotations
 
 import struct
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .dedup import Dedup, same_bytes
 from .device_memory import DeviceMemory
+from .memo import Entry, Memo, new_storages
 from .session import Session, rebindable
 from .writes import OVERWRITING, covers_its_storage, written_tensors
 
-MAX_ENTRIES = 8192
-"""Recorded operations kept per device at most (the oldest go first)."""
-MAX_NEAR = 4
-"""Recorded operations under one coarse key compared with a near miss."""
 UNUSED_LIMIT = 16
 """Entries of an operator dropped unused before it is no longer recorded (until sessions come or
 go), unless one of its calls was ever squashed: the forward and backward passes of the ranks'
@@ -81,28 +78,6 @@ class Call:
     led: bool = False
     """Whether every storage the call uses was shared with another session when it ran: what it
     makes is what they will be squashed onto (executor.py `_note_lead`)."""
-
-
-@dataclass
-class Entry:
-    """What the producer of an operation made: storages by key with their value ids, and the output."""
-
-    job: str
-    producer: Session
-    round: int
-    inputs: tuple[tuple[int, int], ...]
-    """(storage key, value id) of each tensor argument before the operation ran."""
-    written: dict[int, tuple[int, int]]
-    """Leaf index of each written storage's first tensor -> (storage key, value id) after."""
-    output: Any
-    """The output's structure: ("alias", leaf), ("new", storage key, value id, size, stride,
-    offset, dtype), ("none",), ("list" | "tuple", items)."""
-    consumed: set[Session] = field(default_factory=set)
-    used: bool = False
-    """Whether another session was squashed onto it."""
-    keeps: bool = False
-    """Whether what it wrote and made is kept when its producer lets it go (its operator's calls
-    were squashed before: the other sessions are likely to reuse this one too)."""
 
 
 def eligible(operator: Any) -> bool:
@@ -173,27 +148,13 @@ class Squash:
         self.memory = memory
         self.dedup = dedup
         self.job_sessions = job_sessions
-        self.entries: OrderedDict[tuple[Any, ...], Entry] = OrderedDict()
-        self.earlier: dict[tuple[Any, ...], list[Entry]] = {}
-        """Exact key -> older entries under it that other sessions have still to use (a session
-        that ran the same call twice in a row, as Adam making both its states with `zeros_like`),
-        oldest first: each later session takes them in the order they were made."""
-        self.near: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
-        """Coarse key -> exact keys of the entries recorded under it (newest last)."""
-        self.derived: dict[tuple[Any, ...], int] = {}
-        """(exact key, output slot) -> the value id of what it produces, while its entry is kept."""
+        self.memo = Memo(memory, job_sessions)
         self.spliced: dict[str, bool] = {}
         """Job -> whether more than one of its sessions is here (cleared when sessions come or go)."""
         self.lock = threading.Lock()
-        self.unused: dict[int, int] = {}
-        """id(operator) -> its entries dropped unused since sessions last came or went."""
+        """Held while the memo is looked up or changed."""
         self.useful: set[int] = set()
         """id(operator) of each operator whose call was squashed once."""
-        self.referenced: dict[int, int] = {}
-        """Storage identity -> entries that keep it (`Entry.keeps`) and name it as written or
-        made: kept for the other sessions when its producer lets it go first (`DeviceMemory.kept`)."""
-        memory.keeps = self.referenced.__contains__
-        self.next_value = 1
         self.squashed = 0
         """Operations not run because another session of the job had run them."""
         self.saved_bytes = 0
@@ -203,17 +164,12 @@ class Squash:
         self.near_hits = 0
 
     # -- value ids ---------------------------------------------------------------------------------
-    def _fresh(self) -> int:
-        value = self.next_value
-        self.next_value += 1
-        return value
-
     def value(self, key: int) -> int:
         """The value id of a storage (a fresh one if it had none)."""
         values = self.memory.values
         found = values.get(key)
         if found is None:
-            found = values[key] = self._fresh()
+            found = values[key] = self.memo.fresh()
         return found
 
     def active(self, session: Session) -> bool:
@@ -229,14 +185,14 @@ class Squash:
         """A session came or went: whether jobs are spliced is worked out again, and every
         operator is recorded again."""
         self.spliced = {}
-        self.unused = {}
+        self.memo.unused.clear()
 
     # -- before an operation --------------------------------------------------------------------------
     def prepare(self, operator: Any, args: list[Any], kwargs: dict[str, Any]) -> Call | None:
         """The call as squashing sees it, or None if its operator or arguments do not take part."""
         if not eligible(operator):
             return None
-        if self.unused.get(id(operator), 0) >= UNUSED_LIMIT and id(operator) not in self.useful:
+        if self.memo.unused.get(id(operator), 0) >= UNUSED_LIMIT and id(operator) not in self.useful:
             return None
         tensors: list[torch.Tensor] = []
         try:
@@ -276,7 +232,7 @@ class Squash:
         """The output of the call, made from another session's run of it, if one can be reused
         (the session's written storages moved onto the producer's); else MISS and the call runs."""
         with self.lock:
-            entry = self._awaited(call.key, session)
+            entry = self.memo.awaited(call.key, session)
             if entry is None:
                 entry = self._near_miss(session, call)
             if entry is None or entry.producer is session:
@@ -284,8 +240,8 @@ class Squash:
             entry.consumed.add(session)
             output = self._squash(session, call, entry)
             if output is not MISS:
-                taken = {key for key, _value in _new_storages(entry.output)}
-                self._retire(call.key, entry, taken)
+                taken = {key for key, _value in new_storages(entry.output)}
+                self.memo.retire(call.key, entry, taken)
             return output
 
     def _storage(self, key: int, value: int, bring_back: bool = True) -> torch.UntypedStorage | None:
@@ -329,7 +285,7 @@ class Squash:
             if mine != key:
                 moves[mine] = storage
         news: dict[int, torch.UntypedStorage] = {}
-        for key, value in _new_storages(entry.output):
+        for key, value in new_storages(entry.output):
             storage = self._storage(key, value)
             if storage is None or key in session.storages:
                 return MISS
@@ -348,9 +304,8 @@ class Squash:
     def _near_miss(self, session: Session, call: Call) -> Entry | None:
         """An entry under the call's coarse key whose differing inputs hold the same bytes as the
         call's (those inputs then moved onto the entry's storages), if there is one."""
-        for exact in reversed(self.near.get(call.shape, [])[-MAX_NEAR:]):
-            entry = self.entries.get(exact)
-            if entry is None or entry.producer is session or session in entry.consumed:
+        for exact, entry in self.memo.near_entries(call.shape):
+            if entry.producer is session or session in entry.consumed:
                 continue
             pairs: dict[int, tuple[int, torch.UntypedStorage, torch.UntypedStorage]] = {}
             for leaf, (key, value), mine in zip(call.leaves, entry.inputs, call.inputs, strict=True):
@@ -392,15 +347,13 @@ class Squash:
             leaves = call.leaves
             values = self.memory.values
             inputs = call.inputs
-            if len(self.derived) > 4 * MAX_ENTRIES:
-                self.derived.clear()  # ids of operations recorded without an entry (a safety net)
             input_keys = {leaf.tensor.untyped_storage()._cdata for leaf in leaves}
             written: dict[int, tuple[int, int]] = {}
             slot = 0
             for index, leaf in enumerate(leaves):
                 key = leaf.tensor.untyped_storage()._cdata
                 if leaf.written and all(k != key for k, _v in written.values()):
-                    written[index] = (key, self._derive(call.key, slot))
+                    written[index] = (key, self.memo.derive(call.key, slot))
                     slot += 1
                     values[key] = written[index][1]
             news: dict[int, int] = {}
@@ -420,7 +373,7 @@ class Squash:
                 if key in input_keys or key not in self.memory.holders:
                     raise LookupError  # shares an input's storage without being that tensor
                 if key not in news:
-                    news[key] = self._derive(call.key, slot)
+                    news[key] = self.memo.derive(call.key, slot)
                     slot += 1
                     values[key] = news[key]
                 layout = (tuple(value.shape), value.stride(), value.storage_offset(), value.dtype)
@@ -433,29 +386,9 @@ class Squash:
                     values.pop(key, None)
                 return
             round_ = self.dedup.ranks[session].rounds if session in self.dedup.ranks else 0
-            replaced = self.entries.pop(call.key, None)
-            if replaced is None:
-                self.near.setdefault(call.shape, []).append(call.key)
-            self.entries[call.key] = entry = Entry(session.job_id, session, round_, inputs, written, made)
-            if call.led or id(call.operator) in self.useful:  # other sessions are likely to reuse it
-                entry.keeps = True
-                for key in _storages_named(entry):
-                    self.referenced[key] = self.referenced.get(key, 0) + 1
-            if replaced is not None:
-                if replaced.producer is session and not self._used_by_all(replaced):
-                    self.earlier.setdefault(call.key, []).append(replaced)
-                else:
-                    self._unreference(replaced)
-            while len(self.entries) > MAX_ENTRIES:
-                oldest, entry = next(iter(self.entries.items()))
-                self._drop(oldest, entry)
-
-    def _derive(self, key: tuple[Any, ...], slot: int) -> int:
-        """The value id of output `slot` of the operation under `key` (the same for every session)."""
-        found = self.derived.get((key, slot))
-        if found is None:
-            found = self.derived[(key, slot)] = self._fresh()
-        return found
+            entry = Entry(session.job_id, session, round_, inputs, written, made)
+            likely_reused = call.led or id(call.operator) in self.useful
+            self.memo.add(call.key, call.shape, entry, keeps=likely_reused)
 
     def wrote(self, tensors: Iterator[torch.Tensor]) -> None:
         """Tensors were written by something squashing does not follow: their value ids are void."""
@@ -465,100 +398,22 @@ class Squash:
                 values.pop(tensor.untyped_storage()._cdata, None)
 
     # -- lifetime -------------------------------------------------------------------------------------
-    def _awaited(self, key: tuple[Any, ...], session: Session) -> Entry | None:
-        """The entry under `key` for the session: the oldest it has not used yet, else the newest."""
-        for entry in self.earlier.get(key, ()):
-            if entry.producer is not session and session not in entry.consumed:
-                return entry
-        return self.entries.get(key)
-
-    def _used_by_all(self, entry: Entry) -> bool:
-        """Whether every other session of the entry's job has used it."""
-        return all(s in entry.consumed for s in self.job_sessions(entry.job) if s is not entry.producer)
-
-    def _retire(self, key: tuple[Any, ...], entry: Entry, taken: set[int]) -> None:
-        """Drop an entry once every other session of its job has used it (the storages in `taken`,
-        which the last one is about to hold, stay kept until it does: their value ids go on)."""
-        if not self._used_by_all(entry):
-            return
-        older = self.earlier.get(key)
-        if older is not None and entry in older:
-            self._forget_earlier(key, entry, taken)
-        else:
-            self._drop(key, entry, taken)
-
-    def _forget_earlier(self, key: tuple[Any, ...], entry: Entry, taken: set[int] | None = None) -> None:
-        """Drop one of the older entries under `key`."""
-        older = self.earlier[key]
-        older.remove(entry)
-        if not older:
-            del self.earlier[key]
-        self._unreference(entry, taken)
-
-    def _drop(self, key: tuple[Any, ...], entry: Entry, taken: set[int] | None = None) -> None:
-        if not entry.used:
-            operator = key[0][0]
-            self.unused[operator] = self.unused.get(operator, 0) + 1
-        self.entries.pop(key, None)
-        keys = self.near.get(key[0])
-        if keys is not None:
-            if key in keys:
-                keys.remove(key)
-            if not keys:
-                del self.near[key[0]]
-        for slot in range(len(entry.written) + len(_new_storages(entry.output))):
-            self.derived.pop((key, slot), None)
-        self._unreference(entry, taken)
-
-    def _unreference(self, entry: Entry, taken: set[int] | None = None) -> None:
-        """An entry is gone: the storages no entry names any more are let go if they were kept
-        (but for those in `taken`, about to be held)."""
-        if not entry.keeps:
-            return
-        for storage in _storages_named(entry):
-            left = self.referenced.get(storage, 0) - 1
-            if left > 0:
-                self.referenced[storage] = left
-            else:
-                self.referenced.pop(storage, None)
-                if taken is None or storage not in taken:
-                    self.memory.release(storage)
-
     def at_collective(self, job_id: str) -> None:
         """Drop the job's entries that every session of it has passed a collective since."""
         with self.lock:
-            sessions = self.job_sessions(job_id)
-            states = [self.dedup.ranks.get(s) for s in sessions]
+            states = [self.dedup.ranks.get(s) for s in self.job_sessions(job_id)]
             passed = min((state.rounds if state else 0 for state in states), default=0)
-            for key, entry in list(self.entries.items()):
-                if entry.job == job_id and entry.round < passed:
-                    self._drop(key, entry)
-            for key, older in list(self.earlier.items()):
-                for entry in list(older):
-                    if entry.job == job_id and entry.round < passed:
-                        self._forget_earlier(key, entry)
+            self.memo.drop_before(job_id, passed)
 
     def drop_job(self, job_id: str) -> None:
         """Forget the job's entries (and let go what they kept): it has one session here or none."""
         with self.lock:
-            for key, entry in list(self.entries.items()):
-                if entry.job == job_id:
-                    self._drop(key, entry)
-            for key, older in list(self.earlier.items()):
-                for entry in list(older):
-                    if entry.job == job_id:
-                        self._forget_earlier(key, entry)
+            self.memo.drop_job(job_id)
 
     def clear(self) -> None:
         """Forget everything (device state replaced wholesale: a load)."""
         with self.lock:
-            self.entries.clear()
-            self.earlier.clear()
-            self.near.clear()
-            self.derived.clear()
-            self.referenced.clear()
-            for key in list(self.memory.kept):
-                self.memory.release(key)
+            self.memo.clear()
             self.memory.values.clear()
 
     def figures(self) -> dict[str, Any]:
@@ -569,30 +424,8 @@ class Squash:
             "near_compares": self.near_compares,
             "near_compared_bytes": self.near_compared_bytes,
             "near_hits": self.near_hits,
-            "memo_entries": len(self.entries),
+            "memo_entries": len(self.memo),
         }
-
-
-def _storages_named(entry: Entry) -> set[int]:
-    """The storages an entry's producer wrote or made."""
-    return {key for key, _value in entry.written.values()} | {
-        key for key, _value in _new_storages(entry.output)
-    }
-
-
-def _new_storages(output: Any) -> list[tuple[int, int]]:
-    """(storage key, value id) of each new storage in a recorded output, once each."""
-    found: dict[int, int] = {}
-
-    def walk(item: Any) -> None:
-        if item[0] == "new":
-            found.setdefault(item[1], item[2])
-        elif item[0] in ("list", "tuple"):
-            for inner in item[1]:
-                walk(inner)
-
-    walk(output)
-    return list(found.items())
 
 
 def _rebuild(output: Any, leaves: list[Leaf], storages: dict[int, torch.UntypedStorage]) -> Any:

@@ -70,7 +70,7 @@ def test_a_lone_rank_keeps_no_memo(server: Server) -> None:
     alone.add(1, torch.ones(FLOATS))
     alone.add(2, torch.ones(FLOATS))
     update(server, alone)
-    assert server.squash.entries == {} and server.memory.values == {}
+    assert server.squash.memo.entries == {} and server.memory.values == {}
     assert torch.equal(alone.tensors[100], torch.full((FLOATS,), 0.9))
 
 
