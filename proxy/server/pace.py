@@ -25,6 +25,10 @@ A rank that cannot run (its queue is empty, it waits in a collective, it is held
 back, and the rank furthest behind never waits for a laggard: the pacing cannot deadlock, and it
 only decides the order in which operations run, never what they compute. The sessions of one
 rank on several devices here never wait for each other.
+
+A rank waits for its turn on a condition of its own (`Runner.turn`), woken only by the events of
+its job's turns above: not by every frame, collective or message of the server, each of which would
+make every waiting thread take the GIL from the rank that runs.
 """
 
 from __future__ import annotations
@@ -39,10 +43,12 @@ from .session import Session
 
 class Runner(Protocol):
     """What the pacing needs of a session's runner (runner.Runner): its session, the server-wide
-    condition, how far it got since its last collective, and whether it can run."""
+    condition and its own for its turn (on the same lock), how far it got since its last
+    collective, and whether it can run."""
 
     session: Session
     cond: threading.Condition
+    turn: threading.Condition
     rounds: int
     ran: int
     idle_since: float
@@ -91,7 +97,7 @@ class Pace:
             self.jobs.pop(job, None)
         if self.holders.get(job) is runner:
             del self.holders[job]
-        runner.cond.notify_all()
+        self._wake(runners)
 
     def take_turn(self, runner: Runner) -> None:
         """Before the runner runs operations: wait until the turn is free (or its holder lapsed)
@@ -111,7 +117,7 @@ class Pace:
                     return
                 self.waiting += 1
                 try:
-                    runner.cond.wait(self._until_lapse(peers))
+                    runner.turn.wait(self._until_lapse(peers))
                 finally:
                     self.waiting -= 1
 
@@ -123,7 +129,7 @@ class Pace:
         with runner.cond:
             if self.holders.get(job) is runner:
                 del self.holders[job]
-                runner.cond.notify_all()
+                self._wake(self.jobs.get(job, ()))
 
     def waits(self, runner: Runner) -> None:
         """The runner starts waiting in a collective (call with the condition held): it can run
@@ -131,8 +137,7 @@ class Pace:
         job = runner.session.job_id
         if self.holders.get(job) is runner:
             del self.holders[job]
-        if self.waiting:
-            runner.cond.notify_all()
+        self._wake(self.jobs.get(job, ()))
 
     def pauses(self, runner: Runner) -> Callable[[int], bool] | None:
         """What the executor asks after an operation of the runner that wrote a shared storage
@@ -149,11 +154,12 @@ class Pace:
         return pause
 
     def ran(self, runner: Runner, count: int) -> None:
-        """Count operations the runner ran; wake the runners waiting for their turn."""
+        """Count operations the runner ran; wake the runners waiting for their turn, unless the
+        runner holds it (then none of them can take it before `give_turn` wakes them)."""
         runner.ran += count
-        if self.waiting:
+        if self.waiting and self.holders.get(runner.session.job_id) is not runner:
             with runner.cond:
-                runner.cond.notify_all()
+                self._wake(self.jobs.get(runner.session.job_id, ()))
 
     def passed_collective(self, runner: Runner) -> None:
         """The runner went past a collective: its count starts again from there."""
@@ -161,7 +167,21 @@ class Pace:
         runner.ran = 0
         if self.waiting:
             with runner.cond:
-                runner.cond.notify_all()
+                self._wake(self.jobs.get(runner.session.job_id, ()))
+
+    def went_idle(self, runner: Runner) -> None:
+        """The runner finished a frame, or is stopping (call with the condition held): a holder's
+        grace starts, a laggard may no longer hold the others back."""
+        if self.waiting:
+            self._wake(self.jobs.get(runner.session.job_id, ()))
+        if runner.stopping:
+            runner.turn.notify_all()
+
+    def _wake(self, runners: list[Runner] | tuple[()]) -> None:
+        """Wake the runners of a job that wait for their turn (call with the condition held)."""
+        if self.waiting:
+            for runner in list(runners):
+                runner.turn.notify_all()
 
     def _until_lapse(self, peers: list[Runner]) -> float | None:
         """Seconds until the grace of an idle rank of the job runs out: the one change of the turns

@@ -123,6 +123,8 @@ class Runner:
         self.has_work = threading.Condition(collectives.lock)
         """Wakes this session's thread alone when it may have work (queued, released, stopping): an
         idle thread is not woken by every message of the other sessions here."""
+        self.turn = threading.Condition(collectives.lock)
+        """Wakes this session's thread alone while it waits for its turn (pace.py)."""
         self.queue: collections.deque[Work] = collections.deque(
             Work.restored(item) for item in saved_queue or []
         )
@@ -197,6 +199,7 @@ class Runner:
             self.queued_bytes = 0
             self.has_work.notify()
             self.cond.notify_all()
+            self.pace.went_idle(self)
         if threading.current_thread() is not self.thread:
             self.thread.join(timeout)
 
@@ -242,6 +245,7 @@ class Runner:
                 self.idle_since = time.monotonic()
                 self.collectives.events += 1
                 self.cond.notify_all()
+                self.pace.went_idle(self)
 
     def _execute(self, work: Work) -> None:
         """Run a frame: its operations, then its request (answering the job)."""

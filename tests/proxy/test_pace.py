@@ -17,9 +17,10 @@ JOB = "7"
 class StandIn:
     """A session's runner as the pacing sees it (runner.Runner's fields, and its idle rule)."""
 
-    def __init__(self, rank: int, cond: threading.Condition) -> None:
+    def __init__(self, rank: int, lock: threading.RLock) -> None:
         self.session: Any = SimpleNamespace(job_id=JOB, rank=rank)
-        self.cond = cond
+        self.cond = threading.Condition(lock)
+        self.turn = threading.Condition(lock)
         self.rounds = 0
         self.ran = 0
         self.idle_since = 0.0
@@ -27,8 +28,11 @@ class StandIn:
         self.held = False
         self.waiting_on: Callable[[], bool] | None = None
         self.busy = True
+        self.looked_at = 0
+        """How often a waiter looked at whether this runner can run (each time it woke)."""
 
     def idle(self) -> bool:
+        self.looked_at += 1
         if self.held or self.stopping:
             return True
         if self.waiting_on is not None:
@@ -38,8 +42,8 @@ class StandIn:
 
 def job_of(count: int, pace: Pace | None = None) -> tuple[Pace, list[StandIn]]:
     pace = pace or Pace()
-    cond = threading.Condition(threading.RLock())
-    runners = [StandIn(rank, cond) for rank in range(count)]
+    lock = threading.RLock()
+    runners = [StandIn(rank, lock) for rank in range(count)]
     for runner in runners:
         pace.join(runner)
     return pace, runners
@@ -92,7 +96,7 @@ def test_a_holder_idle_past_the_grace_loses_the_turn() -> None:
     with holder.cond:  # its frame ended (Runner._loop): the grace starts
         holder.busy = False
         holder.idle_since = time.monotonic()
-        holder.cond.notify_all()
+        pace.went_idle(holder)
     thread.join(5)
     assert not thread.is_alive() and pace.holders[JOB] is waiter
 
@@ -120,3 +124,20 @@ def test_a_rank_alone_or_with_pacing_off_never_waits() -> None:
     off.take_turn(one)
     off.take_turn(two)
     assert off.pauses(two) is None and not off.holders
+
+
+def test_a_waiter_sleeps_through_the_holders_progress_and_the_servers_other_events() -> None:
+    pace, (holder, waiter) = job_of(2)
+    pace.take_turn(holder)
+    thread = take_in_thread(pace, waiter)
+    assert still_waits(thread)
+    looked = holder.looked_at
+    for _ in range(10):
+        pace.ran(holder, 3)  # the holder runs on: no one else can take its turn
+        with holder.cond:
+            holder.cond.notify_all()  # a frame queued, a collective's member arrived
+    assert still_waits(thread)
+    assert holder.looked_at == looked, "the waiter was woken for nothing"
+    pace.give_turn(holder)
+    thread.join(5)
+    assert not thread.is_alive() and pace.holders[JOB] is waiter
