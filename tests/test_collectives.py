@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import subprocess
 import time
 from collections.abc import Sequence
@@ -25,22 +26,30 @@ JOB_OPTIONS = ["--env", "OMP_NUM_THREADS=1", "--cwd", str(PROGRAMS)]
 
 
 def direct_ranks(program: str, args: Sequence[str], ranks: int, timeout: float = 300) -> list[str]:
-    """Each rank's stdout when the program runs directly on the CPU, torchrun-style, without singularityd."""
-    port = 20000 + os.getpid() % 20000
-    processes = []
-    for rank in range(ranks):
-        env = base_env()
-        env.update(
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), USE_LIBUV="0",
-        )  # fmt: skip
-        processes.append(
-            subprocess.Popen(
-                [PYTHON, program, *args], cwd=PROGRAMS, env=env, stdout=subprocess.PIPE, text=True
+    """Each rank's stdout when the program runs directly on the CPU, torchrun-style, without singularityd.
+
+    torch sometimes aborts a gloo process at interpreter exit, after the program is done ("terminate
+    called without an active exception", about 1 run in 12 here); such a run is run again, once."""
+    for attempt in range(2):
+        port = 20000 + (os.getpid() + attempt) % 20000
+        processes = []
+        for rank in range(ranks):
+            env = base_env()
+            env.update(
+                RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), USE_LIBUV="0",
+            )  # fmt: skip
+            processes.append(
+                subprocess.Popen(
+                    [PYTHON, program, *args], cwd=PROGRAMS, env=env, stdout=subprocess.PIPE, text=True
+                )
             )
-        )
-    outputs = [process.communicate(timeout=timeout)[0] for process in processes]
-    assert [process.returncode for process in processes] == [0] * ranks, outputs
+        outputs = [process.communicate(timeout=timeout)[0] for process in processes]
+        codes = [process.returncode for process in processes]
+        if attempt == 0 and -signal.SIGABRT in codes and set(codes) <= {0, -signal.SIGABRT}:
+            continue
+        break
+    assert codes == [0] * ranks, outputs
     return outputs
 
 
@@ -137,6 +146,11 @@ def test_host_and_device_tensors_in_one_collective(daemon: Daemon) -> None:
     assert "Tensors must be CUDA and dense" in rank_logs(daemon, job, 2)[0]
 
 
+def losses(log: str) -> list[float]:
+    """The losses a log's "... loss X" lines print, in order."""
+    return [float(line.split(" loss ")[1].split()[0]) for line in log.splitlines() if " loss " in line]
+
+
 def direct_alone(program: str, args: Sequence[str]) -> str:
     """The program's stdout run directly on the CPU as one process without torchrun's environment."""
     done = subprocess.run(
@@ -151,12 +165,17 @@ def without(lines: str, *words: str) -> str:
     return "".join(line for line in lines.splitlines(keepends=True) if not any(w in line for w in words))
 
 
+RESET_INIT = ["--meta-init", "--reset-init"]
+
+
 @pytest.mark.timeout(1500)
 def test_programs_run_unmodified_with_1_2_and_4_ranks(daemon: Daemon) -> None:
     """A pytorch/examples-style DDP demo (the accelerator's default backend), a nanoGPT-style
-    trainer (nccl because RANK is set), FSDP2 (also built on the meta device) and every raw
+    trainer (nccl because RANK is set), FSDP2 (also built on the meta device, and also given its
+    weights by `reset_parameters()` there and gathered by `get_model_state_dict`) and every raw
     collective run as jobs of 1, 2 and 4 ranks; with 1 and 2 ranks they print what the same
-    program prints directly on the CPU."""
+    program prints directly on the CPU. Tensor-parallel attention on 2 ranks prints the losses
+    of the unsharded model on the CPU, to rounding."""
     nano = ["--max_iters=6", "--eval_interval=3"]
     jobs = {
         ("example", 1): submit(daemon, "ddp_example.py", [], 1, 1),
@@ -168,6 +187,8 @@ def test_programs_run_unmodified_with_1_2_and_4_ranks(daemon: Daemon) -> None:
         ("fsdp", 2): submit(daemon, "fsdp_train.py", ["--steps", "3"], 2, 2),
         ("fsdp", 4): submit(daemon, "fsdp_train.py", ["--steps", "3"], 4, 4),
         ("fsdp-meta", 2): submit(daemon, "fsdp_train.py", ["--steps", "3", "--meta-init"], 2, 2),
+        ("fsdp-reset", 2): submit(daemon, "fsdp_train.py", ["--steps", "3", *RESET_INIT], 2, 2),
+        ("tp", 2): submit(daemon, "tp_attention.py", [], 2, 2),
         ("raw", 2): submit(daemon, "raw_collectives.py", [], 2, 1),
         ("raw", 4): submit(daemon, "raw_collectives.py", ["--backend", "gloo"], 4, 2),
     }
@@ -193,6 +214,11 @@ def test_programs_run_unmodified_with_1_2_and_4_ranks(daemon: Daemon) -> None:
     fsdp_direct = direct_ranks("fsdp_train.py", ["--steps", "3", "--device", "cpu"], 2)
     assert printed(succeeded(daemon, jobs[("fsdp", 2)], 2)) == fsdp_direct
     assert printed(succeeded(daemon, jobs[("fsdp-meta", 2)], 2)) == fsdp_direct  # to_empty of DTensors
+    reset_direct = direct_ranks("fsdp_train.py", ["--steps", "3", "--device", "cpu", *RESET_INIT], 2)
+    assert printed(succeeded(daemon, jobs[("fsdp-reset", 2)], 2)) == reset_direct  # DTensors' random init
+    unsharded = losses(direct_alone("tp_attention.py", ["--plain", "--device", "cpu"]))
+    for log in succeeded(daemon, jobs[("tp", 2)], 2):  # attention on DTensors sharded by heads
+        assert losses(log) == pytest.approx(unsharded, rel=1e-6, abs=0)
     fsdp = printed(succeeded(daemon, jobs[("fsdp", 4)], 4))
     assert len({log.splitlines()[-1].split()[-1] for log in fsdp}) == 1
 

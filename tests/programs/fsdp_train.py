@@ -3,7 +3,10 @@
 Each block and the whole model are sharded over the ranks; every rank prints its loss per step
 and, at the end, a checksum of the full (gathered) weights. `--device cpu` runs it directly with
 gloo, for comparison. With `--meta-init` the model is built on the meta device, sharded, moved to
-its device empty (`to_empty`) and given the same initial weights as the other runs, shard by shard.
+its device empty (`to_empty`) and given the same initial weights as the other runs, shard by shard;
+with `--meta-init --reset-init` each module's `reset_parameters()` draws them instead, as
+pytorch/examples' FSDP2 example does (DTensor's random operators, each rank its own shard), and
+the final weights are gathered by `get_model_state_dict` to the host, as that example saves them.
 """
 
 import argparse
@@ -13,6 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 
@@ -20,6 +24,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=8)
 parser.add_argument("--device", default="cuda", help="cuda (backend nccl), or cpu (backend gloo)")
 parser.add_argument("--meta-init", action="store_true", help="build on the meta device, then to_empty")
+parser.add_argument("--reset-init", action="store_true", help="with --meta-init: reset_parameters() draws")
 args = parser.parse_args()
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -48,6 +53,11 @@ for block in model[:3]:
 fully_shard(model)
 if args.meta_init:
     model.to_empty(device=device)
+if args.meta_init and args.reset_init:
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.reset_parameters()
+elif args.meta_init:
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             mesh, placements = parameter.device_mesh, parameter.placements
@@ -63,9 +73,18 @@ for step in range(args.steps):
     optimizer.zero_grad()
     print(f"rank {rank} step {step} loss {loss.item():.10f}", flush=True)
 
+assert all(parameter.device == device for parameter in model.parameters()), (
+    "a DTensor is where its shards are"
+)
+if args.reset_init:  # as pytorch/examples' FSDP2 example saves it
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full_weights = get_model_state_dict(model, options=options)
+else:
+    full_weights = {
+        name: parameter.full_tensor().detach().cpu() for name, parameter in model.named_parameters()
+    }
 digest = hashlib.sha256()
-for name, parameter in model.named_parameters():
-    full = parameter.full_tensor().detach().cpu().contiguous()
-    digest.update(name.encode() + full.view(-1).view(torch.uint8).numpy().tobytes())
+for name, full in full_weights.items():
+    digest.update(name.encode() + full.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
 print(f"rank {rank} final {digest.hexdigest()[:32]}", flush=True)
 dist.destroy_process_group()

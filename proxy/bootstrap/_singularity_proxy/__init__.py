@@ -7,8 +7,8 @@ process's devices), tensor (stand-ins and dispatch), transfers, randomness, mode
 torch-function mode: placement, factories, device-mix checks), cuda_surface (torch.cuda and
 torch.accelerator), serialization (torch.save / torch.load), composites (operators run whole),
 compiler (torch.compile runs eagerly), located_warnings (warnings shown at the program's line),
-collectives (collectives on stand-ins, run by the servers) and process_group (the "nccl" process
-group, DDP's buckets). See docs/proxy.md.
+collectives (collectives on stand-ins, run by the servers), process_group (the "nccl" process
+group, DDP's buckets) and dtensors (DTensors of stand-ins). See docs/proxy.md.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     """Install the client: the devices, the torch patches and the global mode."""
     import torch
 
-    from . import compiler, composites, cuda_surface, process_group, serialization, tensor
+    from . import compiler, composites, cuda_surface, dtensors, process_group, serialization, tensor
     from .devices import DEVICES
     from .located_warnings import locate_warnings
     from .mode import DeviceMode, enter_in_new_threads
@@ -60,6 +60,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     composites.install()
     compiler.patch_compile()
     process_group.install()
+    dtensors.install()
     locate_warnings()
     mode = DeviceMode()
     mode.__enter__()  # type: ignore[no-untyped-call,unused-ignore]

@@ -38,15 +38,25 @@ def _is_cuda(device: Any) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)
 
 
-def _from_torch_internals() -> bool:
-    """Whether the caller of the torch function is torch's own Python code."""
+def _caller_module() -> str:
+    """The module of the torch function's caller: the first frame outside this package."""
     frame: Any = sys._getframe(1)
     while frame is not None:
-        name = frame.f_globals.get("__name__", "")
+        name = str(frame.f_globals.get("__name__", ""))
         if not name.startswith(_PACKAGE) and name != "torch.overrides":
-            return bool(name.startswith("torch."))
+            return name
         frame = frame.f_back
-    return False
+    return ""
+
+
+def _from_torch_internals() -> bool:
+    """Whether the caller of the torch function is torch's own Python code."""
+    return _caller_module().startswith("torch.")
+
+
+_KEEPS_ON_HOST = ("torch.distributed._state_dict_utils", "torch.distributed.checkpoint")
+"""torch's own modules whose `.to("cpu")` means host memory, as the program's does: they offload
+state dicts to keep or save them, not group tensors by their C++ device."""
 
 
 def _as_device(value: Any) -> Any:
@@ -58,7 +68,7 @@ def _as_device(value: Any) -> Any:
 
 def _to(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """`Tensor.to`: stand-ins for cuda targets, host copies for the program's cpu targets."""
-    self = args[0]
+    self: Any = args[0]
     options = dict(kwargs)
     copy = bool(options.pop("copy", False))
     targets = [_as_device(arg) for arg in args[1:]]  # an int is an accelerator's index
@@ -70,7 +80,12 @@ def _to(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         return func(*args, **kwargs)
     if device.type == "cuda":
         index = DEVICES.current if device.index is None else device.index
-        if is_stand_in and self._channel.index == index:
+        already_there = (
+            self._channel.index == index
+            if is_stand_in
+            else self.device == torch.device("cuda", index) and is_traceable_wrapper_subclass(self)
+        )  # a DTensor of stand-ins is on its parts' device
+        if already_there:
             if dtype is None and not copy and memory_format in (None, torch.preserve_format):
                 return self
             return func(
@@ -85,7 +100,8 @@ def _to(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         return to_device(source, index)
     if not is_stand_in:
         return func(*args, **kwargs)
-    if _from_torch_internals():
+    caller = _caller_module()
+    if caller.startswith("torch.") and not caller.startswith(_KEEPS_ON_HOST):
         # torch groups tensors by their C++ device, which is the host for stand-ins
         if dtype is None or dtype == self.dtype:
             return self.clone() if copy else self
