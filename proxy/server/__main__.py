@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import gc
 import os
 import resource
@@ -103,6 +104,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run a proxy server until SIGTERM or SIGINT."""
+    faulthandler.enable(all_threads=True)  # a crash in a kernel leaves every thread's stack in the log
     options = _arguments(argv)
     if options.threads:
         torch.set_num_threads(options.threads)

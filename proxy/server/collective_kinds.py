@@ -129,14 +129,22 @@ def _count(x: Exchange, name: str) -> int:
     return counts.pop()
 
 
+def _readable_flats(x: Exchange, ranks: Sequence[int]) -> dict[int, list[torch.Tensor]]:
+    """Each of these members' tensors, flat, as the driver reads them: over their host bytes where
+    they wait in host memory. Taken under the device lock, so that no storage comes back from host
+    memory meanwhile (Session.readable)."""
+    sessions = x.instance.sessions
+    with x.device_lock:
+        return {rank: [flat(sessions[rank].readable(t)) for t in x.params[rank]["tensors"]] for rank in ranks}
+
+
 def allreduce(x: Exchange) -> None:
     """Every member's tensors become the reduction of all members' (in place)."""
     count = _count(x, "tensors")
     if x.servers == [x.me] and all(_distinct_storages(x.params[rank]["tensors"]) for rank in x.local):
         _allreduce_here(x, count)
         return
-    sessions = x.instance.sessions
-    flats = {rank: [flat(sessions[rank].readable(t)) for t in x.params[rank]["tensors"]] for rank in x.local}
+    flats = _readable_flats(x, x.local)
     servers, position = x.servers, x.servers.index(x.me)
     sizes = [flats[x.local[0]][i].numel() for i in range(count)]
     bounds = [[n * j // len(servers) for j in range(len(servers) + 1)] for n in sizes]
@@ -175,7 +183,7 @@ def _allreduce_here(x: Exchange, count: int) -> None:
     sessions = x.instance.sessions
     lead = x.params[0]["tensors"]
     others = x.local[1:]
-    flats = {rank: [flat(sessions[rank].readable(t)) for t in x.params[rank]["tensors"]] for rank in others}
+    flats = _readable_flats(x, others)
     with x.device_lock:
         sessions[0].swap_in_tensors(lead)  # its values are the first the fold takes
         for i, tensor in enumerate(lead):

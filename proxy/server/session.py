@@ -187,6 +187,9 @@ class Session:
         """Storage identity -> its bytes in host memory, for a storage moved off the device while
         the session waits in a collective (the device storage keeps its identity at no bytes;
         whatever next uses it brings it back: `swap_in`)."""
+        self.read_on_host: set[int] = set()
+        """Storages moved off whose host bytes a collective was given to read (`readable`): handing
+        those bytes back to the device would pull them from under that reader, so they are copied."""
         self.storage_marks: dict[int, int] = {}
         """Storage identity -> a number renewed whenever a tensor that may not share the storage's
         version counter starts using it (a new storage, an alias that is not a view): with the
@@ -436,13 +439,14 @@ class Session:
         nbytes = host.numel()
         self.check_room(nbytes)
         storage = self.storage(key)
-        if in_host_memory(storage):
+        if in_host_memory(storage) and key not in self.read_on_host:
             _hand_over(host.untyped_storage(), storage)
         else:
             storage.resize_(nbytes)
             if keep_bytes:
                 storage_bytes(storage).copy_(host)
         del self.swapped[key]
+        self.read_on_host.discard(key)
         self.memory.moved_back(nbytes)
 
     def swap_in_all(self) -> None:
@@ -481,9 +485,11 @@ class Session:
     def readable(self, tensor: torch.Tensor) -> torch.Tensor:
         """The tensor, or where its storage was moved to host memory the same layout over the host
         bytes (what a collective reads of a member that waits without bringing it back)."""
-        host = self.swapped.get(tensor.untyped_storage()._cdata) if self.swapped else None
+        key = tensor.untyped_storage()._cdata
+        host = self.swapped.get(key) if self.swapped else None
         if host is None:
             return tensor
+        self.read_on_host.add(key)
         view = torch.empty(0, dtype=tensor.dtype)
         return view.set_(host.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride())
 
@@ -491,6 +497,7 @@ class Session:
         """Drop the host bytes of a storage the session lets go (counted back in `used` for
         `let_go`); whether it was on the host."""
         host = self.swapped.pop(key, None) if self.swapped else None
+        self.read_on_host.discard(key)
         if host is None:
             return False
         self.memory.dropped_off(host.numel())

@@ -39,10 +39,31 @@ def test_a_virtual_device_hands_its_memory_to_the_host_without_copying(server: S
     address, key = storage.data_ptr(), storage._cdata
     assert first.swap_out(key)
     assert first.swapped[key].data_ptr() == address and storage.nbytes() == 0
-    assert torch.equal(first.readable(first.tensors[1]), torch.arange(floats, dtype=torch.float32))
+    assert torch.equal(first.swapped[key].view(torch.float32), torch.arange(floats, dtype=torch.float32))
     first.swap_in(key)
     assert storage.data_ptr() == address and storage.nbytes() == floats * 4
     assert torch.equal(first.tensors[1], torch.arange(floats, dtype=torch.float32))
+
+
+@pytest.mark.usefixtures("moves")
+def test_host_bytes_a_collective_reads_outlive_the_storage_coming_back(server: Server) -> None:
+    """A collective reading a waiting rank's tensor from host memory keeps reading those bytes
+    when the storage comes back to the device meanwhile (a checkpoint's pre-copy brings every
+    storage back while a cross-server all-reduce waits for its parts): the memory under the
+    reader is not handed back from under it, but copied."""
+    first, _second = open_sessions(server, 2)
+    floats = SWAP_MIN_BYTES // 4
+    first.add(1, torch.arange(floats, dtype=torch.float32))
+    key = first.tensors[1].untyped_storage()._cdata
+    assert first.swap_out(key)
+    read = first.readable(first.tensors[1])
+    first.swap_in_all()
+    assert read.untyped_storage().data_ptr() != 0 and read.untyped_storage().nbytes() == floats * 4
+    assert torch.equal(read, torch.arange(floats, dtype=torch.float32))
+    assert torch.equal(first.tensors[1], torch.arange(floats, dtype=torch.float32))
+    assert first.swap_out(key)  # moved off again, it is handed over again
+    first.swap_in(key)
+    assert not first.read_on_host
 
 
 @pytest.mark.usefixtures("moves")
