@@ -145,6 +145,16 @@ def allreduce(x: Exchange) -> None:
         _allreduce_here(x, count)
         return
     flats = _readable_flats(x, x.local)
+    try:
+        _allreduce_across(x, count, flats)
+    finally:
+        with x.device_lock:
+            for rank in x.local:
+                x.instance.sessions[rank].done_reading()
+
+
+def _allreduce_across(x: Exchange, count: int, flats: dict[int, list[torch.Tensor]]) -> None:
+    """`allreduce` over several servers: each reduces its slice of every tensor, then all gather."""
     servers, position = x.servers, x.servers.index(x.me)
     sizes = [flats[x.local[0]][i].numel() for i in range(count)]
     bounds = [[n * j // len(servers) for j in range(len(servers) + 1)] for n in sizes]
@@ -183,12 +193,14 @@ def _allreduce_here(x: Exchange, count: int) -> None:
     sessions = x.instance.sessions
     lead = x.params[0]["tensors"]
     others = x.local[1:]
-    flats = _readable_flats(x, others)
     with x.device_lock:
+        flats = _readable_flats(x, others)
         sessions[0].swap_in_tensors(lead)  # its values are the first the fold takes
         for i, tensor in enumerate(lead):
             values = [flat(tensor), *(flats[rank][i] for rank in others)]
             folded = fold(values, x.op, x.factor, x.size, x.collectives.device, into_first=True)
+            for rank in others:  # their host bytes are read: they may be handed back to the device
+                sessions[rank].done_reading(x.params[rank]["tensors"][i])
             targets = [(rank, x.params[rank]["tensors"][i]) for rank in x.local]
             write_alike(x, targets, folded, first_holds=True)
 

@@ -493,6 +493,14 @@ class Session:
         view = torch.empty(0, dtype=tensor.dtype)
         return view.set_(host.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride())
 
+    def done_reading(self, tensor: torch.Tensor | None = None) -> None:
+        """A collective no longer reads the host bytes `readable` gave it of this tensor (None:
+        of any tensor): bringing them back may hand them over again."""
+        if tensor is None:
+            self.read_on_host.clear()
+        else:
+            self.read_on_host.discard(tensor.untyped_storage()._cdata)
+
     def _forget_swapped(self, key: int) -> bool:
         """Drop the host bytes of a storage the session lets go (counted back in `used` for
         `let_go`); whether it was on the host."""

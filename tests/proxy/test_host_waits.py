@@ -50,7 +50,7 @@ def test_host_bytes_a_collective_reads_outlive_the_storage_coming_back(server: S
     """A collective reading a waiting rank's tensor from host memory keeps reading those bytes
     when the storage comes back to the device meanwhile (a checkpoint's pre-copy brings every
     storage back while a cross-server all-reduce waits for its parts): the memory under the
-    reader is not handed back from under it, but copied."""
+    reader is not handed back from under it, but copied; once the reader is done, it is handed."""
     first, _second = open_sessions(server, 2)
     floats = SWAP_MIN_BYTES // 4
     first.add(1, torch.arange(floats, dtype=torch.float32))
@@ -61,9 +61,14 @@ def test_host_bytes_a_collective_reads_outlive_the_storage_coming_back(server: S
     assert read.untyped_storage().data_ptr() != 0 and read.untyped_storage().nbytes() == floats * 4
     assert torch.equal(read, torch.arange(floats, dtype=torch.float32))
     assert torch.equal(first.tensors[1], torch.arange(floats, dtype=torch.float32))
-    assert first.swap_out(key)  # moved off again, it is handed over again
+    assert first.swap_out(key)  # once the reader is done with them, the bytes are handed back
+    address = first.swapped[key].data_ptr()
+    first.readable(first.tensors[1])
+    first.done_reading(first.tensors[1])
     first.swap_in(key)
     assert not first.read_on_host
+    handed = session_module._CAN_HAND_OVER
+    assert (first.tensors[1].untyped_storage().data_ptr() == address) == handed
 
 
 @pytest.mark.usefixtures("moves")
