@@ -39,6 +39,10 @@ REPLICA_ROUNDS = 3
 """Rounds of collectives every rank here must reach before the ranks are judged replicas or not, and
 rounds in a row their parameters must differ in before they are judged not replicas (ranks that
 seed their own weights hold rank 0's only once DDP's broadcast has landed)."""
+PARTIAL_ROUNDS = 3 * REPLICA_ROUNDS
+"""Collectives in a row that only some of a job's ranks here take part in (a mesh's sub-groups:
+tensor and data parallel) after which the ranks are judged at those collectives, among their
+members, since no collective of all of them comes to judge them at."""
 REPLICA_SHARE = 1 / 3
 """Replicas share at least this part of each rank's long-lived bytes (parameters, optimizer state;
 a DDP bucket of unreduced gradients differs per rank, so about half with plain SGD)."""
@@ -134,6 +138,8 @@ class Dedup:
         """Job -> (replicas: "yes" or "no", why) at its last complete round."""
         self.apart_rounds: dict[str, int] = {}
         """Job -> complete rounds in a row in which its ranks here held different parameters."""
+        self.partial_rounds: dict[str, int] = {}
+        """Job -> collectives in a row of only some of its ranks here (`PARTIAL_ROUNDS`)."""
         self.compared: set[str] = set()
         """Jobs whose sessions here have been compared since they came (a collective, a quiesce, a
         load): until then their sharing figures are not measured yet, not zero."""
@@ -168,15 +174,21 @@ class Dedup:
 
     def at_round(self, sessions: list[Session]) -> None:
         """These sessions all wait at one collective: if they are every session of their job here,
-        judge whether they are replicas (only there has every rank here stepped as far as the others)."""
+        judge whether they are replicas (only there has every rank here stepped as far as the
+        others). A job whose collectives here are all of sub-groups (a 2-D mesh) is judged at them,
+        among their members, once `PARTIAL_ROUNDS` of them came in a row."""
         if len(sessions) < 2:
             return
         job_id = sessions[0].job_id
         everyone = self.job_sessions(job_id)
-        if {s.rank for s in sessions} != {s.rank for s in everyone}:
-            return
         with self.device_lock:
-            self._judge(job_id, everyone)
+            if {s.rank for s in sessions} == {s.rank for s in everyone}:
+                self.partial_rounds[job_id] = 0
+                self._judge(job_id, everyone)
+                return
+            partial = self.partial_rounds[job_id] = self.partial_rounds.get(job_id, 0) + 1
+            if partial >= PARTIAL_ROUNDS:
+                self._judge(job_id, sessions)
 
     def share_job(self, job_id: str) -> None:
         """Compare every session of the job with the others now (the device lock must be free)."""
@@ -366,7 +378,7 @@ class Dedup:
         return total, shared
 
     def _judge(self, job_id: str, sessions: list[Session]) -> None:
-        """At a collective all the job's ranks here wait at: whether they behave like replicas."""
+        """At a collective these ranks of the job wait at: whether they behave like replicas."""
         if min(self._state(s).rounds for s in sessions) < REPLICA_ROUNDS:
             return
         figures: dict[int, tuple[int, int]] = {}
@@ -448,4 +460,5 @@ class Dedup:
         """Drop the verdict of a job whose sessions are gone."""
         self.verdicts.pop(job_id, None)
         self.apart_rounds.pop(job_id, None)
+        self.partial_rounds.pop(job_id, None)
         self.compared.discard(job_id)

@@ -299,6 +299,40 @@ def test_replicas_are_judged_where_every_rank_here_waits_at_one_collective(serve
     assert verdicts[-1] == "yes", server.dedup.summary(JOB, share=False)
 
 
+def mesh_verdicts(server: Server, weights: list[torch.Tensor], rounds: int) -> list[str]:
+    """Four ranks of a 2 x 2 mesh on this device holding `weights`: each round, the collectives of
+    its sub-groups (ranks 0-1 and 2-3, then 0-2 and 1-3), none of all four; the verdict after each."""
+    ranks = open_sessions(server, 4)
+    for session, weight in zip(ranks, weights, strict=True):
+        session.add(1, weight.clone())
+    verdicts = []
+    for _ in range(rounds):
+        for group in ((0, 1), (2, 3), (0, 2), (1, 3)):
+            for rank in group:
+                server.dedup.at_collective(ranks[rank])
+            server.dedup.at_round([ranks[rank] for rank in group])
+        verdicts.append(server.dedup.verdicts.get(JOB, ("unknown", ""))[0])
+    return verdicts
+
+
+def test_ranks_of_a_mesh_that_hold_different_shards_are_not_replicas(server: Server) -> None:
+    """Tensor- and data-parallel ranks of a 2-D mesh (FSDP with TP) only ever meet at sub-group
+    collectives; after a run of those they are judged there, and their shards differ: not replicas."""
+    generator = torch.Generator().manual_seed(3)
+    verdicts = mesh_verdicts(server, [torch.randn(FLOATS, generator=generator) for _ in range(4)], 6)
+    assert verdicts[0] == "unknown" and verdicts[-1] == "no", verdicts
+    assert "hold different parameters: not data-parallel replicas" in server.dedup.verdicts[JOB][1]
+
+
+def test_ranks_of_a_mesh_that_replicate_their_shards_are_replicas(server: Server) -> None:
+    """Ranks 0 and 2 hold one shard and 1 and 3 another (a replicated dimension, as in HSDP):
+    judged at the same sub-group collectives, each rank's state is also another rank's."""
+    generator = torch.Generator().manual_seed(3)
+    first, second = (torch.randn(FLOATS, generator=generator) for _ in range(2))
+    verdicts = mesh_verdicts(server, [first, second, first, second], 6)
+    assert "no" not in verdicts and verdicts[-1] == "yes", verdicts
+
+
 def test_a_rank_that_stepped_first_shares_once_the_others_catch_up(server: Server) -> None:
     """Three replicas: rank 2 steps and reaches its collective first (the others still hold last
     step's bytes: no match), then ranks 0 and 1 step to the same bytes and share with each other.
