@@ -140,3 +140,37 @@ def test_replicas_seeded_apart_until_ddp_broadcasts_keep_sharing_a_device(daemon
         assert printed(rank_logs(daemon, job, RANKS)) == expected
         assert refusal_event(daemon, job) is None, events(daemon, job)
         assert not daemon.job(job)["splice_refusal"]
+
+
+MESH_RANKS = 4
+MESH = [*NOT_REPLICAS, "--groups-of", "2"]
+
+
+@requires_root
+@pytest.mark.timeout(900)
+def test_ranks_of_a_mesh_that_meet_only_in_sub_groups_stop_sharing_a_device(daemon_root: Path) -> None:
+    """4 ranks with their own weights whose collectives are all of sub-groups of 2 (as a 2-D mesh
+    of tensor and data parallelism runs them) on 1 device: no collective of every rank comes to
+    judge them at, yet they are found out and resized to 4 devices, and print what they print
+    on 4 devices from the start."""
+    with running_daemon(daemon_root, virtual_devices=MESH_RANKS) as daemon:
+        expected = run_job(daemon, "splice_train.py", MESH, ranks=MESH_RANKS, gpus=MESH_RANKS)
+        release = daemon_root / "release-mesh"
+        options = [*JOB_OPTIONS, "--ranks", str(MESH_RANKS), "--gpus", "1"]
+        job = daemon.submit(PYTHON, "splice_train.py", *MESH, "--hold", str(release), options=options)
+        try:
+            wait_until(lambda: refusal_event(daemon, job) is not None, timeout=300)
+            found = refusal_event(daemon, job)
+            assert found is not None and "not data-parallel replicas" in found["reason"], found
+            assert "resizing it to 4 devices" in found["reason"], found
+            wait_until(
+                lambda: daemon.job(job)["state"] == "RUNNING" and len(devices_of(daemon, job)) == MESH_RANKS,
+                timeout=300,
+            )
+        except BaseException:
+            daemon.sing("cancel", str(job))
+            raise
+        release.touch()
+        assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, MESH_RANKS)
+        assert printed(rank_logs(daemon, job, MESH_RANKS)) == expected
+        print(f"mesh: refusal {detected_after(daemon, job):.2f}s after the start")

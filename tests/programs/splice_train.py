@@ -5,9 +5,12 @@ checksum of its weights. After the last step the ranks meet at a barrier (a coll
 (--ready PREFIX: PREFIX + rank is created), and with --hold FILE wait until FILE exists (a test's
 signal to end; it measures the device meanwhile).
 With --different the ranks are not replicas: each starts from its own weights and trains alone
-(no DDP), sharing only its loss through an all_reduce each step. With --seed-per-rank each rank
-seeds its own weights, as nanoGPT does, and DDP's first broadcast makes them rank 0's: replicas;
-like nanoGPT (which evaluates first) it waits 3 s after DDP's set-up before its first step.
+(no DDP), sharing only its loss through an all_reduce each step; with --groups-of N too, that
+all_reduce is over groups of N ranks, by turns consecutive ranks and ranks N apart (a 2-D mesh's
+tensor- and data-parallel groups), so no collective before the end has every rank in it.
+With --seed-per-rank each rank seeds its own weights, as nanoGPT does, and DDP's first broadcast
+makes them rank 0's: replicas; like nanoGPT (which evaluates first) it waits 3 s after DDP's
+set-up before its first step.
 """
 
 import argparse
@@ -28,6 +31,7 @@ parser.add_argument("--different", action="store_true", help="ranks with differe
 parser.add_argument(
     "--seed-per-rank", action="store_true", help="each rank seeds its own weights; DDP makes them rank 0's"
 )
+parser.add_argument("--groups-of", type=int, help="with --different: all_reduce over sub-groups this big")
 parser.add_argument("--hold", help="after the last step, wait until this file exists")
 parser.add_argument("--ready", help="after the barrier, create this path with the rank appended")
 parser.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each step")
@@ -38,6 +42,15 @@ local = int(os.environ.get("LOCAL_RANK", rank))
 torch.cuda.set_device(local % torch.cuda.device_count())
 device = torch.device("cuda", torch.cuda.current_device())
 dist.init_process_group("nccl")
+
+partitions: list[list[list[int]]] = []
+if args.groups_of:
+    rows = [list(range(start, start + args.groups_of)) for start in range(0, world, args.groups_of)]
+    partitions = [rows, [list(column) for column in zip(*rows, strict=True)]]
+sub_groups: list[dict[int, dist.ProcessGroup]] = []  # each rank's group in each partition
+for partition in partitions:
+    made = [(members, dist.new_group(members)) for members in partition]
+    sub_groups.append({r: group for members, group in made for r in members})
 
 torch.manual_seed(1234 + (rank if args.different or args.seed_per_rank else 0))
 layers: list[nn.Module] = []
@@ -59,7 +72,7 @@ for step in range(args.steps):
     optimizer.step()
     if args.different:
         shared = loss.detach().clone()
-        dist.all_reduce(shared)
+        dist.all_reduce(shared, group=sub_groups[step % 2][rank] if sub_groups else None)
         print(f"rank {rank} step {step} loss {loss.item():.10f} sum {shared.item():.10f}", flush=True)
     else:
         print(f"rank {rank} step {step} loss {loss.item():.10f}", flush=True)
