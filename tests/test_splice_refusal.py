@@ -47,11 +47,11 @@ def refusal_event(daemon: Daemon, job: int) -> dict[str, Any] | None:
     return next((e for e in events(daemon, job) if e["reason"].startswith("splicing refused: ")), None)
 
 
-def finished(daemon: Daemon, job: int, release: Path) -> list[str]:
+def finished(daemon: Daemon, job: int, release: Path, ranks: int = RANKS) -> list[str]:
     """Let the job end; each rank's printed lines."""
     release.touch()
-    assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, RANKS)
-    return printed(rank_logs(daemon, job, RANKS))
+    assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, ranks)
+    return printed(rank_logs(daemon, job, ranks))
 
 
 def detected_after(daemon: Daemon, job: int) -> float:
@@ -170,7 +170,5 @@ def test_ranks_of_a_mesh_that_meet_only_in_sub_groups_stop_sharing_a_device(daem
         except BaseException:
             daemon.sing("cancel", str(job))
             raise
-        release.touch()
-        assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, MESH_RANKS)
-        assert printed(rank_logs(daemon, job, MESH_RANKS)) == expected
+        assert finished(daemon, job, release, MESH_RANKS) == expected
         print(f"mesh: refusal {detected_after(daemon, job):.2f}s after the start")
