@@ -241,6 +241,10 @@ def test_external_unix_socket(criu_info: CriuInfo, work: Path, jobs: list[int]) 
             asyncio.run(
                 Criu(criu_info).dump(pid, _mk(work / "no-ext"), log_file=work / "x.log", leave_running=True)
             )
+        with pytest.raises(CheckpointError, match="external") as refused:
+            asyncio.run(cp.checkpoint("ux", pid, owner_uid=0, owner_gid=0, leave_running=False))
+        failed_log = refused.value.log_path
+        assert failed_log is not None and failed_log.name.startswith("dump-00000001-failed-")
         assert pid_alive(pid)
         r = asyncio.run(
             cp.checkpoint(
@@ -248,6 +252,8 @@ def test_external_unix_socket(criu_info: CriuInfo, work: Path, jobs: list[int]) 
             )
         )
         assert r.manifest.external_unix_inodes == (inode,)
+        assert (failed_log.parent / "dump-00000001.log").exists(), "the number is used again"
+        assert "External socket is used" in failed_log.read_text(), "the failure's log is kept"
         fresh = socket.socket(socket.AF_UNIX)
         fresh.connect(path)
 

@@ -9,6 +9,7 @@ instead of killing it, and the checkpointer dumps it again under the lock (Check
 from __future__ import annotations
 
 import shlex
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -41,6 +42,17 @@ def dump_files(logs: Path, seq: int) -> tuple[Path, Path, Path]:
     """The final dump of checkpoint `seq`: CRIU's log, its action script, the sizes it records."""
     tag = f"{seq:08d}"
     return logs / f"dump-{tag}.log", logs / f"post-dump-{tag}.sh", logs / f"sizes-{tag}.txt"
+
+
+def keep_failed_log(log: Path) -> Path:
+    """Move a failed dump's CRIU log aside (the number of a failed checkpoint is used again by the
+    next one, whose log would overwrite it); the path it now has, or `log` if it could not move."""
+    kept = log.with_name(f"{log.stem}-failed-{time.strftime('%Y%m%dT%H%M%S')}{log.suffix}")
+    try:
+        log.rename(kept)
+    except OSError:
+        return log
+    return kept
 
 
 def parse_sizes(paths: Sequence[str], text: str) -> dict[str, int]:

@@ -29,6 +29,7 @@ from singularityd.checkpoint.criu import (
 from singularityd.checkpoint.dump_script import (
     TCP_STREAM_IMAGES,
     dump_files,
+    keep_failed_log,
     parse_sizes,
     post_dump_script,
 )
@@ -424,16 +425,20 @@ class Checkpointer:
         for i in range(1, rounds + 1):
             d = pending.pre_dump_dir(i)
             d.mkdir(mode=0o755)
-            pre_stats.append(
-                await self.criu.pre_dump(
+            pre_dump_log = logs / f"pre-dump-{tag}-{i}.log"
+            try:
+                stats = await self.criu.pre_dump(
                     pid,
                     d,
-                    log_file=logs / f"pre-dump-{tag}-{i}.log",
+                    log_file=pre_dump_log,
                     parent_image_dir=parent,
                     external_unix_inodes=external_unix_inodes,
                     external_mounts=mounts,
                 )
-            )
+            except CriuError as error:
+                error.log_path = keep_failed_log(pre_dump_log)
+                raise
+            pre_stats.append(stats)
             parent = f"../pre-{i}"
         if before_final_dump is not None:
             r = before_final_dump(pending.images)
@@ -466,8 +471,9 @@ class Checkpointer:
                             external_mounts=mounts,
                             lock_network=lock_network,
                         )
-                except CriuError:
+                except CriuError as error:
                     if not refusing or not any(image_dir.glob(TCP_STREAM_IMAGES)):
+                        error.log_path = keep_failed_log(dump_log)
                         raise
                     await asyncio.to_thread(_remove_new_files, image_dir, written_before)
                     lock_network = True
