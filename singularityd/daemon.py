@@ -410,6 +410,12 @@ class Daemon:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(record.launched.wait(), timeout)
 
+    async def checkpoint_settled(self, job_id: int) -> None:
+        """Wait until the checkpoint under way for the job has ended, however it ended."""
+        record = self.records.get(job_id)
+        if record is not None and record.checkpoint_outcome is not None:
+            await asyncio.wait({record.checkpoint_outcome})
+
     async def checkpoint_outcome(self, job_id: int) -> CheckpointTaken:
         """The result of the checkpoint just started for the job (a caller giving up does not stop it)."""
         record = self.records[job_id]

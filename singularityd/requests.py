@@ -18,7 +18,7 @@ from singularityd import __version__
 from singularityd.api.protocol import DaemonFacts, DeviceFacts, LiveFacts
 from singularityd.checkpoint.coordinator import CheckpointTaken, StoredCheckpoint
 from singularityd.core.actions import TakeCheckpoint
-from singularityd.core.decisions import Decision, StillLaunching
+from singularityd.core.decisions import CheckpointUnderway, Decision, StillLaunching
 from singularityd.core.states import InvalidTransition
 from singularityd.core.stimuli import (
     CancelRequested,
@@ -42,6 +42,7 @@ from singularityd.store import EventRecord, JobRecord
 log = logging.getLogger("singularityd")
 
 LAUNCH_WAIT_SECONDS = 120.0
+CHECKPOINTS_WAITED_FOR = 3  # a request waits out at most this many checkpoints before it is refused
 
 
 class Requests:
@@ -203,13 +204,19 @@ class Requests:
             raise StateConflict(str(error)) from None
 
     async def _apply_once_started(self, job_id: int, stimulus: Stimulus) -> Decision:
-        """Apply a request that needs the job's processes, waiting while they are being started."""
-        try:
-            return self.daemon.apply(job_id, stimulus)
-        except StillLaunching:
-            await self.daemon.launched(job_id, self.launch_wait_seconds)
-        except InvalidTransition as error:
-            raise StateConflict(str(error)) from None
+        """Apply a request that needs the job's processes, waiting while they are being started
+        and while a checkpoint already under way (a periodic one, another request's) ends, like
+        `sing` commands queued behind each other; the job's state after that one decides."""
+        for _ in range(CHECKPOINTS_WAITED_FOR):
+            try:
+                return self.daemon.apply(job_id, stimulus)
+            except StillLaunching:
+                await self.daemon.launched(job_id, self.launch_wait_seconds)
+                break
+            except CheckpointUnderway:
+                await self.daemon.checkpoint_settled(job_id)
+            except InvalidTransition as error:
+                raise StateConflict(str(error)) from None
         return self._apply_now(job_id, stimulus)
 
     def cancel(self, caller: Caller, job_id: int) -> JobRecord:

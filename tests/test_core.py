@@ -23,6 +23,7 @@ from singularityd.core.actions import (
 from singularityd.core.decisions import (
     PREEMPTION_BACKOFF_SECONDS,
     Activity,
+    CheckpointUnderway,
     Decision,
     JobFacts,
     StillLaunching,
@@ -205,7 +206,7 @@ def test_a_resize_takes_a_stopping_checkpoint_and_is_refused_while_one_is_under_
     decision = decide(running(), ResizeRequested("alice", 2), 0)
     take = TakeCheckpoint(stop=True, reason="resized to 2 devices by alice", gpus=2)
     assert decision.actions == (Note("resize to 2 devices requested by alice: checkpointing"), take)
-    with pytest.raises(InvalidTransition, match="already being checkpointed"):
+    with pytest.raises(CheckpointUnderway, match="already being checkpointed"):
         decide(running(Activity(checkpoint=take)), ResizeRequested("alice", 1), 0)
 
 

@@ -372,8 +372,6 @@ async def test_a_failed_checkpoint_leaves_the_job_running_and_checkpointable(har
     gate = h.checkpoints.hold()
     request = asyncio.ensure_future(h.requests.checkpoint(ROOT, job))
     await settle()
-    with pytest.raises(StateConflict, match="already being checkpointed"):
-        await h.requests.checkpoint(ROOT, job)
     gate.set_result("No space left on device")
     with pytest.raises(StateConflict, match="checkpoint failed: No space left on device"):
         await request
@@ -382,6 +380,44 @@ async def test_a_failed_checkpoint_leaves_the_job_running_and_checkpointable(har
     assert h.daemon.activity(job) == Activity()
     _, taken = await h.requests.checkpoint(ROOT, job)
     assert taken.seq == 1
+
+
+async def test_a_request_during_a_checkpoint_waits_for_it_then_acts(harness: Harness) -> None:
+    h = harness
+    job = await running_job(h)
+    gate = h.checkpoints.hold()
+    first = asyncio.ensure_future(h.requests.checkpoint(ROOT, job))
+    await settle()
+    second = asyncio.ensure_future(h.requests.preempt(ROOT, job, hold=True))
+    await settle()
+    assert not second.done(), "the suspend waits while the checkpoint is taken"
+    assert [taken[1] for taken in h.checkpoints.taken] == [False]
+    gate.set_result("")
+    _, taken = await asyncio.wait_for(first, 1.0)
+    assert taken.seq == 1
+    assert (await asyncio.wait_for(second, 1.0)).state is JobState.SUSPENDED
+    assert h.checkpoints.taken == [
+        (job, False, "checkpoint by root"),
+        (job, True, "suspended by root"),
+    ]
+
+
+async def test_a_request_waiting_for_a_checkpoint_that_stops_the_job_is_refused_after_it(
+    harness: Harness,
+) -> None:
+    h = harness
+    job = await running_job(h)
+    gate = h.checkpoints.hold()
+    suspend = asyncio.ensure_future(h.requests.preempt(ROOT, job, hold=True))
+    await settle()
+    checkpoint = asyncio.ensure_future(h.requests.checkpoint(ROOT, job))
+    await settle()
+    assert not checkpoint.done()
+    gate.set_result("")
+    await asyncio.wait_for(suspend, 1.0)
+    with pytest.raises(StateConflict, match="is SUSPENDED; only a RUNNING job can be checkpointed"):
+        await asyncio.wait_for(checkpoint, 1.0)
+    assert len(h.checkpoints.taken) == 1
 
 
 async def test_a_client_giving_up_does_not_stop_the_checkpoint(harness: Harness) -> None:

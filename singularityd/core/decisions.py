@@ -59,6 +59,10 @@ class StillLaunching(InvalidTransition):
     """The job's processes are being started or restored; a request that needs them must wait."""
 
 
+class CheckpointUnderway(InvalidTransition):
+    """A checkpoint of the job is being taken; a request for another one must wait for its end."""
+
+
 PREEMPTION_BACKOFF_SECONDS = 60.0
 
 
@@ -137,7 +141,7 @@ def _require_idle_running(job: JobFacts, verb: str) -> None:
     if not job.checkpoints_available:
         raise InvalidTransition(f"job {job.job_id} cannot be {verb}: checkpoints are unavailable here")
     if job.activity.checkpoint is not None:
-        raise InvalidTransition(f"job {job.job_id} is already being checkpointed")
+        raise CheckpointUnderway(f"job {job.job_id} is already being checkpointed")
     if job.cancel_requested:
         raise InvalidTransition(f"job {job.job_id} is being cancelled")
     if job.activity.launching:

@@ -13,7 +13,6 @@ Every method is idempotent.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -164,8 +163,7 @@ class DaemonMoves:
             if job.state is JobState.RUNNING and job_number in self.placing:
                 raise RuntimeError(f"job {job_id} started here meanwhile; it stays")
             if daemon.activity(job_number).checkpoint is not None:
-                with contextlib.suppress(RequestError, KeyError, asyncio.CancelledError):
-                    await daemon.checkpoint_outcome(job_number)  # a periodic one: wait for it
+                await daemon.checkpoint_settled(job_number)  # a periodic one: wait for it
                 await asyncio.sleep(0.05)
                 continue
             try:
