@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 ENV = "SING_FAULT_POINT"
 HOLD_ENV = "SING_FAULT_HOLD"
 HOLD_POLL_S = 0.05
+CONNECTIONS_FOUND = "connections-found"
+"""A checkpoint has found the job's device connections (to name them to CRIU) and not dumped yet."""
 STOPPING_DUMP_RUNNING = "stopping-dump-running"
 """CRIU is dumping a job that the dump stops (a preemption or a move), and has not returned."""
 STOPPING_DUMP_DONE = "stopping-dump-done"

@@ -14,13 +14,14 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from singularityd import faults
 from singularityd.checkpoint.criu import DumpStats
-from singularityd.checkpoint.errors import CheckpointError, JobEnded
+from singularityd.checkpoint.errors import CheckpointError, CriuError, DeviceConnectedMeanwhile, JobEnded
 from singularityd.checkpoint.hashing import PrefixHash, hash_prefixes
 from singularityd.checkpoint.interrupted import settle_interrupted
 from singularityd.checkpoint.manifest import IMAGES_DIR, MANIFEST_NAME, Manifest
@@ -43,11 +44,14 @@ from singularityd.devices.access import (
     NoDeviceState,
     PreCopy,
 )
-from singularityd.devices.proxies import Reconnection
+from singularityd.devices.proxies import ProxyConnection, Reconnection
 from singularityd.devices.splicing import SavedLayout
 from singularityd.units import human_bytes
 
 log = logging.getLogger(__name__)
+
+CONNECTION_RACE_ATTEMPTS = 3
+"""How often a checkpoint is tried while the job's processes keep connecting to devices during it."""
 
 BeforePause = Callable[[Path], Awaitable[None]]
 """Awaited with a checkpoint's images folder once its device state is pre-copied, before the pause."""
@@ -385,6 +389,29 @@ class JobCheckpoints:
         hooks: PauseHooks | None = None,
         purpose: Mapping[str, Any] | None = None,
     ) -> CheckpointTaken:
+        """Checkpoint the job (see `_take_once`), again when it failed because a process of the job
+        connected to a device meanwhile (a rank's first use of a device): the connections are
+        found before the dump, and CRIU refuses one it was not told of. A move's checkpoint, whose
+        hooks have run, is not taken again."""
+        attempts = 1 if hooks is not None else CONNECTION_RACE_ATTEMPTS
+        for attempt in range(1, attempts + 1):
+            try:
+                return await self._take_once(target, stop=stop, reason=reason, hooks=hooks, purpose=purpose)
+            except DeviceConnectedMeanwhile as error:
+                if attempt == attempts:
+                    raise
+                log.info("job %d: %s; taking it again", target.job_id, error)
+        raise AssertionError("unreachable")
+
+    async def _take_once(
+        self,
+        target: CheckpointTarget,
+        *,
+        stop: bool,
+        reason: str,
+        hooks: PauseHooks | None,
+        purpose: Mapping[str, Any] | None,
+    ) -> CheckpointTaken:
         """Checkpoint the job with the shortest pause its devices allow, then release or resume them.
 
         While the job runs, its proxies pre-copy its device state. The pause begins when they park
@@ -465,6 +492,7 @@ class JobCheckpoints:
         connections = []
         try:
             connections = await asyncio.to_thread(self.devices.connections, tree_pids(target.pid))
+            await faults.held_at(faults.CONNECTIONS_FOUND)
             result = await self.checkpointer.checkpoint(
                 str(job_id),
                 target.pid,
@@ -495,6 +523,10 @@ class JobCheckpoints:
                     await self.devices.resume(job_id, devices)
             if isinstance(error, JobGoneFromDevice):
                 raise JobEnded(f"job {job_id} ended while it was being checkpointed") from None
+            if isinstance(error, CriuError) and await self._connected_since(target.pid, connections):
+                raise DeviceConnectedMeanwhile(
+                    f"job {job_id} connected to a device while it was being checkpointed; checkpoint it again"
+                ) from None
             raise error if isinstance(error, CheckpointError) else CheckpointError(str(error)) from None
         finally:
             self._forget_cached(job_id)
@@ -516,6 +548,15 @@ class JobCheckpoints:
             precopied_bytes=pause.device.reused_bytes,
             paused_bytes=pause.device.paused_copied_bytes + (pause.device.written_after_bytes if stop else 0),
         )
+
+    async def _connected_since(self, pid: int, found: Sequence[ProxyConnection]) -> bool:
+        """Whether the job's processes now hold a device connection that was not `found`."""
+        known = {c.inode for c in found}
+        try:
+            now = await asyncio.to_thread(self.devices.connections, tree_pids(pid))
+        except OSError:
+            return False
+        return any(c.inode not in known for c in now)
 
     async def dump_in_place(self, job_id: int, pid: int, folder: Path, log_file: Path) -> DumpStats:
         """Dump the running job's processes into `folder`, outside its checkpoints (a move's base),

@@ -28,6 +28,11 @@ class JobEnded(CheckpointError):
     the job ends as its exit says (not a failed checkpoint)."""
 
 
+class DeviceConnectedMeanwhile(CheckpointError):
+    """A process of the job connected to a device between the search for its device connections
+    and the dump, which therefore failed; the job runs on, and a new checkpoint can be taken."""
+
+
 class CheckpointUnavailable(CheckpointError):
     """Checkpoints cannot work here (no usable CRIU, user mode, a kernel feature missing)."""
 
