@@ -188,6 +188,8 @@ def test_usage_prune_and_busy_lock(criu_info: CriuInfo, work: Path, jobs: list[i
     pruned = asyncio.run(four())
     assert pruned == [(), (), (1,), (2,)]
     assert cp.store.seqs("k") == [3, 4]
+    logs = cp.store.logs_dir("k")
+    assert sorted(p.name for p in logs.glob("*dump-*")) == ["dump-00000003.log", "dump-00000004.log"]
     usage = cp.store.usage("k")
     assert usage.checkpoints == 2 and usage.bytes_on_disk > 0
     with cp.store.locked("k"), pytest.raises(CheckpointError, match="in progress"):

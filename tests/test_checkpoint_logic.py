@@ -26,7 +26,13 @@ from singularityd.checkpoint import (
 from singularityd.checkpoint import store as store_module
 from singularityd.checkpoint.criu import parse_stats, summarize_log
 from singularityd.checkpoint.criu_discovery import parse_version, privilege_problem, tcp_problem
-from singularityd.checkpoint.dump_script import TCP_REFUSED_EXIT, parse_sizes, post_dump_script
+from singularityd.checkpoint.dump_script import (
+    FAILED_LOGS_KEPT,
+    TCP_REFUSED_EXIT,
+    keep_failed_log,
+    parse_sizes,
+    post_dump_script,
+)
 from singularityd.checkpoint.hashing import (
     GrowingFileHasher,
     hash_file,
@@ -340,3 +346,17 @@ def test_post_dump_script_of_a_dump_without_the_lock_fails_on_a_tcp_connection(t
     (images / "tcp-stream-82e3b8.img").write_bytes(b"")
     assert subprocess.run([str(script)], env={"CRTOOLS_SCRIPT_ACTION": "pre-dump"}).returncode == 0
     assert subprocess.run([str(script)], env=post_dump).returncode == TCP_REFUSED_EXIT
+
+
+def test_a_failed_dumps_log_is_kept_aside_and_only_the_newest_are(tmp_path: Path) -> None:
+    """The log moves out of the way of the next dump of the same number; old failures go."""
+    for seq in range(1, FAILED_LOGS_KEPT + 3):
+        log = tmp_path / f"dump-{seq:08d}.log"
+        log.write_text(f"failure {seq}")
+        kept = keep_failed_log(log)
+        assert not log.exists() and kept.read_text() == f"failure {seq}"
+        assert kept.name.startswith(f"dump-{seq:08d}-failed-") and kept.suffix == ".log"
+        os.utime(kept, (1000.0 + seq, 1000.0 + seq))
+    left = sorted(p.read_text() for p in tmp_path.glob("*-failed-*.log"))
+    assert left == sorted(f"failure {seq}" for seq in range(3, FAILED_LOGS_KEPT + 3))
+    assert keep_failed_log(tmp_path / "never-written.log") == tmp_path / "never-written.log"

@@ -8,6 +8,7 @@ instead of killing it, and the checkpointer dumps it again under the lock (Check
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import time
 from collections.abc import Sequence
@@ -44,15 +45,32 @@ def dump_files(logs: Path, seq: int) -> tuple[Path, Path, Path]:
     return logs / f"dump-{tag}.log", logs / f"post-dump-{tag}.sh", logs / f"sizes-{tag}.txt"
 
 
+FAILED_LOGS_KEPT = 5
+"""The CRIU logs of a job's failed dumps kept (the newest), beside those of its checkpoints."""
+
+
 def keep_failed_log(log: Path) -> Path:
     """Move a failed dump's CRIU log aside (the number of a failed checkpoint is used again by the
-    next one, whose log would overwrite it); the path it now has, or `log` if it could not move."""
+    next one, whose log would overwrite it) and drop all but the newest FAILED_LOGS_KEPT such logs;
+    the path it now has, or `log` if it could not move."""
     kept = log.with_name(f"{log.stem}-failed-{time.strftime('%Y%m%dT%H%M%S')}{log.suffix}")
     try:
         log.rename(kept)
     except OSError:
         return log
+    failed = sorted(log.parent.glob("*-failed-*.log"), key=_modified, reverse=True)
+    for old in failed[FAILED_LOGS_KEPT:]:
+        with contextlib.suppress(FileNotFoundError):
+            old.unlink()
     return kept
+
+
+def _modified(path: Path) -> float:
+    """A file's modification time (0 for one gone meanwhile)."""
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
 
 
 def parse_sizes(paths: Sequence[str], text: str) -> dict[str, int]:

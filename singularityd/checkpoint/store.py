@@ -415,7 +415,18 @@ class ImageStore:
         doomed = plan_prune(verdicts, keep)
         for seq in doomed:
             shutil.rmtree(self.checkpoint_dir(job_id, seq), ignore_errors=True)
+            self._remove_logs(job_id, seq)
         return doomed
+
+    def _remove_logs(self, job_id: str, seq: int) -> None:
+        """Delete the CRIU logs and pid files of checkpoint `seq` (its dump, pre-dumps, restores and
+        failed tries), so that a job checkpointed every minute does not fill the disk with them."""
+        logs = self.logs_dir(job_id)
+        tag = f"{seq:08d}"
+        for pattern in (f"*-{tag}.log", f"*-{tag}-*.log", f"*-{tag}.pid"):
+            for path in logs.glob(pattern):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
 
     def usage(self, job_id: str) -> JobUsage:
         """Bytes on disk (allocated blocks) and apparent bytes of all of a job's checkpoints."""
