@@ -1,10 +1,13 @@
-"""A tiny GPT-2 from Hugging Face transformers: trains a few steps, then generates (greedy and sampled).
+"""A tiny GPT-2 from Hugging Face transformers: trains a few steps, generates (greedy and sampled),
+then saves itself with `save_pretrained` (safetensors, which finds the tied embedding and output
+weights by their storage) and loads the files again on the CPU.
 
 Built from a small GPT2Config (nothing is downloaded). Prints every loss, a checksum of the
-weights and the generated tokens, so that any bit of difference shows.
+weights, the generated tokens and the saved files' tensors, so that any bit of difference shows.
 """
 
 import argparse
+import tempfile
 
 import torch
 from _common import checksum
@@ -41,3 +44,8 @@ torch.manual_seed(1)
 sampled = model.generate(prompt, max_new_tokens=8, do_sample=True, top_k=20, pad_token_id=0)
 print("sampled", sampled.tolist())
 print("final", checksum(model))
+
+with tempfile.TemporaryDirectory() as folder:
+    model.save_pretrained(folder)
+    loaded = GPT2LMHeadModel.from_pretrained(folder)
+print("saved", loaded.transformer.wte.weight is loaded.lm_head.weight, checksum(loaded))

@@ -29,6 +29,16 @@ def test_program_errors_match_direct_run(server: ProxyServer) -> None:
     assert proxied.stdout == direct.stdout
 
 
+def test_storage_addresses_and_sizes_relate_as_in_a_direct_run(server: ProxyServer) -> None:
+    """Views share their storage's address, distinct storages lie apart, tied weights are found."""
+    direct = run_program(["probe_storage.py", "cpu"], base_env())
+    proxied = run_program(["probe_storage.py", "cuda"], proxy_env([server.socket], "storage"))
+    assert direct.returncode == 0, direct.stderr
+    assert proxied.returncode == 0, proxied.stderr
+    assert "shared [['embed.weight', 'head.weight'], ['other.bias'], ['other.weight']]" in direct.stdout
+    assert proxied.stdout == direct.stdout
+
+
 @pytest.fixture
 def small_server(tmp_path: Path) -> Iterator[ProxyServer]:
     s = start_server(tmp_path, "small", memory_bytes=16 << 20)

@@ -22,6 +22,10 @@ from .channel import CLIENT_LOCK, Channel
 from .devices import same_device_error
 
 HOST = torch.device("cpu")
+ADDRESS_BASE = 1 << 44
+"""Where the addresses stand-ins' storages report (`data_ptr`) begin, as a GPU's do, above 0."""
+ADDRESS_SPACING = 1 << 30
+"""The unit, and the least gap, of the address ranges given to storages."""
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 SpecialHandler = Callable[[Any, Sequence[Any], dict[str, Any]], Any]
@@ -75,6 +79,7 @@ class ProxyTensor(torch.Tensor):
     _id: int  # the handle's number, as it travels
     _meta: tuple[Any, ...]  # (shape, stride, storage offset, dtype): part of operation signatures
     _channel: Channel
+    _storage: StorageRecord  # the storage it views, once a view was made of it or its address asked
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
@@ -109,6 +114,12 @@ class ProxyTensor(torch.Tensor):
     def untyped_storage(self) -> Any:  # type: ignore[override]
         return ProxyStorage(self)
 
+    def storage(self) -> Any:  # type: ignore[override]
+        return ProxyTypedStorage(self)
+
+    def data_ptr(self) -> int:  # type: ignore[override]
+        return storage_record(self).address() + int(self._meta[2] * self._meta[3].itemsize)
+
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         if id(self) in memo:
             return memo[id(self)]
@@ -124,29 +135,136 @@ class ProxyTensor(torch.Tensor):
         return new
 
 
+class StorageRecord:
+    """What the client knows of one device storage, shared by a stand-in and its views: its size
+    in bytes and, once asked for, the address it has in this process (as a GPU's `data_ptr`)."""
+
+    __slots__ = ("_address", "nbytes")
+    _next_address = ADDRESS_BASE
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._address = 0
+
+    def address(self) -> int:
+        """Where the storage begins: given when first asked, never given to another storage.
+
+        A storage's range is followed by at least ADDRESS_SPACING bytes nobody else has, so that
+        storages grown later (FSDP's unsharded parameters) stay apart from the others.
+        """
+        if not self._address:
+            self._address = StorageRecord._next_address
+            span = -(-max(self.nbytes, 1) // ADDRESS_SPACING) * ADDRESS_SPACING
+            StorageRecord._next_address += span + ADDRESS_SPACING
+        return self._address
+
+
+def storage_record(stand_in: ProxyTensor) -> StorageRecord:
+    """The record of the storage a stand-in views (made for it when it has none yet)."""
+    try:
+        return stand_in._storage
+    except AttributeError:
+        shape, stride, offset, dtype = stand_in._meta
+        record = StorageRecord(int(protocol.storage_extent(shape, stride, offset) * dtype.itemsize))
+        stand_in._storage = record
+        return record
+
+
+def share_storage(outputs: Any, source: Any) -> None:
+    """Record that the new stand-ins among `outputs` view the storage of stand-in `source`."""
+    if isinstance(outputs, ProxyTensor):
+        if outputs is not source:
+            outputs._storage = storage_record(source)
+    elif isinstance(outputs, (list, tuple)):
+        for output in outputs:
+            share_storage(output, source)
+
+
+def viewed_argument(func: Any) -> int | None:
+    """The position of the argument whose storage the operator's outputs view (None: new ones)."""
+    for position, argument in enumerate(func._schema.arguments):
+        info = argument.alias_info
+        if info is not None and not info.is_write and info.before_set:
+            return position
+    return None
+
+
 class ProxyStorage:
-    """What `untyped_storage()` gives for a stand-in: its size, and resizing (FSDP frees and
+    """What `untyped_storage()` gives for a stand-in: its size and address (`data_ptr`, which
+    safetensors and Hugging Face compare to find tied weights), and resizing (FSDP frees and
     re-allocates the storage of its unsharded parameters this way)."""
 
     def __init__(self, stand_in: ProxyTensor) -> None:
         self.stand_in = stand_in
 
     def size(self) -> int:
-        """Bytes of the storage (as last resized here, else what the stand-in's layout spans)."""
-        resized = getattr(self.stand_in, "_storage_bytes", None)
-        if resized is not None:
-            return int(resized)
-        shape, stride, offset, dtype = self.stand_in._meta
-        return int(protocol.storage_extent(shape, stride, offset) * dtype.itemsize)
+        """Bytes of the storage (as last resized, else what the layout of the stand-in it was made
+        for spans)."""
+        return storage_record(self.stand_in).nbytes
 
     nbytes = size
+    __len__ = size
+
+    def data_ptr(self) -> int:
+        """The storage's address in this process (the same for every view of it)."""
+        return storage_record(self.stand_in).address()
+
+    @property
+    def device(self) -> torch.device:
+        return self.stand_in.device
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
 
     def resize_(self, nbytes: int) -> ProxyStorage:
         """Resize the storage on the device (the tensor keeps its shape; its views share the storage)."""
         stand_in = self.stand_in
         stand_in._channel.push([protocol.OP_RESIZE_STORAGE, stand_in._handle.id, int(nbytes)])
-        stand_in._storage_bytes = int(nbytes)  # type: ignore[attr-defined]
+        storage_record(stand_in).nbytes = int(nbytes)
         return self
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ProxyStorage):
+            return NotImplemented
+        return storage_record(self.stand_in) is storage_record(other.stand_in)
+
+    def __hash__(self) -> int:
+        return id(storage_record(self.stand_in))
+
+
+class ProxyTypedStorage:
+    """What the deprecated `storage()` gives for a stand-in: its storage counted in elements of the
+    stand-in's dtype (safetensors falls back to it)."""
+
+    def __init__(self, stand_in: ProxyTensor) -> None:
+        self.stand_in = stand_in
+        self.dtype = stand_in.dtype
+
+    def untyped(self) -> ProxyStorage:
+        return ProxyStorage(self.stand_in)
+
+    def element_size(self) -> int:
+        return int(self.dtype.itemsize)
+
+    def size(self) -> int:
+        return storage_record(self.stand_in).nbytes // self.element_size()
+
+    __len__ = size
+
+    def nbytes(self) -> int:
+        return storage_record(self.stand_in).nbytes
+
+    def data_ptr(self) -> int:
+        return storage_record(self.stand_in).address()
+
+    @property
+    def device(self) -> torch.device:
+        return self.stand_in.device
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
 
 
 def new_stand_in(channel: Channel, handle: int, meta: tuple[Any, ...]) -> ProxyTensor:
@@ -172,6 +290,7 @@ def _detach(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     tensor._id = handle.id
     tensor._meta = meta
     tensor._channel = source._channel
+    tensor._storage = storage_record(source)
     return tensor
 
 
@@ -511,16 +630,29 @@ def forward(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> An
             first = channel.new_handle(known[2])
             channel.push([protocol.OP_RUN, known[0], first, call.values])
             if template[0] == protocol.TEMPLATE_TENSOR:
-                return new_stand_in(channel, first, template[1])
-            return _build(template, channel, inputs, [first])
+                out = new_stand_in(channel, first, template[1])
+                if known[4] is not None:
+                    out._storage = storage_record(args[known[4]])
+                return out
+            built = _build(template, channel, inputs, [first])
+            if known[4] is not None:
+                share_storage(built, args[known[4]])
+            return built
     first = channel.next_handle
     reply = channel.request([protocol.REQ_RUN, known[0], first, call.values])
     template = _parse_template(reply)
     count, nbytes, has_value = _count_new(template)
     channel.next_handle = first + count
+    if len(known) == 4:
+        viewed = viewed_argument(func)
+        viewing = viewed is not None and viewed < len(args) and isinstance(args[viewed], ProxyTensor)
+        known.append(viewed if viewing else None)
     if not has_value and not _value_dependent(func, args):
-        known[1:] = [template, count, nbytes]
-    return _build(template, channel, inputs, [first])
+        known[1:4] = [template, count, nbytes]
+    built = _build(template, channel, inputs, [first])
+    if known[4] is not None:
+        share_storage(built, args[known[4]])
+    return built
 
 
 # -- printing ------------------------------------------------------------------------------------
