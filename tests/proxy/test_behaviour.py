@@ -20,23 +20,26 @@ from tests.proxy.conftest import (
 )
 
 
-def test_program_errors_match_direct_run(server: ProxyServer) -> None:
-    direct = run_program(["probe_errors.py", "cpu"], base_env())
-    proxied = run_program(["probe_errors.py", "cuda"], proxy_env([server.socket], "errors"))
+def outputs_on_cpu_and_device(program: str, server: ProxyServer) -> tuple[str, str]:
+    """What the program prints run directly with argument `cpu`, then proxied with `cuda`."""
+    direct = run_program([program, "cpu"], base_env())
+    proxied = run_program([program, "cuda"], proxy_env([server.socket], program.removesuffix(".py")))
     assert direct.returncode == 0, direct.stderr
     assert proxied.returncode == 0, proxied.stderr
-    assert "mat1 and mat2 shapes cannot be multiplied (4x3 and 5x2)" in direct.stdout
-    assert proxied.stdout == direct.stdout
+    return direct.stdout, proxied.stdout
+
+
+def test_program_errors_match_direct_run(server: ProxyServer) -> None:
+    direct, proxied = outputs_on_cpu_and_device("probe_errors.py", server)
+    assert "mat1 and mat2 shapes cannot be multiplied (4x3 and 5x2)" in direct
+    assert proxied == direct
 
 
 def test_storage_addresses_and_sizes_relate_as_in_a_direct_run(server: ProxyServer) -> None:
     """Views share their storage's address, distinct storages lie apart, tied weights are found."""
-    direct = run_program(["probe_storage.py", "cpu"], base_env())
-    proxied = run_program(["probe_storage.py", "cuda"], proxy_env([server.socket], "storage"))
-    assert direct.returncode == 0, direct.stderr
-    assert proxied.returncode == 0, proxied.stderr
-    assert "shared [['embed.weight', 'head.weight'], ['other.bias'], ['other.weight']]" in direct.stdout
-    assert proxied.stdout == direct.stdout
+    direct, proxied = outputs_on_cpu_and_device("probe_storage.py", server)
+    assert "shared [['embed.weight', 'head.weight'], ['other.bias'], ['other.weight']]" in direct
+    assert proxied == direct
 
 
 @pytest.fixture

@@ -189,21 +189,12 @@ def viewed_argument(func: Any) -> int | None:
     return None
 
 
-class ProxyStorage:
-    """What `untyped_storage()` gives for a stand-in: its size and address (`data_ptr`, which
-    safetensors and Hugging Face compare to find tied weights), and resizing (FSDP frees and
-    re-allocates the storage of its unsharded parameters this way)."""
+class StandInStorage:
+    """What both forms of a stand-in's storage have: its address in this process (`data_ptr`,
+    which safetensors and Hugging Face compare to find tied weights) and its device."""
 
     def __init__(self, stand_in: ProxyTensor) -> None:
         self.stand_in = stand_in
-
-    def size(self) -> int:
-        """Bytes of the storage (as last resized, else what the layout of the stand-in it was made
-        for spans)."""
-        return storage_record(self.stand_in).nbytes
-
-    nbytes = size
-    __len__ = size
 
     def data_ptr(self) -> int:
         """The storage's address in this process (the same for every view of it)."""
@@ -216,6 +207,19 @@ class ProxyStorage:
     @property
     def is_cuda(self) -> bool:
         return True
+
+
+class ProxyStorage(StandInStorage):
+    """What `untyped_storage()` gives for a stand-in: its size, and resizing (FSDP frees and
+    re-allocates the storage of its unsharded parameters this way)."""
+
+    def size(self) -> int:
+        """Bytes of the storage (as last resized, else what the layout of the stand-in it was made
+        for spans)."""
+        return storage_record(self.stand_in).nbytes
+
+    nbytes = size
+    __len__ = size
 
     def resize_(self, nbytes: int) -> ProxyStorage:
         """Resize the storage on the device (the tensor keeps its shape; its views share the storage)."""
@@ -233,12 +237,12 @@ class ProxyStorage:
         return id(storage_record(self.stand_in))
 
 
-class ProxyTypedStorage:
+class ProxyTypedStorage(StandInStorage):
     """What the deprecated `storage()` gives for a stand-in: its storage counted in elements of the
     stand-in's dtype (safetensors falls back to it)."""
 
     def __init__(self, stand_in: ProxyTensor) -> None:
-        self.stand_in = stand_in
+        super().__init__(stand_in)
         self.dtype = stand_in.dtype
 
     def untyped(self) -> ProxyStorage:
@@ -247,24 +251,13 @@ class ProxyTypedStorage:
     def element_size(self) -> int:
         return int(self.dtype.itemsize)
 
-    def size(self) -> int:
-        return storage_record(self.stand_in).nbytes // self.element_size()
-
-    __len__ = size
-
     def nbytes(self) -> int:
         return storage_record(self.stand_in).nbytes
 
-    def data_ptr(self) -> int:
-        return storage_record(self.stand_in).address()
+    def size(self) -> int:
+        return self.nbytes() // self.element_size()
 
-    @property
-    def device(self) -> torch.device:
-        return self.stand_in.device
-
-    @property
-    def is_cuda(self) -> bool:
-        return True
+    __len__ = size
 
 
 def new_stand_in(channel: Channel, handle: int, meta: tuple[Any, ...]) -> ProxyTensor:
