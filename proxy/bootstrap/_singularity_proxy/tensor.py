@@ -20,12 +20,9 @@ import torch
 from . import protocol
 from .channel import CLIENT_LOCK, Channel
 from .devices import same_device_error
+from .storages import ProxyStorage, ProxyTypedStorage, StorageRecord, storage_record, viewed_argument
 
 HOST = torch.device("cpu")
-ADDRESS_BASE = 1 << 44
-"""Where the addresses stand-ins' storages report (`data_ptr`) begin, as a GPU's do, above 0."""
-ADDRESS_SPACING = 1 << 30
-"""The unit, and the least gap, of the address ranges given to storages."""
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 SpecialHandler = Callable[[Any, Sequence[Any], dict[str, Any]], Any]
@@ -135,41 +132,6 @@ class ProxyTensor(torch.Tensor):
         return new
 
 
-class StorageRecord:
-    """What the client knows of one device storage, shared by a stand-in and its views: its size
-    in bytes and, once asked for, the address it has in this process (as a GPU's `data_ptr`)."""
-
-    __slots__ = ("_address", "nbytes")
-    _next_address = ADDRESS_BASE
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self._address = 0
-
-    def address(self) -> int:
-        """Where the storage begins: given when first asked, never given to another storage.
-
-        A storage's range is followed by at least ADDRESS_SPACING bytes nobody else has, so that
-        storages grown later (FSDP's unsharded parameters) stay apart from the others.
-        """
-        if not self._address:
-            self._address = StorageRecord._next_address
-            span = -(-max(self.nbytes, 1) // ADDRESS_SPACING) * ADDRESS_SPACING
-            StorageRecord._next_address += span + ADDRESS_SPACING
-        return self._address
-
-
-def storage_record(stand_in: ProxyTensor) -> StorageRecord:
-    """The record of the storage a stand-in views (made for it when it has none yet)."""
-    try:
-        return stand_in._storage
-    except AttributeError:
-        shape, stride, offset, dtype = stand_in._meta
-        record = StorageRecord(int(protocol.storage_extent(shape, stride, offset) * dtype.itemsize))
-        stand_in._storage = record
-        return record
-
-
 def share_storage(outputs: Any, source: Any) -> None:
     """Record that the new stand-ins among `outputs` view the storage of stand-in `source`."""
     if isinstance(outputs, ProxyTensor):
@@ -178,86 +140,6 @@ def share_storage(outputs: Any, source: Any) -> None:
     elif isinstance(outputs, (list, tuple)):
         for output in outputs:
             share_storage(output, source)
-
-
-def viewed_argument(func: Any) -> int | None:
-    """The position of the argument whose storage the operator's outputs view (None: new ones)."""
-    for position, argument in enumerate(func._schema.arguments):
-        info = argument.alias_info
-        if info is not None and not info.is_write and info.before_set:
-            return position
-    return None
-
-
-class StandInStorage:
-    """What both forms of a stand-in's storage have: its address in this process (`data_ptr`,
-    which safetensors and Hugging Face compare to find tied weights) and its device."""
-
-    def __init__(self, stand_in: ProxyTensor) -> None:
-        self.stand_in = stand_in
-
-    def data_ptr(self) -> int:
-        """The storage's address in this process (the same for every view of it)."""
-        return storage_record(self.stand_in).address()
-
-    @property
-    def device(self) -> torch.device:
-        return self.stand_in.device
-
-    @property
-    def is_cuda(self) -> bool:
-        return True
-
-
-class ProxyStorage(StandInStorage):
-    """What `untyped_storage()` gives for a stand-in: its size, and resizing (FSDP frees and
-    re-allocates the storage of its unsharded parameters this way)."""
-
-    def size(self) -> int:
-        """Bytes of the storage (as last resized, else what the layout of the stand-in it was made
-        for spans)."""
-        return storage_record(self.stand_in).nbytes
-
-    nbytes = size
-    __len__ = size
-
-    def resize_(self, nbytes: int) -> ProxyStorage:
-        """Resize the storage on the device (the tensor keeps its shape; its views share the storage)."""
-        stand_in = self.stand_in
-        stand_in._channel.push([protocol.OP_RESIZE_STORAGE, stand_in._handle.id, int(nbytes)])
-        storage_record(stand_in).nbytes = int(nbytes)
-        return self
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, ProxyStorage):
-            return NotImplemented
-        return storage_record(self.stand_in) is storage_record(other.stand_in)
-
-    def __hash__(self) -> int:
-        return id(storage_record(self.stand_in))
-
-
-class ProxyTypedStorage(StandInStorage):
-    """What the deprecated `storage()` gives for a stand-in: its storage counted in elements of the
-    stand-in's dtype (safetensors falls back to it)."""
-
-    def __init__(self, stand_in: ProxyTensor) -> None:
-        super().__init__(stand_in)
-        self.dtype = stand_in.dtype
-
-    def untyped(self) -> ProxyStorage:
-        return ProxyStorage(self.stand_in)
-
-    def element_size(self) -> int:
-        return int(self.dtype.itemsize)
-
-    def nbytes(self) -> int:
-        return storage_record(self.stand_in).nbytes
-
-    def size(self) -> int:
-        return self.nbytes() // self.element_size()
-
-    __len__ = size
 
 
 def new_stand_in(channel: Channel, handle: int, meta: tuple[Any, ...]) -> ProxyTensor:
@@ -627,10 +509,7 @@ def forward(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> An
                 if known[4] is not None:
                     out._storage = storage_record(args[known[4]])
                 return out
-            built = _build(template, channel, inputs, [first])
-            if known[4] is not None:
-                share_storage(built, args[known[4]])
-            return built
+            return _viewing(_build(template, channel, inputs, [first]), known[4], args)
     first = channel.next_handle
     reply = channel.request([protocol.REQ_RUN, known[0], first, call.values])
     template = _parse_template(reply)
@@ -642,10 +521,14 @@ def forward(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> An
         known.append(viewed if viewing else None)
     if not has_value and not _value_dependent(func, args):
         known[1:4] = [template, count, nbytes]
-    built = _build(template, channel, inputs, [first])
-    if known[4] is not None:
-        share_storage(built, args[known[4]])
-    return built
+    return _viewing(_build(template, channel, inputs, [first]), known[4], args)
+
+
+def _viewing(outputs: Any, viewed: int | None, args: Sequence[Any]) -> Any:
+    """An operation's outputs, recorded as views of argument `viewed`'s storage (if not None)."""
+    if viewed is not None:
+        share_storage(outputs, args[viewed])
+    return outputs
 
 
 # -- printing ------------------------------------------------------------------------------------
