@@ -491,7 +491,7 @@ class JobCheckpoints:
         marks: dict[str, float] = {}
         connections = []
         try:
-            connections = await asyncio.to_thread(self.devices.connections, tree_pids(target.pid))
+            connections = await self._connections_of(target.pid)
             await faults.held_at(faults.CONNECTIONS_FOUND)
             result = await self.checkpointer.checkpoint(
                 str(job_id),
@@ -553,15 +553,19 @@ class JobCheckpoints:
         """Whether the job's processes now hold a device connection that was not `found`."""
         known = {c.inode for c in found}
         try:
-            now = await asyncio.to_thread(self.devices.connections, tree_pids(pid))
+            now = await self._connections_of(pid)
         except OSError:
             return False
         return any(c.inode not in known for c in now)
 
+    async def _connections_of(self, pid: int) -> list[ProxyConnection]:
+        """The device connections held by the process tree of `pid` (found in a thread)."""
+        return await asyncio.to_thread(lambda: self.devices.connections(tree_pids(pid)))
+
     async def dump_in_place(self, job_id: int, pid: int, folder: Path, log_file: Path) -> DumpStats:
         """Dump the running job's processes into `folder`, outside its checkpoints (a move's base),
         its proxy connections kept external as in a checkpoint; CheckpointError or OSError say why not."""
-        connections = await asyncio.to_thread(lambda: self.devices.connections(tree_pids(pid)))
+        connections = await self._connections_of(pid)
         return await self.checkpointer.dump_in_place(
             str(job_id), pid, folder, external_unix_inodes=[c.inode for c in connections], log_file=log_file
         )
