@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -296,6 +296,16 @@ async def harness(tmp_path: Path) -> AsyncIterator[Harness]:
     await daemon.stop()
 
 
+T = TypeVar("T")
+
+
+async def started(request: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
+    """A request begun and left waiting where it waits (nothing else is ready to run)."""
+    future = asyncio.ensure_future(request)
+    await settle()
+    return future
+
+
 async def running_job(h: Harness, priority: int = 0) -> int:
     job = h.submit(priority)
     await settle()
@@ -310,8 +320,7 @@ async def test_an_exit_during_an_in_place_checkpoint_is_recorded_after_it(harnes
     h = harness
     job = await running_job(h)
     gate = h.checkpoints.hold()
-    request = asyncio.ensure_future(h.requests.checkpoint(ROOT, job))
-    await settle()
+    request = await started(h.requests.checkpoint(ROOT, job))
     h.processes.end(h.pid(job), job, exit_code=0)
     await settle()
     assert h.job(job).state is JobState.RUNNING, "the exit waits for the checkpoint"
@@ -328,8 +337,7 @@ async def test_an_exit_during_a_failed_checkpoint_is_recorded_and_the_request_to
     h = harness
     job = await running_job(h)
     gate = h.checkpoints.hold()
-    request = asyncio.ensure_future(h.requests.checkpoint(ROOT, job))
-    await settle()
+    request = await started(h.requests.checkpoint(ROOT, job))
     h.processes.end(h.pid(job), job, exit_code=3)
     await settle()
     gate.set_result("the process tree vanished")
@@ -346,8 +354,7 @@ async def test_the_exit_a_preemption_causes_does_not_end_the_job(harness: Harnes
     h = harness
     job = await running_job(h)
     gate = h.checkpoints.hold()
-    request = asyncio.ensure_future(h.requests.preempt(ROOT, job, hold=False))
-    await settle()
+    request = await started(h.requests.preempt(ROOT, job, hold=False))
     h.processes.end(h.pid(job), job, exit_code=None, sig=signal.SIGKILL)  # CRIU ends the dumped tree
     gate.set_result("")
     await request
@@ -370,8 +377,7 @@ async def test_a_failed_checkpoint_leaves_the_job_running_and_checkpointable(har
     h = harness
     job = await running_job(h)
     gate = h.checkpoints.hold()
-    request = asyncio.ensure_future(h.requests.checkpoint(ROOT, job))
-    await settle()
+    request = await started(h.requests.checkpoint(ROOT, job))
     gate.set_result("No space left on device")
     with pytest.raises(StateConflict, match="checkpoint failed: No space left on device"):
         await request
@@ -386,10 +392,8 @@ async def test_a_request_during_a_checkpoint_waits_for_it_then_acts(harness: Har
     h = harness
     job = await running_job(h)
     gate = h.checkpoints.hold()
-    first = asyncio.ensure_future(h.requests.checkpoint(ROOT, job))
-    await settle()
-    second = asyncio.ensure_future(h.requests.preempt(ROOT, job, hold=True))
-    await settle()
+    first = await started(h.requests.checkpoint(ROOT, job))
+    second = await started(h.requests.preempt(ROOT, job, hold=True))
     assert not second.done(), "the suspend waits while the checkpoint is taken"
     assert [taken[1] for taken in h.checkpoints.taken] == [False]
     gate.set_result("")
@@ -408,10 +412,8 @@ async def test_a_request_waiting_for_a_checkpoint_that_stops_the_job_is_refused_
     h = harness
     job = await running_job(h)
     gate = h.checkpoints.hold()
-    suspend = asyncio.ensure_future(h.requests.preempt(ROOT, job, hold=True))
-    await settle()
-    checkpoint = asyncio.ensure_future(h.requests.checkpoint(ROOT, job))
-    await settle()
+    suspend = await started(h.requests.preempt(ROOT, job, hold=True))
+    checkpoint = await started(h.requests.checkpoint(ROOT, job))
     assert not checkpoint.done()
     gate.set_result("")
     await asyncio.wait_for(suspend, 1.0)
@@ -424,8 +426,7 @@ async def test_a_client_giving_up_does_not_stop_the_checkpoint(harness: Harness)
     h = harness
     job = await running_job(h)
     gate = h.checkpoints.hold()
-    request = asyncio.ensure_future(h.requests.preempt(ROOT, job, hold=True))
-    await settle()
+    request = await started(h.requests.preempt(ROOT, job, hold=True))
     request.cancel()
     await settle()
     gate.set_result("")
@@ -460,8 +461,7 @@ async def test_a_request_waiting_for_a_launch_goes_on_once_it_reports(harness: H
     gate = h.processes.launch_gate = asyncio.get_running_loop().create_future()
     job = h.submit()
     await settle()
-    request = asyncio.ensure_future(h.requests.checkpoint(ROOT, job))
-    await settle()
+    request = await started(h.requests.checkpoint(ROOT, job))
     assert not request.done()
     gate.set_result(None)
     _, taken = await asyncio.wait_for(request, 1.0)
