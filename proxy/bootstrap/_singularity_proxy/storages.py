@@ -25,14 +25,30 @@ ADDRESS_SPACING = 1 << 30
 
 class StorageRecord:
     """What the client knows of one device storage, shared by a stand-in and its views: its size
-    in bytes and, once asked for, the address it has in this process (as a GPU's `data_ptr`)."""
+    in bytes and, once asked for, the address it has in this process (as a GPU's `data_ptr`).
 
-    __slots__ = ("_address", "nbytes")
+    Views of fresh tensors are made at almost every operation, so a record is cheap to make: its
+    size is worked out from the layout it was made with (`meta`) only when asked or resized."""
+
+    __slots__ = ("_address", "_meta", "_nbytes")
     _next_address = ADDRESS_BASE
 
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
+    def __init__(self, meta: tuple[Any, ...]) -> None:
+        self._meta = meta
+        self._nbytes = -1
         self._address = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the storage: as last resized, else what the layout it was made with spans."""
+        if self._nbytes < 0:
+            shape, stride, offset, dtype = self._meta
+            self._nbytes = int(protocol.storage_extent(shape, stride, offset) * dtype.itemsize)
+        return self._nbytes
+
+    @nbytes.setter
+    def nbytes(self, value: int) -> None:
+        self._nbytes = value
 
     def address(self) -> int:
         """Where the storage begins: given when first asked, never given to another storage.
@@ -49,13 +65,10 @@ class StorageRecord:
 
 def storage_record(stand_in: ProxyTensor) -> StorageRecord:
     """The record of the storage a stand-in views (made for it when it has none yet)."""
-    try:
-        return stand_in._storage
-    except AttributeError:
-        shape, stride, offset, dtype = stand_in._meta
-        record = StorageRecord(int(protocol.storage_extent(shape, stride, offset) * dtype.itemsize))
-        stand_in._storage = record
-        return record
+    record: StorageRecord | None = stand_in.__dict__.get("_storage")  # no exception on a miss
+    if record is None:
+        record = stand_in._storage = StorageRecord(stand_in._meta)
+    return record
 
 
 def viewed_argument(func: Any) -> int | None:
