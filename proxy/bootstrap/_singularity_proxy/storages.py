@@ -8,14 +8,27 @@ argument, and on `detach`); its address is given when first asked, never to anot
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from . import protocol
 
-if TYPE_CHECKING:
-    from .tensor import ProxyTensor
+
+class StandIn(Protocol):
+    """What this module reads of a stand-in (tensor.py's ProxyTensor, which imports this module)."""
+
+    _meta: tuple[Any, ...]
+    _storage: StorageRecord
+    _channel: Any
+    _handle: Any
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
 
 ADDRESS_BASE = 1 << 44
 """Where the addresses stand-ins' storages report (`data_ptr`) begin, as a GPU's do, above 0."""
@@ -63,9 +76,9 @@ class StorageRecord:
         return self._address
 
 
-def storage_record(stand_in: ProxyTensor) -> StorageRecord:
+def storage_record(stand_in: StandIn) -> StorageRecord:
     """The record of the storage a stand-in views (made for it when it has none yet)."""
-    record: StorageRecord | None = stand_in.__dict__.get("_storage")  # no exception on a miss
+    record: StorageRecord | None = vars(stand_in).get("_storage")  # no exception on a miss
     if record is None:
         record = stand_in._storage = StorageRecord(stand_in._meta)
     return record
@@ -84,7 +97,7 @@ class StandInStorage:
     """What both forms of a stand-in's storage have: its address in this process (`data_ptr`,
     which safetensors and Hugging Face compare to find tied weights) and its device."""
 
-    def __init__(self, stand_in: ProxyTensor) -> None:
+    def __init__(self, stand_in: StandIn) -> None:
         self.stand_in = stand_in
 
     def data_ptr(self) -> int:
@@ -132,7 +145,7 @@ class ProxyTypedStorage(StandInStorage):
     """What the deprecated `storage()` gives for a stand-in: its storage counted in elements of the
     stand-in's dtype (safetensors falls back to it)."""
 
-    def __init__(self, stand_in: ProxyTensor) -> None:
+    def __init__(self, stand_in: StandIn) -> None:
         super().__init__(stand_in)
         self.dtype = stand_in.dtype
 
