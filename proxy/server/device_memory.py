@@ -4,7 +4,8 @@ moved to host memory; and the out-of-memory error CUDA's allocator would raise."
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from typing import Generic, Protocol, TypeVar
 
 import torch
@@ -59,6 +60,21 @@ class DeviceMemory(Generic[HolderT]):
         """Bytes of storages moved to host memory while their sessions wait (not in `used`)."""
         self.swapped_total = 0
         """Bytes moved to host memory so far."""
+        self.being_read: Counter[int] = Counter()
+        """Storage identity -> saves reading it beside the job's operations (a checkpoint's
+        pre-copy): such a storage stays where it is until read (Session.swap_out), since moving it
+        would leave the reader an emptied or freed storage."""
+
+    def begin_reading(self, keys: Iterable[int]) -> None:
+        """A save reads these storages beside the job's operations: keep them where they are."""
+        self.being_read.update(keys)
+
+    def end_reading(self, keys: Iterable[int]) -> None:
+        """A save is done reading these storages."""
+        for key in keys:
+            self.being_read[key] -= 1
+            if self.being_read[key] <= 0:
+                del self.being_read[key]
 
     def moved_off(self, nbytes: int) -> None:
         """Count a storage's bytes moved to host memory."""

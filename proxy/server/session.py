@@ -415,7 +415,10 @@ class Session:
 
     def swap_out(self, key: int) -> bool:
         """Move a storage's bytes to host memory and give its device memory back; whether it could
-        (a storage the allocator does not own cannot give its memory back)."""
+        (a storage the allocator does not own cannot give its memory back, and one a save is reading
+        stays: DeviceMemory.being_read)."""
+        if self.memory.being_read[key]:
+            return False
         storage = self.storage(key)
         if not storage.resizable():
             return False

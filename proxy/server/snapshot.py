@@ -180,26 +180,21 @@ class JobSave:
         began = time.monotonic()
         report = self.report
         report.precopy_ended = "rounds" if rounds else ""
+        memory = self.server.memory
         for _ in range(rounds):
             with lock:
-                todo = self._unsaved(live_storages(self._sessions()))
-            todo = [s for s in todo if s.stamp is not None]
-            pending = sum(s.nbytes for s in todo)
-            if not todo or (report.precopy_rounds and pending < SETTLED_BYTES):
-                report.precopy_ended = "settled"
-                break
-            report.precopy_rounds += 1
-            copied: list[tuple[LiveStorage, int]] = []
-            for storage in sorted(todo, key=lambda s: -s.nbytes):
-                if time.monotonic() - began > budget_s or self.cancelled.is_set():
+                todo = [s for s in self._unsaved(live_storages(self._sessions())) if s.stamp is not None]
+                memory.begin_reading(s.key for s in todo)  # all on the device now: kept there
+            try:
+                pending = sum(s.nbytes for s in todo)
+                if not todo or (report.precopy_rounds and pending < SETTLED_BYTES):
+                    report.precopy_ended = "settled"
                     break
-                try:
-                    copied.append((storage, self.file.append_bytes(storage_bytes(storage.storage))))
-                except OSError as error:
-                    if not self._changed_under_us(error):
-                        raise
-                    continue
-                report.precopy_written_bytes += storage.nbytes
+                report.precopy_rounds += 1
+                copied = self._precopy_round(todo, began, budget_s)
+            finally:
+                with lock:
+                    memory.end_reading(s.key for s in todo)
             with lock:
                 now = live_storages(self._sessions())
             dirtied = 0
@@ -223,6 +218,24 @@ class JobSave:
             report.precopy_sync_seconds = time.monotonic() - synced
         report.precopy_seconds = time.monotonic() - began
         report.precopy_records = sorted([offset, nbytes] for _stamp, offset, nbytes in self.written.values())
+
+    def _precopy_round(
+        self, todo: list[LiveStorage], began: float, budget_s: float
+    ) -> list[tuple[LiveStorage, int]]:
+        """Write these storages into the file, biggest first, until `budget_s` from `began`; each
+        written one with its offset (those an operation freed meanwhile are left out)."""
+        copied: list[tuple[LiveStorage, int]] = []
+        for storage in sorted(todo, key=lambda s: -s.nbytes):
+            if time.monotonic() - began > budget_s or self.cancelled.is_set():
+                break
+            try:
+                copied.append((storage, self.file.append_bytes(storage_bytes(storage.storage))))
+            except OSError as error:
+                if not self._changed_under_us(error):
+                    raise
+                continue
+            self.report.precopy_written_bytes += storage.nbytes
+        return copied
 
     @staticmethod
     def _changed_under_us(error: OSError) -> bool:

@@ -6,6 +6,7 @@ peak of 4 spliced ranks, with the turns and without) are in test_dedup.py."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -13,9 +14,12 @@ import torch
 
 from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.server import session as session_module
+from singularity.proxy.server import snapshot as snapshot_module
 from singularity.proxy.server.collective_kinds import allreduce
 from singularity.proxy.server.collectives import SWAP_MIN_BYTES, Exchange, Instance
 from singularity.proxy.server.service import Server
+from singularity.proxy.server.snapshot import Snapshots
+from singularity.proxy.server.statefile import storage_bytes
 from tests.proxy.test_dedup import JOB, handle, load_job, open_sessions, run, save_job, server
 
 __all__ = ["server"]  # the fixture, shared with test_dedup.py
@@ -184,3 +188,45 @@ def test_an_operation_that_overwrites_a_waiting_storage_brings_it_back_without_i
     assert torch.equal(first.tensors[3][: floats // 2], torch.ones(floats // 2))
     assert torch.equal(first.tensors[5], torch.full((floats,), 3.0))
     assert not first.swapped and server.memory.swapped_bytes == 0
+
+
+@pytest.mark.usefixtures("moves")
+def test_a_pre_copy_meanwhile_a_rank_moves_its_storage_off_saves_its_bytes(
+    server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spliced rank that comes to wait while a checkpoint's pre-copy runs moves its storages to
+    host memory and back (the pre-copy works beside the job's operations): the saved file still
+    holds the bytes the rank held, not an empty or freed storage's."""
+    first, second = open_sessions(server, 2)
+    floats = SWAP_MIN_BYTES // 4
+    held = torch.randn(floats, generator=torch.Generator().manual_seed(5))
+    first.add(1, held.clone())
+    second.add(1, torch.randn(floats, generator=torch.Generator().manual_seed(6)))
+    read = storage_bytes
+
+    def rank_waits_meanwhile(storage: torch.UntypedStorage) -> torch.Tensor:
+        server.collectives._move_off(first, {}, "barrier")  # as the rank's collective thread would
+        flat = read(storage)
+        first.swap_in_all()
+        return flat
+
+    monkeypatch.setattr(snapshot_module, "storage_bytes", rank_waits_meanwhile)
+    path = tmp_path / "state"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    saves = Snapshots(server, copy_threads=1)
+    try:
+        saves.prepare(JOB, fd, rounds=2, budget_s=30.0, stage=False)
+        monkeypatch.setattr(snapshot_module, "storage_bytes", read)
+        first.parked = second.parked = True
+        saves.capture(JOB, copy=True)
+        saves.finish(JOB, 30.0)
+    finally:
+        os.close(fd)
+    loaded_on = Server(1, 1 << 30, None)
+    try:
+        load_job(loaded_on, path)
+        loaded = next(s for s in loaded_on.job_sessions(JOB) if s.rank == 0)
+        assert loaded.tensors[1].view(torch.int32).equal(held.view(torch.int32))
+    finally:
+        for session in loaded_on.job_sessions(JOB):
+            loaded_on.drop(session)
