@@ -41,3 +41,26 @@ def test_ranks_get_onednn_and_mkl_capped_below_amx_only_on_a_cpu_with_amx_and_th
         )
     for env in two_ranks({"ONEDNN_MAX_CPU_ISA": "AVX2"}):
         assert env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+
+
+def test_ranks_get_every_variable_torchrun_gives_a_worker_of_one_node() -> None:
+    """What torchrun's local agent sets for each worker (torch.distributed.elastic), as one node's
+    role "default" with the ranks making their own store."""
+    for rank, env in enumerate(two_ranks({})):
+        assert {key: env[key] for key in env if key.startswith(("ROLE_", "GROUP_", "TORCHELASTIC_"))} == {
+            "ROLE_RANK": str(rank),
+            "ROLE_NAME": "default",
+            "ROLE_WORLD_SIZE": "2",
+            "GROUP_RANK": "0",
+            "GROUP_WORLD_SIZE": "1",
+            "TORCHELASTIC_RUN_ID": "sing-3",
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
+        }
+        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (
+            str(rank),
+            str(rank),
+            "2",
+            "2",
+        )

@@ -87,6 +87,11 @@ def rank_environments(
 ) -> list[dict[str, str]]:
     """The environment of each rank: the user's, plus what torchrun and singularityd provide.
 
+    Every variable torchrun gives a worker of a single-node run is there (rank, role and group
+    sizes, TORCHELASTIC_*), so programs and libraries that detect torchrun by them (Lightning's
+    TorchElasticEnvironment) see it. The ranks make their own store (no agent's), and torchrun's
+    restarts are the daemon's resumes, which restore the processes' memory: the count stays 0.
+
     USER and LOGNAME always name the job's real user, whatever the request carried.
     USE_LIBUV defaults to 0: torch's libuv TCPStore creates an io_uring, which CRIU cannot dump.
     ONEDNN_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS default to the best sets without AMX on a CPU
@@ -112,10 +117,18 @@ def rank_environments(
                 "RANK": str(rank),
                 "LOCAL_RANK": str(rank),
                 "GROUP_RANK": "0",
+                "ROLE_RANK": str(rank),
+                "ROLE_NAME": "default",
                 "WORLD_SIZE": str(ranks),
                 "LOCAL_WORLD_SIZE": str(ranks),
+                "GROUP_WORLD_SIZE": "1",
+                "ROLE_WORLD_SIZE": str(ranks),
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(master_port),
+                "TORCHELASTIC_RUN_ID": f"sing-{job_id}",
+                "TORCHELASTIC_RESTART_COUNT": "0",
+                "TORCHELASTIC_MAX_RESTARTS": "0",
+                "TORCHELASTIC_USE_AGENT_STORE": "False",
                 "SING_JOB_ID": str(job_id),
                 "SING_DEVICES": listed,
             }
