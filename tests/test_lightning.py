@@ -1,0 +1,104 @@
+"""An unmodified PyTorch Lightning program through the real daemon: its Trainer finds the ranks by
+torchrun's variables, and a 4-rank DDP job resized 4 -> 1 -> 3 and preempted during its run
+prints what it prints on 4 devices, every rank, and saves the same Lightning checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import requires_root
+from tests.helpers import running_daemon, wait_until
+from tests.proxy.conftest import PYTHON
+from tests.test_collectives import JOB_OPTIONS, printed, rank_logs, run_job
+from tests.test_elastic import ELASTIC, at_gate, on_devices, resized_to
+
+RANKS = 4
+EPOCHS = 4
+STEPS = 8 * EPOCHS
+
+
+def lightning_checkpoint(out: Path) -> dict[str, Any]:
+    """What Lightning saved at the end of the run, less its own folder's paths (the runs' differ)."""
+    (path,) = (out / "lightning_logs" / "version_0" / "checkpoints").glob("*.ckpt")
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    return {
+        key: saved[key]
+        for key in ("epoch", "global_step", "state_dict", "optimizer_states", "lr_schedulers", "loops")
+    }
+
+
+def same(first: object, second: object) -> bool:
+    """Whether two loaded checkpoints are equal, tensors bit for bit."""
+    if isinstance(first, torch.Tensor):
+        return (
+            isinstance(second, torch.Tensor)
+            and (first.dtype, first.shape) == (second.dtype, second.shape)
+            and torch.equal(first.view(-1).view(torch.uint8), second.view(-1).view(torch.uint8))
+        )
+    if isinstance(first, dict):
+        return (
+            isinstance(second, dict)
+            and first.keys() == second.keys()
+            and all(same(first[k], second[k]) for k in first)
+        )
+    if isinstance(first, (list, tuple)):
+        return (
+            type(first) is type(second)
+            and isinstance(second, (list, tuple))
+            and len(first) == len(second)
+            and all(same(a, b) for a, b in zip(first, second, strict=True))
+        )
+    return first == second
+
+
+@requires_root
+@pytest.mark.timeout(900)
+def test_a_lightning_job_resized_and_preempted_runs_exactly_as_on_four_devices(daemon_root: Path) -> None:
+    with running_daemon(daemon_root, virtual_devices=RANKS) as daemon:
+        expected = run_job(
+            daemon,
+            "lightning_train.py",
+            ["--epochs", str(EPOCHS), "--out", str(daemon_root / "four")],
+            RANKS,
+            RANKS,
+        )
+        assert all(f"rank {rank} step {STEPS - 1} " in text for rank, text in enumerate(expected))
+        assert "rank 0 final " in expected[0] and "val_loss" in expected[0]
+
+        release = daemon_root / "release"
+        out = daemon_root / "elastic"
+        program = [
+            PYTHON,
+            "lightning_train.py",
+            "--epochs",
+            str(EPOCHS),
+            "--out",
+            str(out),
+            "--sleep",
+            "0.05",
+        ]
+        job = daemon.submit(*program, "--hold", str(release), options=[*JOB_OPTIONS, *ELASTIC])
+        try:
+            on_devices(daemon, job, RANKS)
+            for steps, gpus in ((6, 1), (14, 3)):
+                at_gate(daemon, job, steps)
+                assert daemon.sing("resize", str(job), "--gpus", str(gpus)).code == 0
+                on_devices(daemon, job, gpus)
+            at_gate(daemon, job, 22)
+            assert daemon.sing("preempt", str(job)).code == 0
+            wait_until(
+                lambda: any(e["reason"].startswith("restored from") for e in daemon.job(job)["events"][-2:]),
+                timeout=300,
+            )
+        except BaseException:
+            daemon.sing("cancel", str(job))
+            raise
+        release.touch()
+        assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, RANKS)
+        assert printed(rank_logs(daemon, job, RANKS)) == expected
+        assert resized_to(daemon, job) == [1, 3]
+        assert same(lightning_checkpoint(out), lightning_checkpoint(daemon_root / "four"))
