@@ -40,9 +40,9 @@ def on_devices(daemon: Daemon, job: int, gpus: int) -> None:
     )
 
 
-def at_gate(daemon: Daemon, job: int, step: int) -> None:
+def at_gate(daemon: Daemon, job: int, step: int, ranks: int = RANKS) -> None:
     """Wait until every rank has printed `step` steps (it then waits at the gate before the next)."""
-    wait_until(lambda: steps_done(daemon, job, RANKS) >= step, timeout=300)
+    wait_until(lambda: steps_done(daemon, job, ranks) >= step, timeout=300)
 
 
 def resized_to(daemon: Daemon, job: int) -> list[int]:

@@ -85,10 +85,10 @@ def test_a_lightning_job_resized_and_preempted_runs_exactly_as_on_four_devices(d
         try:
             on_devices(daemon, job, RANKS)
             for steps, gpus in ((6, 1), (14, 3)):
-                at_gate(daemon, job, steps)
+                at_gate(daemon, job, steps, RANKS)
                 assert daemon.sing("resize", str(job), "--gpus", str(gpus)).code == 0
                 on_devices(daemon, job, gpus)
-            at_gate(daemon, job, 22)
+            at_gate(daemon, job, 22, RANKS)
             assert daemon.sing("preempt", str(job)).code == 0
             wait_until(
                 lambda: any(e["reason"].startswith("restored from") for e in daemon.job(job)["events"][-2:]),
