@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import requires_root
-from tests.helpers import running_daemon, wait_until
+from tests.helpers import running_daemon
 from tests.proxy.conftest import PYTHON
-from tests.test_collectives import JOB_OPTIONS, printed, rank_logs, run_job
+from tests.test_collectives import JOB_OPTIONS, run_job
 from tests.test_elastic import at_gate
+from tests.test_splice_refusal import finished
 
 RANKS = 2
 STEPS = 24
@@ -47,17 +48,12 @@ def test_a_trainer_job_spliced_and_preempted_logs_and_saves_exactly_as_on_two_de
             daemon.wait_state(job, "RUNNING")
             at_gate(daemon, job, 6, RANKS)
             assert daemon.sing("preempt", str(job)).code == 0
-            wait_until(
-                lambda: any(e["reason"].startswith("restored from") for e in daemon.job(job)["events"][-2:]),
-                timeout=300,
-            )
+            daemon.wait_state(job, "RUNNING", timeout=300)
             at_gate(daemon, job, 14, RANKS)
             assert daemon.sing("checkpoint", str(job)).code == 0
         except BaseException:
             daemon.sing("cancel", str(job))
             raise
-        release.touch()
-        assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, RANKS)
-        assert printed(rank_logs(daemon, job, RANKS)) == expected
+        assert finished(daemon, job, release, RANKS) == expected
         assert list(saves(out)) == [f"checkpoint-{s}/{n}" for s in (16, 24, 8) for n in SAVED]
         assert saves(out) == saves(two)

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from tests.conftest import requires_root
-from tests.helpers import running_daemon, wait_until
+from tests.helpers import running_daemon
 from tests.proxy.conftest import PYTHON
-from tests.test_collectives import JOB_OPTIONS, printed, rank_logs, run_job
+from tests.test_collectives import JOB_OPTIONS, run_job
 from tests.test_elastic import ELASTIC, at_gate, on_devices, resized_to
+from tests.test_splice_refusal import finished
 
 RANKS = 4
 EPOCHS = 4
@@ -90,15 +91,10 @@ def test_a_lightning_job_resized_and_preempted_runs_exactly_as_on_four_devices(d
                 on_devices(daemon, job, gpus)
             at_gate(daemon, job, 22, RANKS)
             assert daemon.sing("preempt", str(job)).code == 0
-            wait_until(
-                lambda: any(e["reason"].startswith("restored from") for e in daemon.job(job)["events"][-2:]),
-                timeout=300,
-            )
+            daemon.wait_state(job, "RUNNING", timeout=300)
         except BaseException:
             daemon.sing("cancel", str(job))
             raise
-        release.touch()
-        assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, RANKS)
-        assert printed(rank_logs(daemon, job, RANKS)) == expected
+        assert finished(daemon, job, release, RANKS) == expected
         assert resized_to(daemon, job) == [1, 3]
         assert same(lightning_checkpoint(out), lightning_checkpoint(daemon_root / "four"))

@@ -124,6 +124,18 @@ def test_a_waiting_rank_keeps_what_it_alone_holds_in_host_memory(server: Server)
     assert server.memory.used == before - 2 * nbytes  # first's bucket shared, its zeros freed
 
 
+def rank_0_loaded_from(path: Path) -> torch.Tensor:
+    """Rank 0's tensor 1 as a save at `path` loads on another device."""
+    loaded_on = Server(1, 1 << 30, None)
+    try:
+        load_job(loaded_on, path)
+        loaded = next(s for s in loaded_on.job_sessions(JOB) if s.rank == 0)
+        return loaded.tensors[1].clone()
+    finally:
+        for session in loaded_on.job_sessions(JOB):
+            loaded_on.drop(session)
+
+
 @pytest.mark.usefixtures("moves")
 def test_a_save_brings_back_what_a_waiting_rank_moved_to_host_memory(server: Server, tmp_path: Path) -> None:
     """A checkpoint taken while a rank waits with its storages in host memory saves their bytes:
@@ -137,14 +149,7 @@ def test_a_save_brings_back_what_a_waiting_rank_moved_to_host_memory(server: Ser
     assert first.swapped, "moved to host memory"
     path = tmp_path / "state"
     save_job(server, path)
-    loaded_on = Server(1, 1 << 30, None)
-    try:
-        load_job(loaded_on, path)
-        loaded = next(s for s in loaded_on.job_sessions(JOB) if s.rank == 0)
-        assert loaded.tensors[1].view(torch.int32).equal(held.view(torch.int32))
-    finally:
-        for session in loaded_on.job_sessions(JOB):
-            loaded_on.drop(session)
+    assert rank_0_loaded_from(path).view(torch.int32).equal(held.view(torch.int32))
 
 
 @pytest.mark.usefixtures("moves")
@@ -222,11 +227,4 @@ def test_a_pre_copy_meanwhile_a_rank_moves_its_storage_off_saves_its_bytes(
         saves.finish(JOB, 30.0)
     finally:
         os.close(fd)
-    loaded_on = Server(1, 1 << 30, None)
-    try:
-        load_job(loaded_on, path)
-        loaded = next(s for s in loaded_on.job_sessions(JOB) if s.rank == 0)
-        assert loaded.tensors[1].view(torch.int32).equal(held.view(torch.int32))
-    finally:
-        for session in loaded_on.job_sessions(JOB):
-            loaded_on.drop(session)
+    assert rank_0_loaded_from(path).view(torch.int32).equal(held.view(torch.int32))
