@@ -228,3 +228,61 @@ def test_a_pre_copy_meanwhile_a_rank_moves_its_storage_off_saves_its_bytes(
     finally:
         os.close(fd)
     assert rank_0_loaded_from(path).view(torch.int32).equal(held.view(torch.int32))
+
+
+def test_a_pre_copy_keeps_a_storage_on_the_device_only_until_it_is_written(
+    server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a pre-copy round writes one storage, the ones it wrote before may move to host memory
+    again (a rank waiting meanwhile frees its device memory), the ones still to come may not; once
+    the pre-copy is over nothing is kept."""
+    first, _second = open_sessions(server, 2)
+    floats = SWAP_MIN_BYTES // 4
+    for handle_number, count in ((1, 3 * floats), (2, 2 * floats), (3, floats)):  # written biggest first
+        first.add(handle_number, torch.randn(count, generator=torch.Generator().manual_seed(handle_number)))
+    keys = [first.tensors[h].untyped_storage()._cdata for h in (1, 2, 3)]
+    kept_at_each_read: list[list[bool]] = []
+
+    def noting(storage: torch.UntypedStorage) -> torch.Tensor:
+        kept_at_each_read.append([bool(server.memory.being_read[key]) for key in keys])
+        return storage_bytes(storage)
+
+    monkeypatch.setattr(snapshot_module, "storage_bytes", noting)
+    fd = os.open(tmp_path / "state", os.O_RDWR | os.O_CREAT, 0o600)
+    saves = Snapshots(server, copy_threads=1)
+    try:
+        saves.prepare(JOB, fd, rounds=1, budget_s=30.0, stage=False)
+    finally:
+        saves.abort(JOB)
+        os.close(fd)
+    assert kept_at_each_read == [[True, True, True], [False, True, True], [False, False, True]]
+    assert not server.memory.being_read
+
+
+def test_a_save_whose_file_is_not_written_in_time_stops_writing_before_the_job_goes_on(
+    server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the daemon gives up waiting for a preemption's file (it then lets the job run again),
+    the writer that reads the job's storages from the device has stopped by the time it hears so."""
+    first, second = open_sessions(server, 2)
+    first.add(1, torch.randn(SWAP_MIN_BYTES // 4, generator=torch.Generator().manual_seed(1)))
+
+    def slow_write(save: snapshot_module.JobSave, *_args: object) -> None:
+        while not save.cancelled.wait(0.01):
+            pass  # a write that takes longer than the daemon waits
+
+    monkeypatch.setattr(snapshot_module.JobSave, "_write_rest", slow_write)
+    fd = os.open(tmp_path / "state", os.O_RDWR | os.O_CREAT, 0o600)
+    saves = Snapshots(server, copy_threads=1)
+    try:
+        first.parked = second.parked = True
+        saves.prepare(JOB, fd, rounds=0, budget_s=0.0, stage=False)
+        save = saves.saves[JOB]
+        saves.capture(JOB, copy=False)
+        with pytest.raises(TimeoutError):
+            saves.finish(JOB, 0.05)
+        assert save.writer is not None and not save.writer.is_alive()
+        assert JOB not in saves.saves
+    finally:
+        saves.abort(JOB)
+        os.close(fd)
