@@ -184,18 +184,17 @@ class JobSave:
         for _ in range(rounds):
             with lock:
                 todo = [s for s in self._unsaved(live_storages(self._sessions())) if s.stamp is not None]
-                unread = {s.key for s in todo}
-                memory.begin_reading(unread)  # all on the device now: kept there until read
+                memory.begin_reading(s.key for s in todo)  # all on the device now: kept there
             try:
                 pending = sum(s.nbytes for s in todo)
                 if not todo or (report.precopy_rounds and pending < SETTLED_BYTES):
                     report.precopy_ended = "settled"
                     break
                 report.precopy_rounds += 1
-                copied = self._precopy_round(todo, unread, began, budget_s)
+                copied = self._precopy_round(todo, began, budget_s)
             finally:
                 with lock:
-                    memory.end_reading(unread)
+                    memory.end_reading(s.key for s in todo)
             with lock:
                 now = live_storages(self._sessions())
             dirtied = 0
@@ -221,15 +220,11 @@ class JobSave:
         report.precopy_records = sorted([offset, nbytes] for _stamp, offset, nbytes in self.written.values())
 
     def _precopy_round(
-        self, todo: list[LiveStorage], unread: set[int], began: float, budget_s: float
+        self, todo: list[LiveStorage], began: float, budget_s: float
     ) -> list[tuple[LiveStorage, int]]:
         """Write these storages into the file, biggest first, until `budget_s` from `began`; each
-        written one with its offset (those an operation freed meanwhile are left out). Each stays
-        on the device until written: `unread` holds the keys still kept there, each let go once
-        written, whenever the device lock is free (the caller lets go of the rest)."""
-        lock, memory = self.server.executor.lock, self.server.memory
+        written one with its offset (those an operation freed meanwhile are left out)."""
         copied: list[tuple[LiveStorage, int]] = []
-        read: list[int] = []
         for storage in sorted(todo, key=lambda s: -s.nbytes):
             if time.monotonic() - began > budget_s or self.cancelled.is_set():
                 break
@@ -239,13 +234,6 @@ class JobSave:
                 if not self._changed_under_us(error):
                     raise
                 continue
-            finally:
-                read.append(storage.key)
-                if lock.acquire(blocking=False):  # never waits for the job's operations
-                    memory.end_reading(read)
-                    unread.difference_update(read)
-                    read.clear()
-                    lock.release()
             self.report.precopy_written_bytes += storage.nbytes
         return copied
 

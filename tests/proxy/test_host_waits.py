@@ -230,12 +230,13 @@ def test_a_pre_copy_meanwhile_a_rank_moves_its_storage_off_saves_its_bytes(
     assert rank_0_loaded_from(path).view(torch.int32).equal(held.view(torch.int32))
 
 
-def test_a_pre_copy_keeps_a_storage_on_the_device_only_until_it_is_written(
+def test_a_pre_copy_keeps_what_it_reads_on_the_device_for_its_round_only(
     server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """While a pre-copy round writes one storage, the ones it wrote before may move to host memory
-    again (a rank waiting meanwhile frees its device memory), the ones still to come may not; once
-    the pre-copy is over nothing is kept."""
+    """While a pre-copy round writes its storages none of them may move to host memory (a rank
+    that comes to wait keeps them on the device); once the round is over nothing is kept.
+    (Letting each go as soon as it was written, under the device lock taken whenever free, made a
+    running program stall up to 0.2 s more during the pre-copy: tests/test_pause.py.)"""
     first, _second = open_sessions(server, 2)
     floats = SWAP_MIN_BYTES // 4
     for handle_number, count in ((1, 3 * floats), (2, 2 * floats), (3, floats)):  # written biggest first
@@ -255,7 +256,7 @@ def test_a_pre_copy_keeps_a_storage_on_the_device_only_until_it_is_written(
     finally:
         saves.abort(JOB)
         os.close(fd)
-    assert kept_at_each_read == [[True, True, True], [False, True, True], [False, False, True]]
+    assert kept_at_each_read == [[True, True, True]] * 3
     assert not server.memory.being_read
 
 
