@@ -180,8 +180,9 @@ class Daemon:
         data: dict[str, Any] = result.json()
         return data
 
-    def wait_state(self, job_id: int, *states: str, timeout: float = 30.0) -> dict[str, Any]:
-        """Poll until the job is in one of the states; returns its JSON."""
+    def wait_state(self, job_id: int, *states: str, timeout: float = 120.0) -> dict[str, Any]:
+        """Poll until the job is in one of the states; returns its JSON. The default wait is long:
+        a resume queued behind other tests' checkpoints on two shared cores can take over 30 s."""
 
         def reached() -> dict[str, Any] | None:
             job = self.job(job_id)
