@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import random
 import socket
@@ -32,9 +33,11 @@ from tests.checkpoint_helpers import (
     SYSTEM_PYTHON,
     TEST_USER,
     TRAIN,
+    LaunchedJob,
     checkpointer_in,
     children,
     counting_job,
+    descendants,
     finish_counting,
     finish_job,
     kill_tree,
@@ -402,3 +405,81 @@ def test_a_dump_gets_past_the_parasite_directory_a_killed_dump_left(
     finally:
         with contextlib.suppress(FileNotFoundError):
             stale.rmdir()
+
+
+ENDING_LATER = """
+import ctypes, os, sys, threading, time
+def end_later():
+    time.sleep(float(sys.argv[1]))
+    os._exit(0)
+threading.Thread(target=end_later).start()
+ctypes.CDLL(None).pthread_exit(None)
+"""
+"""A process whose main thread ends at once while another thread ends the process `argv[1]` s
+later: meanwhile the kernel shows it as a zombie with threads, as a process caught ending is."""
+
+PARENT_OF_ENDING = (
+    HOLD
+    + """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, sys.argv[1], sys.argv[2]])
+print("child", flush=True)
+print("reaped", child.wait(), flush=True)
+hold(sys.argv[3])
+print("done", flush=True)
+"""
+)
+
+
+def _ending_child(work: Path, name: str, jobs: list[int], seconds: float) -> LaunchedJob:
+    """A job whose rank starts an ENDING_LATER child, returned once that child is a zombie with
+    threads."""
+    parent = write_script(work, "parent.py", PARENT_OF_ENDING)
+    ending = write_script(work, "ending.py", ENDING_LATER)
+    job = launch_job(work, name, [SYSTEM_PYTHON, parent, ending, str(seconds), str(work / "release")], jobs)
+
+    def zombie_with_threads() -> bool:
+        for pid in descendants(job.pid):
+            with contextlib.suppress(OSError):
+                status = Path(f"/proc/{pid}/status").read_text()
+                if "\nState:\tZ" in status and "\nThreads:\t1\n" not in status:
+                    return True
+        return False
+
+    wait_until(zombie_with_threads, timeout=30)
+    return job
+
+
+@requires_root
+def test_a_process_caught_ending_is_dumped_once_it_has_ended(
+    criu_info: CriuInfo, work: Path, jobs: list[int], caplog: pytest.LogCaptureFixture
+) -> None:
+    """CRIU refuses a process whose main thread has ended while its other threads have not (a
+    DataLoader worker ending at an epoch's end); the dump is taken again until it has ended, and
+    the job, preempted meanwhile, goes on as if never stopped."""
+    caplog.set_level(logging.INFO, logger="singularityd.checkpoint.criu")
+    job = _ending_child(work, "ending", jobs, 0.6)
+    cp = checkpointer_in(criu_info, work / "store")
+    r = asyncio.run(cp.checkpoint("ending", job.pid, owner_uid=0, owner_gid=0, leave_running=False))
+    assert "Zombies with threads" in caplog.text and "trying again" in caplog.text
+    assert wait_exit(job.pid, 10)
+    rr = asyncio.run(cp.restore_latest("ending"))
+    assert rr.seq == r.seq
+    track(jobs, rr.pid)
+    (work / "release").touch()
+    assert wait_exit(rr.pid, 30)
+    assert job.log().read_text() == "child\nreaped 0\ndone\n"
+
+
+@requires_root
+def test_a_process_whose_main_thread_ended_long_ago_fails_the_dump_clearly(
+    criu_info: CriuInfo, work: Path, jobs: list[int]
+) -> None:
+    """A main thread that called pthread_exit while others run on for good is refused after every
+    try, with CRIU's reason in words, and the job runs on."""
+    job = _ending_child(work, "stays", jobs, 300)
+    cp = checkpointer_in(criu_info, work / "store")
+    with pytest.raises(CheckpointError, match="main thread had ended while its other threads ran on"):
+        asyncio.run(cp.checkpoint("stays", job.pid, owner_uid=0, owner_gid=0, leave_running=False))
+    assert pid_alive(job.pid)
+    assert job.log().read_text() == "child\n"

@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import stat
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -33,6 +34,9 @@ PARASITE_PROC_DIR = "proc.crtools"
 """The directory CRIU's parasite makes, in the working directory of the init of a job whose PID
 namespace has no /proc of its own, to mount one there for the dump (then it removes it)."""
 PARASITE_PROC_CLASH = "Can't create a directory (-17)"
+EXITING_WITH_THREADS = "Zombies with threads are not supported"
+"""CRIU's refusal of a process whose main thread has ended while others have not: one that is
+ending (its threads are torn down one by one), or whose main thread called pthread_exit."""
 T = TypeVar("T")
 
 ERROR_HINTS: tuple[tuple[str, str], ...] = (
@@ -67,6 +71,10 @@ ERROR_HINTS: tuple[tuple[str, str], ...] = (
         PARASITE_PROC_CLASH,
         f"CRIU's {PARASITE_PROC_DIR} directory in the working directory of the job's init stayed taken",
     ),
+    (
+        EXITING_WITH_THREADS,
+        "a job process's main thread had ended while its other threads ran on, through every try",
+    ),
 )
 NOISE = ("rlimit: Can't setup RLIMIT_NOFILE",)
 
@@ -84,8 +92,18 @@ class CriuOptions:
     fork_retry_attempts: int = 10
     fork_retry_delay_s: float = 0.2
     proc_clash_attempts: int = 5
+    exiting_attempts: int = 10
+    exiting_delay_s: float = 0.2
     extra_dump_args: Sequence[str] = ()
     extra_restore_args: Sequence[str] = ()
+
+
+@dataclass(frozen=True)
+class Transient:
+    """A CRIU failure that passes: how many tries it gets in all, and what to await between."""
+
+    attempts: int
+    between: Callable[[], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -228,18 +246,19 @@ async def _run_retrying(
     log_file: Path,
     what: str,
     *,
-    transient: str,
-    attempts: int,
-    between: Callable[[], Awaitable[None]],
+    transient: Mapping[str, Transient],
     before: Callable[[], None] | None = None,
     started: Callable[[], None] | None = None,
     pass_fds: Sequence[int] = (),
 ) -> CriuRun:
-    """Run CRIU until it succeeds, trying again (up to `attempts` in all, awaiting `between` first)
-    while its log names the `transient` cause; CriuError with the log's reason otherwise.
-    `before` runs before each attempt, `started` once the first has started."""
+    """Run CRIU until it succeeds, trying again while its log names a `transient` cause (up to that
+    cause's attempts in all, awaiting its `between` first); CriuError with the log's reason
+    otherwise. `before` runs before each attempt, `started` once the first has started."""
     total = 0.0
-    for attempt in range(1, attempts + 1):
+    tries: Counter[str] = Counter()
+    attempt = 0
+    while True:
+        attempt += 1
         if before is not None:
             before()
         rc, out, err, wall = await _run_to_end(argv, pass_fds, started if attempt == 1 else None)
@@ -247,9 +266,14 @@ async def _run_retrying(
         if rc == 0:
             return CriuRun(out + err, total, attempt)
         criu_log = _read_log(log_file) or err
-        if transient not in criu_log or attempt == attempts:
+        cause = next((c for c in transient if c in criu_log), None)
+        if cause is None:
             break
-        await between()
+        tries[cause] += 1
+        if tries[cause] >= transient[cause].attempts:
+            break
+        log.info("%s failed (%s); trying again", what, summarize_log(criu_log))
+        await transient[cause].between()
     raise CriuError(f"{what} failed: {summarize_log(criu_log)}", log_file, rc)
 
 
@@ -259,25 +283,32 @@ async def _run_dump(
     what: str,
     *,
     pid: int,
-    attempts: int,
+    options: CriuOptions,
     started: Callable[[], None] | None = None,
 ) -> DumpStats:
     """Run a CRIU dump or pre-dump of the tree rooted at `pid`; its statistics, or CriuError with
     the log's reason.
 
-    CRIU's parasite makes a fixed-name directory in the working directory of the tree's root when
-    that root's /proc is not of its PID namespace, so two dumps at once of trees whose roots share
-    a working directory clash, and one killed at that moment leaves the directory behind: such a
-    dump is tried again (up to `attempts` in all), after removing a directory that stayed.
+    Two refusals pass, so such a dump is tried again. CRIU's parasite makes a fixed-name directory
+    in the working directory of the tree's root when that root's /proc is not of its PID namespace,
+    so two dumps at once of trees whose roots share a working directory clash, and one killed at
+    that moment leaves the directory behind: it is removed if it stays. And CRIU refuses a process
+    caught ending (its main thread gone, its other threads not yet), as a DataLoader worker is at
+    the end of each epoch: the dump is taken again a moment later.
     """
     stale = Path(f"/proc/{pid}/cwd") / PARASITE_PROC_DIR
     run = await _run_retrying(
         argv,
         log_file,
         what,
-        transient=PARASITE_PROC_CLASH,
-        attempts=attempts,
-        between=partial(remove_stale_parasite_dir, stale),
+        transient={
+            PARASITE_PROC_CLASH: Transient(
+                options.proc_clash_attempts, partial(remove_stale_parasite_dir, stale)
+            ),
+            EXITING_WITH_THREADS: Transient(
+                options.exiting_attempts, partial(asyncio.sleep, options.exiting_delay_s)
+            ),
+        },
         started=started,
     )
     return dump_stats_from(run.output, run.wall_s)
@@ -415,7 +446,7 @@ class Criu:
             log_file,
             f"dump of pid {pid}",
             pid=pid,
-            attempts=self.options.proc_clash_attempts,
+            options=self.options,
             started=started,
         )
 
@@ -444,9 +475,7 @@ class Criu:
         for inode in external_unix_inodes:
             argv += ["--external", f"unix[{inode}]"]
         argv += dump_mount_args(external_mounts or {})
-        return await _run_dump(
-            argv, log_file, f"pre-dump of pid {pid}", pid=pid, attempts=self.options.proc_clash_attempts
-        )
+        return await _run_dump(argv, log_file, f"pre-dump of pid {pid}", pid=pid, options=self.options)
 
     def restore_argv(
         self,
@@ -509,9 +538,11 @@ class Criu:
             argv,
             log_file,
             f"restore from {image_dir}",
-            transient=FORK_RETRY_PATTERN,
-            attempts=self.options.fork_retry_attempts,
-            between=partial(asyncio.sleep, self.options.fork_retry_delay_s),
+            transient={
+                FORK_RETRY_PATTERN: Transient(
+                    self.options.fork_retry_attempts, partial(asyncio.sleep, self.options.fork_retry_delay_s)
+                )
+            },
             before=forget_pid,
             pass_fds=sorted(set(fds.values())),
         )
