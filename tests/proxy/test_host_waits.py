@@ -7,6 +7,7 @@ peak of 4 spliced ranks, with the turns and without) are in test_dedup.py."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,23 @@ def moves(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> No
     are copied (forced here on the virtual device, so that both ways are tested)."""
     if request.param == "copied":
         monkeypatch.setattr(session_module, "_CAN_HAND_OVER", False)
+
+
+@pytest.fixture
+def state_fd(tmp_path: Path) -> Iterator[int]:
+    """An open, empty file for a save's device state (tmp_path / "state"), closed after the test."""
+    fd = os.open(tmp_path / "state", os.O_RDWR | os.O_CREAT, 0o600)
+    yield fd
+    os.close(fd)
+
+
+@pytest.fixture
+def saves(server: Server, state_fd: int) -> Iterator[Snapshots]:
+    """The server's saves, written by one thread; a save the test left open is aborted (its writer
+    stopped) before the state file closes."""
+    snapshots = Snapshots(server, copy_threads=1)
+    yield snapshots
+    snapshots.abort(JOB)
 
 
 def test_a_virtual_device_hands_its_memory_to_the_host_without_copying(server: Server) -> None:
@@ -197,7 +215,7 @@ def test_an_operation_that_overwrites_a_waiting_storage_brings_it_back_without_i
 
 @pytest.mark.usefixtures("moves")
 def test_a_pre_copy_meanwhile_a_rank_moves_its_storage_off_saves_its_bytes(
-    server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    server: Server, saves: Snapshots, state_fd: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A spliced rank that comes to wait while a checkpoint's pre-copy runs moves its storages to
     host memory and back (the pre-copy works beside the job's operations): the saved file still
@@ -216,22 +234,16 @@ def test_a_pre_copy_meanwhile_a_rank_moves_its_storage_off_saves_its_bytes(
         return flat
 
     monkeypatch.setattr(snapshot_module, "storage_bytes", rank_waits_meanwhile)
-    path = tmp_path / "state"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    saves = Snapshots(server, copy_threads=1)
-    try:
-        saves.prepare(JOB, fd, rounds=2, budget_s=30.0, stage=False)
-        monkeypatch.setattr(snapshot_module, "storage_bytes", read)
-        first.parked = second.parked = True
-        saves.capture(JOB, copy=True)
-        saves.finish(JOB, 30.0)
-    finally:
-        os.close(fd)
-    assert rank_0_loaded_from(path).view(torch.int32).equal(held.view(torch.int32))
+    saves.prepare(JOB, state_fd, rounds=2, budget_s=30.0, stage=False)
+    monkeypatch.setattr(snapshot_module, "storage_bytes", read)
+    first.parked = second.parked = True
+    saves.capture(JOB, copy=True)
+    saves.finish(JOB, 30.0)
+    assert rank_0_loaded_from(tmp_path / "state").view(torch.int32).equal(held.view(torch.int32))
 
 
 def test_a_pre_copy_keeps_what_it_reads_on_the_device_for_its_round_only(
-    server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    server: Server, saves: Snapshots, state_fd: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """While a pre-copy round writes its storages none of them may move to host memory (a rank
     that comes to wait keeps them on the device); once the round is over nothing is kept.
@@ -249,19 +261,14 @@ def test_a_pre_copy_keeps_what_it_reads_on_the_device_for_its_round_only(
         return storage_bytes(storage)
 
     monkeypatch.setattr(snapshot_module, "storage_bytes", noting)
-    fd = os.open(tmp_path / "state", os.O_RDWR | os.O_CREAT, 0o600)
-    saves = Snapshots(server, copy_threads=1)
-    try:
-        saves.prepare(JOB, fd, rounds=1, budget_s=30.0, stage=False)
-    finally:
-        saves.abort(JOB)
-        os.close(fd)
+    saves.prepare(JOB, state_fd, rounds=1, budget_s=30.0, stage=False)
+    saves.abort(JOB)
     assert kept_at_each_read == [[True, True, True]] * 3
     assert not server.memory.being_read
 
 
 def test_a_save_whose_file_is_not_written_in_time_stops_writing_before_the_job_goes_on(
-    server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    server: Server, saves: Snapshots, state_fd: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """When the daemon gives up waiting for a preemption's file (it then lets the job run again),
     the writer that reads the job's storages from the device has stopped by the time it hears so."""
@@ -273,17 +280,11 @@ def test_a_save_whose_file_is_not_written_in_time_stops_writing_before_the_job_g
             pass  # a write that takes longer than the daemon waits
 
     monkeypatch.setattr(snapshot_module.JobSave, "_write_rest", slow_write)
-    fd = os.open(tmp_path / "state", os.O_RDWR | os.O_CREAT, 0o600)
-    saves = Snapshots(server, copy_threads=1)
-    try:
-        first.parked = second.parked = True
-        saves.prepare(JOB, fd, rounds=0, budget_s=0.0, stage=False)
-        save = saves.saves[JOB]
-        saves.capture(JOB, copy=False)
-        with pytest.raises(TimeoutError):
-            saves.finish(JOB, 0.05)
-        assert save.writer is not None and not save.writer.is_alive()
-        assert JOB not in saves.saves
-    finally:
-        saves.abort(JOB)
-        os.close(fd)
+    first.parked = second.parked = True
+    saves.prepare(JOB, state_fd, rounds=0, budget_s=0.0, stage=False)
+    save = saves.saves[JOB]
+    saves.capture(JOB, copy=False)
+    with pytest.raises(TimeoutError):
+        saves.finish(JOB, 0.05)
+    assert save.writer is not None and not save.writer.is_alive()
+    assert JOB not in saves.saves
