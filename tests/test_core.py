@@ -94,16 +94,16 @@ def test_running_processes_are_watched_and_periodic_checkpoints_armed() -> None:
     launching = running(Activity(launching=True), checkpoint_interval=30.0)
     decision = decide(launching, ProcessesRunning(42, 1000), 0)
     assert decision.transition is None
-    assert decision.actions == (WatchProcesses(42, 1000), ArmPeriodicCheckpoint(30.0))
+    assert decision.actions == (WatchProcesses(42, 1000), ArmPeriodicCheckpoint(30.0), Reschedule())
     assert decision.activity == Activity()
     no_interval = decide(running(Activity(launching=True)), ProcessesRunning(42, 1000), 0)
-    assert no_interval.actions == (WatchProcesses(42, 1000),)
+    assert no_interval.actions == (WatchProcesses(42, 1000), Reschedule())
 
 
 def test_a_cancel_that_arrived_while_launching_is_carried_out_once_running() -> None:
     launching = running(Activity(launching=True), cancel_requested=True)
     decision = decide(launching, ProcessesRunning(42, 1000), 0)
-    assert decision.actions == (WatchProcesses(42, 1000), TerminateProcesses())
+    assert decision.actions == (WatchProcesses(42, 1000), TerminateProcesses(), Reschedule())
 
 
 def test_a_restore_notes_skipped_checkpoints_and_stops_a_job_its_proxies_refused() -> None:
@@ -113,6 +113,7 @@ def test_a_restore_notes_skipped_checkpoints_and_stops_a_job_its_proxies_refused
         Note("checkpoint 4 not used: fails its sha256 check"),
         Note("restored from checkpoint 3"),
         WatchProcesses(42, 1000),
+        Reschedule(),
     )
     broken = Restored(42, 1000, seq=3, problem="the device proxies did not resume the job: gone")
     stopped = decide(running(Activity(launching=True)), broken, 0)

@@ -116,3 +116,23 @@ def test_bad_elastic_requests_are_refused(daemon: Daemon) -> None:
         in daemon.sing("show", str(done)).out
     )
     assert "3 (2-3)" in daemon.sing("ps", "-a").out
+
+
+@requires_root
+@pytest.mark.timeout(300)
+def test_an_elastic_job_shrunk_by_hand_grows_back_into_the_devices_left_idle(daemon_root: Path) -> None:
+    """A resize by hand moves an elastic job within its range; the scheduler goes on managing it,
+    so devices that stay idle (nothing queued) are given back to it, as they are after a preemption
+    that resumes it on fewer devices than are free."""
+    with running_daemon(daemon_root, virtual_devices=2, config={"elastic_grow_seconds": 1.0}) as daemon:
+        release = daemon_root / "release"
+        wait = f"while [ ! -e {release} ]; do sleep 0.2; done"
+        job = daemon.submit("sh", "-c", wait, options=["--ranks", "2", "--min-gpus", "1", "--max-gpus", "2"])
+        try:
+            on_devices(daemon, job, 2)
+            assert daemon.sing("resize", str(job), "--gpus", "1").code == 0
+            on_devices(daemon, job, 2)
+        finally:
+            release.touch()
+        assert daemon.sing("wait", str(job), timeout=120).code == 0
+        assert resized_to(daemon, job) == [1, 2]

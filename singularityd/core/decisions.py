@@ -164,9 +164,11 @@ def _periodic(job: JobFacts) -> tuple[Action, ...]:
 
 
 def _running(job: JobFacts, pid: int, ticks: int) -> tuple[Action, ...]:
-    """What follows once the job's supervisor runs: watch it, arm checkpoints, honour a cancel."""
+    """What follows once the job's supervisor runs: watch it, arm checkpoints, honour a cancel, and
+    a scheduling round, since what the scheduler could not do with a starting job (grow it into
+    idle devices, preempt it for a waiting one) it may do now."""
     cancel: tuple[Action, ...] = (TerminateProcesses(),) if job.cancel_requested else ()
-    return (WatchProcesses(pid, ticks), *_periodic(job), *cancel)
+    return (WatchProcesses(pid, ticks), *_periodic(job), *cancel, Reschedule())
 
 
 def _ended(job: JobFacts, stimulus: Exited | ProcessesLost, now: float) -> Decision:
