@@ -5,7 +5,8 @@ cuda:0..n-1; every operation on them runs in the device's proxy server. Modules,
 protocol (what both sides agree on), channel (connection, batching, parking), devices (the
 process's devices), tensor (stand-ins and dispatch), transfers, randomness, mode (the
 torch-function mode: placement, factories, device-mix checks), cuda_surface (torch.cuda and
-torch.accelerator), serialization (torch.save / torch.load), composites (operators run whole),
+torch.accelerator), device_comm (nn.DataParallel's copies between devices), serialization
+(torch.save / torch.load), composites (operators run whole),
 compiler (torch.compile runs eagerly), located_warnings (warnings shown at the program's line),
 collectives (collectives on stand-ins, run by the servers), process_group (the "nccl" process
 group, DDP's buckets) and dtensors (DTensors of stand-ins). See docs/proxy.md.
@@ -41,7 +42,16 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     """Install the client: the devices, the torch patches and the global mode."""
     import torch
 
-    from . import compiler, composites, cuda_surface, dtensors, process_group, serialization, tensor
+    from . import (
+        compiler,
+        composites,
+        cuda_surface,
+        device_comm,
+        dtensors,
+        process_group,
+        serialization,
+        tensor,
+    )
     from .devices import DEVICES
     from .located_warnings import locate_warnings
     from .mode import DeviceMode, enter_in_new_threads
@@ -56,6 +66,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     cuda_surface.patch_cuda()
     cuda_surface.patch_accelerator()
     cuda_surface.patch_autocast()
+    device_comm.install()
     serialization.install()
     composites.install()
     compiler.patch_compile()

@@ -389,7 +389,7 @@ def install() -> None:
     dist.is_nccl_available = c10d.is_nccl_available = lambda: True
     dist.ProcessGroupNCCL = ProxyGroup
     torch.cuda.nccl.version = lambda: NCCL_VERSION
-    torch.cuda.nccl.is_available = lambda tensors: True
+    torch.cuda.nccl.is_available = lambda tensors: False  # its direct calls are not served: sums copy
     dist.Reducer = ProxyReducer
     special_ops.update(collectives.SPECIAL_OPS)
     namespace_ops.update(collectives.NAMESPACES)
