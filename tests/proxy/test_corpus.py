@@ -19,6 +19,7 @@ CORPUS: list[tuple[str, list[str], list[str]]] = [
     ("checkpointing.py", [], []),
     ("accelerator.py", [], []),
     ("long_train.py", ["--steps", "10"], ["--steps", "10"]),
+    ("legacy_gan.py", [], []),
 ]
 
 

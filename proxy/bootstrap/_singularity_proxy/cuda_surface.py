@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import protocol
+from . import legacy_types, protocol
 from .devices import DEVICES, device_index, memory_query, synchronize
 
 
@@ -170,6 +170,113 @@ def _init() -> None:
     DEVICES.initialized = True
 
 
+_STAT_FIGURES = (
+    tuple(
+        f"{metric}.{pool}.{figure}"
+        for metric in (
+            "allocated_bytes",
+            "active_bytes",
+            "requested_bytes",
+            "reserved_bytes",
+            "inactive_split_bytes",
+            "allocation",
+            "active",
+            "segment",
+            "inactive_split",
+        )
+        for pool in ("all", "large_pool", "small_pool")
+        for figure in ("current", "peak", "allocated", "freed")
+    )
+    + tuple(
+        f"{metric}.{figure}"
+        for metric in ("oversize_allocations", "oversize_segments")
+        for figure in ("current", "peak", "allocated", "freed")
+    )
+    + ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free")
+)
+"""Every figure of CUDA's `memory_stats`, which `memory_summary` reads (those the proxy server does
+not keep are 0)."""  # fmt: skip
+
+
+def _memory_stats(device: Any = None) -> dict[str, Any]:
+    """`torch.cuda.memory_stats`: the server's figures, in CUDA's full layout."""
+    stats = dict.fromkeys(_STAT_FIGURES, 0)
+    stats["max_split_size"] = -1
+    stats.update(memory_query(protocol.MEMORY_STATS, device))
+    return dict(sorted(stats.items()))
+
+
+def _set_memory_fraction(fraction: float, device: Any = None) -> None:
+    """`torch.cuda.set_per_process_memory_fraction`: checked as CUDA checks it; the daemon, not the
+    program, shares a device out."""
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+    device_index(device)
+
+
+class _Nvtx:
+    """torch.cuda.nvtx's ranges and marks, which only a profiler of the real device would see."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.started = 0
+
+    def range_push(self, msg: str) -> int:
+        self.depth += 1
+        return self.depth - 1
+
+    def range_pop(self) -> int:
+        self.depth = max(0, self.depth - 1)
+        return self.depth
+
+    def range_start(self, msg: str) -> int:
+        self.started += 1
+        return self.started
+
+    def range_end(self, range_id: int) -> None:
+        pass
+
+    def mark(self, msg: str) -> None:
+        pass
+
+
+def patch_stream_class() -> None:
+    """`torch.Stream(0)`, `torch.Stream("cuda")`: a proxied device's stream (torch's own asks the
+    C++ accelerator, of which a CPU build has none); a host stream stays torch's."""
+    host_stream = torch.Stream
+
+    class AcceleratorStream(host_stream):  # type: ignore[misc,valid-type]
+        def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> Any:
+            if device is None or isinstance(device, int) or torch.device(device).type == "cuda":
+                return Stream(device, priority)
+            return host_stream.__new__(cls, device, priority, **kwargs)
+
+    AcceleratorStream.__name__ = AcceleratorStream.__qualname__ = "Stream"
+    AcceleratorStream.__module__ = "torch"
+    torch.Stream = AcceleratorStream  # type: ignore[misc,assignment]
+
+
+def patch_record_stream() -> None:
+    """`Tensor.record_stream(stream)`: nothing to do for a cuda tensor, whose work runs in order (the
+    C++ method would refuse the stream before any dispatch: it is not torch's)."""
+    record_stream = torch.Tensor.record_stream
+
+    def recorded(self: torch.Tensor, stream: Any) -> None:
+        if self.is_cuda:
+            return None
+        return record_stream(self, stream)  # type: ignore[no-any-return]
+
+    torch.Tensor.record_stream = recorded  # type: ignore[method-assign,assignment]
+
+
+def patch_nvtx() -> None:
+    """Make torch.cuda.nvtx's functions (and its `range` context, built on them) work."""
+    nvtx = _Nvtx()
+    module = torch.cuda.nvtx
+    for name in ("range_push", "range_pop", "range_start", "range_end", "mark"):
+        setattr(module, name, getattr(nvtx, name))
+
+
 def _no_op(*args: Any, **kwargs: Any) -> None:
     return None
 
@@ -213,7 +320,8 @@ def patch_cuda() -> None:
         "max_memory_allocated": lambda device=None: memory_query(protocol.MEMORY_PEAK, device),
         "memory_reserved": lambda device=None: memory_query(protocol.MEMORY_ALLOCATED, device),
         "max_memory_reserved": lambda device=None: memory_query(protocol.MEMORY_PEAK, device),
-        "memory_stats": lambda device=None: memory_query(protocol.MEMORY_STATS, device),
+        "memory_stats": _memory_stats,
+        "set_per_process_memory_fraction": _set_memory_fraction,
         "mem_get_info": lambda device=None: memory_query(protocol.MEMORY_INFO, device),
         "reset_peak_memory_stats": lambda device=None: memory_query(protocol.MEMORY_RESET_PEAK, device),
         "reset_max_memory_allocated": lambda device=None: memory_query(protocol.MEMORY_RESET_PEAK, device),
@@ -254,6 +362,10 @@ def patch_cuda() -> None:
     if hasattr(torch._C, "_cuda_getDeviceCount"):
         torch._C._cuda_getDeviceCount = lambda: count
     torch.backends.cudnn.is_acceptable = lambda tensor: False
+    patch_nvtx()
+    patch_stream_class()
+    patch_record_stream()
+    legacy_types.install()
 
 
 def patch_accelerator() -> None:

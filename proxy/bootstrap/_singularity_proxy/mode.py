@@ -19,7 +19,7 @@ import torch
 from torch.overrides import TorchFunctionMode, handle_torch_function
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from . import protocol
+from . import legacy_types, protocol
 from .channel import CLIENT_LOCK, ReaderThread
 from .devices import DEVICES, device_index, same_device_error
 from .encoding import wire_arguments
@@ -129,6 +129,30 @@ def _cuda(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return to_device(source, index)
 
 
+def _device(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`torch.device(0)`: a bare index names the accelerator's device, a cuda one here."""
+    if len(args) == 1 and not kwargs:
+        return _as_device(args[0]) if isinstance(args[0], int) else func(*args)
+    return func(*args, **kwargs)
+
+
+def _type(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`Tensor.type`: a stand-in is named by its cuda legacy type, and a legacy type (a cuda one, or
+    the host's for a stand-in) converts as `.to` does."""
+    tensor = args[0]
+    spec = args[1] if len(args) > 1 else kwargs.get("dtype")
+    is_stand_in = isinstance(tensor, ProxyTensor)
+    if spec is None:
+        return legacy_types.type_name(tensor) if is_stand_in else func(*args, **kwargs)
+    target = legacy_types.type_target(spec)
+    if target is None or not (target[0] or is_stand_in):
+        return func(*args, **kwargs)
+    on_cuda, dtype = target
+    device = (tensor.device if is_stand_in else "cuda") if on_cuda else "cpu"
+    non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+    return _to(_Tensor.to, (tensor,), {"device": device, "dtype": dtype, "non_blocking": non_blocking})
+
+
 def _cpu(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     if isinstance(args[0], ProxyTensor):
         return to_host(args[0])
@@ -210,10 +234,6 @@ def _pin_memory(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
 
 def _is_pinned(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return False
-
-
-def _untouched(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    return func(*args, **kwargs)
 
 
 _SERVER_FACTORIES = {getattr(torch, name) for name in protocol.SERVER_FACTORIES}
@@ -325,7 +345,8 @@ _METHODS: dict[Any, Callable[[Any, Sequence[Any], dict[str, Any]], Any]] = {
     _Tensor.new_tensor: _new_tensor,
     _Tensor.pin_memory: _pin_memory,
     _Tensor.is_pinned: _is_pinned,
-    _Tensor.type: _untouched,
+    _Tensor.type: _type,
+    torch.device: _device,
 }
 
 _MIXING_ALLOWED = {
