@@ -3,7 +3,8 @@
 A pre-copy of device state (snapshot.py) trusts a tensor's version counter to change whenever its
 bytes do. Most kernels bump it themselves through autograd's in-place bookkeeping; some (fused
 optimizers, for one) do not, so the executor bumps it after each operation for every argument the
-schema marks written (`Tensor(a!)`, `Tensor(a!)[]`). The same arguments are the ones a session must
+schema marks written (`Tensor(a!)`, `Tensor(a!)[]`), and for the running statistics of a BatchNorm
+in training, which its schema does not mark. The same arguments are the ones a session must
 own before the operation runs, where it shares their storage with other sessions (dedup.py): an
 in-place pointwise operator, or one that overwrites its argument (`copy_`), on the whole of a
 shared storage can instead run out of place (`out_of_place`), into a new storage that then becomes
@@ -31,6 +32,12 @@ OVERWRITING: frozenset[Any] = frozenset(
     )
 )
 """Operators that write every element of their first argument without reading it."""
+RUNNING_STATS_WRITERS: frozenset[str] = frozenset(
+    ("aten::native_batch_norm", "aten::batch_norm", "aten::_batch_norm_impl_index", "aten::cudnn_batch_norm",
+     "aten::miopen_batch_norm")
+)  # fmt: skip
+"""BatchNorm's operators whose schema hides a write: in training (argument 5) they update their
+running mean and variance (arguments 3 and 4) in place."""
 
 
 def written_arguments(operator: Any) -> tuple[tuple[int, str], ...]:
@@ -90,12 +97,22 @@ def _on_new_tensor(operator: Any, target: torch.Tensor, *args: Any, **kwargs: An
 
 
 def written_tensors(operator: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
-    """The tensors among an operator's arguments that its schema says it writes."""
+    """The tensors among an operator's arguments that it writes: those its schema marks, and the
+    running statistics a BatchNorm in training updates (RUNNING_STATS_WRITERS)."""
     for position, name in written_arguments(operator):
         value = args[position] if position < len(args) else kwargs.get(name)
         for tensor in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(tensor, torch.Tensor):
                 yield tensor
+    if operator._schema.name in RUNNING_STATS_WRITERS and _argument(args, kwargs, 5, "training"):
+        for position, name in ((3, "running_mean"), (4, "running_var")):
+            stats = _argument(args, kwargs, position, name)
+            if isinstance(stats, torch.Tensor):
+                yield stats
+
+
+def _argument(args: Sequence[Any], kwargs: dict[str, Any], position: int, name: str) -> Any:
+    return args[position] if position < len(args) else kwargs.get(name)
 
 
 def note_writes(operator: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
