@@ -59,7 +59,8 @@ def same(first: object, second: object) -> bool:
 @requires_root
 @pytest.mark.timeout(900)
 def test_a_lightning_job_resized_and_preempted_runs_exactly_as_on_four_devices(daemon_root: Path) -> None:
-    with running_daemon(daemon_root, virtual_devices=RANKS) as daemon:
+    keep_sizes = {"elastic_grow_seconds": 3600.0}  # only the test's resizes: the scheduler grows none
+    with running_daemon(daemon_root, virtual_devices=RANKS, config=keep_sizes) as daemon:
         expected = run_job(
             daemon,
             "lightning_train.py",
