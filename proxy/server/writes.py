@@ -38,6 +38,8 @@ RUNNING_STATS_WRITERS: frozenset[str] = frozenset(
 )  # fmt: skip
 """BatchNorm's operators whose schema hides a write: in training (argument 5) they update their
 running mean and variance (arguments 3 and 4) in place."""
+_RUNNING_STATS: dict[Any, bool] = {}
+"""Operator -> whether it is one of RUNNING_STATS_WRITERS."""
 
 
 def written_arguments(operator: Any) -> tuple[tuple[int, str], ...]:
@@ -100,15 +102,23 @@ def written_tensors(operator: Any, args: Sequence[Any], kwargs: dict[str, Any]) 
     """The tensors among an operator's arguments that it writes: those its schema marks, and the
     running statistics a BatchNorm in training updates (RUNNING_STATS_WRITERS)."""
     for position, name in written_arguments(operator):
-        value = args[position] if position < len(args) else kwargs.get(name)
+        value = _argument(args, kwargs, position, name)
         for tensor in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(tensor, torch.Tensor):
                 yield tensor
-    if operator._schema.name in RUNNING_STATS_WRITERS and _argument(args, kwargs, 5, "training"):
+    if _writes_running_stats(operator) and _argument(args, kwargs, 5, "training"):
         for position, name in ((3, "running_mean"), (4, "running_var")):
             stats = _argument(args, kwargs, position, name)
             if isinstance(stats, torch.Tensor):
                 yield stats
+
+
+def _writes_running_stats(operator: Any) -> bool:
+    """Whether an operator is one of RUNNING_STATS_WRITERS (cached per operator: a hot path)."""
+    found = _RUNNING_STATS.get(operator)
+    if found is None:
+        found = _RUNNING_STATS[operator] = operator._schema.name in RUNNING_STATS_WRITERS
+    return found
 
 
 def _argument(args: Sequence[Any], kwargs: dict[str, Any], position: int, name: str) -> Any:
