@@ -127,6 +127,30 @@ def test_ddp_four_ranks_preempted_five_times_is_exact(daemon_root: Path) -> None
         assert sum(r.startswith("restored from checkpoint") for r in reasons) == 5
 
 
+@requires_root
+@pytest.mark.timeout(900)
+def test_a_job_preempted_while_a_rank_is_late_to_a_rooted_collective_is_exact(daemon_root: Path) -> None:
+    """Rank 1 is late to a broadcast, scatter, gather or reduce whose other side needs nothing from
+    it, and the job is preempted then: restored, the collective completes and both ranks print what
+    an undisturbed run prints. (A server that had completed it for rank 0 alone would leave rank 1
+    waiting forever for data that the checkpoint did not hold.)"""
+    with running_daemon(daemon_root, virtual_devices=2) as daemon:
+        for kind in ("broadcast", "scatter", "gather", "reduce"):
+            expected = run_job(daemon, "late_rank.py", ["--kind", kind], ranks=2, gpus=2)
+            late = daemon_root / f"late-{kind}"
+            job = submit(daemon, "late_rank.py", ["--kind", kind, "--late-until", str(late)], ranks=2, gpus=2)
+            logs = rank_logs(daemon, job, 2)
+            while not all("reaches step" in log for log in logs):
+                time.sleep(0.1)
+                logs = rank_logs(daemon, job, 2)
+            time.sleep(0.5)  # rank 0 goes into the collective meanwhile
+            assert daemon.sing("preempt", str(job)).code == 0
+            daemon.wait_state(job, "RUNNING", timeout=300)
+            late.touch()
+            assert daemon.sing("wait", str(job), timeout=120).code == 0, (kind, rank_logs(daemon, job, 2))
+            assert printed(rank_logs(daemon, job, 2)) == expected, kind
+
+
 def test_a_crashing_rank_fails_the_job(daemon: Daemon) -> None:
     """Rank 1 dies mid-training: the job fails with its exit code and reason, no rank hangs."""
     options = [*JOB_OPTIONS, "--ranks", "2", "--gpus", "2"]

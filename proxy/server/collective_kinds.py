@@ -22,6 +22,8 @@ import torch
 from .collectives import Exchange
 
 Key = tuple[Any, ...]
+Offer = tuple[Sequence[int], torch.Tensor]
+"""A part of this server's data and the servers it goes to."""
 
 
 def flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -109,9 +111,7 @@ _COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
 }
 
 
-def exchange(
-    x: Exchange, offers: Mapping[Any, tuple[Sequence[int], torch.Tensor]], needs: set[Any]
-) -> dict[Key, torch.Tensor]:
+def exchange(x: Exchange, offers: Mapping[Any, Offer], needs: set[Any]) -> dict[Key, torch.Tensor]:
     """Send each offered part to the servers listed with it; every needed part, local or received."""
     for key, (servers, tensor) in offers.items():
         for server in sorted(set(servers)):
@@ -119,6 +119,21 @@ def exchange(
                 x.send(server, key, tensor)
     received = x.wait({key for key in needs if key not in offers})
     return {key: offers[key][1] if key in offers else received[key] for key in needs}
+
+
+def with_arrivals(
+    x: Exchange, offers: Mapping[Key, Offer], needs: set[Key]
+) -> tuple[dict[Key, Offer], set[Key]]:
+    """These offers and needs, plus a mark from every member that it has reached the collective.
+
+    For kinds where a server needs no data from some others (a broadcast's or scatter's root, the
+    members of a gather or reduce that are not its root): without the marks that server would
+    complete while another has not reached the collective, and a checkpoint taken then would hold
+    a collective complete for one rank and not started for another (collectives.py, consistent cuts).
+    """
+    empty = torch.empty(0, dtype=torch.uint8)
+    marks = {("m", rank): (x.servers, empty) for rank in x.local}
+    return {**offers, **marks}, needs | {("m", rank) for rank in range(x.size)}
 
 
 def _count(x: Exchange, name: str) -> int:
@@ -219,7 +234,7 @@ def broadcast(x: Exchange) -> None:
     offers = {}
     if root in x.params:
         offers = {("c", i, root): (x.servers, flat(t)) for i, t in enumerate(x.params[root]["tensors"])}
-    parts = exchange(x, offers, {("c", i, root) for i in range(count)})
+    parts = exchange(x, *with_arrivals(x, offers, {("c", i, root) for i in range(count)}))
     with x.device_lock:
         for rank in x.local:
             if rank != root:
@@ -238,6 +253,8 @@ def _gathered(x: Exchange, only_to: int | None = None) -> dict[Key, torch.Tensor
     }
     wanted = only_to is None or only_to in x.params
     needs = {("c", i, rank) for i in range(count) for rank in range(x.size)} if wanted else set()
+    if only_to is not None:
+        return exchange(x, *with_arrivals(x, offers, needs))
     return exchange(x, offers, needs)
 
 
@@ -281,7 +298,7 @@ def scatter(x: Exchange) -> None:
             _check_list(inputs, x.size, "input")
             for target, tensor in enumerate(inputs):
                 offers[("c", i, target)] = ([x.placement[target]], flat(tensor))
-    parts = exchange(x, offers, {("c", i, rank) for i in range(count) for rank in x.local})
+    parts = exchange(x, *with_arrivals(x, offers, {("c", i, rank) for i in range(count) for rank in x.local}))
     with x.device_lock:
         for rank in x.local:
             for i, output in enumerate(x.params[rank]["outputs"]):
@@ -292,16 +309,17 @@ def _reduce_blocks(
     x: Exchange, block: Callable[[int, int, int], torch.Tensor], targets: list[int], count: int
 ) -> dict[tuple[int, int], torch.Tensor]:
     """Fold block(rank, i, t) of every member for each target group rank t, where t runs: {(i, t): result}."""
-    offers = {
+    offers: dict[Key, Offer] = {
         ("a", i, target, rank): ([x.placement[target]], flat(block(rank, i, target)))
         for rank in x.local
         for i in range(count)
         for target in targets
     }
     mine = [target for target in targets if target in x.params]
-    parts = exchange(
-        x, offers, {("a", i, t, rank) for i in range(count) for t in mine for rank in range(x.size)}
-    )
+    needs = {("a", i, t, rank) for i in range(count) for t in mine for rank in range(x.size)}
+    if len(targets) < x.size:
+        offers, needs = with_arrivals(x, offers, needs)
+    parts = exchange(x, offers, needs)
     with x.device_lock:
         return {
             (i, t): fold([parts[("a", i, t, rank)] for rank in range(x.size)], x.op, x.factor, x.size)
@@ -379,10 +397,7 @@ def alltoall(x: Exchange) -> None:
 
 def barrier(x: Exchange) -> None:
     """Completes once every member has reached it."""
-    empty = torch.empty(0, dtype=torch.uint8)
-    exchange(
-        x, {("m", rank): (x.servers, empty) for rank in x.local}, {("m", rank) for rank in range(x.size)}
-    )
+    exchange(x, *with_arrivals(x, {}, set()))
 
 
 def _check_list(tensors: Any, size: int, what: str) -> None:

@@ -17,8 +17,9 @@ How an instance (job, group, seq) runs on one server:
    ended before reaching it (PEER_GONE tells how far each ended rank got), or a server it needs
    is gone. Nothing waits for a dead rank.
 
-Consistent cut: an instance's outputs are written only once every member has arrived, and then
-it completes everywhere without waiting for anything else. So when every session of the job is
+Consistent cut: no server completes an instance before every member has arrived, not even one
+that needs no data from the others (a broadcast's root: collective_kinds.with_arrivals), and
+then it completes everywhere without waiting for anything else. So when every session of the job is
 idle (runner.Runner.idle) and no link message is in flight (`settle`), each instance is either
 complete for all its members or not started for any (its collective is still first in the
 waiting sessions' queues, which the checkpoint saves); the pieces already received for such an
