@@ -27,7 +27,8 @@ from pathlib import Path
 from singularityd import __version__
 from singularityd.api.server import ApiServer
 from singularityd.checkpoint import Checkpointer, CheckpointUnavailable, Criu, ImageStore, locate_criu
-from singularityd.checkpoint.coordinator import Checkpoints, CriuStatus, JobCheckpoints, NoCheckpoints
+from singularityd.checkpoint.coordinator import JobCheckpoints
+from singularityd.checkpoint.interface import Checkpoints, CriuStatus, NoCheckpoints
 from singularityd.checkpoint.precheck import CAP_SYS_RESOURCE, have_capability
 from singularityd.checkpoint.staging import RECORD_NAME, StagingArea, remove_recorded
 from singularityd.config import (

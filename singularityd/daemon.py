@@ -21,8 +21,8 @@ from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from typing import Any
 
-from singularityd.checkpoint.coordinator import Checkpoints, CheckpointTaken, PauseHooks
 from singularityd.checkpoint.errors import CheckpointError
+from singularityd.checkpoint.interface import Checkpoints, CheckpointTaken, PauseHooks
 from singularityd.config import Config
 from singularityd.core.actions import (
     Action,

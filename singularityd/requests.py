@@ -16,7 +16,7 @@ from pathlib import Path
 
 from singularityd import __version__
 from singularityd.api.protocol import DaemonFacts, DeviceFacts, LiveFacts
-from singularityd.checkpoint.coordinator import CheckpointTaken, StoredCheckpoint
+from singularityd.checkpoint.interface import CheckpointTaken, StoredCheckpoint
 from singularityd.core.actions import TakeCheckpoint
 from singularityd.core.decisions import CheckpointUnderway, Decision, StillLaunching
 from singularityd.core.states import InvalidTransition

@@ -17,7 +17,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from singularityd.checkpoint.coordinator import (
+from singularityd.checkpoint.errors import CheckpointError
+from singularityd.checkpoint.interface import (
     CheckpointTaken,
     CheckpointTarget,
     CriuStatus,
@@ -25,7 +26,6 @@ from singularityd.checkpoint.coordinator import (
     Restoration,
     StoredCheckpoint,
 )
-from singularityd.checkpoint.errors import CheckpointError
 from singularityd.config import Config
 from singularityd.core.decisions import PREEMPTION_BACKOFF_SECONDS, Activity
 from singularityd.core.states import JobState

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from singularityd.checkpoint.coordinator import CheckpointTaken, StoredCheckpoint
+from singularityd.checkpoint.interface import CheckpointTaken, StoredCheckpoint
 from singularityd.devices.access import DeviceHealth
 from singularityd.devices.inventory import Device
 from singularityd.federation.facts import ClusterJobs, JoinInfo, MoveFacts, MoveReport, PeersView

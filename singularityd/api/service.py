@@ -17,7 +17,7 @@ import grpc
 from singularityd.api.protocol import DeviceFacts, JobService
 from singularityd.api.v1 import singularity_pb2 as pb
 from singularityd.api.v1 import singularity_pb2_grpc as pb_grpc
-from singularityd.checkpoint.coordinator import StoredCheckpoint
+from singularityd.checkpoint.interface import StoredCheckpoint
 from singularityd.errors import (
     InvalidRequest,
     NotFound,

@@ -1,10 +1,9 @@
 """Checkpoints of whole jobs: CRIU for the processes, the device proxies for device state.
 
-`Checkpoints` is what the daemon needs: take a checkpoint of a running job (quiescing its
-devices, dumping its tree, then releasing or resuming its devices), restore one (loading device
-state and reconnecting the restored processes to their proxies), and say what a job has on disk.
-`JobCheckpoints` does it with CRIU; `NoCheckpoints` stands in, with the reason, where CRIU
-cannot work, so the daemon never branches on whether checkpoints exist.
+`JobCheckpoints` is the daemon's `Checkpoints` (interface.py) where CRIU works: it takes a
+checkpoint of a running job (quiescing its devices, dumping its tree, then releasing or resuming
+its devices), restores one (loading device state and reconnecting the restored processes to
+their proxies), and says what a job has on disk.
 """
 
 from __future__ import annotations
@@ -14,20 +13,26 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from singularityd import faults
 from singularityd.checkpoint.criu import DumpStats
 from singularityd.checkpoint.errors import CheckpointError, CriuError, DeviceConnectedMeanwhile, JobEnded
 from singularityd.checkpoint.hashing import PrefixHash, hash_prefixes
+from singularityd.checkpoint.interface import (
+    CheckpointTaken,
+    CheckpointTarget,
+    CriuStatus,
+    PauseHooks,
+    Restoration,
+    StoredCheckpoint,
+)
 from singularityd.checkpoint.interrupted import settle_interrupted
 from singularityd.checkpoint.manifest import IMAGES_DIR, MANIFEST_NAME, Manifest
 from singularityd.checkpoint.pause import (
     DeviceSaveFigures,
-    Downtime,
     Pause,
     RestoreParts,
     downtime,
@@ -53,103 +58,6 @@ log = logging.getLogger(__name__)
 CONNECTION_RACE_ATTEMPTS = 3
 """How often a checkpoint is tried while the job's processes keep connecting to devices during it."""
 
-BeforePause = Callable[[Path], Awaitable[None]]
-"""Awaited with a checkpoint's images folder once its device state is pre-copied, before the pause."""
-
-
-@dataclass(frozen=True)
-class PauseHooks:
-    """What a caller runs with a checkpoint's images folder: `before_pause`, awaited once the
-    device state is pre-copied, the job still running (a move sends that part then); `once_dumped`,
-    called as soon as CRIU has returned from a stopping dump, while the manifest is still being
-    hashed (a move begins its process images' changes then); it must not block."""
-
-    before_pause: BeforePause | None = None
-    once_dumped: Callable[[Path], None] | None = None
-
-
-@dataclass(frozen=True)
-class CriuStatus:
-    """Whether checkpoints can work here, with the binary used or the reason they cannot."""
-
-    path: str
-    version: str
-    unavailable_reason: str
-
-
-@dataclass(frozen=True)
-class CheckpointTarget:
-    """A running job to checkpoint: its supervisor, owner, devices and append-only logs."""
-
-    job_id: int
-    pid: int
-    uid: int
-    gid: int
-    devices: tuple[int, ...]
-    rewind_paths: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class CheckpointTaken:
-    """A complete checkpoint as the daemon reports it; `summary` is the text of its event.
-
-    `pause_s` is what the job lost (see checkpoint/pause.py), `complete_s` the time from the start
-    of the pause until the manifest was written."""
-
-    seq: int
-    created_at: float
-    image_bytes: int
-    pause_s: float
-    summary: str
-    complete_s: float = 0.0
-    stopped: bool = False
-    precopied_bytes: int = 0
-    paused_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class StoredCheckpoint:
-    """One of a job's checkpoint folders: complete (with a readable manifest) or not, and its pause.
-
-    `pause` is what taking it cost the job (None when incomplete or taken before pauses were
-    recorded: then `frozen_s`, CRIU's freeze, is all that is known).
-    """
-
-    seq: int
-    created_at: float
-    image_bytes: int
-    complete: bool
-    pause: Pause | None = None
-    frozen_s: float = 0.0
-    stop: Mapping[str, Any] | None = None
-    """For a checkpoint that stopped the job: what for (core.lost_processes.StopPurpose's form)."""
-
-    @property
-    def pause_s(self) -> float:
-        """How long the job could not make progress for it (0 when unknown or incomplete)."""
-        return self.pause.seconds if self.pause else self.frozen_s
-
-    @property
-    def complete_s(self) -> float:
-        """From the start of its pause until its manifest was written (0 when unknown)."""
-        return max(0.0, self.created_at - self.pause.began_at) if self.pause else 0.0
-
-
-@dataclass(frozen=True)
-class Restoration:
-    """A job's processes restored: the root's host PID, the checkpoint used, the newer ones skipped.
-
-    `problem` says why the job cannot go on although its processes run (the device proxies did
-    not take them back); empty when all is well.
-    """
-
-    pid: int
-    seq: int
-    skipped: tuple[tuple[int, str], ...] = ()
-    problem: str = ""
-    downtime: Downtime | None = None
-    parts: RestoreParts | None = None
-
 
 def checkpoint_summary(result: CheckpointResult, pause: Pause, complete_s: float) -> str:
     """What an event says about a checkpoint: its number, size, the pause and pre-copy."""
@@ -169,123 +77,6 @@ def manifest_pause(manifest: Manifest) -> Pause | None:
     """The pause a checkpoint's manifest records (None for checkpoints that predate it)."""
     raw = manifest.stats.get("pause")
     return Pause.from_dict(raw) if isinstance(raw, Mapping) else None
-
-
-class Checkpoints(Protocol):
-    """What the daemon needs to checkpoint and restore jobs."""
-
-    status: CriuStatus
-
-    @property
-    def available(self) -> bool:
-        """Whether checkpoints can be taken here."""
-
-    def has_checkpoint(self, job_id: int) -> bool:
-        """Whether the job has a complete checkpoint (verified only when restoring)."""
-
-    def usage(self, job_id: int) -> tuple[int, int]:
-        """How many checkpoints the job has and the bytes they take on disk."""
-
-    def listing(self, job_id: int) -> list[StoredCheckpoint]:
-        """Each of the job's checkpoint folders, oldest first."""
-
-    def latest(self, job_id: int) -> StoredCheckpoint | None:
-        """The job's newest complete checkpoint, or None when it has none."""
-
-    async def take(
-        self,
-        target: CheckpointTarget,
-        *,
-        stop: bool,
-        reason: str,
-        hooks: PauseHooks | None = None,
-        purpose: Mapping[str, Any] | None = None,
-    ) -> CheckpointTaken:
-        """Checkpoint the job (stopping it when `stop`); CheckpointError says why it failed.
-
-        `hooks` are run with the images folder (see PauseHooks). `purpose` (small JSON: why a
-        stopping dump stops the job) is kept with the dump's intent and manifest, so a daemon
-        killed before it stored the job's new state finds it (core.lost_processes)."""
-
-    async def restore(
-        self,
-        job_id: int,
-        devices: tuple[int, ...],
-        logical: int | None = None,
-        known_digests: KnownDigests | None = None,
-    ) -> Restoration:
-        """Restore the job onto these devices, seen as `logical` ones; CheckpointError says why it
-        could not be. `known_digests`: files hashed as they arrived (see Checkpointer.restore_latest)."""
-
-    async def resume_parked(self, job_id: int, devices: tuple[int, ...]) -> None:
-        """Let go a job a killed daemon may have left parked in its proxies mid-checkpoint."""
-
-    async def settle_interrupted(self, job_id: int) -> str:
-        """Record or remove a dump that stops the job, cut short by the daemon's death (see
-        checkpoint.interrupted); what was done, '' when there was none."""
-
-    def close(self) -> None:
-        """Let go of what checkpoints hold while the daemon runs (the daemon stops)."""
-
-
-class NoCheckpoints:
-    """Checkpoints cannot work here; every attempt fails with the reason."""
-
-    def __init__(self, status: CriuStatus) -> None:
-        self.status = status
-
-    @property
-    def available(self) -> bool:
-        """Never."""
-        return False
-
-    def has_checkpoint(self, job_id: int) -> bool:
-        """No checkpoint can be used here."""
-        return False
-
-    def usage(self, job_id: int) -> tuple[int, int]:
-        """Nothing is counted."""
-        return 0, 0
-
-    def listing(self, job_id: int) -> list[StoredCheckpoint]:
-        """Nothing is listed."""
-        return []
-
-    def latest(self, job_id: int) -> StoredCheckpoint | None:
-        """There is none."""
-        return None
-
-    async def take(
-        self,
-        target: CheckpointTarget,
-        *,
-        stop: bool,
-        reason: str,
-        hooks: PauseHooks | None = None,
-        purpose: Mapping[str, Any] | None = None,
-    ) -> CheckpointTaken:
-        """Always fails, saying why."""
-        raise CheckpointError(f"checkpoints are unavailable here: {self.status.unavailable_reason}")
-
-    async def restore(
-        self,
-        job_id: int,
-        devices: tuple[int, ...],
-        logical: int | None = None,
-        known_digests: KnownDigests | None = None,
-    ) -> Restoration:
-        """Always fails, saying why."""
-        raise CheckpointError(f"checkpoints are unavailable here: {self.status.unavailable_reason}")
-
-    async def resume_parked(self, job_id: int, devices: tuple[int, ...]) -> None:
-        """Nothing was parked by a checkpoint."""
-
-    async def settle_interrupted(self, job_id: int) -> str:
-        """No dump was ever started here."""
-        return ""
-
-    def close(self) -> None:
-        """Nothing is held."""
 
 
 class JobCheckpoints:

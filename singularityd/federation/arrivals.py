@@ -32,10 +32,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from singularityd import faults
-from singularityd.checkpoint.coordinator import Checkpoints, JobCheckpoints
+from singularityd.checkpoint.coordinator import JobCheckpoints
 from singularityd.checkpoint.criu import LEAVE_STOPPED, Criu
 from singularityd.checkpoint.errors import CheckpointError
 from singularityd.checkpoint.hashing import hash_open_files, open_for_hashing
+from singularityd.checkpoint.interface import Checkpoints
 from singularityd.checkpoint.manifest import ManifestError, digest_problems
 from singularityd.checkpoint.precheck import tree_pids
 from singularityd.checkpoint.service import Checkpointer, KnownDigests

@@ -19,8 +19,9 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from singularityd.checkpoint.coordinator import JobCheckpoints, PauseHooks
+from singularityd.checkpoint.coordinator import JobCheckpoints
 from singularityd.checkpoint.errors import CheckpointError
+from singularityd.checkpoint.interface import PauseHooks
 from singularityd.checkpoint.manifest import MANIFEST_NAME, parse_seq_dir_name
 from singularityd.checkpoint.store import ImageStore
 from singularityd.core.actions import TakeCheckpoint

@@ -11,7 +11,7 @@ import asyncio
 import signal
 from dataclasses import dataclass, field
 
-from singularityd.checkpoint.coordinator import CheckpointTaken
+from singularityd.checkpoint.interface import CheckpointTaken
 from singularityd.core.decisions import Activity
 from singularityd.jobs.processes import Watch
 

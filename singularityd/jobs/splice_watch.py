@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING
 
 from singularity.proxy.control import splice_refusal
-from singularityd.checkpoint.coordinator import CheckpointTaken
+from singularityd.checkpoint.interface import CheckpointTaken
 from singularityd.core.actions import TakeCheckpoint
 from singularityd.core.states import InvalidTransition, JobState
 from singularityd.core.stimuli import PreemptRequested, ResizeRequested

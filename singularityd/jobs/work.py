@@ -7,8 +7,8 @@ finished tasks back to their state machine).
 
 from __future__ import annotations
 
-from singularityd.checkpoint.coordinator import Checkpoints, CheckpointTaken, CheckpointTarget, PauseHooks
 from singularityd.checkpoint.errors import CheckpointError, JobEnded
+from singularityd.checkpoint.interface import Checkpoints, CheckpointTaken, CheckpointTarget, PauseHooks
 from singularityd.core.actions import TakeCheckpoint
 from singularityd.core.lost_processes import StopPurpose
 from singularityd.core.stimuli import (
