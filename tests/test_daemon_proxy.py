@@ -303,6 +303,28 @@ def test_devices_show_proxy_sessions_and_jobs_their_last_checkpoint(daemon_root:
 
 
 @requires_root
+def test_the_first_kernel_after_a_restore_computes_what_it_computes_undisturbed(daemon_root: Path) -> None:
+    """A job preempted while it waits runs a matrix product first on its restored proxy server:
+    the product has the bytes it has undisturbed. (A server's new session thread ran its first
+    kernels with OpenMP's default thread count, the machine's cores, instead of the server's
+    one until some kernel asked torch for it: on a machine of 2 cores or more the product's low
+    bits differed.)"""
+    release = daemon_root / "release"
+    with running_daemon(daemon_root, virtual_devices=1) as daemon:
+        undisturbed = daemon.submit(PYTHON, "first_kernel.py", options=JOB_OPTIONS)
+        assert daemon.sing("wait", str(undisturbed), timeout=300).code == 0
+        expected = daemon.sing("logs", str(undisturbed)).out
+        assert "product " in expected, expected
+        job = daemon.submit(PYTHON, "first_kernel.py", "--hold", str(release), options=JOB_OPTIONS)
+        wait_until(lambda: "ready" in daemon.sing("logs", str(job)).out, timeout=300)
+        assert daemon.sing("preempt", str(job)).code == 0
+        daemon.wait_state(job, "RUNNING")
+        release.touch()
+        assert daemon.sing("wait", str(job), timeout=300).code == 0
+        assert daemon.sing("logs", str(job)).out == expected
+
+
+@requires_root
 def test_a_data_parallel_job_preempted_and_moved_runs_as_if_never_stopped(daemon_root: Path) -> None:
     """`nn.DataParallel` over a job's 2 devices (each host batch scattered, the model replicated to
     the second device every step and run there in a thread, gradients summed on the first,

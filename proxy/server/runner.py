@@ -224,6 +224,7 @@ class Runner:
     # -- the executor thread -----------------------------------------------------------------------
     def _loop(self) -> None:
         torch.set_grad_enabled(True)  # some kernels (mkldnn RNN) keep state only then
+        pin_intra_op_threads()
         while True:
             with self.cond:
                 # no notify while waiting: two idle sessions' threads would wake each other forever
@@ -322,3 +323,14 @@ class Runner:
         except Exception as e:
             with contextlib.suppress(OSError):
                 connection.send(protocol.ERROR, exception_info(e))
+
+
+def pin_intra_op_threads() -> None:
+    """Give the calling thread the server's intra-op thread count (torch.set_num_threads).
+
+    torch gives a new thread that count only once it asks for it; until then kernels such as
+    `mm` run with OpenMP's default, and their low bits depend on how many threads computed them.
+    A session's thread would then compute differently from the one before a checkpoint until
+    some kernel asked, and a restored job would not be exact.
+    """
+    torch.get_num_threads()
