@@ -1,7 +1,7 @@
-"""Makes two operands on the device (and runs a kernel over many elements), waits with nothing queued (`--hold FILE`: until FILE exists),
-then runs a matrix product of a transposed operand as its first operation after the wait and
-prints a hash of its bytes. A checkpoint taken during the wait makes that product the first
-kernel its restored proxy server runs for the process."""
+"""Makes two operands on the device (and runs a kernel over many elements), waits with nothing
+queued (`--hold FILE`: until FILE exists), then runs a matrix product of a transposed operand as
+its first operation after the wait and prints a hash of its bytes. A checkpoint taken during the
+wait makes that product the first kernel its restored proxy server runs for the process."""
 
 import argparse
 import hashlib
