@@ -28,6 +28,7 @@ from singularityd.core.actions import (
     Action,
     ArmPeriodicCheckpoint,
     CountRestart,
+    DiscardCheckpoints,
     LaunchProcesses,
     MarkCancelRequested,
     Note,
@@ -66,6 +67,7 @@ from singularityd.jobs.record import JobRuntime
 from singularityd.observe.feed import ChangeFeed, JobDecided, RoundPlanned
 from singularityd.scheduling.round import ClusterView, JobView, plan_round
 from singularityd.store import JobRecord, Store
+from singularityd.units import human_bytes
 
 log = logging.getLogger("singularityd")
 
@@ -301,6 +303,8 @@ class Daemon:
                 self.store.set_cancel_requested(job.id)
             case CountRestart():
                 self.store.count_restart(job.id)
+            case DiscardCheckpoints():
+                self.spawn(self._discard_checkpoints(job.id, state))
             case TerminateProcesses():
                 if record is not None:
                     record.terminate(self.config.kill_grace_seconds + KILL_BACKSTOP_SECONDS)
@@ -345,6 +349,16 @@ class Daemon:
                 self.apply(job.id, stimulus)
             case _:
                 raise TypeError(f"unknown action {action!r}")
+
+    async def _discard_checkpoints(self, job_id: int, state: JobState) -> None:
+        """Remove an ended job's checkpoints (off the event loop: they can take gigabytes), saying so."""
+        freed = await asyncio.to_thread(self.checkpoints.discard, job_id)
+        if freed:
+            reason = (
+                f"its checkpoints were removed ({human_bytes(freed)}): a job that has ended never resumes"
+            )
+            self.store.add_note(job_id, state, reason, self.clock())
+            self.feed.publish(job_id)
 
     def _processes_ended(self, job_id: int) -> None:
         """The job's supervisor ended: report how, as its status file says."""

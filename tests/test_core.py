@@ -8,6 +8,7 @@ import pytest
 
 from singularityd.core.actions import (
     ArmPeriodicCheckpoint,
+    DiscardCheckpoints,
     LaunchProcesses,
     MarkCancelRequested,
     Note,
@@ -168,6 +169,30 @@ def test_ended_jobs_cannot_change(state: JobState) -> None:
         decide(facts(state), Started((0,)), now=0)
 
 
+@pytest.mark.parametrize(
+    ("job", "stimulus", "ends"),
+    [
+        (facts(JobState.RUNNING), Exited(0, None), True),
+        (facts(JobState.RUNNING), Exited(3, None), True),
+        (facts(JobState.RUNNING, cancel=True), Exited(None, signal.SIGTERM), True),
+        (facts(JobState.PREEMPTED), CancelRequested("alice"), True),
+        (facts(JobState.SUSPENDED), CancelRequested("alice"), True),
+        (JobFacts(7, JobState.RUNNING, has_checkpoint=True), ProcessesLost("gone"), False),
+        (JobFacts(7, JobState.RUNNING, max_restarts=1), Exited(3, None), False),
+        (facts(JobState.PENDING), Started((0,)), False),
+    ],
+)
+def test_a_job_that_ends_for_good_has_its_checkpoints_discarded(
+    job: JobFacts, stimulus: CancelRequested | Exited | ProcessesLost | Started, ends: bool
+) -> None:
+    """Completed, failed or cancelled, from any state: nothing can resume from its checkpoints."""
+    decision = decide(job, stimulus, now=0)
+    assert decision.transition is not None
+    assert decision.transition.to_state.is_terminal is ends
+    assert (DiscardCheckpoints() in decision.actions) is ends
+    assert decision.actions.count(DiscardCheckpoints()) <= 1
+
+
 def test_lost_and_requeued_and_launch_failure() -> None:
     lost = decide(facts(JobState.RUNNING), ProcessesLost("gone"), now=0)
     assert lost.transition is not None and lost.transition.to_state is JobState.FAILED
@@ -239,7 +264,7 @@ def test_a_stopping_checkpoint_that_completes_after_a_cancel_ends_the_job_cancel
     decision = decide(job, Checkpointed("checkpoint 2 (10M)"), 0)
     assert decision.transition is not None and decision.transition.to_state is JobState.CANCELLED
     assert "cancelled (asked while the checkpoint ran)" in decision.transition.reason
-    assert decision.actions == (ReleaseDevices(), Reschedule())
+    assert decision.actions == (ReleaseDevices(), Reschedule(), DiscardCheckpoints())
 
 
 def test_an_in_place_checkpoint_that_completes_is_noted() -> None:
@@ -322,7 +347,7 @@ def test_lost_processes_of_a_checkpointed_job_queue_it_to_resume() -> None:
 def test_a_restore_that_fails_fails_the_job() -> None:
     broken = decide(running(Activity(launching=True)), RestoreFailed("all corrupt"), 0)
     assert broken.transition is not None and broken.transition.reason == "cannot resume: all corrupt"
-    assert broken.actions == (ReleaseDevices(), Reschedule())
+    assert broken.actions == (ReleaseDevices(), Reschedule(), DiscardCheckpoints())
 
 
 # An exit during a checkpoint

@@ -162,12 +162,12 @@ def test_another_users_proxied_job_preempted_is_exact(daemon_root: Path) -> None
             assert result.code == 0, result.err
             daemon.wait_state(job, "RUNNING")
             seen = steps(daemon, job)
-        release.touch()
-        assert daemon.sing("wait", str(job), timeout=600).code == 0
-        assert daemon.sing("logs", str(job)).out == expected
         folders = (daemon.state_dir / "checkpoints" / str(job)).glob("*/manifest.json")
         manifests = [json.loads(path.read_text()) for path in folders]
         assert manifests and all(m["extra"]["proxy_connections"] for m in manifests)
+        release.touch()
+        assert daemon.sing("wait", str(job), timeout=600).code == 0
+        assert daemon.sing("logs", str(job)).out == expected
 
 
 def test_job_process_holds_no_device_state(daemon: Daemon) -> None:

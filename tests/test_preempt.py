@@ -154,14 +154,21 @@ def test_preempt_resume_and_checkpoint_are_bitwise_exact(cr_daemon: Daemon) -> N
         else:
             cr_daemon.wait_state(job, "RUNNING")
     preempts = operations.count("preempt")
+    shown = cr_daemon.job(job)
+    assert shown["checkpoints"] == 3 and shown["checkpoint_bytes"] > 0, "keeps the last 3 (checkpoint_keep)"
     release.touch()
     cr_daemon.wait_ok(job, timeout=300)
     assert cr_daemon.sing("logs", str(job)).out == expected
     reasons = [e["reason"] for e in events(cr_daemon, job)]
     assert sum(r.startswith("preempted by root: checkpoint") for r in reasons) == preempts
     assert sum(r.startswith("restored from checkpoint") for r in reasons) == preempts
-    shown = cr_daemon.job(job)
-    assert shown["checkpoints"] == 3 and shown["checkpoint_bytes"] > 0, "keeps the last 3 (checkpoint_keep)"
+    removed = wait_until(
+        lambda: [e["reason"] for e in events(cr_daemon, job) if "checkpoints were removed" in e["reason"]],
+        timeout=60,
+    )
+    assert removed[0].startswith("its checkpoints were removed (")
+    assert cr_daemon.job(job)["checkpoints"] == 0, "an ended job never resumes: its images go"
+    assert not [p for p in (cr_daemon.state_dir / "checkpoints" / str(job)).iterdir() if p.name[0].isdigit()]
 
 
 def test_a_job_computing_in_bfloat16_is_preempted_and_resumed_exactly(cr_daemon: Daemon) -> None:

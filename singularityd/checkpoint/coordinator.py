@@ -166,6 +166,13 @@ class JobCheckpoints:
                 return stored
         return None
 
+    def discard(self, job_id: int) -> int:
+        """Remove every checkpoint of a job that has ended for good; the bytes they took on disk."""
+        freed = self.images.usage(str(job_id)).bytes_on_disk
+        self.images.remove_checkpoints(str(job_id))
+        self._forget_cached(job_id)
+        return freed
+
     def _forget_cached(self, job_id: int) -> None:
         """Drop what is kept about the job's checkpoints: a new one is being taken, old ones pruned."""
         self._usage.pop(job_id, None)

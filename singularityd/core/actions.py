@@ -85,6 +85,11 @@ class CountRestart:
 
 
 @dataclass(frozen=True)
+class DiscardCheckpoints:
+    """Remove the job's checkpoints: it has ended for good, so nothing can resume from them."""
+
+
+@dataclass(frozen=True)
 class Note:
     """Record an event in the job's log without changing its state."""
 
@@ -110,6 +115,7 @@ Action = (
     | TakeCheckpoint
     | ArmPeriodicCheckpoint
     | CountRestart
+    | DiscardCheckpoints
     | Note
     | Replay
 )

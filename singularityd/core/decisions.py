@@ -16,6 +16,7 @@ from singularityd.core.actions import (
     Action,
     ArmPeriodicCheckpoint,
     CountRestart,
+    DiscardCheckpoints,
     LaunchProcesses,
     MarkCancelRequested,
     Note,
@@ -306,7 +307,18 @@ def _moving(
 
 
 def decide(job: JobFacts, stimulus: Stimulus, now: float) -> Decision:
-    """Decide what a stimulus does to a job: the transition to record and the actions to take."""
+    """Decide what a stimulus does to a job: the transition to record and the actions to take.
+
+    A job that ends for good (completed, failed, cancelled) can never resume, so its checkpoints
+    are removed then: they hold its processes' memory and would fill the disk."""
+    decision = _decide(job, stimulus, now)
+    if decision.transition is not None and decision.transition.to_state.is_terminal:
+        return replace(decision, actions=(*decision.actions, DiscardCheckpoints()))
+    return decision
+
+
+def _decide(job: JobFacts, stimulus: Stimulus, now: float) -> Decision:
+    """`decide` before an ending's checkpoints are discarded."""
     state = job.state
     match stimulus:
         case Started(devices=devices):
