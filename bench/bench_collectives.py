@@ -6,7 +6,7 @@ the other in the same run, so that their columns compare under the same machine 
 - allreduce (float32 sum) from 1 KiB to 64 MiB: time per call, with a device synchronize after
   each on the proxies (a gloo allreduce returns when done), and the bandwidth it gives
   (bytes / time), for 2 ranks on 2 devices (servers exchange over their links) and 2 ranks on
-  one device (reduced inside one server);
+  one device (reduced inside one server); broadcast from rank 0 at 1 KiB and 1 MiB the same way;
 - the consistent cut of a 2-rank DDP job on 2 devices: quiesce (every rank parked) and then
   settle rounds until `cut_reached`, as the daemon does before saving;
 - a DDP step of a millisecond-scale model, proxied against direct gloo.
@@ -33,6 +33,7 @@ import os, sys, time, torch
 import torch.distributed as dist
 device = sys.argv[1]
 sizes = [int(s) for s in sys.argv[2].split(",")]
+kind = sys.argv[3] if len(sys.argv) > 3 else "all_reduce"
 rank = int(os.environ["RANK"])
 if device == "cuda":
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
@@ -41,13 +42,14 @@ sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 for size in sizes:
     x = torch.ones(size // 4, device=device)
     reps = max(3, min(200, (8 << 20) // size))
+    run = (lambda: dist.all_reduce(x)) if kind == "all_reduce" else (lambda: dist.broadcast(x, src=0))
     for _ in range(2):
-        dist.all_reduce(x)
+        run()
     sync()
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(reps):
-        dist.all_reduce(x)
+        run()
         sync()
     if rank == 0:
         print(size, (time.perf_counter() - t0) / reps, flush=True)
@@ -184,6 +186,19 @@ def main(argv: list[str] | None = None) -> None:
                 seconds = float(times[label][str(size)])
                 cells.append(f"{seconds * 1e3:8.3f} ms  {size / seconds / 1e6:8.1f} MB/s")
             rows.append(cells)
+        _table(rows)
+
+        small = ",".join(str(s) for s in (1 << 10, 1 << 20))
+        rooted = {
+            "gloo (direct)": run_ranks(ALLREDUCE, ["cpu", small, "broadcast"], 2, 0, directory),
+            "proxied, 2 devices": run_ranks(ALLREDUCE, ["cuda", small, "broadcast"], 2, 2, directory),
+            "proxied, 1 device": run_ranks(ALLREDUCE, ["cuda", small, "broadcast"], 2, 1, directory),
+        }
+        print("\nbroadcast from rank 0, 2 ranks: time per call (the root waits for every member's arrival)")
+        per_call = {label: dict(line.split() for line in out.splitlines()) for label, out in rooted.items()}
+        rows = [["size", *per_call]]
+        for size in (1 << 10, 1 << 20):
+            rows.append([_size(size), *(f"{float(t[str(size)]) * 1e3:8.3f} ms" for t in per_call.values())])
         _table(rows)
 
         quiesce, settle, resume = cut_latency(directory, 3 if options.quick else 9)
