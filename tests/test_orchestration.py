@@ -178,6 +178,10 @@ class FakeCheckpoints:
     async def settle_interrupted(self, job_id: int) -> str:
         return ""
 
+    def discard(self, job_id: int) -> int:
+        """The job ended: its checkpoints go."""
+        return 100 if self.stored.pop(job_id, None) is not None else 0
+
     def close(self) -> None:
         """Nothing is held."""
 
@@ -280,6 +284,15 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+async def checkpoints_removed(h: Harness, job: int) -> None:
+    """Wait until the daemon has removed an ended job's checkpoints (in a thread) and said so."""
+    for _ in range(500):
+        if job not in h.checkpoints.stored and "checkpoints were removed" in h.reasons(job)[-1]:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"job {job}'s checkpoints were not removed: {h.reasons(job)[-3:]}")
+
+
 @pytest.fixture
 async def harness(tmp_path: Path) -> AsyncIterator[Harness]:
     config = Config(socket=tmp_path / "sing.sock", state_dir=tmp_path)
@@ -328,8 +341,12 @@ async def test_an_exit_during_an_in_place_checkpoint_is_recorded_after_it(harnes
     gate.set_result("")
     record, taken = await request
     assert taken.seq == 1 and record.state is JobState.COMPLETED
-    reasons = h.reasons(job)
-    assert reasons[-2:] == ["checkpoint by root: checkpoint 1 (100B)", "exited with code 0"]
+    await checkpoints_removed(h, job)
+    assert h.reasons(job)[-3:] == [
+        "checkpoint by root: checkpoint 1 (100B)",
+        "exited with code 0",
+        "its checkpoints were removed (100B): a job that has ended never resumes",
+    ]
     assert job not in h.daemon.records and ("forget", job) in h.devices.calls
 
 
