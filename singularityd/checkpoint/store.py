@@ -441,6 +441,10 @@ class ImageStore:
                         apparent += st.st_size
         return JobUsage(on_disk, apparent, len(seqs))
 
+    def delete_job(self, job_id: str) -> None:
+        """Remove every checkpoint and log of a job."""
+        shutil.rmtree(self.job_dir(job_id), ignore_errors=True)
+
     def remove_checkpoints(self, job_id: str) -> None:
         """Remove every checkpoint folder of a job, complete or not (its CRIU logs stay)."""
         for seq in self.seqs(job_id):
