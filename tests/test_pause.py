@@ -112,10 +112,10 @@ def test_corpus_is_exact_under_checkpoints_taken_while_precopy_runs(daemon_root:
             time.sleep(rng.uniform(0.0, 1.5))
             assert daemon.sing("preempt", str(job), timeout=600).code == 0, program
             daemon.wait_state(job, "RUNNING", timeout=600)
+            listed = daemon.job(job)["checkpoint_list"]  # read while it runs: an ended job's go
+            assert [c["stopped"] for c in listed][-1:] == [True], program
+            assert all(c["pause_seconds"] > 0 for c in listed), program
             hold.touch()
             assert daemon.sing("wait", str(job), timeout=600).code == 0, daemon.sing("logs", str(job)).out
             log = daemon.sing("logs", str(job)).out
             assert without_stderr_lines(log, expected[program].stderr) == expected[program].stdout, program
-            listed = daemon.job(job)["checkpoint_list"]
-            assert [c["stopped"] for c in listed][-1:] == [True], program
-            assert all(c["pause_seconds"] > 0 for c in listed), program

@@ -465,7 +465,8 @@ def test_a_moved_job_sends_its_process_images_as_changes_against_a_base(lab: Lab
     wait_state(a, job, "RUNNING")
     wait_until(progressed(a, job, 40), timeout=240)
     migrate(a, job, "node-b")
-    wait_state(b, job, "RUNNING")
+    running = wait_state(b, job, "RUNNING")
+    image = int(running["last_checkpoint"]["bytes"])  # the one it arrived with (an ended job's go)
     release.touch()
     assert b.sing("wait", str(job), timeout=300).code == 0, b.sing("logs", str(job)).out[-2000:]
     assert b.sing("logs", str(job)).out == expected
@@ -479,5 +480,4 @@ def test_a_moved_job_sends_its_process_images_as_changes_against_a_base(lab: Lab
     after = [e for e in events if e.startswith("sent ") and " after the stop (" in e]
     assert len(after) == 1, events
     sent = int(after[0].split(" after the stop (")[1].split(" bytes")[0])
-    image = int(arrived["last_checkpoint"]["bytes"])
     assert 0 < sent < image // 8, (sent, image)
