@@ -8,6 +8,7 @@ a rank that dies fails the job with its reason, never a hang.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import signal
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import requires_root
-from tests.helpers import Daemon, preempt_while_training, running_daemon
+from tests.helpers import Daemon, preempt_while_training, running_daemon, wait_until
 from tests.proxy.conftest import PROGRAMS, PYTHON, base_env
 
 JOB_OPTIONS = ["--env", "OMP_NUM_THREADS=1", "--cwd", str(PROGRAMS)]
@@ -127,6 +128,11 @@ def test_ddp_four_ranks_preempted_five_times_is_exact(daemon_root: Path) -> None
         assert sum(r.startswith("restored from checkpoint") for r in reasons) == 5
 
 
+def both_reached(daemon: Daemon, job: int) -> bool:
+    """Whether both ranks of late_rank.py have printed that they reached the late step."""
+    return all("reaches step" in log for log in rank_logs(daemon, job, 2))
+
+
 @requires_root
 @pytest.mark.timeout(900)
 def test_a_job_preempted_while_a_rank_is_late_to_a_rooted_collective_is_exact(daemon_root: Path) -> None:
@@ -139,10 +145,7 @@ def test_a_job_preempted_while_a_rank_is_late_to_a_rooted_collective_is_exact(da
             expected = run_job(daemon, "late_rank.py", ["--kind", kind], ranks=2, gpus=2)
             late = daemon_root / f"late-{kind}"
             job = submit(daemon, "late_rank.py", ["--kind", kind, "--late-until", str(late)], ranks=2, gpus=2)
-            logs = rank_logs(daemon, job, 2)
-            while not all("reaches step" in log for log in logs):
-                time.sleep(0.1)
-                logs = rank_logs(daemon, job, 2)
+            wait_until(functools.partial(both_reached, daemon, job), timeout=300)
             time.sleep(0.5)  # rank 0 goes into the collective meanwhile
             assert daemon.sing("preempt", str(job)).code == 0
             daemon.wait_state(job, "RUNNING", timeout=300)
