@@ -101,6 +101,7 @@ def test_api_surface_and_portable_save(server: ProxyServer, tmp_path: Path) -> N
         "grad cuda:0 18.0",
         "load cuda:0 True True",
         "load cpu cpu cpu",
+        "rng state restored True True",
     ]:
         assert line in out, (line, out)
     assert "Parameter containing:\ntensor([" in out and "device='cuda:0', requires_grad=True)" in out

@@ -2,8 +2,9 @@
 """What `torch.cuda` and `torch.accelerator` answer in a job on proxied devices.
 
 Device count, properties, memory figures, streams, events and synchronisation are answered
-from the proxy servers; seeding and RNG state are no-ops (random numbers are drawn on the
-host, see randomness.py); `autocast("cuda")` also casts stand-ins, whose C++ device is the host.
+from the proxy servers. Random numbers are drawn on the host with the job's CPU generator
+(randomness.py), so the RNG state `torch.cuda` reads and sets is that generator's, and seeding is
+a no-op; `autocast("cuda")` also casts stand-ins, whose C++ device is the host.
 """
 
 from __future__ import annotations
@@ -281,6 +282,22 @@ def _no_op(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def _set_rng_state(new_state: Any, device: Any = "cuda") -> None:
+    """Set the generator proxied devices draw with (the job's CPU generator) to a state that
+    `get_rng_state` gave, so that saving and restoring it replays the same numbers as on a GPU;
+    a state of another generator (a real GPU's, from a file) is ignored, as seeding is."""
+    ours = type(new_state) is torch.Tensor and new_state.dtype == torch.uint8
+    if ours and new_state.numel() == torch.get_rng_state().numel():
+        torch.set_rng_state(new_state)
+
+
+def _set_rng_state_all(new_states: Any) -> None:
+    """`set_rng_state` with the current device's state: every proxied device draws from one generator."""
+    states = list(new_states)
+    if states:
+        _set_rng_state(states[DEVICES.current if DEVICES.current < len(states) else 0])
+
+
 def _fresh(func: Any) -> Any:
     """A distinct function object per patched name (torch._dynamo maps objects to names)."""
     if isinstance(func, type):
@@ -335,8 +352,8 @@ def patch_cuda() -> None:
         "initial_seed": lambda: torch.initial_seed(),
         "get_rng_state": lambda device="cuda": torch.get_rng_state(),
         "get_rng_state_all": lambda: [torch.get_rng_state() for _ in range(count)],
-        "set_rng_state": _no_op,
-        "set_rng_state_all": _no_op,
+        "set_rng_state": _set_rng_state,
+        "set_rng_state_all": _set_rng_state_all,
         "Stream": Stream,
         "Event": Event,
         "current_stream": _stream,
