@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from . import host_kernels
 from .control import ControlHandler
 from .links import parse_peer_fds
 from .pace import GRACE
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     options = _arguments(argv)
     if options.threads:
         torch.set_num_threads(options.threads)
+    host_kernels.install()
     server = Server(
         options.device_index,
         options.memory_bytes,

@@ -38,8 +38,13 @@ RUNNING_STATS_WRITERS: frozenset[str] = frozenset(
 )  # fmt: skip
 """BatchNorm's operators whose schema hides a write: in training (argument 5) they update their
 running mean and variance (arguments 3 and 4) in place."""
+RUNNING_STATS_GATHERERS: frozenset[str] = frozenset(
+    ("aten::batch_norm_gather_stats_with_counts", "aten::batch_norm_gather_stats")
+)
+"""SyncBatchNorm's operators whose schema hides a write: they always update their running mean
+and variance (arguments 3 and 4) in place, where those are given."""
 _RUNNING_STATS: dict[Any, bool] = {}
-"""Operator -> whether it is one of RUNNING_STATS_WRITERS."""
+"""Operator -> whether it is one of RUNNING_STATS_WRITERS (in training) or RUNNING_STATS_GATHERERS."""
 
 
 def written_arguments(operator: Any) -> tuple[tuple[int, str], ...]:
@@ -100,13 +105,16 @@ def _on_new_tensor(operator: Any, target: torch.Tensor, *args: Any, **kwargs: An
 
 def written_tensors(operator: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
     """The tensors among an operator's arguments that it writes: those its schema marks, and the
-    running statistics a BatchNorm in training updates (RUNNING_STATS_WRITERS)."""
+    running statistics a BatchNorm in training (RUNNING_STATS_WRITERS) or SyncBatchNorm's
+    gathering of statistics (RUNNING_STATS_GATHERERS) updates."""
     for position, name in written_arguments(operator):
         value = _argument(args, kwargs, position, name)
         for tensor in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(tensor, torch.Tensor):
                 yield tensor
-    if _writes_running_stats(operator) and _argument(args, kwargs, 5, "training"):
+    if _writes_running_stats(operator) and (
+        operator._schema.name in RUNNING_STATS_GATHERERS or _argument(args, kwargs, 5, "training")
+    ):
         for position, name in ((3, "running_mean"), (4, "running_var")):
             stats = _argument(args, kwargs, position, name)
             if isinstance(stats, torch.Tensor):
@@ -114,10 +122,12 @@ def written_tensors(operator: Any, args: Sequence[Any], kwargs: dict[str, Any]) 
 
 
 def _writes_running_stats(operator: Any) -> bool:
-    """Whether an operator is one of RUNNING_STATS_WRITERS (cached per operator: a hot path)."""
+    """Whether an operator is one of RUNNING_STATS_WRITERS or RUNNING_STATS_GATHERERS (cached per
+    operator: a hot path)."""
     found = _RUNNING_STATS.get(operator)
     if found is None:
-        found = _RUNNING_STATS[operator] = operator._schema.name in RUNNING_STATS_WRITERS
+        name = operator._schema.name
+        found = _RUNNING_STATS[operator] = name in RUNNING_STATS_WRITERS or name in RUNNING_STATS_GATHERERS
     return found
 
 

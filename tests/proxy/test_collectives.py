@@ -7,6 +7,7 @@ devices, and a rank that dies makes the collectives waiting for it fail, never h
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -97,3 +98,35 @@ def test_a_backend_per_device_type_uses_the_proxy_for_cuda(
         return [[line for line in out.splitlines() if " done backend=" not in line] for out in outputs]
 
     assert results(mixed) == results(nccl) and all(results(nccl))
+
+
+def _figures(output: str) -> dict[str, float]:
+    """sync_batchnorm.py's printed figures by what they are ("step 0 rank 1 loss" -> value)."""
+    kinds = ("step ", "eval ", "rank ")
+    lines = [line.rsplit(" ", 1) for line in output.splitlines() if line.startswith(kinds)]
+    return {name: float(value) for name, value in lines}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", [[], ["--channels-last"]], ids=["contiguous", "channels-last"])
+def test_sync_batch_norm_trains_as_one_batch_norm_over_every_rank_s_batch(
+    linked: dict[int, list[ProxyServer]], tmp_path: Path, layout: list[str]
+) -> None:
+    """SyncBatchNorm's kernels exist for CUDA only; on virtual devices the server runs its own
+    (host_kernels.py). 2 DDP ranks train with it to the losses, running statistics and weights of
+    one process training plain BatchNorm on both ranks' batches (up to rounding), and the same bits
+    on 2 devices as spliced on 1."""
+    program = ["sync_batchnorm.py", *layout]
+    two = stdout_of(run_on(linked, tmp_path, 2, 2, program))
+    assert stdout_of(run_on(linked, tmp_path, 1, 2, program)) == two
+    reference = start_ranks([*program, "--single", "2"], 1, None)[0]
+    out, err = reference.communicate(timeout=300)
+    assert reference.returncode == 0, err[-2000:]
+    expected, got = _figures(out), {**_figures(two[0]), **_figures(two[1])}
+    assert len(expected) == 52 and set(got) == set(expected)
+    far = {
+        name: (value, got[name])
+        for name, value in expected.items()
+        if not math.isclose(value, got[name], rel_tol=1e-5, abs_tol=1e-6)
+    }
+    assert not far, far

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from singularity.proxy.server.host_kernels import install
 from singularity.proxy.server.writes import note_writes, written_tensors
 
 
@@ -32,3 +33,21 @@ def test_a_batch_norm_in_training_writes_its_running_statistics(operator: torch.
             {id(mean), id(var)} if training else set()
         )
         assert (mean._version > before[0] and var._version > before[1]) == training
+
+
+def test_sync_batch_norm_s_gathering_of_statistics_writes_the_running_statistics() -> None:
+    """SyncBatchNorm's gathering of every rank's statistics updates the running mean and variance
+    in place without its schema saying so: they count as written (host_kernels.py runs it on a
+    virtual device)."""
+    install()
+    operator = torch.ops.aten.batch_norm_gather_stats_with_counts.default
+    x = torch.randn(4, 3)
+    mean, invstd = torch.randn(2, 3), torch.rand(2, 3) + 0.5
+    running_mean, running_var = torch.zeros(3), torch.ones(3)
+    args = (x, mean, invstd, running_mean, running_var, 0.1, 1e-5, torch.tensor([4.0, 4.0]))
+    versions = (running_mean._version, running_var._version)
+    operator(*args)
+    assert not torch.equal(running_mean, torch.zeros(3)) and not torch.equal(running_var, torch.ones(3))
+    assert {id(t) for t in written_tensors(operator, args, {})} == {id(running_mean), id(running_var)}
+    note_writes(operator, args, {})
+    assert running_mean._version > versions[0] and running_var._version > versions[1]
