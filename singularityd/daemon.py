@@ -43,7 +43,7 @@ from singularityd.core.actions import (
 )
 from singularityd.core.decisions import Activity, Decision, JobFacts, StillLaunching, decide
 from singularityd.core.lost_processes import NewestCheckpoint, StopPurpose, after_lost_processes
-from singularityd.core.states import InvalidTransition, JobState, Transition
+from singularityd.core.states import TERMINAL_STATES, InvalidTransition, JobState, Transition
 from singularityd.core.stimuli import (
     Arrived,
     Exited,
@@ -193,6 +193,13 @@ class Daemon:
                 self._settle_lost(job)
         holding = self.store.list_jobs(states=(JobState.RUNNING, JobState.MIGRATING))
         self.devices.retain({job.id for job in holding})
+        self.spawn(self._discard_ended_jobs_checkpoints())
+
+    async def _discard_ended_jobs_checkpoints(self) -> None:
+        """Remove the checkpoints that jobs which ended before this start still hold (the daemon
+        stopped before it removed them, or a version that kept them ran), as their end would have."""
+        for job in self.store.list_jobs(states=TERMINAL_STATES):
+            await self._discard_checkpoints(job.id, job.state)
 
     def _settle_lost(self, job: JobRecord) -> None:
         """A RUNNING job's processes ended without an exit status while the daemon was down: the

@@ -34,6 +34,7 @@ from tests.helpers import (
     other_user,
     python_for_user,
     running_daemon,
+    submit_counter,
     user_namespace_problem,
     wait_until,
 )
@@ -559,3 +560,30 @@ def without_name_lookup_warnings(log: str) -> str:
     up, which a job with a loopback-only network gets once at start (no DNS server is reachable)."""
     lines = log.splitlines(keepends=True)
     return "".join(line for line in lines if not ("[c10d]" in line and "hostname" in line))
+
+
+def test_checkpoints_an_ended_job_still_holds_are_removed_when_the_daemon_starts(cr_daemon: Daemon) -> None:
+    """A job's checkpoints go when it ends; where a daemon stopped before removing them (or an
+    older one kept them), the next start removes them, saying so."""
+    release = release_file(cr_daemon)
+    job = submit_counter(cr_daemon, release)
+    cr_daemon.wait_state(job, "RUNNING")
+    assert cr_daemon.sing("checkpoint", str(job)).code == 0
+    folder = cr_daemon.state_dir / "checkpoints" / str(job)
+    taken = [p for p in folder.iterdir() if p.name[0].isdigit()]
+    assert len(taken) == 1
+    kept = cr_daemon.root / "kept-checkpoint"
+    subprocess.run(["cp", "-a", str(taken[0]), str(kept)], check=True)
+    release.touch()
+    cr_daemon.wait_ok(job)
+
+    def removals() -> list[str]:
+        return [e["reason"] for e in events(cr_daemon, job) if "checkpoints were removed" in e["reason"]]
+
+    wait_until(removals, timeout=60)
+    cr_daemon.stop()
+    subprocess.run(["cp", "-a", str(kept), str(taken[0])], check=True)
+    cr_daemon.start()
+    again = wait_until(lambda: len(removals()) == 2 and removals(), timeout=60)
+    assert again[1].startswith("its checkpoints were removed (") and not taken[0].exists()
+    assert cr_daemon.job(job)["state"] == "COMPLETED"
