@@ -257,3 +257,29 @@ def test_programs_run_unmodified_with_1_2_and_4_ranks(daemon: Daemon) -> None:
     assert all(f"rank {r} done backend=nccl" in log for r, log in enumerate(proxied))
     four = printed(succeeded(daemon, jobs[("raw", 4)], 4))
     assert all(f"rank {r} done backend=gloo" in log for r, log in enumerate(four))
+
+
+@requires_root
+@pytest.mark.timeout(900)
+def test_a_pipeline_preempted_while_messages_are_in_flight_is_exact(daemon_root: Path) -> None:
+    """4 pipeline stages exchanging point-to-point messages (send/recv, batch_isend_irecv, a ring of
+    isend then recv) on 2 devices, preempted and resumed 3 times at random moments, print exactly
+    what the program prints run directly with gloo, every rank."""
+    total, ranks = 300, 4
+    args = ["--steps", str(total)]
+    expected = direct_ranks("pipeline_train.py", [*args, "--device", "cpu"], ranks)
+    rng = random.Random(7)
+    release = daemon_root / "release"
+    options = [*JOB_OPTIONS, "--ranks", str(ranks), "--gpus", "2"]
+    with running_daemon(daemon_root, virtual_devices=2) as daemon:
+        job = daemon.submit(PYTHON, "pipeline_train.py", *args, "--hold", str(release), options=options)
+        daemon.wait_state(job, "RUNNING")
+        preempt_while_training(
+            daemon, job, ranks, total, 3, wait_timeout=300,
+            before=lambda: time.sleep(rng.uniform(0.0, 0.3)), still_training=True,
+        )  # fmt: skip
+        release.touch()
+        assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, ranks)
+        assert printed(rank_logs(daemon, job, ranks)) == expected
+        reasons = [e["reason"] for e in daemon.job(job)["events"]]
+        assert sum(r.startswith("restored from checkpoint") for r in reasons) == 3

@@ -130,3 +130,19 @@ def test_sync_batch_norm_trains_as_one_batch_norm_over_every_rank_s_batch(
         if not math.isclose(value, got[name], rel_tol=1e-5, abs_tol=1e-6)
     }
     assert not far, far
+
+
+@pytest.mark.timeout(900)
+def test_point_to_point_messages_equal_a_direct_gloo_run(
+    linked: dict[int, list[ProxyServer]], tmp_path: Path
+) -> None:
+    """A 4-stage pipeline (send/recv forward, batch_isend_irecv backward and both ways, a ring of
+    isend then recv, object messages) on 4, 2 and 1 devices prints what it prints run directly
+    with gloo, every rank."""
+    program = ["pipeline_train.py", "--steps", "5"]
+    direct = start_ranks([*program, "--device", "cpu"], 4, None)
+    expected = [p.communicate(timeout=300)[0] for p in direct]
+    assert [p.returncode for p in direct] == [0, 0, 0, 0], expected
+    assert all(out.count(" step ") == 5 for out in expected) and "rank 0 object {'from': 3" in expected[0]
+    for devices in (4, 2, 1):
+        assert stdout_of(run_on(linked, tmp_path, devices, 4, program)) == expected, devices

@@ -107,19 +107,25 @@ def reduce_name(op: Any) -> tuple[str, float]:
     return REDUCE_NAMES[int(code)], factor
 
 
-def issue(group: Any, operator: str, *, wait: bool = False, **spec: Any) -> None:
+def issue(
+    group: Any, operator: str, *, wait: bool = False, pair: tuple[int, int] | None = None, **spec: Any
+) -> None:
     """Queue a collective on stand-ins (all on one device) for the group's servers to carry out.
 
     `spec` holds `tensors`, `inputs`, `outputs` (stand-ins, or lists of them) and options
     (protocol.COLLECTIVE_SPEC); with `wait`, return only once the collective has completed.
+    With `pair` (source, destination: global ranks) it runs in the group of those two ranks that
+    stands for the point-to-point messages from one to the other (`post`).
     """
+    if pair is None:
+        flush_point_to_point()  # what was sent before this collective goes first, as on a stream
     tensors: list[Any] = [t for key in ("tensors", "inputs", "outputs") for t in stand_ins(spec.get(key, []))]
-    channel = tensors[0]._channel if tensors else DEVICES.channel(GROUPS.device.get(GROUPS.key(group)))
+    key = GROUPS.key(group) if pair is None else f"{GROUPS.key(group)}/p2p/{pair[0]}>{pair[1]}"
+    channel = tensors[0]._channel if tensors else DEVICES.channel(GROUPS.device.get(key))
     for tensor in tensors:
         if tensor._channel is not channel:
             found = f"{channel.device} and {tensor.device}"
             raise ValueError(f"Expected all tensors of a collective on one device, but found {found}")
-    key = GROUPS.key(group)
     known = GROUPS.device.setdefault(key, channel.index)
     if known != channel.index:
         raise RuntimeError(
@@ -127,7 +133,7 @@ def issue(group: Any, operator: str, *, wait: bool = False, **spec: Any) -> None
             f"and now on {channel.device}: a rank keeps one device for the collectives of a group"
         )
     me = dist.get_rank()
-    members = dist.get_process_group_ranks(group)
+    members = dist.get_process_group_ranks(group) if pair is None else list(pair)
     if GROUPS.defined.get((channel.index, key)) != (me, members):
         GROUPS.defined[(channel.index, key)] = (me, members)
         channel.push([protocol.OP_GROUP, key, me, members])
@@ -140,6 +146,94 @@ def issue(group: Any, operator: str, *, wait: bool = False, **spec: Any) -> None
         channel.request([protocol.REQ_COLLECTIVE, key, seq, operator, body])
     else:
         channel.push([protocol.OP_COLLECTIVE, key, seq, operator, body])
+
+
+# -- point-to-point messages -----------------------------------------------------------------------
+class _Message:
+    """A send or receive posted by the program and not yet issued."""
+
+    def __init__(self, group: Any, source: int, destination: int, tensor: Any) -> None:
+        self.group, self.source, self.destination, self.tensor = group, source, destination, tensor
+
+
+_POSTED: list[_Message] = []
+
+
+def post(group: Any, tensors: Sequence[Any], peer: int, sending: bool) -> Any:
+    """A send of a stand-in to group rank `peer`, or a receive into one from it; its Work.
+
+    For the servers, a message from rank s to rank d is a broadcast from s in a group of those two
+    ranks alone (one such group per direction of each pair, numbered like any group), so it takes
+    part in the consistent cut of collectives: at a checkpoint it has happened for both ranks or for
+    neither. A posted message is held here until the program waits for one of them (or issues a
+    collective, or destroys a group); then every held one is issued, ordered by (source, destination)
+    as every rank orders them. NCCL runs such a batch at once, so an exchange in both directions
+    (`batch_isend_irecv`, a ring's isend then recv) cannot wait on itself; ordered so, the message
+    that comes first everywhere always has both its ranks at it. A blocking send to a rank that is
+    itself blocked sending back waits for ever, as it does with NCCL beyond its buffers.
+    """
+    if len(tensors) != 1:
+        raise ValueError(f"proxy: a point-to-point message carries one tensor, not {len(tensors)}")
+    if not isinstance(tensors[0], ProxyTensor):
+        raise ValueError("Tensors must be CUDA and dense")
+    me = dist.get_rank()
+    other = dist.get_process_group_ranks(group)[peer]
+    if other == me:
+        role = "destination" if sending else "source"
+        raise ValueError(f"Invalid {role} rank: should not be the same as the rank of the current process.")
+    source, destination = (me, other) if sending else (other, me)
+    _POSTED.append(_Message(group, source, destination, tensors[0]))
+    return _PostedWork(list(tensors), peer)
+
+
+def flush_point_to_point() -> None:
+    """Issue every held message, ordered by (source, destination) (stable: one pair's in turn)."""
+    if not _POSTED:
+        return
+    posted = sorted(_POSTED, key=lambda m: (m.source, m.destination))
+    _POSTED.clear()
+    for message in posted:
+        pair = (message.source, message.destination)
+        issue(message.group, "c10d::broadcast_", pair=pair, tensors=[message.tensor], root=0)
+
+
+class _PostedWork(dist.Work):
+    """The Work of a posted message: waiting for it issues the held messages (what follows in the
+    program is queued after them, so it sees what they received)."""
+
+    def __init__(self, tensors: list[Any], peer: int) -> None:
+        super().__init__()
+        self._tensors = tensors
+        self._peer = peer
+
+    def wait(self, timeout: Any = None) -> bool:
+        flush_point_to_point()
+        return True
+
+    def is_completed(self) -> bool:
+        flush_point_to_point()
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> Any:
+        return None
+
+    def result(self) -> list[Any]:
+        return self._tensors
+
+    def _source_rank(self) -> int:
+        return self._peer
+
+    def synchronize(self) -> None:
+        flush_point_to_point()
+
+    def get_future(self) -> Any:
+        flush_point_to_point()
+        future: torch.futures.Future[Any] = torch.futures.Future()
+        future.set_result(self._tensors)
+        return future
 
 
 def on_host(group: Any, operator: str, **spec: Any) -> None:

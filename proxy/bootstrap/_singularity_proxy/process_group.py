@@ -28,7 +28,17 @@ from torch.distributed import distributed_c10d as c10d
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import collectives
-from .collectives import GROUPS, check_same_kind, completed_work, issue, on_host, reduce_name, stand_ins
+from .collectives import (
+    GROUPS,
+    check_same_kind,
+    completed_work,
+    flush_point_to_point,
+    issue,
+    on_host,
+    post,
+    reduce_name,
+    stand_ins,
+)
 from .devices import DEVICES
 from .tensor import ProxyTensor, namespace_ops, new_stand_in, special_ops
 
@@ -286,12 +296,19 @@ class ProxyGroup(dist.ProcessGroup):
         return self.barrier()
 
     def send(self, tensors, dst, tag=0):
-        raise RuntimeError("proxy: point-to-point send/recv are not served on proxied devices yet")
+        tensors = list(tensors)
+        if any(isinstance(t, ProxyTensor) for t in tensors) or self._host is None:
+            return post(self, tensors, dst, sending=True)  # NCCL has no tags either
+        return self._host.send(tensors, dst, tag)
 
-    recv = send
+    def recv(self, tensors, src, tag=0):
+        tensors = list(tensors)
+        if any(isinstance(t, ProxyTensor) for t in tensors) or self._host is None:
+            return post(self, tensors, src, sending=False)
+        return self._host.recv(tensors, src, tag)
 
     def recv_anysource(self, tensors, tag=0):
-        return self.send(tensors, -1, tag)
+        raise RuntimeError("proxy: a receive from any source is not served on proxied devices (nor by NCCL)")
 
 
 def _each(call: Any, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any) -> Any:
@@ -413,6 +430,7 @@ def install() -> None:
             names = [str(name) for name in c10d._world.pg_names.values()]
         else:
             names = [str(c10d._world.pg_names.get(group, ""))]
+        flush_point_to_point()
         destroy(group)
         GROUPS.destroyed(names)
 
