@@ -150,11 +150,11 @@ def install() -> list[str]:
     """Register the host kernels torch lacks for the CPU dispatch key (once); their names."""
     if _library:
         return []
-    library = torch.library.Library("aten", "IMPL")
+    library = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]
     installed = []
     for name, kernel in KERNELS.items():
         if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "CPU"):
-            library.impl(name, kernel, "CPU")
+            library.impl(name, kernel, "CPU")  # type: ignore[no-untyped-call]
             installed.append(name)
     _library.append(library)
     return installed
