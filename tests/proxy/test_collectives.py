@@ -138,7 +138,7 @@ def test_point_to_point_messages_equal_a_direct_gloo_run(
 ) -> None:
     """A 4-stage pipeline (send/recv forward, batch_isend_irecv backward and both ways, a ring of
     isend then recv, object messages) on 4, 2 and 1 devices prints what it prints run directly
-    with gloo, every rank."""
+    with gloo, every rank; so does torch.distributed.pipelining's 1F1B schedule over 4 stages."""
     program = ["pipeline_train.py", "--steps", "5"]
     direct = start_ranks([*program, "--device", "cpu"], 4, None)
     expected = [p.communicate(timeout=300)[0] for p in direct]
@@ -146,3 +146,8 @@ def test_point_to_point_messages_equal_a_direct_gloo_run(
     assert all(out.count(" step ") == 5 for out in expected) and "rank 0 object {'from': 3" in expected[0]
     for devices in (4, 2, 1):
         assert stdout_of(run_on(linked, tmp_path, devices, 4, program)) == expected, devices
+    schedules = ["pipelining_schedule.py", "--schedule", "1f1b"]
+    direct = start_ranks([*schedules, "--device", "cpu"], 4, None)
+    expected = [p.communicate(timeout=300)[0] for p in direct]
+    assert [p.returncode for p in direct] == [0, 0, 0, 0] and "losses" in expected[3], expected
+    assert stdout_of(run_on(linked, tmp_path, 4, 4, schedules)) == expected
