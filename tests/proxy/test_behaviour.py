@@ -167,3 +167,15 @@ def test_warnings_inside_operations_are_shown_at_the_lines_a_direct_run_shows(se
     assert len(shown(direct.stderr)) == 3 and "probe_warnings.py:16: UserWarning" in direct.stderr
     assert shown(proxied.stderr) == shown(direct.stderr)
     assert proxied.stdout == direct.stdout and "probe_warnings.py:21 UserWarning" in direct.stdout
+
+
+def test_the_profiler_asked_for_cuda_activity_records_the_process_without_an_error_trace(
+    server: ProxyServer,
+) -> None:
+    """torch.profiler with CUDA activity: this CPU build's fallback for CUDA events would print a
+    C++ error trace; the profiler records the process's CPU activity, saying so once."""
+    r = run_program(["profiled.py"], proxy_env([server.socket], "profiled"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["recorded True True 32768.0", "True"], r.stdout
+    assert "Failed to record CUDA event" not in r.stderr and "frame #" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.count("the profiler records this process's CPU activity only") == 1, r.stderr

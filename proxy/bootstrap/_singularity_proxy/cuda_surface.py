@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import time
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -270,6 +271,29 @@ def patch_record_stream() -> None:
     torch.Tensor.record_stream = recorded  # type: ignore[method-assign,assignment]
 
 
+def patch_profiler() -> None:
+    """Make the profiler, asked for CUDA activity, record this process's CPU activity only (with a
+    warning), as it does where CUDA is unavailable: the kernels run in the proxy servers, and this
+    CPU build's fallback for CUDA events would print a C++ error trace instead."""
+    profile = torch.autograd.profiler.profile
+    setup = profile.__init__
+    fallback = torch.autograd.profiler.ProfilerState.KINETO_GPU_FALLBACK
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        setup(self, *args, **kwargs)
+        if self.use_device == "cuda" and self.profiler_kind == fallback:
+            warnings.warn(
+                "proxy: operations on proxied devices run in their proxy servers; the profiler "
+                "records this process's CPU activity only",
+                stacklevel=3,
+            )
+            self.use_device = None
+            self.use_cuda = False
+            self.profiler_kind = torch.autograd.profiler.ProfilerState.KINETO
+
+    profile.__init__ = __init__
+
+
 def patch_nvtx() -> None:
     """Make torch.cuda.nvtx's functions (and its `range` context, built on them) work."""
     nvtx = _Nvtx()
@@ -380,6 +404,7 @@ def patch_cuda() -> None:
         torch._C._cuda_getDeviceCount = lambda: count
     torch.backends.cudnn.is_acceptable = lambda tensor: False
     patch_nvtx()
+    patch_profiler()
     patch_stream_class()
     patch_record_stream()
     legacy_types.install()
