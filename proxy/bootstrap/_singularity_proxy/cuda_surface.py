@@ -277,7 +277,8 @@ def patch_profiler() -> None:
     CPU build's fallback for CUDA events would print a C++ error trace instead."""
     profile = torch.autograd.profiler.profile
     setup = profile.__init__
-    fallback = torch.autograd.profiler.ProfilerState.KINETO_GPU_FALLBACK
+    states = torch._C._profiler.ProfilerState
+    fallback = states.KINETO_GPU_FALLBACK
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         setup(self, *args, **kwargs)
@@ -289,9 +290,9 @@ def patch_profiler() -> None:
             )
             self.use_device = None
             self.use_cuda = False
-            self.profiler_kind = torch.autograd.profiler.ProfilerState.KINETO
+            self.profiler_kind = states.KINETO
 
-    profile.__init__ = __init__
+    profile.__init__ = __init__  # type: ignore[method-assign]
 
 
 def patch_nvtx() -> None:
