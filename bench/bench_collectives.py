@@ -203,30 +203,14 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(cells)
         _table(rows)
 
-        small = ",".join(str(s) for s in (1 << 10, 1 << 20))
-        rooted = {
-            "gloo (direct)": run_ranks(ALLREDUCE, ["cpu", small, "broadcast"], 2, 0, directory),
-            "proxied, 2 devices": run_ranks(ALLREDUCE, ["cuda", small, "broadcast"], 2, 2, directory),
-            "proxied, 1 device": run_ranks(ALLREDUCE, ["cuda", small, "broadcast"], 2, 1, directory),
-        }
-        print("\nbroadcast from rank 0, 2 ranks: time per call (the root waits for every member's arrival)")
-        per_call = {label: dict(line.split() for line in out.splitlines()) for label, out in rooted.items()}
-        rows = [["size", *per_call]]
-        for size in (1 << 10, 1 << 20):
-            rows.append([_size(size), *(f"{float(t[str(size)]) * 1e3:8.3f} ms" for t in per_call.values())])
-        _table(rows)
-
-        messages = {
-            "gloo (direct)": run_ranks(ALLREDUCE, ["cpu", small, "pingpong"], 2, 0, directory),
-            "proxied, 2 devices": run_ranks(ALLREDUCE, ["cuda", small, "pingpong"], 2, 2, directory),
-            "proxied, 1 device": run_ranks(ALLREDUCE, ["cuda", small, "pingpong"], 2, 1, directory),
-        }
-        print("\nsend/recv round trip, 2 ranks (rank 0 sends, rank 1 sends it back): time per round trip")
-        per_trip = {label: dict(line.split() for line in out.splitlines()) for label, out in messages.items()}
-        rows = [["size", *per_trip]]
-        for size in (1 << 10, 1 << 20):
-            rows.append([_size(size), *(f"{float(t[str(size)]) * 1e3:8.3f} ms" for t in per_trip.values())])
-        _table(rows)
+        small_table(
+            directory, "broadcast", "broadcast from rank 0, 2 ranks: time per call (the root waits for every "
+            "member's arrival)",
+        )  # fmt: skip
+        small_table(
+            directory, "pingpong", "send/recv round trip, 2 ranks (rank 0 sends, rank 1 sends it back): time "
+            "per round trip",
+        )  # fmt: skip
 
         quiesce, settle, resume = cut_latency(directory, 3 if options.quick else 9)
         print("\nconsistent cut of a 2-rank DDP job on 2 devices (median)")
@@ -247,6 +231,23 @@ def main(argv: list[str] | None = None) -> None:
                 [f"{direct * 1e3:.2f} ms", f"{proxied * 1e3:.2f} ms", f"{proxied / direct:.2f}x"],
             ]
         )
+
+
+def small_table(directory: Path, kind: str, title: str) -> None:
+    """Print the time of one `kind` of ALLREDUCE's program at 1 KiB and 1 MiB: gloo, 2 devices, 1."""
+    small = (1 << 10, 1 << 20)
+    arg = ",".join(str(s) for s in small)
+    outputs = {
+        "gloo (direct)": run_ranks(ALLREDUCE, ["cpu", arg, kind], 2, 0, directory),
+        "proxied, 2 devices": run_ranks(ALLREDUCE, ["cuda", arg, kind], 2, 2, directory),
+        "proxied, 1 device": run_ranks(ALLREDUCE, ["cuda", arg, kind], 2, 1, directory),
+    }
+    print(f"\n{title}")
+    times = {label: dict(line.split() for line in out.splitlines()) for label, out in outputs.items()}
+    rows = [["size", *times]]
+    for size in small:
+        rows.append([_size(size), *(f"{float(t[str(size)]) * 1e3:8.3f} ms" for t in times.values())])
+    _table(rows)
 
 
 def _table(rows: Sequence[Sequence[str]]) -> None:
