@@ -16,7 +16,6 @@ the other in the same run, so that their columns compare under the same machine 
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import tempfile
 import time
@@ -28,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from singularity.proxy.control import ProxyControl, cut_reached  # noqa: E402
-from tests.proxy.conftest import start_linked_servers, start_ranks, stop_server  # noqa: E402
+from tests.proxy.conftest import aborted_at_exit, start_linked_servers, start_ranks, stop_server  # noqa: E402
 
 ALLREDUCE = r"""
 import os, sys, time, torch
@@ -109,8 +108,7 @@ def _folder(directory: Path) -> Path:
 
 def run_ranks(code: str, args: Sequence[str], ranks: int, devices: int, directory: Path) -> str:
     """Rank 0's output of a program run to the end (devices=0: directly with gloo). A direct run
-    where torch aborted a gloo process at interpreter exit, its work done, is taken again once
-    (tests/test_collectives.py `direct_ranks` says how often that happens)."""
+    that torch aborted at interpreter exit, its work done (`aborted_at_exit`), is taken again once."""
     for attempt in range(2):
         servers = start_linked_servers(_folder(directory), devices, 4 << 30) if devices else []
         try:
@@ -120,7 +118,7 @@ def run_ranks(code: str, args: Sequence[str], ranks: int, devices: int, director
             for server in servers:
                 stop_server(server)
         codes = [p.returncode for p in processes]
-        if attempt == 0 and not devices and -signal.SIGABRT in codes and set(codes) <= {0, -signal.SIGABRT}:
+        if attempt == 0 and not devices and aborted_at_exit(codes):
             continue
         assert codes == [0] * ranks, f"a rank failed: {codes} {[err[-1500:] for _, err in outputs]}"
         return outputs[0][0]

@@ -9,9 +9,7 @@ a rank that dies fails the job with its reason, never a hang.
 from __future__ import annotations
 
 import functools
-import os
 import random
-import signal
 import subprocess
 import time
 from collections.abc import Sequence
@@ -21,37 +19,9 @@ import pytest
 
 from tests.conftest import requires_root
 from tests.helpers import Daemon, preempt_while_training, running_daemon, wait_until
-from tests.proxy.conftest import PROGRAMS, PYTHON, base_env
+from tests.proxy.conftest import PROGRAMS, PYTHON, base_env, direct_ranks
 
 JOB_OPTIONS = ["--env", "OMP_NUM_THREADS=1", "--cwd", str(PROGRAMS)]
-
-
-def direct_ranks(program: str, args: Sequence[str], ranks: int, timeout: float = 300) -> list[str]:
-    """Each rank's stdout when the program runs directly on the CPU, torchrun-style, without singularityd.
-
-    torch sometimes aborts a gloo process at interpreter exit, after the program is done ("terminate
-    called without an active exception", about 1 run in 12 here); such a run is run again, once."""
-    for attempt in range(2):
-        port = 20000 + (os.getpid() + attempt) % 20000
-        processes = []
-        for rank in range(ranks):
-            env = base_env()
-            env.update(
-                RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), USE_LIBUV="0",
-            )  # fmt: skip
-            processes.append(
-                subprocess.Popen(
-                    [PYTHON, program, *args], cwd=PROGRAMS, env=env, stdout=subprocess.PIPE, text=True
-                )
-            )
-        outputs = [process.communicate(timeout=timeout)[0] for process in processes]
-        codes = [process.returncode for process in processes]
-        if attempt == 0 and -signal.SIGABRT in codes and set(codes) <= {0, -signal.SIGABRT}:
-            continue
-        break
-    assert codes == [0] * ranks, outputs
-    return outputs
 
 
 def rank_logs(daemon: Daemon, job: int, ranks: int) -> list[str]:

@@ -31,8 +31,8 @@ from singularityd.core.stimuli import Checkpointed, ProcessesLost
 from tests.conftest import requires_root
 from tests.helpers import Daemon, running_daemon, wait_until
 from tests.helpers import steps_done as steps_of_ranks
-from tests.proxy.conftest import PYTHON
-from tests.test_collectives import JOB_OPTIONS, direct_ranks, printed, rank_logs
+from tests.proxy.conftest import PYTHON, direct_ranks
+from tests.test_collectives import JOB_OPTIONS, printed, rank_logs
 from tests.test_preempt import (
     events,
     release_file,
