@@ -43,8 +43,9 @@ RUNNING_STATS_GATHERERS: frozenset[str] = frozenset(
 )
 """SyncBatchNorm's operators whose schema hides a write: they always update their running mean
 and variance (arguments 3 and 4) in place, where those are given."""
-_RUNNING_STATS: dict[Any, bool] = {}
-"""Operator -> whether it is one of RUNNING_STATS_WRITERS (in training) or RUNNING_STATS_GATHERERS."""
+_RUNNING_STATS: dict[Any, str] = {}
+"""Operator -> when it updates running statistics: "" (never), "training" (RUNNING_STATS_WRITERS)
+or "always" (RUNNING_STATS_GATHERERS)."""
 
 
 def written_arguments(operator: Any) -> tuple[tuple[int, str], ...]:
@@ -112,22 +113,23 @@ def written_tensors(operator: Any, args: Sequence[Any], kwargs: dict[str, Any]) 
         for tensor in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(tensor, torch.Tensor):
                 yield tensor
-    if _writes_running_stats(operator) and (
-        operator._schema.name in RUNNING_STATS_GATHERERS or _argument(args, kwargs, 5, "training")
-    ):
+    updates = _running_stats_updates(operator)
+    if updates == "always" or (updates == "training" and _argument(args, kwargs, 5, "training")):
         for position, name in ((3, "running_mean"), (4, "running_var")):
             stats = _argument(args, kwargs, position, name)
             if isinstance(stats, torch.Tensor):
                 yield stats
 
 
-def _writes_running_stats(operator: Any) -> bool:
-    """Whether an operator is one of RUNNING_STATS_WRITERS or RUNNING_STATS_GATHERERS (cached per
-    operator: a hot path)."""
+def _running_stats_updates(operator: Any) -> str:
+    """When an operator updates running statistics its schema does not mark written (see
+    _RUNNING_STATS; cached per operator: a hot path)."""
     found = _RUNNING_STATS.get(operator)
     if found is None:
         name = operator._schema.name
-        found = _RUNNING_STATS[operator] = name in RUNNING_STATS_WRITERS or name in RUNNING_STATS_GATHERERS
+        found = "training" if name in RUNNING_STATS_WRITERS else ""
+        found = "always" if name in RUNNING_STATS_GATHERERS else found
+        _RUNNING_STATS[operator] = found
     return found
 
 

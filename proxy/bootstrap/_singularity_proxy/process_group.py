@@ -296,16 +296,17 @@ class ProxyGroup(dist.ProcessGroup):
         return self.barrier()
 
     def send(self, tensors, dst, tag=0):
-        tensors = list(tensors)
-        if any(isinstance(t, ProxyTensor) for t in tensors) or self._host is None:
-            return post(self, tensors, dst, sending=True)  # NCCL has no tags either
-        return self._host.send(tensors, dst, tag)
+        return self._message(list(tensors), dst, tag, sending=True)
 
     def recv(self, tensors, src, tag=0):
-        tensors = list(tensors)
+        return self._message(list(tensors), src, tag, sending=False)
+
+    def _message(self, tensors, peer, tag, sending):
+        """A point-to-point message: through the proxies for stand-ins (NCCL has no tags either),
+        else on the host backend."""
         if any(isinstance(t, ProxyTensor) for t in tensors) or self._host is None:
-            return post(self, tensors, src, sending=False)
-        return self._host.recv(tensors, src, tag)
+            return post(self, tensors, peer, sending)
+        return (self._host.send if sending else self._host.recv)(tensors, peer, tag)
 
     def recv_anysource(self, tensors, tag=0):
         raise RuntimeError("proxy: a receive from any source is not served on proxied devices (nor by NCCL)")
