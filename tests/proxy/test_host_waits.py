@@ -2,7 +2,7 @@
 (collectives.py `_move_off`, Session.swap_out/swap_in), on a Server object in this process: the
 device's counts, the dedup, an all-reduce that reads a waiting member from the host, an operation
 that brings its storage back, and a checkpoint taken meanwhile. The real-program figures (the
-peak of 4 spliced ranks, with the turns and without) are in test_dedup.py."""
+peak of 4 spliced ranks, with the turns and without) are in test_dedup_processes.py."""
 
 from __future__ import annotations
 
