@@ -31,6 +31,7 @@ from singularity.cli.progress import Progress
 from singularity.cli.source import LogFollower
 from singularityd import __version__
 from singularityd.api.v1 import singularity_pb2 as pb
+from singularityd.scheduling.tiers import DEFAULT_TIER, TIERS
 
 app = typer.Typer(
     name="sing",
@@ -125,7 +126,13 @@ def submit(
         None, "--gpus", "-g", help="Devices the job needs, all at once (default 1; elastic: --max-gpus)."
     ),
     name: str = typer.Option("", "--name", "-n", help="Job name (default: the program's name)."),
-    priority: int = typer.Option(0, "--priority", "-p", help="Higher runs first."),
+    priority: int = typer.Option(0, "--priority", "-p", help="Higher runs first, within its tier."),
+    tier: str = typer.Option(
+        DEFAULT_TIER,
+        "--tier",
+        "-t",
+        help=f"Service tier, {', '.join(reversed(TIERS))}: a higher one runs first, may preempt lower ones.",
+    ),
     ranks: int = typer.Option(1, "--ranks", help="Processes to start (torchrun-style ranks)."),
     env: list[str] = typer.Option([], "--env", "-e", help="Extra KEY=VALUE for the job."),
     cwd: str = typer.Option(None, "--cwd", help="Working directory (default: the current one)."),
@@ -175,6 +182,7 @@ def submit(
         max_restarts=max_restarts,
         min_gpus=min_gpus,
         max_gpus=max_gpus,
+        tier=tier,
     )
     if gpus is not None:
         request.gpus = gpus

@@ -52,6 +52,7 @@ def job_dict(job: pb.Job) -> dict[str, Any]:
         "reason": job.reason,
         "pending_reason": job.pending_reason or None,
         "priority": job.priority,
+        "tier": job.tier,
         "gpus": job.gpus,
         "ranks": job.ranks,
         "devices": list(job.devices),
@@ -163,9 +164,9 @@ def devices_or_reason(job: pb.Job) -> str:
     return f"({job.reason})" if job.reason else ""
 
 
-JOB_HEADER = ("ID", "NAME", "USER", "STATE", "PRI", "GPUS", "TIME", "DEVICES(REASON)")
+JOB_HEADER = ("ID", "NAME", "USER", "STATE", "TIER", "PRI", "GPUS", "TIME", "DEVICES(REASON)")
 WIDE_HEADER = (
-    "ID", "NAME", "USER", "STATE", "PRI", "GPUS", "RANKS", "TIME", "CPU", "RSS", "EXIT",
+    "ID", "NAME", "USER", "STATE", "TIER", "PRI", "GPUS", "RANKS", "TIME", "CPU", "RSS", "EXIT",
     "SUBMITTED", "CKPTS", "CKPT-AGE", "CKPT-SIZE", "CKPT-PAUSE", "COMMAND", "DEVICES(REASON)",
 )  # fmt: skip
 
@@ -216,11 +217,11 @@ def job_row(job: pb.Job, wide: bool, now: float) -> list[str]:
     """One line of `sing ps`."""
     if not wide:
         return [
-            str(job.id), job.name, job.user, job.state, str(job.priority), gpus_cell(job),
+            str(job.id), job.name, job.user, job.state, job.tier, str(job.priority), gpus_cell(job),
             duration(run_time(job, now)), devices_or_reason(job),
         ]  # fmt: skip
     return [
-        str(job.id), job.name, job.user, job.state, str(job.priority), gpus_cell(job),
+        str(job.id), job.name, job.user, job.state, job.tier, str(job.priority), gpus_cell(job),
         str(job.ranks), duration(run_time(job, now)), f"{job.cpu_seconds:.1f}s",
         human_bytes(job.rss_bytes), exit_text(job), timestamp(job.submitted_at), str(job.checkpoints),
         *last_checkpoint_cells(job, now), " ".join(job.command), devices_or_reason(job),
@@ -253,6 +254,7 @@ def job_detail_text(detail: pb.JobDetail, wide: bool = False, header: bool = Tru
     lines += [
         f"Command:    {' '.join(job.command)}",
         f"Directory:  {job.cwd}",
+        f"Tier:       {job.tier}",
         f"Priority:   {job.priority}",
         f"Devices:    {devices_text(job)}",
         f"Ranks:      {job.ranks}",

@@ -25,8 +25,8 @@ def test_submit_ps_show_logs_wait(daemon: Daemon) -> None:
     table = daemon.sing("ps")
     assert table.code == 0
     header, *rows = table.out.splitlines()
-    assert header.split() == ["ID", "NAME", "USER", "STATE", "PRI", "GPUS", "TIME", "DEVICES(REASON)"]
-    assert rows[0].split()[:6] == [str(job_id), "demo", "root", "RUNNING", "4", "2"]
+    assert header.split() == ["ID", "NAME", "USER", "STATE", "TIER", "PRI", "GPUS", "TIME", "DEVICES(REASON)"]
+    assert rows[0].split()[:7] == [str(job_id), "demo", "root", "RUNNING", "standard", "4", "2"]
     assert rows[0].split()[-1] == "0,1"
     wide = daemon.sing("ps", "-o", "wide", "--no-header")
     assert wide.code == 0 and wide.out.split()[0] == str(job_id) and "RSS" not in wide.out

@@ -9,6 +9,12 @@ from singularityd.core.decisions import Activity
 from singularityd.core.states import JobState
 from singularityd.scheduling.elastic import ElasticJob, Resize, grow_into, plan_elastic, shrink_for
 from singularityd.scheduling.round import ClusterView, JobView, plan_round
+from singularityd.scheduling.tiers import standing
+
+
+def outranking(priority: int) -> tuple[int, int]:
+    """The standing of a standard-tier job of `priority`."""
+    return standing("standard", priority)
 
 
 def job(
@@ -34,34 +40,46 @@ def test_a_busy_job_is_left_alone() -> None:
     """A job whose checkpoint or resize is under way is neither grown nor shrunk."""
     busy = ElasticJob(1, 0, 1.0, 1, 1, 4, busy=True)
     assert grow_into(2, [busy]) == ()
-    assert shrink_for(1, 0, [busy]) is None
+    assert shrink_for(1, outranking(0), [busy]) is None
 
 
 def test_shrinking_frees_what_the_blocked_job_needs_within_the_range() -> None:
     """Shrinking frees exactly what is needed, never below the minimum."""
-    assert shrink_for(2, 0, [job(1, 4, low=1)]) == (Resize(1, 2),)
-    assert shrink_for(3, 0, [job(1, 4, low=2)]) is None
+    assert shrink_for(2, outranking(0), [job(1, 4, low=1)]) == (Resize(1, 2),)
+    assert shrink_for(3, outranking(0), [job(1, 4, low=2)]) is None
 
 
 def test_shrinking_takes_the_lowest_priority_then_the_newest_first() -> None:
     """The lowest-priority, most recently started elastic jobs give devices first."""
     jobs = [job(1, 2, priority=1), job(2, 2, priority=0, seq=1.0), job(3, 2, priority=0, seq=9.0)]
-    assert shrink_for(1, 5, jobs) == (Resize(3, 1),)
-    assert shrink_for(3, 5, jobs) == (Resize(3, 1), Resize(2, 1), Resize(1, 1))
+    assert shrink_for(1, outranking(5), jobs) == (Resize(3, 1),)
+    assert shrink_for(3, outranking(5), jobs) == (Resize(3, 1), Resize(2, 1), Resize(1, 1))
 
 
 def test_a_higher_priority_elastic_job_is_not_shrunk_for_a_lower_one() -> None:
     """A queued job never shrinks an elastic job that outranks it."""
-    assert shrink_for(1, 0, [job(1, 4, priority=3)]) is None
+    assert shrink_for(1, outranking(0), [job(1, 4, priority=3)]) is None
+
+
+def test_tiers_outrank_priorities_in_shrinking_and_growing() -> None:
+    """A premium job shrinks a standard one of any priority, never the other way round; idle
+    devices go to the premium job first."""
+    standard = replace(job(1, 4, priority=9), tier="standard")
+    premium = replace(job(2, 4, priority=-5), tier="premium")
+    assert shrink_for(1, standing("premium", -9), [standard]) == (Resize(1, 3),)
+    assert shrink_for(1, standing("standard", 9), [premium]) is None
+    assert shrink_for(1, standing("basic", 100), [standard]) is None
+    small = [replace(standard, devices=1), replace(premium, devices=1)]
+    assert grow_into(1, small) == (Resize(2, 2),)
 
 
 def test_plan_shrinks_for_a_blocked_job_and_grows_otherwise() -> None:
     """A round shrinks for the blocked job, grows when nothing waits, else leaves it to preemption."""
     jobs = [job(1, 2, low=1, high=4)]
     assert plan_elastic(jobs, free=2, blocked=None) == (Resize(1, 4),)
-    assert plan_elastic(jobs, free=0, blocked=(1, 0)) == (Resize(1, 1),)
-    assert plan_elastic(jobs, free=1, blocked=(1, 0)) == ()
-    assert plan_elastic(jobs, free=0, blocked=(4, 0)) is None
+    assert plan_elastic(jobs, free=0, blocked=(1, outranking(0))) == (Resize(1, 1),)
+    assert plan_elastic(jobs, free=1, blocked=(1, outranking(0))) == ()
+    assert plan_elastic(jobs, free=0, blocked=(4, outranking(0))) is None
 
 
 DEVICES = (0, 1, 2, 3)

@@ -9,8 +9,8 @@ from singularityd.scheduling.policy import QueuedJob, RunningJob, plan_starts
 from singularityd.scheduling.round import ClusterView, JobView, plan_round
 
 
-def queued(job_id: int, wanted: int, priority: int = 0) -> QueuedJob:
-    return QueuedJob(job_id=job_id, priority=priority, submit_seq=job_id, devices_wanted=wanted)
+def queued(job_id: int, wanted: int, priority: int = 0, tier: str = "standard") -> QueuedJob:
+    return QueuedJob(job_id=job_id, priority=priority, submit_seq=job_id, devices_wanted=wanted, tier=tier)
 
 
 def test_policy_priority_then_fifo() -> None:
@@ -45,10 +45,15 @@ def test_policy_never_overcommits_and_names_unsatisfiable_jobs() -> None:
 
 
 def running(
-    job_id: int, priority: int, devices: tuple[int, ...], started: float, stopping: bool = False
+    job_id: int,
+    priority: int,
+    devices: tuple[int, ...],
+    started: float,
+    stopping: bool = False,
+    tier: str = "standard",
 ) -> RunningJob:
     return RunningJob(
-        job_id=job_id, priority=priority, started_seq=started, devices=devices, stopping=stopping
+        job_id=job_id, priority=priority, started_seq=started, devices=devices, stopping=stopping, tier=tier
     )
 
 
@@ -67,6 +72,28 @@ def test_policy_never_preempts_equal_or_higher_priority_or_without_checkpoints()
     assert plan.preemptions == () and plan.pending_reasons[9] == "Resources: needs 1 device, 0 free"
     lower = [running(1, 0, (0, 1), 1.0)]
     assert plan_starts([queued(9, 1, priority=3)], [], 2, lower, can_preempt=False).preemptions == ()
+
+
+def test_policy_orders_the_queue_by_tier_before_priority() -> None:
+    plan = plan_starts(
+        [queued(1, 1, priority=9, tier="basic"), queued(2, 1, priority=-3, tier="premium"), queued(3, 1, 5)],
+        free_devices=[0, 1],
+        total_devices=2,
+    )
+    assert plan.starts == ((2, (0,)), (3, (1,)))
+    assert plan.pending_reasons == {1: "Resources: needs 1 device, 0 free"}
+
+
+def test_policy_preempts_lower_tiers_whatever_their_priority_and_never_a_higher_tier() -> None:
+    busy = [running(1, 100, (0,), 1.0, tier="basic"), running(2, 50, (1,), 2.0, tier="standard")]
+    plan = plan_starts([queued(9, 1, priority=0, tier="premium")], [], 2, busy, can_preempt=True)
+    assert plan.preemptions == (1,), "the lowest tier goes first, whatever its priority"
+    plan = plan_starts([queued(9, 2, priority=-7, tier="premium")], [], 2, busy, can_preempt=True)
+    assert plan.preemptions == (1, 2)
+    plan = plan_starts([queued(9, 1, priority=100, tier="basic")], [], 2, busy, can_preempt=True)
+    assert plan.preemptions == () and plan.pending_reasons[9] == "Resources: needs 1 device, 0 free"
+    plan = plan_starts([queued(9, 1, priority=0, tier="standard")], [], 2, busy, can_preempt=True)
+    assert plan.preemptions == (1,)
 
 
 def test_policy_waits_for_jobs_already_stopping() -> None:

@@ -49,6 +49,7 @@ command = ["python", "train.py", "--epochs", "3"]
 gpus = 2
 ranks = 2
 name = "demo"
+tier = "premium"
 priority = 5
 cwd = "/srv/demo"
 checkpoint_every = 600
@@ -58,7 +59,7 @@ OMP_NUM_THREADS = "1"
 """
     args = job_arguments(text, me(), "file-stem")
     assert args.command == ("python", "train.py", "--epochs", "3")
-    assert (args.gpus, args.ranks, args.name, args.priority) == (2, 2, "demo", 5)
+    assert (args.gpus, args.ranks, args.name, args.tier, args.priority) == (2, 2, "demo", "premium", 5)
     assert (args.cwd, args.checkpoint_interval, args.max_restarts) == ("/srv/demo", 600.0, 2)
     assert args.env["OMP_NUM_THREADS"] == "1"
     assert args.env["USER"] == me().pw_name and args.env["HOME"] == me().pw_dir
@@ -67,7 +68,7 @@ OMP_NUM_THREADS = "1"
 def test_defaults_and_a_command_string() -> None:
     args = job_arguments("command = \"sh -c 'echo hi there'\"\n", me(), "nightly")
     assert args.command == ("sh", "-c", "echo hi there")
-    assert (args.gpus, args.ranks, args.priority, args.name) == (1, 1, 0, "nightly")
+    assert (args.gpus, args.ranks, args.priority, args.tier, args.name) == (1, 1, 0, "", "nightly")
     assert args.cwd == me().pw_dir and args.checkpoint_interval is None and args.max_restarts == 0
     assert (args.min_gpus, args.max_gpus) == (0, 0)
 

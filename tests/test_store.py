@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import sqlite3
+from dataclasses import replace
 from pathlib import Path
 
 from singularityd.core.states import JobState, check_transition
 from singularityd.store import JobSpec, Store
+from singularityd.store.schema import ADDED_COLUMNS
 
 
 def spec(name: str = "train") -> JobSpec:
@@ -58,3 +61,23 @@ def test_pending_reasons_and_listing(tmp_path: Path) -> None:
     jobs = store.list_jobs(states=(JobState.PENDING,))
     assert [j.id for j in jobs] == [1, 2, 3]
     assert jobs[1].pending_reason == "Resources: needs 2 devices, 0 free"
+
+
+def test_a_database_from_before_a_column_gets_it_and_keeps_its_jobs(tmp_path: Path) -> None:
+    """A database whose jobs table predates the added columns gets them on open, with defaults
+    that keep its jobs' behaviour (not elastic, no refusal, the standard tier)."""
+    path = tmp_path / "old.db"
+    store = Store(path)
+    store.create_job(replace(spec(), tier="premium"), at=10.0, reason="submitted by alice")
+    store.close()
+    db = sqlite3.connect(path)
+    for column in ADDED_COLUMNS:
+        db.execute(f"ALTER TABLE jobs DROP COLUMN {column}")
+    db.commit()
+    db.close()
+
+    reopened = Store(path)
+    job = reopened.get(1)
+    assert job is not None and job.spec == spec() and job.spec.tier == "standard"
+    added = reopened.create_job(replace(spec("next"), tier="basic", max_gpus=2, min_gpus=1), 11.0, "again")
+    assert (added.spec.tier, added.spec.min_gpus, added.spec.max_gpus) == ("basic", 1, 2)

@@ -78,8 +78,8 @@ def test_checkpoints_tab(snap_compare: Compare) -> None:
 
 
 def test_sorted_by_priority_and_filtered(snap_compare: Compare) -> None:
-    """`o` four times sorts by PRI, `O` reverses, `/alice` filters."""
-    keys = ["o", "o", "o", "o", "O", "slash", "a", "l", "i", "c", "e", "enter"]
+    """`o` five times sorts by PRI, `O` reverses, `/alice` filters."""
+    keys = ["o", "o", "o", "o", "o", "O", "slash", "a", "l", "i", "c", "e", "enter"]
     assert snap_compare(app(), terminal_size=SIZE, run_before=settled, press=keys)
 
 

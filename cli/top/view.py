@@ -15,6 +15,7 @@ from rich.text import Text
 
 from singularity.cli.output import ago, devices_or_reason, duration, exit_text, gpus_cell, run_time
 from singularityd.api.v1 import singularity_pb2 as pb
+from singularityd.scheduling.tiers import TIERS
 from singularityd.units import human_bytes
 
 STATE_STYLES = {
@@ -46,6 +47,16 @@ def state_text(job: pb.Job) -> Text:
     if job.starting:
         label = "RESTORING" if job.checkpoints else "STARTING"
     return Text(label, style=STATE_STYLES.get(job.state, ""))
+
+
+def tier_text(tier: str) -> Text:
+    """The tier in colour, like a priority: premium stands out, basic recedes."""
+    return Text(tier, style="bold yellow" if tier == TIERS[-1] else "dim" if tier == TIERS[0] else "")
+
+
+def tier_order(tier: str) -> int:
+    """How the tier sorts (an unknown one first)."""
+    return TIERS.index(tier) if tier in TIERS else -1
 
 
 def priority_text(priority: int) -> Text:
@@ -118,6 +129,7 @@ JOB_COLUMNS: tuple[Column, ...] = (
     Column("name", "NAME", 12, lambda j, n: j.name, lambda j, n: j.name),
     Column("user", "USER", 8, lambda j, n: j.user, lambda j, n: j.user),
     Column("state", "STATE", 9, lambda j, n: state_text(j), lambda j, n: j.state),
+    Column("tier", "TIER", 8, lambda j, n: tier_text(j.tier), lambda j, n: tier_order(j.tier)),
     Column("priority", "PRI", 4, lambda j, n: priority_text(j.priority), lambda j, n: j.priority),
     Column("gpus", "GPUS", 4, lambda j, n: gpus_cell(j), lambda j, n: j.gpus),
     Column("devices", "DEVICES", 7, lambda j, n: _devices_cell(j), lambda j, n: list(j.devices)),
@@ -292,6 +304,8 @@ def overview_text(detail: pb.JobDetail, devices: Sequence[pb.Device], now: float
     text.append(f"Job {job.id} ", style="bold")
     text.append(f"{job.name}  ({job.user}, uid {job.uid})  ")
     text.append_text(state_text(job))
+    text.append(", tier ")
+    text.append_text(tier_text(job.tier))
     text.append(", priority ")
     text.append_text(priority_text(job.priority))
     lines = [

@@ -211,6 +211,7 @@ class SingularityService(pb_grpc.SingularityServicer):  # type: ignore[misc]
                 max_restarts=request.max_restarts,
                 min_gpus=request.min_gpus,
                 max_gpus=request.max_gpus,
+                tier=request.tier,
             ),
             request.anywhere if request.HasField("anywhere") else None,
         )

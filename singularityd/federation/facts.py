@@ -77,6 +77,7 @@ def listing_fields(job: JobRecord) -> dict[str, Any]:
         "reason": job.reason,
         "pending_reason": job.pending_reason if job.state.is_queued else "",
         "priority": job.spec.priority,
+        "tier": job.spec.tier,
         "gpus": job.spec.gpus,
         "ranks": job.spec.ranks,
         "devices": list(job.devices),

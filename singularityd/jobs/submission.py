@@ -10,6 +10,7 @@ from singularityd.core.states import JobState
 from singularityd.errors import InvalidRequest, StateConflict, Unsatisfiable
 from singularityd.identity import Caller
 from singularityd.scheduling.replicas import device_range, resize_refusal
+from singularityd.scheduling.tiers import DEFAULT_TIER, TIERS
 from singularityd.store import JobRecord, JobSpec
 
 MAX_PRIORITY = 1_000_000
@@ -34,6 +35,8 @@ class SubmitArgs:
     max_restarts: int = 0
     min_gpus: int = 0
     max_gpus: int = 0
+    tier: str = ""
+    """'' for the default tier."""
 
 
 def default_gpus(ranks: int, min_gpus: int, max_gpus: int) -> int:
@@ -84,6 +87,9 @@ def validated_spec(caller: Caller, args: SubmitArgs, total_devices: int) -> JobS
         )
     if abs(args.priority) > MAX_PRIORITY:
         raise InvalidRequest(f"--priority must be between -{MAX_PRIORITY} and {MAX_PRIORITY}")
+    tier = args.tier or DEFAULT_TIER
+    if tier not in TIERS:
+        raise InvalidRequest(f"--tier must be one of {', '.join(TIERS)}, not {tier!r}")
     if args.gpus > total_devices:
         raise Unsatisfiable(f"requested {args.gpus} devices but this machine has {total_devices}")
     if not os.path.isabs(args.cwd):
@@ -111,6 +117,7 @@ def validated_spec(caller: Caller, args: SubmitArgs, total_devices: int) -> JobS
         max_restarts=args.max_restarts,
         min_gpus=low,
         max_gpus=high,
+        tier=tier,
     )
 
 

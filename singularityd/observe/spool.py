@@ -48,7 +48,7 @@ MAX_FILE_BYTES = 64 * 1024
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 FIELDS = (
     "command", "gpus", "ranks", "name", "priority", "env", "cwd", "checkpoint_every", "max_restarts",
-    "min_gpus", "max_gpus", "user", "uid",
+    "min_gpus", "max_gpus", "tier", "user", "uid",
 )  # fmt: skip
 
 
@@ -194,6 +194,7 @@ def job_arguments(text: str, owner: pwd.struct_passwd, default_name: str) -> Sub
         max_restarts=_integer(data, "max_restarts", 0),
         min_gpus=min_gpus,
         max_gpus=max_gpus,
+        tier=_text(data, "tier", ""),
     )
 
 

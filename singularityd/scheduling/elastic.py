@@ -4,16 +4,19 @@ anything is preempted. Pure, no I/O.
 An elastic job runs on any number of devices between its `min_devices` and `max_devices` (its
 ranks see no change: devices/splicing.py); the daemon carries a change out as a resize
 (checkpoint, stop, restore on the new count). The policy runs after `plan_starts`: when the
-queue's first blocked job needs devices, elastic jobs of lower or equal priority give up devices
-(lowest priority first, most recently started first, down to their minimum) instead of being
-preempted; when nothing waits, idle devices go to elastic jobs below their maximum (highest
-priority first, one device at a time in turn, so they grow evenly).
+queue's first blocked job needs devices, elastic jobs of lower or equal standing (tier, then
+priority: scheduling/tiers.py) give up devices (lowest standing first, most recently started
+first, down to their minimum) instead of being preempted; when nothing waits, idle devices go to
+elastic jobs below their maximum (highest standing first, one device at a time in turn, so they
+grow evenly).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from singularityd.scheduling.tiers import DEFAULT_TIER, standing
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,12 @@ class ElasticJob:
     min_devices: int
     max_devices: int
     busy: bool = False
+    tier: str = DEFAULT_TIER
+
+    @property
+    def standing(self) -> tuple[int, int]:
+        """Its tier, then its priority."""
+        return standing(self.tier, self.priority)
 
 
 @dataclass(frozen=True)
@@ -37,12 +46,12 @@ class Resize:
     devices: int
 
 
-def shrink_for(needed: int, priority: int, jobs: Sequence[ElasticJob]) -> tuple[Resize, ...] | None:
-    """The resizes that free `needed` devices for a job of `priority` from elastic jobs of no
-    higher priority, or None when they cannot (then preemption decides)."""
+def shrink_for(needed: int, rank: tuple[int, int], jobs: Sequence[ElasticJob]) -> tuple[Resize, ...] | None:
+    """The resizes that free `needed` devices for a job of standing `rank` from elastic jobs of no
+    higher standing, or None when they cannot (then preemption decides)."""
     candidates = sorted(
-        (j for j in jobs if not j.busy and j.priority <= priority and j.devices > j.min_devices),
-        key=lambda j: (j.priority, -j.started_seq),
+        (j for j in jobs if not j.busy and j.standing <= rank and j.devices > j.min_devices),
+        key=lambda j: (j.standing, -j.started_seq),
     )
     resizes = []
     freed = 0
@@ -59,7 +68,7 @@ def grow_into(idle: int, jobs: Sequence[ElasticJob]) -> tuple[Resize, ...]:
     """The resizes that give `idle` devices to elastic jobs below their maximum, in turn."""
     order = sorted(
         (j for j in jobs if not j.busy and j.devices < j.max_devices),
-        key=lambda j: (-j.priority, j.started_seq),
+        key=lambda j: (-j.standing[0], -j.standing[1], j.started_seq),
     )
     sizes = {job.job_id: job.devices for job in order}
     left = idle
@@ -76,12 +85,12 @@ def grow_into(idle: int, jobs: Sequence[ElasticJob]) -> tuple[Resize, ...]:
 
 
 def plan_elastic(
-    jobs: Sequence[ElasticJob], free: int, blocked: tuple[int, int] | None
+    jobs: Sequence[ElasticJob], free: int, blocked: tuple[int, tuple[int, int]] | None
 ) -> tuple[Resize, ...] | None:
     """What to do with elastic jobs this round: shrink them for the blocked job (`needed` devices
-    beyond the free ones, its priority), or grow them into free devices when nothing is blocked.
+    beyond the free ones, its standing), or grow them into free devices when nothing is blocked.
     None when a blocked job cannot be served by shrinking (preemption decides)."""
     if blocked is not None:
-        needed, priority = blocked
-        return shrink_for(max(0, needed - free), priority, jobs)
+        needed, rank = blocked
+        return shrink_for(max(0, needed - free), rank, jobs)
     return grow_into(free, jobs)

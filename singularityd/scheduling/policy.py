@@ -1,15 +1,18 @@
-"""The scheduling policy: priority then FIFO, gang allocation, no overcommit, preemption. Pure.
+"""The scheduling policy: tier, then priority, then FIFO; gang allocation, no overcommit, preemption.
+Pure.
 
 A round (singularityd.scheduling.round) passes the queue, the running jobs and the free devices;
 the policy returns which jobs start on which devices, which running jobs to preempt (checkpoint
-and stop) to make room for a higher-priority one, and, for every job left waiting, a reason a
-person can read.
+and stop) to make room for one that outranks them (scheduling/tiers.py), and, for every job left
+waiting, a reason a person can read.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from singularityd.scheduling.tiers import DEFAULT_TIER, standing
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,12 @@ class QueuedJob:
     devices_wanted: int
     devices_min: int = 0
     """An elastic job starts on fewer devices than it wants, not below this (0: not elastic)."""
+    tier: str = DEFAULT_TIER
+
+    @property
+    def standing(self) -> tuple[int, int]:
+        """Its tier, then its priority: what orders the queue and decides preemption."""
+        return standing(self.tier, self.priority)
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,12 @@ class RunningJob:
     devices: tuple[int, ...]
     stopping: bool = False
     preemptible: bool = True
+    tier: str = DEFAULT_TIER
+
+    @property
+    def standing(self) -> tuple[int, int]:
+        """Its tier, then its priority: a queued job of a higher standing may preempt it."""
+        return standing(self.tier, self.priority)
 
 
 @dataclass(frozen=True)
@@ -47,9 +62,10 @@ class Plan:
     """Running elastic jobs to move to another number of devices: (job id, devices)."""
 
 
-def queue_order(job: QueuedJob) -> tuple[int, int]:
-    """Higher priority first, then first come first served."""
-    return (-job.priority, job.submit_seq)
+def queue_order(job: QueuedJob) -> tuple[int, int, int]:
+    """Higher tier first, then higher priority, then first come first served."""
+    tier, priority = job.standing
+    return (-tier, -priority, job.submit_seq)
 
 
 def _plural(count: int, word: str) -> str:
@@ -57,10 +73,11 @@ def _plural(count: int, word: str) -> str:
 
 
 def _victims(job: QueuedJob, running: Sequence[RunningJob], needed: int) -> list[RunningJob] | None:
-    """The fewest lower-priority jobs (lowest priority, then most recently started) freeing `needed`."""
+    """The fewest jobs of a lower standing (lowest tier and priority, then most recently started)
+    freeing `needed`."""
     candidates = sorted(
-        (r for r in running if r.preemptible and not r.stopping and r.priority < job.priority),
-        key=lambda r: (r.priority, -r.started_seq),
+        (r for r in running if r.preemptible and not r.stopping and r.standing < job.standing),
+        key=lambda r: (r.standing, -r.started_seq),
     )
     chosen: list[RunningJob] = []
     freed = 0
@@ -79,13 +96,13 @@ def plan_starts(
     running: Sequence[RunningJob] = (),
     can_preempt: bool = False,
 ) -> Plan:
-    """Start jobs in priority-then-FIFO order while each gets all its devices at once.
+    """Start jobs in tier-then-priority-then-FIFO order while each gets all its devices at once.
 
     The queue is strict: once a job cannot start, the jobs behind it wait too, so a large job
     is never starved by a stream of small ones. An elastic job starts on as many free devices as
     it wants or, when fewer are free, on all of them if that reaches its minimum. When the
-    blocked job outranks running jobs and preemption is possible, the policy preempts the fewest
-    lower-priority jobs that make room.
+    blocked job outranks running jobs (a higher tier, or the same tier and a higher priority) and
+    preemption is possible, the policy preempts the fewest of those jobs that make room.
     """
     free = sorted(free_devices)
     starts: list[tuple[int, tuple[int, ...]]] = []

@@ -20,6 +20,7 @@ from singularityd.core.states import JobState
 from singularityd.scheduling.elastic import ElasticJob, plan_elastic
 from singularityd.scheduling.policy import Plan, QueuedJob, RunningJob, plan_starts, queue_order
 from singularityd.scheduling.replicas import device_range, pending_reason
+from singularityd.scheduling.tiers import DEFAULT_TIER
 from singularityd.store import JobRecord
 
 
@@ -40,6 +41,7 @@ class JobView:
     """An elastic job's range of devices (both 0: not elastic)."""
     splice_refusal: str = ""
     """Why the job's ranks may not share devices ('' when they may; scheduling/replicas.py)."""
+    tier: str = DEFAULT_TIER
 
     @classmethod
     def of(cls, job: JobRecord, activity: Activity) -> JobView:
@@ -59,6 +61,7 @@ class JobView:
             low,
             high,
             refusal,
+            spec.tier,
         )
 
 
@@ -106,6 +109,7 @@ def _running(job: JobView, now: float) -> RunningJob:
         job.devices,
         stopping=job.cancel_requested or (take is not None and take.stop),
         preemptible=job.activity.preemptible_at(now),
+        tier=job.tier,
     )
 
 
@@ -113,7 +117,14 @@ def _elastic(job: JobView, now: float) -> ElasticJob:
     """A running elastic job as the elastic policy sees it."""
     busy = job.cancel_requested or not job.activity.preemptible_at(now)
     return ElasticJob(
-        job.job_id, job.priority, job.started_at, len(job.devices), job.min_devices, job.max_devices, busy
+        job.job_id,
+        job.priority,
+        job.started_at,
+        len(job.devices),
+        job.min_devices,
+        job.max_devices,
+        busy,
+        job.tier,
     )
 
 
@@ -132,7 +143,7 @@ def _fit_elastic(view: ClusterView, plan: Plan, queue: list[QueuedJob], running:
     blocked = next((job for job in waiting if not plan.pending_reasons[job.job_id].startswith("Unsat")), None)
     if blocked is None and not view.idle_long_enough:
         return plan
-    wants = None if blocked is None else (blocked.devices_wanted, blocked.priority)
+    wants = None if blocked is None else (blocked.devices_wanted, blocked.standing)
     changes = plan_elastic(elastic, free, wants)
     if not changes:
         return plan
@@ -147,7 +158,7 @@ def _fit_elastic(view: ClusterView, plan: Plan, queue: list[QueuedJob], running:
 def plan_round(view: ClusterView) -> Plan:
     """Which queued jobs start where, which running jobs to preempt or resize, why the others wait."""
     queue = [
-        QueuedJob(job.job_id, job.priority, job.job_id, job.devices_wanted, job.min_devices)
+        QueuedJob(job.job_id, job.priority, job.job_id, job.devices_wanted, job.min_devices, job.tier)
         for job in view.queued
     ]
     running = [_running(job, view.now) for job in view.jobs if job.state is JobState.RUNNING]

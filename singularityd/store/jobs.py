@@ -32,9 +32,9 @@ class JobTable(Database):
                 raise StoreUnwritable(f"this node has given out every job id of its block ({first}-{last})")
             db.execute(
                 """INSERT INTO jobs (id, name, uid, gid, user, priority, gpus, ranks, command, env, cwd,
-                                     checkpoint_interval, max_restarts, min_gpus, max_gpus, state, reason,
-                                     pending_reason, submitted_at)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                                     checkpoint_interval, max_restarts, min_gpus, max_gpus, tier, state,
+                                     reason, pending_reason, submitted_at)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
                 (
                     job_id,
                     spec.name,
@@ -51,6 +51,7 @@ class JobTable(Database):
                     spec.max_restarts,
                     spec.min_gpus,
                     spec.max_gpus,
+                    spec.tier,
                     JobState.PENDING.value,
                     reason,
                     "waiting for the scheduler",

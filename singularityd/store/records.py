@@ -7,6 +7,7 @@ import sqlite3
 from dataclasses import dataclass
 
 from singularityd.core.states import JobState
+from singularityd.scheduling.tiers import DEFAULT_TIER
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class JobSpec:
     min_gpus: int = 0
     max_gpus: int = 0
     """An elastic job's range of devices (both 0: not elastic); `gpus` is its current size."""
+    tier: str = DEFAULT_TIER
+    """Its service tier (singularityd.scheduling.tiers), which ranks it before its priority."""
 
     @property
     def elastic(self) -> bool:
@@ -91,6 +94,7 @@ def job_record(row: sqlite3.Row, devices: tuple[int, ...]) -> JobRecord:
         max_restarts=row["max_restarts"],
         min_gpus=row["min_gpus"],
         max_gpus=row["max_gpus"],
+        tier=row["tier"],
     )
     return JobRecord(
         id=row["id"],

@@ -42,7 +42,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     restarts_used INTEGER NOT NULL DEFAULT 0,
     min_gpus INTEGER NOT NULL DEFAULT 0,
     max_gpus INTEGER NOT NULL DEFAULT 0,
-    splice_refusal TEXT NOT NULL DEFAULT ''
+    splice_refusal TEXT NOT NULL DEFAULT '',
+    tier TEXT NOT NULL DEFAULT 'standard'
 );
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state);
 CREATE TABLE IF NOT EXISTS events (
@@ -69,6 +70,7 @@ ADDED_COLUMNS = {
     "min_gpus": "INTEGER NOT NULL DEFAULT 0",
     "max_gpus": "INTEGER NOT NULL DEFAULT 0",
     "splice_refusal": "TEXT NOT NULL DEFAULT ''",
+    "tier": "TEXT NOT NULL DEFAULT 'standard'",
 }
 """Columns of the jobs table that a database created before them gets on open (their defaults
 keep its jobs' behaviour)."""

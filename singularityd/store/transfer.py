@@ -14,7 +14,7 @@ IMPORTED_COLUMNS = frozenset(
         "id", "name", "uid", "gid", "user", "priority", "gpus", "ranks", "command", "env", "cwd",
         "submitted_at", "started_at", "ended_at", "exit_code", "signal", "cpu_seconds",
         "max_rss_bytes", "attempt", "checkpoint_interval", "max_restarts", "restarts_used",
-        "min_gpus", "max_gpus", "splice_refusal",
+        "min_gpus", "max_gpus", "splice_refusal", "tier",
     }
 )  # fmt: skip
 """Columns that travel with a job to a peer (its state, pending reason, cancel flag and processes

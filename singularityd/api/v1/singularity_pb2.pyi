@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("command", "name", "gpus", "priority", "ranks", "cwd", "env", "checkpoint_interval", "anywhere", "max_restarts", "min_gpus", "max_gpus")
+    __slots__ = ("command", "name", "gpus", "priority", "ranks", "cwd", "env", "checkpoint_interval", "anywhere", "max_restarts", "min_gpus", "max_gpus", "tier")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class SubmitRequest(_message.Message):
     MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     MIN_GPUS_FIELD_NUMBER: _ClassVar[int]
     MAX_GPUS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     command: _containers.RepeatedScalarFieldContainer[str]
     name: str
     gpus: int
@@ -39,7 +40,8 @@ class SubmitRequest(_message.Message):
     max_restarts: int
     min_gpus: int
     max_gpus: int
-    def __init__(self, command: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., gpus: _Optional[int] = ..., priority: _Optional[int] = ..., ranks: _Optional[int] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., checkpoint_interval: _Optional[float] = ..., anywhere: _Optional[bool] = ..., max_restarts: _Optional[int] = ..., min_gpus: _Optional[int] = ..., max_gpus: _Optional[int] = ...) -> None: ...
+    tier: str
+    def __init__(self, command: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., gpus: _Optional[int] = ..., priority: _Optional[int] = ..., ranks: _Optional[int] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., checkpoint_interval: _Optional[float] = ..., anywhere: _Optional[bool] = ..., max_restarts: _Optional[int] = ..., min_gpus: _Optional[int] = ..., max_gpus: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("job",)
@@ -56,7 +58,7 @@ class ResizeRequest(_message.Message):
     def __init__(self, id: _Optional[int] = ..., gpus: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "user", "uid", "state", "reason", "pending_reason", "priority", "gpus", "ranks", "devices", "command", "submitted_at", "started_at", "ended_at", "exit_code", "signal", "cpu_seconds", "rss_bytes", "cwd", "attempt", "checkpoint_interval", "checkpoints", "checkpoint_bytes", "last_checkpoint", "starting", "node", "move", "max_restarts", "restarts_used", "min_gpus", "max_gpus", "splice_refusal")
+    __slots__ = ("id", "name", "user", "uid", "state", "reason", "pending_reason", "priority", "gpus", "ranks", "devices", "command", "submitted_at", "started_at", "ended_at", "exit_code", "signal", "cpu_seconds", "rss_bytes", "cwd", "attempt", "checkpoint_interval", "checkpoints", "checkpoint_bytes", "last_checkpoint", "starting", "node", "move", "max_restarts", "restarts_used", "min_gpus", "max_gpus", "splice_refusal", "tier")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +92,7 @@ class Job(_message.Message):
     MIN_GPUS_FIELD_NUMBER: _ClassVar[int]
     MAX_GPUS_FIELD_NUMBER: _ClassVar[int]
     SPLICE_REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     id: int
     name: str
     user: str
@@ -123,7 +126,8 @@ class Job(_message.Message):
     min_gpus: int
     max_gpus: int
     splice_refusal: str
-    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., user: _Optional[str] = ..., uid: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., pending_reason: _Optional[str] = ..., priority: _Optional[int] = ..., gpus: _Optional[int] = ..., ranks: _Optional[int] = ..., devices: _Optional[_Iterable[int]] = ..., command: _Optional[_Iterable[str]] = ..., submitted_at: _Optional[float] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., cpu_seconds: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., cwd: _Optional[str] = ..., attempt: _Optional[int] = ..., checkpoint_interval: _Optional[float] = ..., checkpoints: _Optional[int] = ..., checkpoint_bytes: _Optional[int] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., starting: _Optional[bool] = ..., node: _Optional[str] = ..., move: _Optional[_Union[MoveInfo, _Mapping]] = ..., max_restarts: _Optional[int] = ..., restarts_used: _Optional[int] = ..., min_gpus: _Optional[int] = ..., max_gpus: _Optional[int] = ..., splice_refusal: _Optional[str] = ...) -> None: ...
+    tier: str
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., user: _Optional[str] = ..., uid: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., pending_reason: _Optional[str] = ..., priority: _Optional[int] = ..., gpus: _Optional[int] = ..., ranks: _Optional[int] = ..., devices: _Optional[_Iterable[int]] = ..., command: _Optional[_Iterable[str]] = ..., submitted_at: _Optional[float] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., cpu_seconds: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., cwd: _Optional[str] = ..., attempt: _Optional[int] = ..., checkpoint_interval: _Optional[float] = ..., checkpoints: _Optional[int] = ..., checkpoint_bytes: _Optional[int] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., starting: _Optional[bool] = ..., node: _Optional[str] = ..., move: _Optional[_Union[MoveInfo, _Mapping]] = ..., max_restarts: _Optional[int] = ..., restarts_used: _Optional[int] = ..., min_gpus: _Optional[int] = ..., max_gpus: _Optional[int] = ..., splice_refusal: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class MoveInfo(_message.Message):
     __slots__ = ("peer", "phase", "moved", "total", "sent")

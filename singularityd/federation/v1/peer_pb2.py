@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%singularityd/federation/v1/peer.proto\x12\x13singularity.peer.v1\"-\n\x0bJoinRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07\x63sr_pem\x18\x02 \x01(\x0c\"J\n\tJoinReply\x12\x17\n\x0f\x63\x65rtificate_pem\x18\x01 \x01(\x0c\x12\x0e\n\x06\x63\x61_pem\x18\x02 \x01(\x0c\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\"\"\n\x13ListPeerJobsRequest\x12\x0b\n\x03\x61ll\x18\x01 \x01(\x08\"\xe6\x02\n\x07PeerJob\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04user\x18\x03 \x01(\t\x12\x0b\n\x03uid\x18\x04 \x01(\r\x12\r\n\x05state\x18\x05 \x01(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x16\n\x0epending_reason\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x0c\n\x04gpus\x18\t \x01(\x05\x12\r\n\x05ranks\x18\n \x01(\x05\x12\x0f\n\x07\x64\x65vices\x18\x0b \x03(\x05\x12\x0f\n\x07\x63ommand\x18\x0c \x03(\t\x12\x14\n\x0csubmitted_at\x18\r \x01(\x01\x12\x12\n\nstarted_at\x18\x0e \x01(\x01\x12\x10\n\x08\x65nded_at\x18\x0f \x01(\x01\x12\x16\n\texit_code\x18\x10 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x06signal\x18\x11 \x01(\x05H\x01\x88\x01\x01\x12\x0b\n\x03\x63wd\x18\x14 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x15 \x01(\x05\x42\x0c\n\n_exit_codeB\t\n\x07_signal\"?\n\x11ListPeerJobsReply\x12*\n\x04jobs\x18\x01 \x03(\x0b\x32\x1c.singularity.peer.v1.PeerJob\"W\n\x06\x44\x65vice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0cmemory_total\x18\x04 \x01(\x04\x12\x0c\n\x04\x66ree\x18\x05 \x01(\x08\",\n\x0bPeerAddress\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xa8\x01\n\nNodeStatus\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12,\n\x07\x64\x65vices\x18\x04 \x03(\x0b\x32\x1b.singularity.peer.v1.Device\x12\x14\n\x0c\x66ree_devices\x18\x05 \x01(\r\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x14\n\x0crunning_jobs\x18\x07 \x01(\r\"t\n\x10HeartbeatRequest\x12/\n\x06sender\x18\x01 \x01(\x0b\x32\x1f.singularity.peer.v1.NodeStatus\x12/\n\x05known\x18\x02 \x03(\x0b\x32 .singularity.peer.v1.PeerAddress\"r\n\x0eHeartbeatReply\x12/\n\x06status\x18\x01 \x01(\x0b\x32\x1f.singularity.peer.v1.NodeStatus\x12/\n\x05known\x18\x02 \x03(\x0b\x32 .singularity.peer.v1.PeerAddress\"\x88\x01\n\x0eHandoffRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12.\n\x04step\x18\x03 \x01(\x0e\x32 .singularity.peer.v1.HandoffStep\x12\x11\n\tspec_json\x18\x04 \x01(\x0c\x12\x14\n\x0chold_seconds\x18\x05 \x01(\x01\"L\n\x0cHandoffReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tdiscarded\x18\x03 \x01(\x08\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"C\n\tFileEntry\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0c\n\x04mode\x18\x03 \x01(\r\x12\x0c\n\x04link\x18\x04 \x01(\t\"\x8d\x01\n\x14\x42\x65ginTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x12\n\nchunk_size\x18\x04 \x01(\r\x12-\n\x05\x66iles\x18\x05 \x03(\x0b\x32\x1e.singularity.peer.v1.FileEntry\"7\n\x08\x43hunkRef\x12\x0c\n\x04\x66ile\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06sha256\x18\x03 \x01(\x0c\"P\n\rTransferState\x12+\n\x04have\x18\x01 \x03(\x0b\x32\x1d.singularity.peer.v1.ChunkRef\x12\x12\n\nbytes_held\x18\x02 \x01(\x04\"W\n\x05\x43hunk\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0c\n\x04\x66ile\x18\x02 \x01(\r\x12\r\n\x05index\x18\x03 \x01(\r\x12\x0e\n\x06sha256\x18\x04 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"m\n\x15\x46inishTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12/\n\x08manifest\x18\x02 \x03(\x0b\x32\x1d.singularity.peer.v1.ChunkRef\x12\x0e\n\x06reread\x18\x03 \x01(\x08\"/\n\x0fTransferVerdict\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x10\n\x08problems\x18\x02 \x03(\t*\\\n\x0bHandoffStep\x12\x1c\n\x18HANDOFF_STEP_UNSPECIFIED\x10\x00\x12\x0b\n\x07PREPARE\x10\x01\x12\x0b\n\x07RESTORE\x10\x02\x12\n\n\x06\x43OMMIT\x10\x03\x12\t\n\x05\x41\x42ORT\x10\x04\x32P\n\x04Join\x12H\n\x04Join\x12 .singularity.peer.v1.JoinRequest\x1a\x1e.singularity.peer.v1.JoinReply2\xa4\x04\n\x04Peer\x12W\n\tHeartbeat\x12%.singularity.peer.v1.HeartbeatRequest\x1a#.singularity.peer.v1.HeartbeatReply\x12Q\n\x07Handoff\x12#.singularity.peer.v1.HandoffRequest\x1a!.singularity.peer.v1.HandoffReply\x12^\n\rBeginTransfer\x12).singularity.peer.v1.BeginTransferRequest\x1a\".singularity.peer.v1.TransferState\x12N\n\nSendChunks\x12\x1a.singularity.peer.v1.Chunk\x1a\".singularity.peer.v1.TransferState(\x01\x12\x62\n\x0e\x46inishTransfer\x12*.singularity.peer.v1.FinishTransferRequest\x1a$.singularity.peer.v1.TransferVerdict\x12\\\n\x08ListJobs\x12(.singularity.peer.v1.ListPeerJobsRequest\x1a&.singularity.peer.v1.ListPeerJobsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%singularityd/federation/v1/peer.proto\x12\x13singularity.peer.v1\"-\n\x0bJoinRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07\x63sr_pem\x18\x02 \x01(\x0c\"J\n\tJoinReply\x12\x17\n\x0f\x63\x65rtificate_pem\x18\x01 \x01(\x0c\x12\x0e\n\x06\x63\x61_pem\x18\x02 \x01(\x0c\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\"\"\n\x13ListPeerJobsRequest\x12\x0b\n\x03\x61ll\x18\x01 \x01(\x08\"\xf4\x02\n\x07PeerJob\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04user\x18\x03 \x01(\t\x12\x0b\n\x03uid\x18\x04 \x01(\r\x12\r\n\x05state\x18\x05 \x01(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x16\n\x0epending_reason\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x0c\n\x04gpus\x18\t \x01(\x05\x12\r\n\x05ranks\x18\n \x01(\x05\x12\x0f\n\x07\x64\x65vices\x18\x0b \x03(\x05\x12\x0f\n\x07\x63ommand\x18\x0c \x03(\t\x12\x14\n\x0csubmitted_at\x18\r \x01(\x01\x12\x12\n\nstarted_at\x18\x0e \x01(\x01\x12\x10\n\x08\x65nded_at\x18\x0f \x01(\x01\x12\x16\n\texit_code\x18\x10 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x06signal\x18\x11 \x01(\x05H\x01\x88\x01\x01\x12\x0b\n\x03\x63wd\x18\x14 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x15 \x01(\x05\x12\x0c\n\x04tier\x18- \x01(\tB\x0c\n\n_exit_codeB\t\n\x07_signal\"?\n\x11ListPeerJobsReply\x12*\n\x04jobs\x18\x01 \x03(\x0b\x32\x1c.singularity.peer.v1.PeerJob\"W\n\x06\x44\x65vice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0cmemory_total\x18\x04 \x01(\x04\x12\x0c\n\x04\x66ree\x18\x05 \x01(\x08\",\n\x0bPeerAddress\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xa8\x01\n\nNodeStatus\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12,\n\x07\x64\x65vices\x18\x04 \x03(\x0b\x32\x1b.singularity.peer.v1.Device\x12\x14\n\x0c\x66ree_devices\x18\x05 \x01(\r\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x14\n\x0crunning_jobs\x18\x07 \x01(\r\"t\n\x10HeartbeatRequest\x12/\n\x06sender\x18\x01 \x01(\x0b\x32\x1f.singularity.peer.v1.NodeStatus\x12/\n\x05known\x18\x02 \x03(\x0b\x32 .singularity.peer.v1.PeerAddress\"r\n\x0eHeartbeatReply\x12/\n\x06status\x18\x01 \x01(\x0b\x32\x1f.singularity.peer.v1.NodeStatus\x12/\n\x05known\x18\x02 \x03(\x0b\x32 .singularity.peer.v1.PeerAddress\"\x88\x01\n\x0eHandoffRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12.\n\x04step\x18\x03 \x01(\x0e\x32 .singularity.peer.v1.HandoffStep\x12\x11\n\tspec_json\x18\x04 \x01(\x0c\x12\x14\n\x0chold_seconds\x18\x05 \x01(\x01\"L\n\x0cHandoffReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tdiscarded\x18\x03 \x01(\x08\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"C\n\tFileEntry\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0c\n\x04mode\x18\x03 \x01(\r\x12\x0c\n\x04link\x18\x04 \x01(\t\"\x8d\x01\n\x14\x42\x65ginTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x12\n\nchunk_size\x18\x04 \x01(\r\x12-\n\x05\x66iles\x18\x05 \x03(\x0b\x32\x1e.singularity.peer.v1.FileEntry\"7\n\x08\x43hunkRef\x12\x0c\n\x04\x66ile\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06sha256\x18\x03 \x01(\x0c\"P\n\rTransferState\x12+\n\x04have\x18\x01 \x03(\x0b\x32\x1d.singularity.peer.v1.ChunkRef\x12\x12\n\nbytes_held\x18\x02 \x01(\x04\"W\n\x05\x43hunk\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0c\n\x04\x66ile\x18\x02 \x01(\r\x12\r\n\x05index\x18\x03 \x01(\r\x12\x0e\n\x06sha256\x18\x04 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"m\n\x15\x46inishTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12/\n\x08manifest\x18\x02 \x03(\x0b\x32\x1d.singularity.peer.v1.ChunkRef\x12\x0e\n\x06reread\x18\x03 \x01(\x08\"/\n\x0fTransferVerdict\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x10\n\x08problems\x18\x02 \x03(\t*\\\n\x0bHandoffStep\x12\x1c\n\x18HANDOFF_STEP_UNSPECIFIED\x10\x00\x12\x0b\n\x07PREPARE\x10\x01\x12\x0b\n\x07RESTORE\x10\x02\x12\n\n\x06\x43OMMIT\x10\x03\x12\t\n\x05\x41\x42ORT\x10\x04\x32P\n\x04Join\x12H\n\x04Join\x12 .singularity.peer.v1.JoinRequest\x1a\x1e.singularity.peer.v1.JoinReply2\xa4\x04\n\x04Peer\x12W\n\tHeartbeat\x12%.singularity.peer.v1.HeartbeatRequest\x1a#.singularity.peer.v1.HeartbeatReply\x12Q\n\x07Handoff\x12#.singularity.peer.v1.HandoffRequest\x1a!.singularity.peer.v1.HandoffReply\x12^\n\rBeginTransfer\x12).singularity.peer.v1.BeginTransferRequest\x1a\".singularity.peer.v1.TransferState\x12N\n\nSendChunks\x12\x1a.singularity.peer.v1.Chunk\x1a\".singularity.peer.v1.TransferState(\x01\x12\x62\n\x0e\x46inishTransfer\x12*.singularity.peer.v1.FinishTransferRequest\x1a$.singularity.peer.v1.TransferVerdict\x12\\\n\x08ListJobs\x12(.singularity.peer.v1.ListPeerJobsRequest\x1a&.singularity.peer.v1.ListPeerJobsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'singularityd.federation.v1.peer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_HANDOFFSTEP']._serialized_start=2005
-  _globals['_HANDOFFSTEP']._serialized_end=2097
+  _globals['_HANDOFFSTEP']._serialized_start=2019
+  _globals['_HANDOFFSTEP']._serialized_end=2111
   _globals['_JOINREQUEST']._serialized_start=62
   _globals['_JOINREQUEST']._serialized_end=107
   _globals['_JOINREPLY']._serialized_start=109
@@ -40,39 +40,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTPEERJOBSREQUEST']._serialized_start=185
   _globals['_LISTPEERJOBSREQUEST']._serialized_end=219
   _globals['_PEERJOB']._serialized_start=222
-  _globals['_PEERJOB']._serialized_end=580
-  _globals['_LISTPEERJOBSREPLY']._serialized_start=582
-  _globals['_LISTPEERJOBSREPLY']._serialized_end=645
-  _globals['_DEVICE']._serialized_start=647
-  _globals['_DEVICE']._serialized_end=734
-  _globals['_PEERADDRESS']._serialized_start=736
-  _globals['_PEERADDRESS']._serialized_end=780
-  _globals['_NODESTATUS']._serialized_start=783
-  _globals['_NODESTATUS']._serialized_end=951
-  _globals['_HEARTBEATREQUEST']._serialized_start=953
-  _globals['_HEARTBEATREQUEST']._serialized_end=1069
-  _globals['_HEARTBEATREPLY']._serialized_start=1071
-  _globals['_HEARTBEATREPLY']._serialized_end=1185
-  _globals['_HANDOFFREQUEST']._serialized_start=1188
-  _globals['_HANDOFFREQUEST']._serialized_end=1324
-  _globals['_HANDOFFREPLY']._serialized_start=1326
-  _globals['_HANDOFFREPLY']._serialized_end=1402
-  _globals['_FILEENTRY']._serialized_start=1404
-  _globals['_FILEENTRY']._serialized_end=1471
-  _globals['_BEGINTRANSFERREQUEST']._serialized_start=1474
-  _globals['_BEGINTRANSFERREQUEST']._serialized_end=1615
-  _globals['_CHUNKREF']._serialized_start=1617
-  _globals['_CHUNKREF']._serialized_end=1672
-  _globals['_TRANSFERSTATE']._serialized_start=1674
-  _globals['_TRANSFERSTATE']._serialized_end=1754
-  _globals['_CHUNK']._serialized_start=1756
-  _globals['_CHUNK']._serialized_end=1843
-  _globals['_FINISHTRANSFERREQUEST']._serialized_start=1845
-  _globals['_FINISHTRANSFERREQUEST']._serialized_end=1954
-  _globals['_TRANSFERVERDICT']._serialized_start=1956
-  _globals['_TRANSFERVERDICT']._serialized_end=2003
-  _globals['_JOIN']._serialized_start=2099
-  _globals['_JOIN']._serialized_end=2179
-  _globals['_PEER']._serialized_start=2182
-  _globals['_PEER']._serialized_end=2730
+  _globals['_PEERJOB']._serialized_end=594
+  _globals['_LISTPEERJOBSREPLY']._serialized_start=596
+  _globals['_LISTPEERJOBSREPLY']._serialized_end=659
+  _globals['_DEVICE']._serialized_start=661
+  _globals['_DEVICE']._serialized_end=748
+  _globals['_PEERADDRESS']._serialized_start=750
+  _globals['_PEERADDRESS']._serialized_end=794
+  _globals['_NODESTATUS']._serialized_start=797
+  _globals['_NODESTATUS']._serialized_end=965
+  _globals['_HEARTBEATREQUEST']._serialized_start=967
+  _globals['_HEARTBEATREQUEST']._serialized_end=1083
+  _globals['_HEARTBEATREPLY']._serialized_start=1085
+  _globals['_HEARTBEATREPLY']._serialized_end=1199
+  _globals['_HANDOFFREQUEST']._serialized_start=1202
+  _globals['_HANDOFFREQUEST']._serialized_end=1338
+  _globals['_HANDOFFREPLY']._serialized_start=1340
+  _globals['_HANDOFFREPLY']._serialized_end=1416
+  _globals['_FILEENTRY']._serialized_start=1418
+  _globals['_FILEENTRY']._serialized_end=1485
+  _globals['_BEGINTRANSFERREQUEST']._serialized_start=1488
+  _globals['_BEGINTRANSFERREQUEST']._serialized_end=1629
+  _globals['_CHUNKREF']._serialized_start=1631
+  _globals['_CHUNKREF']._serialized_end=1686
+  _globals['_TRANSFERSTATE']._serialized_start=1688
+  _globals['_TRANSFERSTATE']._serialized_end=1768
+  _globals['_CHUNK']._serialized_start=1770
+  _globals['_CHUNK']._serialized_end=1857
+  _globals['_FINISHTRANSFERREQUEST']._serialized_start=1859
+  _globals['_FINISHTRANSFERREQUEST']._serialized_end=1968
+  _globals['_TRANSFERVERDICT']._serialized_start=1970
+  _globals['_TRANSFERVERDICT']._serialized_end=2017
+  _globals['_JOIN']._serialized_start=2113
+  _globals['_JOIN']._serialized_end=2193
+  _globals['_PEER']._serialized_start=2196
+  _globals['_PEER']._serialized_end=2744
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,23 @@
+"""Service tiers (Singularity's SLA tiers): a job's tier ranks it before its priority does. Pure.
+
+A premium job is served before, and may preempt or shrink, standard and basic jobs whatever
+their priorities; a standard job likewise outranks basic ones; within a tier the priority decides,
+then the order of submission. `sing` imports this module for the names it offers.
+"""
+
+from __future__ import annotations
+
+TIERS = ("basic", "standard", "premium")
+"""The tiers, lowest first."""
+
+DEFAULT_TIER = "standard"
+
+
+def tier_rank(tier: str) -> int:
+    """How a tier ranks (higher outranks lower); ValueError for a name not in TIERS."""
+    return TIERS.index(tier)
+
+
+def standing(tier: str, priority: int) -> tuple[int, int]:
+    """What the scheduler orders jobs by: tier, then priority (a larger standing outranks)."""
+    return (tier_rank(tier), priority)
