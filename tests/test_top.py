@@ -103,11 +103,8 @@ async def test_sort_by_header_click_and_keys_and_filter(daemon: Daemon) -> None:
 
         assert order() == [low, high, middle]
         columns = list(table.columns.values())
-        x = (
-            1
-            + sum(c.get_render_width(table) for c in columns[: [c.key for c in columns].index("priority")])
-            + 1
-        )
+        before_priority = [str(c.key.value) for c in columns].index("priority")
+        x = 1 + sum(c.get_render_width(table) for c in columns[:before_priority]) + 1
         await pilot.pause()
         assert await pilot.click("#jobs", offset=(x, 1)), "the click lands on the jobs table's header"
         await until(pilot, lambda: app.sort_key == "priority")
