@@ -74,28 +74,39 @@ def test_ddp_four_ranks_preempted_five_times_is_exact(daemon_root: Path) -> None
     flight), print exactly what an uninterrupted run prints, every rank."""
     total, ranks = 600, 4
     args = ["--steps", str(total), "--hook", "allreduce"]
-    options = [*JOB_OPTIONS, "--ranks", str(ranks), "--gpus", str(ranks)]
-    rng = random.Random(10)
-    release = daemon_root / "release"
     with running_daemon(daemon_root, virtual_devices=ranks) as daemon:
         expected = run_job(daemon, "ddp_train.py", args, ranks=ranks, gpus=ranks)
-        job = daemon.submit(PYTHON, "ddp_train.py", *args, "--hold", str(release), options=options)
-        daemon.wait_state(job, "RUNNING")
-        preempt_while_training(
-            daemon,
-            job,
-            ranks,
-            total,
-            5,
-            wait_timeout=300,
-            before=lambda: time.sleep(rng.uniform(0.0, 0.5)),
-            still_training=True,
-        )
-        release.touch()
-        assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, ranks)
-        assert printed(rank_logs(daemon, job, ranks)) == expected
-        reasons = [e["reason"] for e in daemon.job(job)["events"]]
-        assert sum(r.startswith("restored from checkpoint") for r in reasons) == 5
+        assert preempted_run(daemon, "ddp_train.py", args, ranks, total, 5, seed=10, spread=0.5) == expected
+
+
+def preempted_run(
+    daemon: Daemon,
+    program: str,
+    args: Sequence[str],
+    ranks: int,
+    total: int,
+    times: int,
+    *,
+    seed: int,
+    spread: float,
+) -> list[str]:
+    """What every rank of `program` prints when it runs on one device per rank and is preempted
+    and resumed `times` times while it trains (at random moments, up to `spread` seconds after
+    each resume; `seed` seeds them), then lets it finish."""
+    rng = random.Random(seed)
+    release = daemon.root / f"release-{program}"
+    options = [*JOB_OPTIONS, "--ranks", str(ranks), "--gpus", str(ranks)]
+    job = daemon.submit(PYTHON, program, *args, "--hold", str(release), options=options)
+    daemon.wait_state(job, "RUNNING")
+    preempt_while_training(
+        daemon, job, ranks, total, times, wait_timeout=300,
+        before=lambda: time.sleep(rng.uniform(0.0, spread)), still_training=True,
+    )  # fmt: skip
+    release.touch()
+    assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, ranks)
+    reasons = [e["reason"] for e in daemon.job(job)["events"]]
+    assert sum(r.startswith("restored from checkpoint") for r in reasons) == times
+    return printed(rank_logs(daemon, job, ranks))
 
 
 def both_reached(daemon: Daemon, job: int) -> bool:
@@ -239,18 +250,7 @@ def test_a_pipeline_preempted_while_messages_are_in_flight_is_exact(daemon_root:
     total, ranks = 300, 4
     args = ["--steps", str(total)]
     expected = direct_ranks("pipeline_train.py", [*args, "--device", "cpu"], ranks)
-    rng = random.Random(7)
-    release = daemon_root / "release"
-    options = [*JOB_OPTIONS, "--ranks", str(ranks), "--gpus", str(ranks)]
     with running_daemon(daemon_root, virtual_devices=ranks) as daemon:
-        job = daemon.submit(PYTHON, "pipeline_train.py", *args, "--hold", str(release), options=options)
-        daemon.wait_state(job, "RUNNING")
-        preempt_while_training(
-            daemon, job, ranks, total, 3, wait_timeout=300,
-            before=lambda: time.sleep(rng.uniform(0.0, 0.3)), still_training=True,
-        )  # fmt: skip
-        release.touch()
-        assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, ranks)
-        assert printed(rank_logs(daemon, job, ranks)) == expected
-        reasons = [e["reason"] for e in daemon.job(job)["events"]]
-        assert sum(r.startswith("restored from checkpoint") for r in reasons) == 3
+        assert (
+            preempted_run(daemon, "pipeline_train.py", args, ranks, total, 3, seed=7, spread=0.3) == expected
+        )
