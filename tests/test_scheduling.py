@@ -96,6 +96,11 @@ def test_policy_preempts_lower_tiers_whatever_their_priority_and_never_a_higher_
     assert plan.preemptions == (1,)
 
 
+def test_a_tier_this_version_does_not_know_ranks_as_standard() -> None:
+    plan = plan_starts([queued(1, 1, tier="platinum"), queued(2, 1, priority=1)], [0], 1)
+    assert plan.starts == ((2, (0,)),)
+
+
 def test_policy_waits_for_jobs_already_stopping() -> None:
     busy = [running(1, 0, (0,), 1.0, stopping=True), running(2, 0, (1,), 2.0)]
     plan = plan_starts([queued(9, 1, priority=3), queued(10, 1, priority=3)], [], 2, busy, can_preempt=True)

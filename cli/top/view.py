@@ -15,7 +15,7 @@ from rich.text import Text
 
 from singularity.cli.output import ago, devices_or_reason, duration, exit_text, gpus_cell, run_time
 from singularityd.api.v1 import singularity_pb2 as pb
-from singularityd.scheduling.tiers import TIERS
+from singularityd.scheduling.tiers import TIERS, tier_rank
 from singularityd.units import human_bytes
 
 STATE_STYLES = {
@@ -52,11 +52,6 @@ def state_text(job: pb.Job) -> Text:
 def tier_text(tier: str) -> Text:
     """The tier in colour, like a priority: premium stands out, basic recedes."""
     return Text(tier, style="bold yellow" if tier == TIERS[-1] else "dim" if tier == TIERS[0] else "")
-
-
-def tier_order(tier: str) -> int:
-    """How the tier sorts (an unknown one first)."""
-    return TIERS.index(tier) if tier in TIERS else -1
 
 
 def priority_text(priority: int) -> Text:
@@ -129,7 +124,7 @@ JOB_COLUMNS: tuple[Column, ...] = (
     Column("name", "NAME", 12, lambda j, n: j.name, lambda j, n: j.name),
     Column("user", "USER", 8, lambda j, n: j.user, lambda j, n: j.user),
     Column("state", "STATE", 9, lambda j, n: state_text(j), lambda j, n: j.state),
-    Column("tier", "TIER", 8, lambda j, n: tier_text(j.tier), lambda j, n: tier_order(j.tier)),
+    Column("tier", "TIER", 8, lambda j, n: tier_text(j.tier), lambda j, n: tier_rank(j.tier)),
     Column("priority", "PRI", 4, lambda j, n: priority_text(j.priority), lambda j, n: j.priority),
     Column("gpus", "GPUS", 4, lambda j, n: gpus_cell(j), lambda j, n: j.gpus),
     Column("devices", "DEVICES", 7, lambda j, n: _devices_cell(j), lambda j, n: list(j.devices)),

@@ -14,8 +14,9 @@ DEFAULT_TIER = "standard"
 
 
 def tier_rank(tier: str) -> int:
-    """How a tier ranks (higher outranks lower); ValueError for a name not in TIERS."""
-    return TIERS.index(tier)
+    """How a tier ranks (higher outranks lower); a name this version does not know (a job from a
+    newer peer) ranks as the default tier."""
+    return TIERS.index(tier if tier in TIERS else DEFAULT_TIER)
 
 
 def standing(tier: str, priority: int) -> tuple[int, int]:
