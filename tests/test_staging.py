@@ -32,7 +32,7 @@ from singularityd.checkpoint import (
     service,
 )
 from singularityd.checkpoint.dump_script import TCP_STREAM_IMAGES
-from singularityd.checkpoint.service import KnownDigests
+from singularityd.checkpoint.restoring import KnownDigests
 from singularityd.checkpoint.staging import RECORD_NAME, StagingArea, staging_need
 from tests.checkpoint_helpers import (
     COUNTER,

@@ -20,7 +20,8 @@ from singularityd.checkpoint.errors import (
 )
 from singularityd.checkpoint.manifest import FileRecord, Manifest, Skipped, Verdict
 from singularityd.checkpoint.precheck import dump_problems, tree_pids
-from singularityd.checkpoint.service import Checkpointer, CheckpointResult, RestoreResult
+from singularityd.checkpoint.restoring import RestoreResult
+from singularityd.checkpoint.service import Checkpointer, CheckpointResult
 from singularityd.checkpoint.store import ImageStore, JobUsage, rewind_files
 
 __all__ = [

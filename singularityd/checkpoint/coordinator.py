@@ -40,7 +40,8 @@ from singularityd.checkpoint.pause import (
     pause_summary,
 )
 from singularityd.checkpoint.precheck import tree_pids
-from singularityd.checkpoint.service import Checkpointer, CheckpointResult, KnownDigests
+from singularityd.checkpoint.restoring import KnownDigests
+from singularityd.checkpoint.service import Checkpointer, CheckpointResult
 from singularityd.devices.access import (
     DeviceAccess,
     DeviceError,

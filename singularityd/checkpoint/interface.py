@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from singularityd.checkpoint.errors import CheckpointError
 from singularityd.checkpoint.pause import Downtime, Pause, RestoreParts
-from singularityd.checkpoint.service import KnownDigests
+from singularityd.checkpoint.restoring import KnownDigests
 
 BeforePause = Callable[[Path], Awaitable[None]]
 """Awaited with a checkpoint's images folder once its device state is pre-copied, before the pause."""

@@ -1,9 +1,9 @@
 """Checkpointer: what the daemon calls to checkpoint a job's tree and to restore it.
 
 It joins the CRIU driver and the image store: checks the tree, dumps it (after pre-dumps when the
-kernel can track dirty memory), verifies and records the images, prunes old checkpoints, and on
-restore takes the newest checkpoint that verifies, saying why each newer one was passed over.
-All methods are coroutines; file hashing and other blocking work run in threads.
+kernel can track dirty memory), verifies and records the images and prunes old checkpoints; the
+restoring half is its base class, restoring.Restorer. All methods are coroutines; file hashing
+and other blocking work run in threads.
 """
 
 from __future__ import annotations
@@ -14,16 +14,14 @@ import os
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from singularityd import faults
 from singularityd.checkpoint.criu import (
-    LEAVE_STOPPED,
     Criu,
     DumpStats,
-    RestoreOutcome,
     run_to_completion,
 )
 from singularityd.checkpoint.dump_script import (
@@ -33,37 +31,22 @@ from singularityd.checkpoint.dump_script import (
     parse_sizes,
     post_dump_script,
 )
-from singularityd.checkpoint.errors import CheckpointError, CriuError, NoValidCheckpoint
+from singularityd.checkpoint.errors import CheckpointError, CriuError
 from singularityd.checkpoint.hashing import GrowingFileHasher, PrefixHash
-from singularityd.checkpoint.manifest import IMAGES_DIR, Manifest, Skipped, Verdict
+from singularityd.checkpoint.manifest import Manifest
 from singularityd.checkpoint.namespaces import ExternalMounts, read_external_mounts
 from singularityd.checkpoint.precheck import dump_problems, tree_holds_tcp, tree_pids
+from singularityd.checkpoint.restoring import Restorer
 from singularityd.checkpoint.staging import Staged, StagingArea, mark_staged, move_images
 from singularityd.checkpoint.store import (
     ImageStore,
     JobUsage,
     PendingCheckpoint,
-    rewind_files,
     tree_anon_bytes,
 )
 
 PAGES_IMAGES = "pages-*.img"
 """CRIU's images of process memory: nearly all of a dump's bytes, each written from start to end."""
-
-InheritFds = Mapping[str, int] | Callable[[Manifest], Mapping[str, int]]
-
-
-@dataclass(frozen=True)
-class KnownDigests:
-    """What is known here of checkpoint `seq`'s files without reading them: the sha256 of those
-    hashed as they arrived (by path in the checkpoint), and the files whose checksums the caller
-    checks itself, while CRIU restores, before it lets the processes run (only for a restore that
-    leaves them stopped)."""
-
-    seq: int
-    digests: Mapping[str, str]
-    checked_by_caller: frozenset[str] = frozenset()
-
 
 AfterDump = Callable[[DumpStats], Awaitable[Mapping[str, Any]]]
 
@@ -120,24 +103,9 @@ class CheckpointResult:
         return self.manifest.total_bytes
 
 
-@dataclass(frozen=True)
-class RestoreResult:
-    """A restored job: the host PID of its root, the checkpoint used and the ones passed over."""
-
-    job_id: str
-    seq: int
-    pid: int
-    manifest: Manifest
-    outcome: RestoreOutcome
-    skipped: tuple[Skipped, ...]
-    rewound: Mapping[str, int] = field(default_factory=dict)
-    verify_s: float = 0.0
-    hashed_bytes: int = 0
-    """Bytes read and hashed to check the checkpoint against its manifest."""
-
-
-class Checkpointer:
-    """Checkpoints and restores jobs; serialises operations per job through the store's lock."""
+class Checkpointer(Restorer):
+    """Checkpoints and restores jobs (restoring.Restorer restores); serialises operations per job
+    through the store's lock."""
 
     def __init__(
         self,
@@ -148,8 +116,7 @@ class Checkpointer:
         pre_copy: int = 0,
         staging: StagingArea | None = None,
     ) -> None:
-        self.criu = criu
-        self.store = store
+        super().__init__(criu, store)
         self.keep = max(1, keep)
         self.pre_copy = pre_copy
         self.staging = staging
@@ -157,11 +124,6 @@ class Checkpointer:
         self.userns_problem = ""
         """Why jobs do not run in user namespaces here ("" if they do or need not): told to users
         whose jobs cannot be checkpointed for want of one."""
-
-    @property
-    def restores_stopped(self) -> bool:
-        """Whether restored processes are left stopped (CRIU --leave-stopped) for the caller to let run."""
-        return LEAVE_STOPPED in self.criu.options.extra_restore_args
 
     def close(self) -> None:
         """Remove the staging folder, if there is one (the daemon stops; the next one opens its own)."""
@@ -492,114 +454,6 @@ class Checkpointer:
                     f.unlink()
         followed = hasher.prefixes() if hasher is not None else {}
         return pre_stats, dump_stats, sizes, followed, lock_network
-
-    async def restore_latest(
-        self,
-        job_id: str,
-        *,
-        inherit_fds: InheritFds | None = None,
-        rewind: bool = True,
-        deep_verify: bool = True,
-        known_digests: KnownDigests | None = None,
-    ) -> RestoreResult:
-        """Restore the job from its newest checkpoint that verifies.
-
-        Each newer checkpoint that fails verification is skipped and reported in the result (the
-        daemon logs these as events); NoValidCheckpoint is raised when none verifies. A CRIU
-        failure on a good checkpoint raises CriuError without trying older ones (going back in
-        time silently would be wrong). With `rewind`, the files recorded at the dump are cut back
-        to their sizes then. `inherit_fds` (or a function of the manifest returning it) gives the
-        replacement fds for the external sockets named in the manifest. `known_digests` gives, by
-        checkpoint, the sha256 of files hashed as they arrived here, so they are not read again.
-        """
-        with self.store.locked(job_id):
-            skipped: list[Skipped] = []
-            for seq in reversed(self.store.seqs(job_id)):
-                known = known_digests if known_digests is not None and known_digests.seq == seq else None
-                result = await run_to_completion(
-                    self._try_restore(job_id, seq, inherit_fds, rewind, deep_verify, tuple(skipped), known)
-                )
-                if isinstance(result, RestoreResult):
-                    return result
-                skipped.append(Skipped(seq, result.reason))
-        reasons = "; ".join(f"{s.seq}: {s.reason}" for s in skipped) or "it has none"
-        raise NoValidCheckpoint(f"job {job_id} has no valid checkpoint ({reasons})")
-
-    async def restore(
-        self,
-        job_id: str,
-        seq: int,
-        *,
-        inherit_fds: InheritFds | None = None,
-        rewind: bool = True,
-        deep_verify: bool = True,
-    ) -> RestoreResult:
-        """Restore the job from checkpoint `seq`, which must verify."""
-        with self.store.locked(job_id):
-            result = await run_to_completion(
-                self._try_restore(job_id, seq, inherit_fds, rewind, deep_verify, ())
-            )
-        if isinstance(result, RestoreResult):
-            return result
-        raise NoValidCheckpoint(f"checkpoint {seq} of job {job_id} is not usable: {result.reason}")
-
-    async def _try_restore(
-        self,
-        job_id: str,
-        seq: int,
-        inherit_fds: InheritFds | None,
-        rewind: bool,
-        deep_verify: bool,
-        skipped: tuple[Skipped, ...],
-        known: KnownDigests | None = None,
-    ) -> RestoreResult | Verdict:
-        if known is not None and known.checked_by_caller and not self.restores_stopped:
-            raise ValueError("only a restore leaving the processes stopped leaves checksums to its caller")
-        with self.store.sealed(job_id, seq) as path:
-            t0 = time.monotonic()
-            verdict = await asyncio.to_thread(
-                self.store.verify,
-                job_id,
-                seq,
-                deep=deep_verify,
-                known=None if known is None else known.digests,
-                checked_later=() if known is None else known.checked_by_caller,
-            )
-            verify_s = time.monotonic() - t0
-            if not verdict.ok:
-                return verdict
-            manifest = await asyncio.to_thread(self.store.read_manifest, job_id, seq)
-            if callable(inherit_fds):
-                fds = dict(await asyncio.to_thread(inherit_fds, manifest))
-            else:
-                fds = dict(inherit_fds or {})
-            rewound = rewind_files(manifest.rewind_sizes) if rewind else {}
-            logs = self.store.logs_dir(job_id)
-            stamp = time.strftime("%Y%m%dT%H%M%S")
-            outcome = await self.criu.restore(
-                path / IMAGES_DIR,
-                log_file=logs / f"restore-{seq:08d}-{stamp}.log",
-                pidfile=logs / f"restore-{seq:08d}.pid",
-                inherit_fds=fds,
-                external_mounts=manifest.external_mounts,
-                mount_yard=None if manifest.external_mounts is None else logs / "mount-yard",
-            )
-        return RestoreResult(
-            job_id=job_id,
-            seq=seq,
-            pid=outcome.pid,
-            manifest=manifest,
-            outcome=outcome,
-            skipped=skipped,
-            rewound=rewound,
-            verify_s=verify_s,
-            hashed_bytes=verdict.hashed_bytes,
-        )
-
-    async def latest_valid(self, job_id: str) -> tuple[Manifest | None, tuple[Skipped, ...]]:
-        """The newest checkpoint that verifies (checksums included) and the newer ones skipped."""
-        manifest, choice = await asyncio.to_thread(self.store.latest_valid, job_id)
-        return manifest, choice.skipped
 
     async def usage(self, job_id: str) -> JobUsage:
         """Disk used by the job's checkpoints (for `sing show`)."""

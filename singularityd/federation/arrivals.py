@@ -39,7 +39,8 @@ from singularityd.checkpoint.hashing import hash_open_files, open_for_hashing
 from singularityd.checkpoint.interface import Checkpoints
 from singularityd.checkpoint.manifest import ManifestError, digest_problems
 from singularityd.checkpoint.precheck import tree_pids
-from singularityd.checkpoint.service import Checkpointer, KnownDigests
+from singularityd.checkpoint.restoring import KnownDigests
+from singularityd.checkpoint.service import Checkpointer
 from singularityd.checkpoint.store import ImageStore
 from singularityd.core.states import JobState
 from singularityd.core.stimuli import Arrived, MoveAbandoned, MovedAway
