@@ -31,7 +31,7 @@ from singularity.cli.progress import Progress
 from singularity.cli.source import LogFollower
 from singularityd import __version__
 from singularityd.api.v1 import singularity_pb2 as pb
-from singularityd.scheduling.tiers import DEFAULT_TIER, TIERS
+from singularityd.tiers import DEFAULT_TIER, TIERS
 
 app = typer.Typer(
     name="sing",

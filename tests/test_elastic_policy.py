@@ -9,7 +9,7 @@ from singularityd.core.decisions import Activity
 from singularityd.core.states import JobState
 from singularityd.scheduling.elastic import ElasticJob, Resize, grow_into, plan_elastic, shrink_for
 from singularityd.scheduling.round import ClusterView, JobView, plan_round
-from singularityd.scheduling.tiers import standing
+from singularityd.tiers import standing
 
 
 def outranking(priority: int) -> tuple[int, int]:

@@ -30,6 +30,7 @@ CLI_MAY_IMPORT_FROM_THE_DAEMON = {
     "singularityd.api.v1",
     "singularityd.api.v1.singularity_pb2",
     "singularityd.api.v1.singularity_pb2_grpc",
+    "singularityd.tiers",
     "singularityd.units",
 }
 

@@ -15,7 +15,7 @@ from rich.text import Text
 
 from singularity.cli.output import ago, devices_or_reason, duration, exit_text, gpus_cell, run_time
 from singularityd.api.v1 import singularity_pb2 as pb
-from singularityd.scheduling.tiers import TIERS, tier_rank
+from singularityd.tiers import TIERS, tier_rank
 from singularityd.units import human_bytes
 
 STATE_STYLES = {

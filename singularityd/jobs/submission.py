@@ -10,8 +10,8 @@ from singularityd.core.states import JobState
 from singularityd.errors import InvalidRequest, StateConflict, Unsatisfiable
 from singularityd.identity import Caller
 from singularityd.scheduling.replicas import device_range, resize_refusal
-from singularityd.scheduling.tiers import DEFAULT_TIER, TIERS
 from singularityd.store import JobRecord, JobSpec
+from singularityd.tiers import DEFAULT_TIER, TIERS
 
 MAX_PRIORITY = 1_000_000
 MAX_RANKS = 4096

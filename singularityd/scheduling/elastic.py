@@ -5,7 +5,7 @@ An elastic job runs on any number of devices between its `min_devices` and `max_
 ranks see no change: devices/splicing.py); the daemon carries a change out as a resize
 (checkpoint, stop, restore on the new count). The policy runs after `plan_starts`: when the
 queue's first blocked job needs devices, elastic jobs of lower or equal standing (tier, then
-priority: scheduling/tiers.py) give up devices (lowest standing first, most recently started
+priority: singularityd/tiers.py) give up devices (lowest standing first, most recently started
 first, down to their minimum) instead of being preempted; when nothing waits, idle devices go to
 elastic jobs below their maximum (highest standing first, one device at a time in turn, so they
 grow evenly).
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from singularityd.scheduling.tiers import DEFAULT_TIER, standing
+from singularityd.tiers import DEFAULT_TIER, standing
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ Pure.
 
 A round (singularityd.scheduling.round) passes the queue, the running jobs and the free devices;
 the policy returns which jobs start on which devices, which running jobs to preempt (checkpoint
-and stop) to make room for one that outranks them (scheduling/tiers.py), and, for every job left
+and stop) to make room for one that outranks them (singularityd/tiers.py), and, for every job left
 waiting, a reason a person can read.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from singularityd.scheduling.tiers import DEFAULT_TIER, standing
+from singularityd.tiers import DEFAULT_TIER, standing
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from singularityd.core.states import JobState
 from singularityd.scheduling.elastic import ElasticJob, plan_elastic
 from singularityd.scheduling.policy import Plan, QueuedJob, RunningJob, plan_starts, queue_order
 from singularityd.scheduling.replicas import device_range, pending_reason
-from singularityd.scheduling.tiers import DEFAULT_TIER
 from singularityd.store import JobRecord
+from singularityd.tiers import DEFAULT_TIER
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import sqlite3
 from dataclasses import dataclass
 
 from singularityd.core.states import JobState
-from singularityd.scheduling.tiers import DEFAULT_TIER
+from singularityd.tiers import DEFAULT_TIER
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class JobSpec:
     max_gpus: int = 0
     """An elastic job's range of devices (both 0: not elastic); `gpus` is its current size."""
     tier: str = DEFAULT_TIER
-    """Its service tier (singularityd.scheduling.tiers), which ranks it before its priority."""
+    """Its service tier (singularityd.tiers), which ranks it before its priority."""
 
     @property
     def elastic(self) -> bool:
