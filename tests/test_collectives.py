@@ -21,7 +21,9 @@ from tests.conftest import requires_root
 from tests.helpers import Daemon, preempt_while_training, running_daemon, wait_until
 from tests.proxy.conftest import PROGRAMS, PYTHON, base_env, direct_ranks
 
-JOB_OPTIONS = ["--env", "OMP_NUM_THREADS=1", "--cwd", str(PROGRAMS)]
+JOB_OPTIONS = ["--env", "OMP_NUM_THREADS=1", "--env", "PYTHONFAULTHANDLER=1", "--cwd", str(PROGRAMS)]
+"""Every rank single-threaded (bitwise equal to direct runs), with Python's stacks in its log should
+it crash (a rank has been seen to abort at exit, rarely, after printing all it prints)."""
 
 
 def rank_logs(daemon: Daemon, job: int, ranks: int) -> list[str]:
