@@ -475,7 +475,7 @@ class Daemon:
                 self.store.set_gpus(job_id, len(devices))
             self.apply(job_id, Started(devices))
         for job_id in plan.preemptions:
-            self.apply(job_id, PreemptionWanted())
+            self.apply(job_id, PreemptionWanted(plan.preempted_for))
         for job_id, gpus in plan.resizes:
             self._resize_for_scheduler(job_id, gpus)
         self.store.set_pending_reasons(plan.pending_reasons)

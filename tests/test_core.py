@@ -445,16 +445,16 @@ def test_a_restore_says_how_long_the_job_was_down() -> None:
 
 
 def test_the_scheduler_preempts_an_idle_job() -> None:
-    decision = decide(running(), PreemptionWanted(), 0)
-    take = TakeCheckpoint(stop=True, reason="preempted for a higher-priority job", for_scheduler=True)
+    decision = decide(running(), PreemptionWanted(9), 0)
+    take = TakeCheckpoint(stop=True, reason="preempted for job 9, which outranks it", for_scheduler=True)
     assert decision.actions[-1] == take
     assert decision.actions[0] == Note(
-        "preempt requested by the scheduler (a higher-priority job needs its devices): checkpointing"
+        "preempt requested by the scheduler (for job 9, which outranks it): checkpointing"
     )
 
 
 def test_a_failed_scheduler_preemption_backs_off_and_a_later_one_clears_the_back_off() -> None:
-    take = TakeCheckpoint(stop=True, reason="preempted for a higher-priority job", for_scheduler=True)
+    take = TakeCheckpoint(stop=True, reason="preempted for a job, which outranks it", for_scheduler=True)
     failed = decide(running(Activity(checkpoint=take)), CheckpointFailed("io_uring"), now=100.0)
     backoff = 100.0 + PREEMPTION_BACKOFF_SECONDS
     assert failed.activity == Activity(preemption_backoff_until=backoff)

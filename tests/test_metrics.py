@@ -1,6 +1,6 @@
 """The metrics endpoint of a real daemon, scraped over real HTTP on loopback around a real
-preemption: a proxied PyTorch job is checkpointed with CRIU and stopped for a higher-priority
-job, then restored when that one ends."""
+preemption: a proxied PyTorch job is checkpointed with CRIU and stopped for a job that outranks
+it, then restored when that one ends."""
 
 from __future__ import annotations
 

@@ -508,7 +508,7 @@ async def test_a_failed_scheduler_preemption_backs_off_then_retries(harness: Har
     gate = h.checkpoints.hold()
     high = h.submit(priority=10)
     await settle()
-    assert h.checkpoints.taken == [(low, True, "preempted for a higher-priority job")]
+    assert h.checkpoints.taken == [(low, True, f"preempted for job {high}, which outranks it")]
     gate.set_result("CRIU cannot dump an io_uring")
     await settle()
     backoff = h.clock.now + PREEMPTION_BACKOFF_SECONDS

@@ -228,7 +228,9 @@ def test_scheduler_preempts_lower_priority_job(daemon_root: Path) -> None:
         high = daemon.submit("sh", "-c", "echo urgent", options=["--priority", "10"])
         daemon.wait_ok(high, timeout=120)
         reasons = [e["reason"] for e in events(daemon, low)]
-        assert any(r.startswith("preempted for a higher-priority job: checkpoint") for r in reasons), reasons
+        assert any(
+            r.startswith(f"preempted for job {high}, which outranks it: checkpoint") for r in reasons
+        ), reasons
         release.touch()
         daemon.wait_ok(low, timeout=300)
         assert daemon.sing("logs", str(low)).out == uninterrupted_output(150)

@@ -57,7 +57,7 @@ def checkpoint(purpose: StopPurpose | None, created_at: float = RUN_BEGAN + 5.0)
     [
         (TakeCheckpoint(True, reason="preempted by root"), StopKind.PREEMPT),
         (
-            TakeCheckpoint(True, reason="preempted for a higher-priority job", for_scheduler=True),
+            TakeCheckpoint(True, reason="preempted for job 2, which outranks it", for_scheduler=True),
             StopKind.PREEMPT,
         ),
         (TakeCheckpoint(True, True, "suspended by root"), StopKind.SUSPEND),

@@ -88,10 +88,12 @@ def test_policy_preempts_lower_tiers_whatever_their_priority_and_never_a_higher_
     busy = [running(1, 100, (0,), 1.0, tier="basic"), running(2, 50, (1,), 2.0, tier="standard")]
     plan = plan_starts([queued(9, 1, priority=0, tier="premium")], [], 2, busy, can_preempt=True)
     assert plan.preemptions == (1,), "the lowest tier goes first, whatever its priority"
+    assert plan.preempted_for == 9
     plan = plan_starts([queued(9, 2, priority=-7, tier="premium")], [], 2, busy, can_preempt=True)
     assert plan.preemptions == (1, 2)
     plan = plan_starts([queued(9, 1, priority=100, tier="basic")], [], 2, busy, can_preempt=True)
     assert plan.preemptions == () and plan.pending_reasons[9] == "Resources: needs 1 device, 0 free"
+    assert plan.preempted_for == 0
     plan = plan_starts([queued(9, 1, priority=0, tier="standard")], [], 2, busy, can_preempt=True)
     assert plan.preemptions == (1,)
 

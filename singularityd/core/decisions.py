@@ -385,14 +385,17 @@ def _decide(job: JobFacts, stimulus: Stimulus, now: float) -> Decision:
             where = f"{gpus} device{'s' if gpus != 1 else ''}"
             take = TakeCheckpoint(True, reason=f"resized to {where} by {by}", gpus=gpus)
             return _checkpointing(job, take, Note(f"resize to {where} requested by {by}: checkpointing"))
-        case PreemptionWanted():
+        case PreemptionWanted(for_job=for_job):
             try:
                 _require_idle_running(job, "preempted")
             except InvalidTransition:
                 backoff = replace(job.activity, preemption_backoff_until=now + PREEMPTION_BACKOFF_SECONDS)
                 return Decision(actions=(RescheduleAfter(PREEMPTION_BACKOFF_SECONDS),), activity=backoff)
-            take = TakeCheckpoint(True, reason="preempted for a higher-priority job", for_scheduler=True)
-            by = "the scheduler (a higher-priority job needs its devices)"
+            which = f"job {for_job}" if for_job else "a job"
+            take = TakeCheckpoint(
+                True, reason=f"preempted for {which}, which outranks it", for_scheduler=True
+            )
+            by = f"the scheduler (for {which}, which outranks it)"
             return _checkpointing(job, take, Note(f"preempt requested by {by}: checkpointing"))
         case ResumeRequested(by=by):
             if state is not JobState.SUSPENDED:

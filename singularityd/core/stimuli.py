@@ -94,7 +94,11 @@ class ResizeRequested:
 
 @dataclass(frozen=True)
 class PreemptionWanted:
-    """The scheduler wants the job's devices for a higher-priority job."""
+    """The scheduler wants the job's devices for a queued job that outranks it (higher tier, or
+    the same tier and a higher priority)."""
+
+    for_job: int = 0
+    """That job's id (0: not said)."""
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,8 @@ class Plan:
     pending_reasons: dict[int, str] = field(default_factory=dict)
     resizes: tuple[tuple[int, int], ...] = ()
     """Running elastic jobs to move to another number of devices: (job id, devices)."""
+    preempted_for: int = 0
+    """The queued job the preemptions make room for (0: none)."""
 
 
 def queue_order(job: QueuedJob) -> tuple[int, int, int]:
@@ -137,4 +139,5 @@ def plan_starts(
             reasons[job.job_id] = f"Preempting: checkpointing lower-priority job(s) {listed}"
             continue
         reasons[job.job_id] = f"Resources: needs {_plural(job.devices_wanted, 'device')}, {len(free)} free"
-    return Plan(tuple(starts), tuple(preemptions), reasons)
+    preempted_for = blocker.job_id if preemptions and blocker is not None else 0
+    return Plan(tuple(starts), tuple(preemptions), reasons, preempted_for=preempted_for)

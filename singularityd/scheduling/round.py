@@ -152,7 +152,7 @@ def _fit_elastic(view: ClusterView, plan: Plan, queue: list[QueuedJob], running:
         return replace(plan, resizes=resizes)
     listed = ",".join(str(change.job_id) for change in changes)
     reasons = {**plan.pending_reasons, blocked.job_id: f"Resources: shrinking elastic job(s) {listed}"}
-    return replace(plan, preemptions=(), pending_reasons=reasons, resizes=resizes)
+    return replace(plan, preemptions=(), preempted_for=0, pending_reasons=reasons, resizes=resizes)
 
 
 def plan_round(view: ClusterView) -> Plan:
