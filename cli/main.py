@@ -131,7 +131,7 @@ def submit(
         DEFAULT_TIER,
         "--tier",
         "-t",
-        help=f"Service tier, {', '.join(reversed(TIERS))}: a higher one runs first, may preempt lower ones.",
+        help=f"Service tier: {' > '.join(reversed(TIERS))}; a higher one runs first, may preempt lower ones.",
     ),
     ranks: int = typer.Option(1, "--ranks", help="Processes to start (torchrun-style ranks)."),
     env: list[str] = typer.Option([], "--env", "-e", help="Extra KEY=VALUE for the job."),
