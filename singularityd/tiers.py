@@ -22,3 +22,17 @@ def tier_rank(tier: str) -> int:
 def standing(tier: str, priority: int) -> tuple[int, int]:
     """What the scheduler orders jobs by: tier, then priority (a larger standing outranks)."""
     return (tier_rank(tier), priority)
+
+
+class Ranked:
+    """What the scheduler's views of a job share: a tier and a priority, and the standing they
+    give it (the policy's dataclasses declare the two as fields)."""
+
+    tier: str
+    priority: int
+
+    @property
+    def standing(self) -> tuple[int, int]:
+        """Its tier, then its priority: a larger standing outranks (orders the queue, decides who
+        may preempt or shrink whom)."""
+        return standing(self.tier, self.priority)

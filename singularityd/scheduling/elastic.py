@@ -16,11 +16,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from singularityd.tiers import DEFAULT_TIER, standing
+from singularityd.tiers import DEFAULT_TIER, Ranked
 
 
 @dataclass(frozen=True)
-class ElasticJob:
+class ElasticJob(Ranked):
     """A running elastic job as the policy sees it; `busy` while a checkpoint or resize is under way."""
 
     job_id: int
@@ -31,11 +31,6 @@ class ElasticJob:
     max_devices: int
     busy: bool = False
     tier: str = DEFAULT_TIER
-
-    @property
-    def standing(self) -> tuple[int, int]:
-        """Its tier, then its priority."""
-        return standing(self.tier, self.priority)
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from singularityd.tiers import DEFAULT_TIER, standing
+from singularityd.tiers import DEFAULT_TIER, Ranked
 
 
 @dataclass(frozen=True)
-class QueuedJob:
+class QueuedJob(Ranked):
     """A job waiting for devices, as the policy sees it."""
 
     job_id: int
@@ -27,14 +27,9 @@ class QueuedJob:
     """An elastic job starts on fewer devices than it wants, not below this (0: not elastic)."""
     tier: str = DEFAULT_TIER
 
-    @property
-    def standing(self) -> tuple[int, int]:
-        """Its tier, then its priority: what orders the queue and decides preemption."""
-        return standing(self.tier, self.priority)
-
 
 @dataclass(frozen=True)
-class RunningJob:
+class RunningJob(Ranked):
     """A job holding devices; `stopping` when it is already being preempted or cancelled."""
 
     job_id: int
@@ -44,11 +39,6 @@ class RunningJob:
     stopping: bool = False
     preemptible: bool = True
     tier: str = DEFAULT_TIER
-
-    @property
-    def standing(self) -> tuple[int, int]:
-        """Its tier, then its priority: a queued job of a higher standing may preempt it."""
-        return standing(self.tier, self.priority)
 
 
 @dataclass(frozen=True)
