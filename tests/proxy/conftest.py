@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from singularity.proxy import bootstrap_path
+from singularityd.jobs.launch import free_tcp_port
 
 REPO = Path(__file__).resolve().parents[2]
 PROGRAMS = REPO / "tests" / "programs"
@@ -128,7 +129,7 @@ def start_ranks(
     args: Sequence[str], ranks: int, sockets: Sequence[Path] | None, **extra: str
 ) -> list[subprocess.Popen[str]]:
     """The ranks of a torchrun-style job (proxied on `sockets`, else directly on the CPU)."""
-    port = str(20000 + (os.getpid() * 7 + int(time.monotonic() * 1000)) % 20000)
+    port = str(free_tcp_port())
     processes = []
     for rank in range(ranks):
         env = proxy_env(sockets, rank=rank) if sockets else base_env()
