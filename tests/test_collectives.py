@@ -26,6 +26,10 @@ JOB_OPTIONS = ["--env", "OMP_NUM_THREADS=1", "--env", "PYTHONFAULTHANDLER=1", "-
 it crash (a rank has been seen to abort at exit, rarely, after printing all it prints)."""
 
 
+LOG_END_CHARS = 6000
+"""How much of the end of each rank's log a failed job's test shows."""
+
+
 def rank_logs(daemon: Daemon, job: int, ranks: int) -> list[str]:
     """What each rank of the job printed (stdout and stderr)."""
     return [daemon.sing("logs", "--rank", str(rank), str(job)).out for rank in range(ranks)]
@@ -43,11 +47,18 @@ def submit(daemon: Daemon, program: str, args: Sequence[str], ranks: int, gpus: 
     )
 
 
-def succeeded(daemon: Daemon, job: int, ranks: int) -> list[str]:
-    """Wait for the job to succeed; each rank's log."""
-    result = daemon.sing("wait", str(job), timeout=900)
+def succeeded(daemon: Daemon, job: int, ranks: int, timeout: float = 900) -> list[str]:
+    """Wait for the job to succeed; each rank's log. A job that fails fails the test with what
+    `sing show` says and the end of every rank's log (a crashed rank's stacks are there), in full:
+    pytest would cut a long assertion message short."""
+    result = daemon.sing("wait", str(job), timeout=timeout)
     logs = rank_logs(daemon, job, ranks)
-    assert result.code == 0, logs
+    if result.code != 0:
+        ends = [
+            f"--- rank {rank}, the end of its log:\n{log[-LOG_END_CHARS:]}" for rank, log in enumerate(logs)
+        ]
+        shown = daemon.sing("show", str(job)).out
+        pytest.fail("\n".join([f"job {job} ended with {result.code}", shown, *ends]))
     return logs
 
 
@@ -105,7 +116,7 @@ def preempted_run(
         before=lambda: time.sleep(rng.uniform(0.0, spread)), still_training=True,
     )  # fmt: skip
     release.touch()
-    assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, ranks)
+    succeeded(daemon, job, ranks, timeout=600)
     reasons = [e["reason"] for e in daemon.job(job)["events"]]
     assert sum(r.startswith("restored from checkpoint") for r in reasons) == times
     return printed(rank_logs(daemon, job, ranks))
@@ -133,8 +144,7 @@ def test_a_job_preempted_while_a_rank_is_late_to_a_rooted_collective_is_exact(da
             assert daemon.sing("preempt", str(job)).code == 0
             daemon.wait_state(job, "RUNNING", timeout=300)
             late.touch()
-            assert daemon.sing("wait", str(job), timeout=120).code == 0, (kind, rank_logs(daemon, job, 2))
-            assert printed(rank_logs(daemon, job, 2)) == expected, kind
+            assert printed(succeeded(daemon, job, 2, timeout=120)) == expected, kind
 
 
 def test_a_crashing_rank_fails_the_job(daemon: Daemon) -> None:

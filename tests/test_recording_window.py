@@ -32,7 +32,7 @@ from tests.conftest import requires_root
 from tests.helpers import Daemon, running_daemon, wait_until
 from tests.helpers import steps_done as steps_of_ranks
 from tests.proxy.conftest import PYTHON, direct_ranks
-from tests.test_collectives import JOB_OPTIONS, printed, rank_logs
+from tests.test_collectives import JOB_OPTIONS, printed, succeeded
 from tests.test_preempt import (
     events,
     release_file,
@@ -205,8 +205,7 @@ def test_a_daemon_killed_before_it_stored_a_resize_restores_the_job_on_the_new_s
         shown = daemon.wait_state(job, "RUNNING", timeout=300)
         assert len(shown["devices"]) == 1 and shown["gpus"] == 1, shown
         release.touch()
-        assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, 2)
-        assert printed(rank_logs(daemon, job, 2)) == expected
+        assert printed(succeeded(daemon, job, 2, timeout=600)) == expected
 
 
 @requires_root

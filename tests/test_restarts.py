@@ -21,7 +21,7 @@ from singularityd.core.stimuli import Exited, ProcessesLost
 from singularityd.store import Store
 from tests.helpers import Daemon, wait_until
 from tests.proxy.conftest import PROGRAMS, PYTHON
-from tests.test_collectives import printed, rank_logs, run_job
+from tests.test_collectives import printed, rank_logs, run_job, succeeded
 
 RANK_KILLED = "rank 1 was killed by signal 9; the other ranks were stopped"
 RANK_EXITED = "rank 1 exited with code 3; the other ranks were stopped"
@@ -202,7 +202,7 @@ def test_a_killed_rank_is_restored_from_the_last_checkpoint_exactly(daemon: Daem
         daemon.sing("cancel", str(job))  # rank 1 would wait for die-once.go forever
         raise
     (workdir / "die-once.go").touch()
-    assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, 2)
+    succeeded(daemon, job, 2, timeout=600)
     assert (workdir / "die-once.died").exists()
     assert printed(rank_logs(daemon, job, 2)) == expected
     shown = daemon.job(job)

@@ -19,7 +19,7 @@ import pytest
 from tests.conftest import requires_root
 from tests.helpers import Daemon, running_daemon, wait_until
 from tests.proxy.conftest import PYTHON
-from tests.test_collectives import JOB_OPTIONS, printed, rank_logs, run_job
+from tests.test_collectives import JOB_OPTIONS, printed, run_job, succeeded
 from tests.test_elastic import hold_devices
 from tests.test_splicing import devices_of, refused
 
@@ -50,8 +50,7 @@ def refusal_event(daemon: Daemon, job: int) -> dict[str, Any] | None:
 def finished(daemon: Daemon, job: int, release: Path, ranks: int = RANKS) -> list[str]:
     """Let the job end; each rank's printed lines."""
     release.touch()
-    assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, ranks)
-    return printed(rank_logs(daemon, job, ranks))
+    return printed(succeeded(daemon, job, ranks, timeout=600))
 
 
 def detected_after(daemon: Daemon, job: int) -> float:
@@ -136,8 +135,7 @@ def test_replicas_seeded_apart_until_ddp_broadcasts_keep_sharing_a_device(daemon
         expected = run_job(daemon, "splice_train.py", SEEDED_APART, ranks=RANKS, gpus=RANKS)
         options = [*JOB_OPTIONS, "--ranks", str(RANKS), "--gpus", "1"]
         job = daemon.submit(PYTHON, "splice_train.py", *SEEDED_APART, options=options)
-        assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, RANKS)
-        assert printed(rank_logs(daemon, job, RANKS)) == expected
+        assert printed(succeeded(daemon, job, RANKS, timeout=600)) == expected
         assert refusal_event(daemon, job) is None, events(daemon, job)
         assert not daemon.job(job)["splice_refusal"]
 

@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import requires_root
 from tests.helpers import Daemon, running_daemon, steps_done, wait_until
 from tests.proxy.conftest import PYTHON
-from tests.test_collectives import JOB_OPTIONS, printed, rank_logs, run_job
+from tests.test_collectives import JOB_OPTIONS, printed, rank_logs, run_job, succeeded
 
 RANKS = 4
 STEPS = 60
@@ -36,8 +36,7 @@ def submit_held(daemon: Daemon, gpus: int, release: Path, args: Sequence[str] = 
 def finish(daemon: Daemon, job: int, release: Path) -> list[str]:
     """Let the job end; each rank's printed lines."""
     release.touch()
-    assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, RANKS)
-    return printed(rank_logs(daemon, job, RANKS))
+    return printed(succeeded(daemon, job, RANKS, timeout=600))
 
 
 def devices_of(daemon: Daemon, job: int) -> list[int]:
@@ -158,7 +157,7 @@ print(torch.cuda.device_count(), mine.device, float(mine.sum()), other.device, f
 def test_spliced_ranks_see_every_device(daemon: Daemon) -> None:
     """4 ranks on 2 devices: each sees 4 devices, sets its own, and reaches another block's cuda:j."""
     job = daemon.submit(PYTHON, "-c", SEES_DEVICES, options=["--ranks", "4", "--gpus", "2"])
-    assert daemon.sing("wait", str(job), timeout=300).code == 0, rank_logs(daemon, job, RANKS)
+    succeeded(daemon, job, RANKS, timeout=300)
     lines = printed(rank_logs(daemon, job, RANKS), keep="4 ")
     assert lines == [f"4 cuda:{r} {2.0 * r} cuda:{(r + 2) % 4} 2.0\n" for r in range(RANKS)]
     assert "4 ranks share them" in daemon.sing("show", str(job)).out
@@ -204,8 +203,7 @@ def test_ranks_using_two_devices_served_by_one_survive_restores(daemon_root: Pat
             daemon.sing("cancel", str(job))
             raise
         release.touch()
-        assert daemon.sing("wait", str(job), timeout=600).code == 0, rank_logs(daemon, job, ranks)
-        assert printed(rank_logs(daemon, job, ranks)) == expected
+        assert printed(succeeded(daemon, job, ranks, timeout=600)) == expected
         reasons = [e["reason"] for e in daemon.job(job)["events"]]
         assert sum(r.startswith("resized to") for r in reasons) == 2, reasons
         assert any(r.startswith("preempted by") for r in reasons), reasons
