@@ -35,3 +35,23 @@ def test_activates_only_when_torch_is_imported(server: ProxyServer, tmp_path: Pa
     assert _run(PROBE, env) == "False False\n"
     code = "import torch; print(torch.cuda.is_available(), torch.cuda.device_count())"
     assert _run(code, env) == "True 1\n"
+
+
+THREADS_AT_EXIT = """
+import atexit, os, sys, threading
+others = lambda: sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
+atexit.register(lambda: print(others()))
+import torch
+x = torch.ones(4, device="cuda") * 2
+if os.fork() == 0:
+    sys.exit(0)  # the child's exit runs the atexit handlers it inherited
+os.wait()
+print((x * 2).sum().item(), flush=True)
+"""
+
+
+def test_no_thread_of_the_client_outlives_the_program(server: ProxyServer) -> None:
+    """Once the program's own exit handlers ran, the client has sent what it queued and ended its
+    reader threads (a daemon thread inside torch when Python finalizes aborts the process: exit 134
+    after the program is done); a forked child that exits leaves its parent's connection open."""
+    assert _run(THREADS_AT_EXIT, proxy_env([server.socket], "exit")) == "[]\n16.0\n[]\n"

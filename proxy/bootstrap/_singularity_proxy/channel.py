@@ -8,6 +8,7 @@ one waiting request, PARK stops the process at an operation boundary until RESUM
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -20,6 +21,9 @@ from . import protocol
 
 BATCH_OPS = 128
 """Queued operations are sent once this many are waiting (or at the next request)."""
+
+READER_EXIT_SECONDS = 5.0
+"""How long closing a channel waits for its reader thread to end."""
 
 
 class ProxyConnectionError(RuntimeError):
@@ -78,8 +82,9 @@ class Channel:
         self.info: dict[str, Any] = welcome.value()
         self.sync_bytes = max(1 << 20, int(self.info["total_memory"]) // 64)
         """Transfers and allocations this large wait for the server (out of memory shows at the call)."""
-        reader = ReaderThread(target=self._read, name=f"sing-proxy-{index}", daemon=True)
-        reader.start()
+        self.opener_pid = os.getpid()
+        self.reader = ReaderThread(target=self._read, name=f"sing-proxy-{index}", daemon=True)
+        self.reader.start()
 
     # -- reader thread ----------------------------------------------------------------------------
     def _deliver(self, frame: protocol.Frame) -> None:
@@ -166,6 +171,23 @@ class Channel:
             ops, buffers = self._take()
             if ops:
                 protocol.send_frame(self.sock, protocol.BATCH, [ops], buffers)
+
+    def close(self) -> None:
+        """Send what is queued, end the connection and wait for the reader thread to end.
+
+        At interpreter exit no thread of the client may still run: a daemon thread inside torch
+        (freeing a tensor its garbage collection found, say) when Python finalizes cannot take the
+        GIL back, and its unwinding ends the process in std::terminate (SIGABRT, exit 134) after
+        the program has done all it does. A forked child shares the connection: only the process
+        that opened it closes it.
+        """
+        if os.getpid() != self.opener_pid:
+            return
+        with contextlib.suppress(Exception):
+            self.flush()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.reader.join(READER_EXIT_SECONDS)
 
     def request(self, request: list[Any]) -> Any:
         """Send the queue and one request, wait for its answer, raise what the server raised."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import contextlib
 import threading
 from typing import Any
 
@@ -53,17 +52,17 @@ class DeviceTable:
         self.initialized = True
         return channel
 
-    def send_queued(self) -> None:
-        """Send what each open connection still queues: a GPU finishes the work a process launched
-        before it ended, and the other ranks' collectives may wait for this one's last."""
+    def close(self) -> None:
+        """At exit, send what each open connection still queues (a GPU finishes the work a process
+        launched before it ended, and the other ranks' collectives may wait for this one's last),
+        then close it (Channel.close: no reader thread may outlive the program)."""
         for channel in self.channels:
             if channel is not None:
-                with contextlib.suppress(Exception):
-                    channel.flush()
+                channel.close()
 
 
 DEVICES = DeviceTable()
-atexit.register(DEVICES.send_queued)
+atexit.register(DEVICES.close)
 
 
 def device_index(device: Any) -> int:
