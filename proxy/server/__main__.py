@@ -159,4 +159,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Ended without finalizing, as the spawner ends the servers it starts: the sessions' daemon
+    # threads may still be freeing tensors, and a thread inside torch when Python finalizes ends
+    # the process in std::terminate (SIGABRT). Nothing a server holds outlives it.
+    os._exit(code)
