@@ -66,6 +66,7 @@ class Config:
     virtual_devices: int = 4
     virtual_device_memory_gib: float = 16.0
     admin_group: str = "singularity-admin"
+    premium_group: str = ""
     kill_grace_seconds: float = 10.0
     shutdown_grace_seconds: float = 5.0
     criu: str = "auto"
@@ -163,6 +164,8 @@ OPTIONS: dict[str, str] = {
     "virtual_device_memory_gib": "Memory capacity of each virtual device in GiB (default 16).",
     "admin_group": "Unix group whose members may act on any job (default singularity-admin); "
     "root always may.",
+    "premium_group": "Unix group whose members may submit premium-tier jobs (root and admin_group "
+    "members always may); empty (the default): any user may.",
     "kill_grace_seconds": "Time between SIGTERM and SIGKILL when a job is cancelled (default 10).",
     "shutdown_grace_seconds": "Time the daemon gives in-flight requests on SIGTERM (default 5).",
     "criu": "'auto' (criu on PATH if `criu check` passes, else the private copy in the venv) "
@@ -260,6 +263,7 @@ LIVE_OPTIONS = frozenset(
     {
         "log_level",
         "admin_group",
+        "premium_group",
         "kill_grace_seconds",
         "shutdown_grace_seconds",
         "checkpoint_interval_seconds",

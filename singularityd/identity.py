@@ -49,12 +49,15 @@ class Caller:
     @property
     def is_admin(self) -> bool:
         """Root, or a member of the admin group."""
-        if self.uid == 0:
-            return True
-        if not self.admin_group:
+        return self.uid == 0 or self.in_group(self.admin_group)
+
+    def in_group(self, name: str) -> bool:
+        """Whether the user belongs to the named group (primary or supplementary; no name, or a
+        group that does not exist: no)."""
+        if not name:
             return False
         try:
-            group = grp.getgrnam(self.admin_group)
+            group = grp.getgrnam(name)
         except KeyError:
             return False
         try:

@@ -38,6 +38,7 @@ from singularityd.jobs.processes import Usage
 from singularityd.jobs.submission import SubmitArgs, check_resize, grow_refusal, validated_spec
 from singularityd.observe.feed import JobSubmitted
 from singularityd.store import EventRecord, JobRecord
+from singularityd.tiers import PREMIUM
 
 log = logging.getLogger("singularityd")
 
@@ -186,6 +187,7 @@ class Requests:
                 "this node is draining and takes no new jobs (--anywhere places one on a peer)"
             )
         spec = validated_spec(caller, args, len(daemon.inventory.devices))
+        self._check_tier(caller, spec.tier)
         job = daemon.store.create_job(spec, daemon.clock(), f"submitted by {caller.user}")
         command = " ".join(args.command)
         log.info("job %d submitted by %s: %s", job.id, caller.user, command)
@@ -195,6 +197,16 @@ class Requests:
         if elsewhere:
             federation.place_elsewhere(job.id)
         return job
+
+    def _check_tier(self, caller: Caller, tier: str) -> None:
+        """Where the daemon names a premium_group, only its members, root and admins submit
+        premium jobs (as a Slurm QOS is granted to some associations)."""
+        group = self.daemon.config.premium_group
+        if tier == PREMIUM and group and not (caller.is_admin or caller.in_group(group)):
+            raise PermissionDenied(
+                f"the premium tier is for members of {group}; {caller.user} may submit "
+                "standard (the default) or basic jobs"
+            )
 
     def _apply_now(self, job_id: int, stimulus: Stimulus) -> Decision:
         """Apply a user's request; a state that does not allow it is the user's error, not ours."""

@@ -7,7 +7,10 @@ then the order of submission. `sing` imports this module for the names it offers
 
 from __future__ import annotations
 
-TIERS = ("basic", "standard", "premium")
+PREMIUM = "premium"
+"""The highest tier, which the daemon's premium_group may keep for some users."""
+
+TIERS = ("basic", "standard", PREMIUM)
 """The tiers, lowest first."""
 
 DEFAULT_TIER = "standard"

@@ -17,6 +17,7 @@ from tests.helpers import Daemon, ensure_user, python_for_user, running_daemon, 
 
 pytestmark = requires_root
 ADMINS = "sing-test-admins"
+PREMIUM_USERS = "sing-test-premium"
 
 
 @pytest.fixture
@@ -129,3 +130,28 @@ def test_user_mode_daemon(users: dict[str, pwd.struct_passwd], daemon_root: Path
     finally:
         daemon.terminate()
         daemon.wait(20)
+
+
+def test_premium_may_be_kept_for_a_group(daemon_root: Path, users: dict[str, pwd.struct_passwd]) -> None:
+    """With premium_group set, its members, root and admins submit premium jobs; anyone else is
+    refused with the reason and nothing is queued, and may still submit standard or basic jobs."""
+    ensure_user("sing-dave", groups=[PREMIUM_USERS])
+    config = {"admin_group": ADMINS, "premium_group": PREMIUM_USERS}
+    with running_daemon(daemon_root, config=config) as daemon:
+        refused = daemon.sing("submit", "--tier", "premium", "--", "true", user="sing-alice")
+        assert refused.code == 5 and refused.out == ""
+        assert refused.err.strip() == (
+            f"sing: the premium tier is for members of {PREMIUM_USERS}; sing-alice may submit "
+            "standard (the default) or basic jobs"
+        )
+        assert daemon.sing("ps", "-a", "-o", "json").json() == []
+        jobs = {
+            user: daemon.submit("true", options=["--tier", "premium"], user=user)
+            for user in ("sing-dave", "sing-carol", None)
+        }
+        jobs["sing-alice"] = daemon.submit("true", options=["--tier", "basic"], user="sing-alice")
+        for job in jobs.values():
+            assert daemon.sing("wait", str(job)).code == 0
+        assert {user: daemon.job(job)["tier"] for user, job in jobs.items()} == {
+            "sing-dave": "premium", "sing-carol": "premium", None: "premium", "sing-alice": "basic",
+        }  # fmt: skip
