@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from . import legacy_types, protocol
-from .devices import DEVICES, device_index, memory_query, synchronize
+from .devices import DEVICES, FORKED_CHILD, device_index, memory_query, synchronize
 
 
 class _DeviceProperties:
@@ -169,6 +169,8 @@ def _set_device(device: Any) -> None:
 
 
 def _init() -> None:
+    if DEVICES.in_bad_fork:
+        raise RuntimeError(FORKED_CHILD)
     DEVICES.initialized = True
 
 
@@ -349,7 +351,7 @@ def patch_cuda() -> None:
         "init": _init,
         "_lazy_init": _init,
         "is_initialized": lambda: DEVICES.initialized,
-        "_is_in_bad_fork": lambda: False,
+        "_is_in_bad_fork": lambda: DEVICES.in_bad_fork,
         "get_device_name": lambda device=None: info(device)["name"],
         "get_device_properties": lambda device=None: _DeviceProperties(info(device)),
         "get_device_capability": lambda device=None: (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 from typing import Any
 
@@ -10,6 +11,13 @@ import torch
 
 from . import protocol
 from .channel import Channel
+
+FORKED_CHILD = (
+    "Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, you must use "
+    "the 'spawn' start method"
+)
+"""torch's error where the forked child of a process that used CUDA uses it: here too, for the
+child has its parent's connections but not their reader threads."""
 
 INVALID_ORDINAL = (
     "CUDA error: invalid device ordinal\nCUDA kernel errors might be asynchronously reported at "
@@ -27,6 +35,8 @@ class DeviceTable:
         self.rank = 0
         self.current = 0
         self.initialized = False
+        self.in_bad_fork = False
+        """A forked child of a process that used the devices (which the child may not use)."""
         self.lock = threading.Lock()
 
     def configure(self, paths: list[str], job_id: str, rank: int) -> None:
@@ -39,6 +49,8 @@ class DeviceTable:
 
     def channel(self, index: int | None = None) -> Channel:
         """The connection to device `index` (default: the current one), opened on first use."""
+        if self.in_bad_fork:
+            raise RuntimeError(FORKED_CHILD)
         chosen = self.current if index is None else index
         if chosen < 0 or chosen >= len(self.paths):
             raise RuntimeError(INVALID_ORDINAL)
@@ -52,6 +64,12 @@ class DeviceTable:
         self.initialized = True
         return channel
 
+    def forked(self) -> None:
+        """In a forked child: devices its parent used are unusable here, as CUDA is."""
+        if self.initialized:
+            self.in_bad_fork = True
+            self.initialized = False
+
     def close(self) -> None:
         """At exit, send what each open connection still queues (a GPU finishes the work a process
         launched before it ended, and the other ranks' collectives may wait for this one's last),
@@ -63,6 +81,7 @@ class DeviceTable:
 
 DEVICES = DeviceTable()
 atexit.register(DEVICES.close)
+os.register_at_fork(after_in_child=DEVICES.forked)
 
 
 def device_index(device: Any) -> int:
