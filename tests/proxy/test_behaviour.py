@@ -179,3 +179,23 @@ def test_the_profiler_asked_for_cuda_activity_records_the_process_without_an_err
     assert r.stdout.splitlines() == ["recorded True True 32768.0", "True"], r.stdout
     assert "Failed to record CUDA event" not in r.stderr and "frame #" not in r.stderr, r.stderr[-3000:]
     assert r.stderr.count("the profiler records this process's CPU activity only") == 1, r.stderr
+
+
+def test_other_processes_meet_the_device_as_on_a_gpu(server: ProxyServer) -> None:
+    """Fork, spawn and pickle with device tensors (tests/programs/other_processes.py): a forked
+    child gets torch's error instead of its parent's connection (which hung it), a device tensor
+    sent to a spawned process is refused instead of arriving as a host copy, a CPU copy arrives,
+    and a pickled device tensor or module unpickles onto the device (it came back on the host)."""
+    proxied = run_program(["other_processes.py"], proxy_env([server.socket], "processes"))
+    assert proxied.returncode == 0, proxied.stderr
+    assert proxied.stdout.splitlines() == [
+        "forked child: Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, "
+        "you must use the 'spawn' start method",
+        "parent after the fork: 8.0",
+        "spawn with a device tensor: proxy: a CUDA tensor cannot be sent to another process on "
+        "proxied devices (CUDA IPC is not served): send a CPU copy (tensor.cpu()) or create the "
+        "tensor in that process",
+        "spawned child got: cpu 4.0",
+        "pickled: cuda:0 12.0",
+        "pickled layer: a parameter on cuda:0, torch.bfloat16, True, True",
+    ]

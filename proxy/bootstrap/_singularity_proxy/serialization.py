@@ -9,6 +9,7 @@ Loading honours `map_location` and puts cuda-mapped tensors on the proxied devic
 from __future__ import annotations
 
 from collections import OrderedDict
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
@@ -17,25 +18,67 @@ from .devices import device_index
 from .tensor import ProxyTensor, download
 from .transfers import upload
 
+SHARING_REFUSED = (
+    "proxy: a CUDA tensor cannot be sent to another process on proxied devices (CUDA IPC is not "
+    "served): send a CPU copy (tensor.cpu()) or create the tensor in that process"
+)
+
 _location_of_copy: dict[int, str] = {}
-"""Storage address of each host copy made while saving -> the location tag it is saved with."""
-_copies_being_saved: list[torch.Tensor] = []
-"""Keeps those copies (and so their addresses) alive until the save ends."""
+"""Storage address of the latest host copy made by pickling a stand-in -> its location tag."""
+_latest_copy: list[torch.Tensor] = []
+"""Keeps that copy (and so its address) alive until the next stand-in is pickled: a pickler saves
+a tensor's storage, tagging its location, right after the tensor's reduction, before the next
+object, so one copy at a time is tagged however many are pickled (by object collectives too)."""
 
 
-def _forget_copies() -> None:
-    """Forget the host copies made while pickling stand-ins."""
-    _location_of_copy.clear()
-    _copies_being_saved.clear()
+_saves_under_way = 0
+"""torch.save calls running: their pickles write storages tagged with a location; any other pickle
+(object collectives, pickle.dumps) rebuilds a stand-in on its device from its values."""
+
+
+class _Reduced:
+    """An object that pickles as the reduction it is given."""
+
+    def __init__(self, reduction: tuple[Any, ...]) -> None:
+        self.reduction = reduction
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.reduction
+
+
+def _rebuilt_on_device(host: torch.Tensor, stand_in: ProxyTensor) -> tuple[Any, ...] | None:
+    """The reduction that makes the unpickling torch build the tensor on its cuda device from its
+    values (torch's own function, as it pickles XLA tensors), so a proxied receiver gets a stand-in
+    and a GPU one a cuda tensor; None for a dtype numpy cannot hold."""
+    try:
+        values = (host.float() if host.dtype == torch.bfloat16 else host).numpy()
+    except TypeError:
+        return None
+    requires_grad = stand_in.requires_grad and stand_in.is_leaf
+    return (
+        torch._utils._rebuild_device_tensor_from_numpy,
+        (values, host.dtype, str(stand_in.device), requires_grad),
+    )
 
 
 def reduce_as_cuda_tensor(stand_in: ProxyTensor, proto: Any) -> Any:
-    """Pickle as a real cuda tensor would: values plus a 'cuda:N' location tag."""
+    """Pickle as a real cuda tensor would: in torch.save, values plus a 'cuda:N' location tag;
+    elsewhere, a tensor that unpickles onto cuda:N."""
     with torch.no_grad():
         host = download(stand_in)
+    is_param = getattr(stand_in, "_is_param", False)
+    rebuilt = None if _saves_under_way else _rebuilt_on_device(host, stand_in)
+    if rebuilt is not None:
+        if is_param:
+            return (
+                torch._utils._rebuild_parameter,
+                (_Reduced(rebuilt), stand_in.requires_grad, OrderedDict()),
+            )
+        return rebuilt
+    _location_of_copy.clear()
+    _latest_copy[:] = [host]
     _location_of_copy[host.untyped_storage().data_ptr()] = str(stand_in.device)
-    _copies_being_saved.append(host)
-    if getattr(stand_in, "_is_param", False):
+    if is_param:
         return (torch._utils._rebuild_parameter, (host, stand_in.requires_grad, OrderedDict()))
     if stand_in.requires_grad and stand_in.is_leaf:
         host.requires_grad_(True)
@@ -93,9 +136,17 @@ def _place(obj: Any, targets: dict[int, str], memo: dict[int, Any]) -> Any:
     return out
 
 
+def refuse_sharing(stand_in: ProxyTensor) -> Any:
+    """multiprocessing's pickler (a spawned Process's arguments, a Queue) would share a CUDA
+    tensor's memory with the other process; a copy would let the two go on apart, silently."""
+    raise RuntimeError(SHARING_REFUSED)
+
+
 def install() -> None:
-    """Make stand-ins pickle as cuda tensors, and torch.save / torch.load handle them."""
+    """Make stand-ins pickle as cuda tensors, and torch.save / torch.load handle them; refuse to
+    send them to another process."""
     ProxyTensor.__reduce_ex__ = reduce_as_cuda_tensor  # type: ignore[assignment,method-assign]
+    ForkingPickler.register(ProxyTensor, refuse_sharing)
     torch.serialization.register_package(1, _location_tag, lambda obj, location: None)
     original_load = torch.load
 
@@ -123,9 +174,11 @@ def install() -> None:
     original_save = torch.save
 
     def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        global _saves_under_way
+        _saves_under_way += 1
         try:
             original_save(obj, f, *args, **kwargs)
         finally:
-            _forget_copies()
+            _saves_under_way -= 1
 
     torch.save = save
