@@ -53,6 +53,8 @@ READS_FROM_HOST = frozenset({"allreduce"})
 their members move their own collective tensors off the device too."""
 MAX_GROUP_SIZE = 4096
 """Most members of a process group (the daemon's limit on a job's ranks)."""
+SETTLE_POLL_SECONDS = 0.05
+"""How often `settle` looks again without being told (a change that notifies nobody)."""
 _NAMES = protocol.torch_names()
 _TENSOR_KEYS = ("tensors", "inputs", "outputs")
 
@@ -165,6 +167,9 @@ class Collectives:
         """Guards everything below and every session's queue (runner.py)."""
         self.cond = threading.Condition(self.lock)
         """Tells every waiter here that something under the lock changed."""
+        self.resting = threading.Condition(self.lock)
+        """Notified when a session's runner may have come to rest (its frame done, or waiting in a
+        collective): what `settle` waits on, so a consistent cut is seen as soon as it is reached."""
         self.links: dict[int, PeerLink] = {}
         self.lost: set[int] = set()
         """Device indices whose server is gone."""
@@ -443,7 +448,7 @@ class Collectives:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self.cond.wait(min(left, 0.05))
+                self.resting.wait(min(left, SETTLE_POLL_SECONDS))
             return {
                 "idle": all(runner.idle() for runner in runners),
                 "events": self.events,

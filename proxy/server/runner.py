@@ -213,6 +213,7 @@ class Runner:
         self.waiting_on = ready
         if not ready():
             self.pace.waits(self)  # once: two waiting threads must not wake each other forever
+            self.collectives.resting.notify_all()
         try:
             while not ready():
                 if self.stopping:
@@ -246,6 +247,7 @@ class Runner:
                 self.idle_since = time.monotonic()
                 self.collectives.events += 1
                 self.cond.notify_all()
+                self.collectives.resting.notify_all()
                 self.pace.went_idle(self)
 
     def _execute(self, work: Work) -> None:
