@@ -1,9 +1,12 @@
 # mypy: disable-error-code="no-untyped-call,unused-ignore"
-"""torch.save and torch.load of stand-ins: files as torch writes them for real cuda tensors.
+"""Pickling stand-ins: torch.save and torch.load files as torch writes them for real cuda tensors,
+other pickles as torch makes them, and no sharing with other processes.
 
 Saving pickles a stand-in as a host copy of its values tagged with the location `cuda:N`,
 so the file loads anywhere (with `map_location`) as if a CUDA machine had written it.
 Loading honours `map_location` and puts cuda-mapped tensors on the proxied devices.
+Any other pickle (object collectives, pickle.dumps) unpickles a stand-in onto its device;
+multiprocessing's, which would share its memory with another process, is refused.
 """
 
 from __future__ import annotations
