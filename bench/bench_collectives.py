@@ -27,7 +27,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from singularity.proxy.control import ProxyControl, cut_reached  # noqa: E402
-from tests.proxy.conftest import aborted_at_exit, start_linked_servers, start_ranks, stop_server  # noqa: E402
+from tests.proxy.conftest import (  # noqa: E402
+    aborted_at_exit,
+    communicate_all,
+    start_linked_servers,
+    start_ranks,
+    stop_server,
+)
 
 ALLREDUCE = r"""
 import os, sys, time, torch
@@ -113,7 +119,7 @@ def run_ranks(code: str, args: Sequence[str], ranks: int, devices: int, director
         servers = start_linked_servers(_folder(directory), devices, 4 << 30) if devices else []
         try:
             processes = start_ranks(["-c", code, *args], ranks, [s.socket for s in servers] or None)
-            outputs = [p.communicate(timeout=1800) for p in processes]
+            outputs = communicate_all(processes, 1800)
         finally:
             for server in servers:
                 stop_server(server)

@@ -43,7 +43,13 @@ sys.path.insert(0, str(REPO))
 
 from bench.bench_collectives import _folder, _table  # noqa: E402
 from singularity.proxy.control import ProxyControl  # noqa: E402
-from tests.proxy.conftest import PROGRAMS, start_linked_servers, start_ranks, stop_server  # noqa: E402
+from tests.proxy.conftest import (  # noqa: E402
+    PROGRAMS,
+    communicate_all,
+    start_linked_servers,
+    start_ranks,
+    stop_server,
+)
 
 STEP = r"""
 import os, sys, time, torch
@@ -94,7 +100,7 @@ def step_time(
     try:
         command = ["-c", STEP, str(steps), str(width), optimizer, str(servers[0].proc.pid)]
         processes = start_ranks(command, ranks, [servers[0].socket])
-        outputs = [p.communicate(timeout=3600) for p in processes]
+        outputs = communicate_all(processes, 3600)
         assert all(p.returncode == 0 for p in processes), [err[-2000:] for _, err in outputs]
         with ProxyControl(servers[0].control) as control:
             figures = control.status()["dedup"]

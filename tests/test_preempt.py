@@ -38,6 +38,7 @@ from tests.helpers import (
     user_namespace_problem,
     wait_until,
 )
+from tests.proxy.conftest import communicate_all
 
 pytestmark = [requires_root, pytest.mark.slow]
 
@@ -456,7 +457,7 @@ def direct_ddp_outputs(steps: int) -> list[str]:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, USE_LIBUV="0")
         command = [sys.executable, str(DDP_SCRIPT), "--steps", str(steps)]
         ranks.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True))
-    outputs = [process.communicate(timeout=300)[0] for process in ranks]
+    outputs = [out for out, _ in communicate_all(ranks, 300)]
     assert all(process.returncode == 0 for process in ranks)
     return outputs
 

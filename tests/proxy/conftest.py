@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,6 +146,13 @@ def start_ranks(
     return processes
 
 
+def communicate_all(processes: Sequence[subprocess.Popen[str]], timeout: float) -> list[tuple[str, str]]:
+    """Each process's (stdout, stderr) once it ends, all read side by side: read one after another,
+    a rank that fills its pipe (64 KiB) would block, and every rank waiting for it in a collective."""
+    with ThreadPoolExecutor(max(1, len(processes))) as pool:
+        return list(pool.map(lambda process: process.communicate(timeout=timeout), processes))
+
+
 def aborted_at_exit(codes: Sequence[int | None]) -> bool:
     """Whether ranks ended as torch sometimes ends gloo processes at interpreter exit, after the
     program is done ("terminate called without an active exception", SIGABRT; about 1 run in 12
@@ -157,7 +165,7 @@ def direct_ranks(program: str, args: Sequence[str], ranks: int, timeout: float =
     proxy or singularityd; a run that torch aborted at exit (`aborted_at_exit`) is run again, once."""
     for attempt in range(2):
         processes = start_ranks([program, *args], ranks, None)
-        outputs = [process.communicate(timeout=timeout) for process in processes]
+        outputs = communicate_all(processes, timeout)
         codes = [process.returncode for process in processes]
         if attempt == 0 and aborted_at_exit(codes):
             continue

@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.proxy.conftest import ProxyServer, direct_ranks, start_linked_servers, start_ranks, stop_server
+from tests.proxy.conftest import (
+    ProxyServer,
+    communicate_all,
+    direct_ranks,
+    start_linked_servers,
+    start_ranks,
+    stop_server,
+)
 
 
 @pytest.fixture
@@ -34,7 +41,7 @@ def run_on(
     folder.mkdir()
     servers = linked[len(linked)] = start_linked_servers(folder, devices)
     processes = start_ranks(args, ranks, [s.socket for s in servers])
-    outputs = [p.communicate(timeout=600) for p in processes]
+    outputs = communicate_all(processes, 600)
     return [(p.returncode, out, err) for p, (out, err) in zip(processes, outputs, strict=True)]
 
 

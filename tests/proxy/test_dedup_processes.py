@@ -17,7 +17,14 @@ import pytest
 from singularity.proxy.control import ProxyControl, splice_refusal
 from tests.conftest import requires_root
 from tests.helpers import Daemon, preempt_while_training, running_daemon, wait_until
-from tests.proxy.conftest import PYTHON, ProxyServer, start_linked_servers, start_ranks, stop_server
+from tests.proxy.conftest import (
+    PYTHON,
+    ProxyServer,
+    communicate_all,
+    start_linked_servers,
+    start_ranks,
+    stop_server,
+)
 from tests.test_collectives import JOB_OPTIONS, printed, succeeded
 
 JOB = "job"
@@ -58,7 +65,7 @@ class Held:
     def finish(self) -> list[str]:
         """Let the ranks end; each one's stdout."""
         self.release.touch()
-        outputs = [p.communicate(timeout=600) for p in self.processes]
+        outputs = communicate_all(self.processes, 600)
         assert [p.returncode for p in self.processes] == [0] * len(self.processes), [
             err[-3000:] for _, err in outputs
         ]
