@@ -26,12 +26,10 @@ SHARING_REFUSED = (
     "served): send a CPU copy (tensor.cpu()) or create the tensor in that process"
 )
 
-_location_of_copy: dict[int, str] = {}
-"""Storage address of the latest host copy made by pickling a stand-in -> its location tag."""
-_latest_copy: list[torch.Tensor] = []
-"""Keeps that copy (and so its address) alive until the next stand-in is pickled: a pickler saves
-a tensor's storage, tagging its location, right after the tensor's reduction, before the next
-object, so one copy at a time is tagged however many are pickled (by object collectives too)."""
+_latest_copy: list[tuple[torch.Tensor, str]] = []
+"""The latest host copy made by torch.save pickling a stand-in, with its location tag, kept (and
+so its address) until the next: a pickler saves a tensor's storage, tagging its location, right
+after the tensor's reduction, before the next object, so one copy at a time is tagged."""
 
 
 _saves_under_way = 0
@@ -78,9 +76,7 @@ def reduce_as_cuda_tensor(stand_in: ProxyTensor, proto: Any) -> Any:
                 (_Reduced(rebuilt), stand_in.requires_grad, OrderedDict()),
             )
         return rebuilt
-    _location_of_copy.clear()
-    _latest_copy[:] = [host]
-    _location_of_copy[host.untyped_storage().data_ptr()] = str(stand_in.device)
+    _latest_copy[:] = [(host, str(stand_in.device))]
     if is_param:
         return (torch._utils._rebuild_parameter, (host, stand_in.requires_grad, OrderedDict()))
     if stand_in.requires_grad and stand_in.is_leaf:
@@ -91,7 +87,9 @@ def reduce_as_cuda_tensor(stand_in: ProxyTensor, proto: Any) -> Any:
 def _location_tag(storage: Any) -> str | None:
     """torch.serialization's tagger: the cuda location of a copy made from a stand-in."""
     if getattr(storage, "device", None) is not None and storage.device.type == "cpu":
-        return _location_of_copy.get(storage.data_ptr())
+        for host, location in _latest_copy:
+            if host.untyped_storage().data_ptr() == storage.data_ptr():
+                return location
     return None
 
 
