@@ -38,7 +38,7 @@ from tests.helpers import (
     user_namespace_problem,
     wait_until,
 )
-from tests.proxy.conftest import communicate_all
+from tests.proxy.conftest import communicate_all, start_ranks
 
 pytestmark = [requires_root, pytest.mark.slow]
 
@@ -448,18 +448,10 @@ DDP_SCRIPT = REPO / "tests" / "workloads" / "train_ddp.py"
 
 def direct_ddp_outputs(steps: int) -> list[str]:
     """Both ranks' stdout when the script runs directly, torchrun-style, without singularityd."""
-    from singularityd.jobs.launch import free_tcp_port
-
-    port = str(free_tcp_port())
-    ranks = []
-    for rank in range(2):
-        env = {**os.environ, **JOB_ENV, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank)}
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, USE_LIBUV="0")
-        command = [sys.executable, str(DDP_SCRIPT), "--steps", str(steps)]
-        ranks.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True))
-    outputs = [out for out, _ in communicate_all(ranks, 300)]
-    assert all(process.returncode == 0 for process in ranks)
-    return outputs
+    ranks = start_ranks([str(DDP_SCRIPT), "--steps", str(steps)], 2, None, **JOB_ENV)
+    outputs = communicate_all(ranks, 300)
+    assert all(process.returncode == 0 for process in ranks), [err[-2000:] for _, err in outputs]
+    return [out for out, _ in outputs]
 
 
 def test_two_rank_job_preempted_and_restored_exactly(cr_daemon: Daemon) -> None:
