@@ -180,8 +180,9 @@ class ProxyControl:
         return list(self._call("resume", job_id))
 
     def status(self) -> dict[str, Any]:
-        """Capacity, bytes in use, work done so far (operations, batches, busy_seconds) and the
-        jobs present on this device."""
+        """Capacity, bytes in use, work done so far (operations, batches, busy_seconds), the
+        share of the last second spent working (utilization_percent) and the jobs present on
+        this device."""
         return dict(self._call("status"))
 
     def replicas(self, job_id: str) -> dict[str, Any]:

@@ -126,7 +126,8 @@ class Requests:
 
     async def devices(self) -> list[DeviceFacts]:
         """Each device with live memory use and utilisation (where reported), its jobs and its
-        proxy's health; a virtual device's memory use is what its proxy server holds."""
+        proxy's health; a virtual device's memory use is what its proxy server holds, and its
+        utilisation the share of the last second that server spent running work (0 when idle)."""
         busy = self.daemon.store.busy_devices()
         devices = self.daemon.current_devices()
         health = await asyncio.gather(
@@ -134,8 +135,11 @@ class Requests:
         )
         found = []
         for device, proxy in zip(devices, health, strict=True):
-            if device.kind == "virtual" and proxy.allocated is not None:
-                device = replace(device, memory_used=proxy.allocated)
+            if device.kind == "virtual":
+                if proxy.allocated is not None:
+                    device = replace(device, memory_used=proxy.allocated)
+                if proxy.utilization_percent is not None or proxy.proxy in ("idle", "starting"):
+                    device = replace(device, utilization_percent=proxy.utilization_percent or 0.0)
             found.append(DeviceFacts(device, [busy[device.index]] if device.index in busy else [], proxy))
         return found
 

@@ -14,6 +14,7 @@ import random
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -178,6 +179,25 @@ def test_job_process_holds_no_device_state(daemon: Daemon) -> None:
     assert "available True count 1" in out and "value True" in out
     assert "nvidia fds []" in out and "cuda libraries []" in out
     assert "real lazy init ran False" in out
+
+
+def test_a_virtual_devices_utilization_is_the_share_of_time_its_server_works(daemon: Daemon) -> None:
+    """`sing devices` (and `sing top`, the metrics) show a virtual device's utilisation as nvtop shows
+    a GPU's: the share of the last second its proxy server ran work; 0 for a device at rest."""
+    job = daemon.submit(PYTHON, "utilization.py", "--forever", options=JOB_OPTIONS)
+    device = daemon.wait_state(job, "RUNNING")["devices"][0]
+
+    def working() -> list[dict[str, Any]]:
+        listed = daemon.sing("devices", "-o", "json").json()
+        return listed if (listed[device]["utilization_percent"] or 0) >= 30 else []
+
+    listed = wait_until(working, timeout=120)
+    assert listed[device]["utilization_percent"] <= 100
+    assert all(d["utilization_percent"] == 0 for d in listed if d["index"] != device)
+    rows = [line.split() for line in daemon.sing("devices").out.splitlines()[1:]]
+    row = next(row for row in rows if row[0] == str(device))
+    assert row[-2].endswith("%") and int(row[-2].removesuffix("%")) > 0, row
+    assert daemon.sing("cancel", str(job)).code == 0
 
 
 def server_of(daemon: Daemon, job: int) -> tuple[int, int]:

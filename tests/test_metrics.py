@@ -66,6 +66,8 @@ def test_a_scrape_after_a_real_preemption(daemon_root: Path) -> None:
         assert (value(running, "singularity_device_memory_used_bytes", device="0") or 0) > 0
         assert (value(running, "singularity_proxy_operations_total", device="0") or 0) > 0
         assert (value(running, "singularity_proxy_busy_seconds_total", device="0") or 0) > 0
+        utilization = value(running, "singularity_device_utilization_ratio", device="0")
+        assert utilization is not None and 0 <= utilization <= 1, "a virtual device's, from its server"
         assert value(running, "singularity_preemptions_total", trigger="scheduler") == 0
         assert value(running, "singularity_checkpoint_pause_seconds_count") == 0
 
@@ -76,6 +78,7 @@ def test_a_scrape_after_a_real_preemption(daemon_root: Path) -> None:
 
         preempted = scrape(url)
         assert value(preempted, "singularity_preemptions_total", trigger="scheduler") == 1
+        assert value(preempted, "singularity_device_utilization_ratio", device="0") == 0, "its server is gone"
         assert value(preempted, "singularity_job_state", job=str(low), state="PREEMPTED") == 1
         assert value(preempted, "singularity_job_state", job=str(low), state="RUNNING") is None
         assert value(preempted, "singularity_job_state", job=str(high), state="RUNNING") == 1

@@ -220,7 +220,8 @@ class ControlHandler:
                 },
                 "operations": executor.operations,
                 "batches": executor.batches,
-                "busy_seconds": executor.busy_seconds,
+                "busy_seconds": executor.busy.total_seconds,
+                "utilization_percent": executor.busy.utilization_percent(time.perf_counter()),
                 "jobs": processes,
                 "preloaded": self.preloads.held_bytes(),
             }

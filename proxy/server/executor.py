@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_leaves
 from singularity.proxy.bootstrap._singularity_proxy import protocol
 from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
 
+from .busy import BusyTime
 from .device_memory import DeviceMemory
 from .session import Session, sparse_parts
 from .squash import MISS, Call, Squash
@@ -112,8 +113,8 @@ class Executor:
         """Operations run since the server started (the daemon's metrics report the rate)."""
         self.batches = 0
         """Batches run since the server started."""
-        self.busy_seconds = 0.0
-        """Time spent running batches (on a virtual device, the device's utilisation over time)."""
+        self.busy = BusyTime()
+        """Time spent running batches and answering requests (a virtual device's utilisation)."""
         self.squash: Squash | None = None
         """Operations of spliced ranks run once on this device (squash.py); set by the server."""
 
@@ -479,8 +480,10 @@ class Executor:
         if not tensor.is_inference():  # a pre-copy must see this write (snapshot.py)
             torch.autograd.graph.increment_version(tensor)
 
-    def _memory(self, session: Session, what: str) -> Any:
-        """Answer a memory query."""
+    def _figure(self, session: Session, what: str) -> Any:
+        """Answer a query for a figure of the session's memory or of the device."""
+        if what == protocol.UTILIZATION:
+            return self.busy.utilization_percent(time.perf_counter())
         if what == protocol.MEMORY_ALLOCATED:
             return session.held_bytes
         if what == protocol.MEMORY_PEAK:
@@ -499,7 +502,7 @@ class Executor:
                 "active_bytes.all.current": session.held_bytes,
                 "num_ooms": 0,
             }
-        raise ProtocolError(f"unknown memory query {what!r}")
+        raise ProtocolError(f"unknown figure {what!r}")
 
     def _answer(self, session: Session, request: Any, buffers: Sequence[Any]) -> Any:
         """The value a request asks for."""
@@ -526,8 +529,8 @@ class Executor:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             return None
-        if kind == protocol.REQ_MEMORY:
-            return self._memory(session, _operation(request, 2)[1])
+        if kind == protocol.REQ_FIGURE:
+            return self._figure(session, _operation(request, 2)[1])
         raise ProtocolError(f"unknown request {kind!r}")
 
     def run_ops(
@@ -541,7 +544,7 @@ class Executor:
         The first failure is remembered in the session and reported at its next request.
         """
         with self.lock:
-            began = time.perf_counter()
+            self.busy.begin(time.perf_counter())
             position = start
             try:
                 while position < end:
@@ -556,15 +559,15 @@ class Executor:
                             break
             finally:
                 self.operations += position - start
-                self.busy_seconds += time.perf_counter() - began
+                self.busy.end(time.perf_counter())
             return position
 
     def answer(self, session: Session, request: Any, buffers: Sequence[Any]) -> Any:
         """The answer to a request, after raising what failed first since the last answer."""
         with self.lock:
-            began = time.perf_counter()
+            self.busy.begin(time.perf_counter())
             try:
                 session.raise_pending()
                 return self._answer(session, request, buffers)
             finally:
-                self.busy_seconds += time.perf_counter() - began
+                self.busy.end(time.perf_counter())

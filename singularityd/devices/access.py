@@ -50,12 +50,14 @@ class DeviceHealth:
     `proxy` is "up", "idle" (no job's server runs on it), "starting" (a job's server is being
     spawned; the job's connections wait for it), "down: <why>",
     or "" where jobs use devices without proxies; `allocated` is the device memory the proxy
-    server holds for jobs (None when it is not known).
+    server holds for jobs and `utilization_percent` the share of the last second it spent running
+    their work (None when not known).
     """
 
     proxy: str
     sessions: tuple[DeviceSession, ...] = ()
     allocated: int | None = None
+    utilization_percent: float | None = None
 
 
 def sessions_of(status: Mapping[str, Any]) -> tuple[DeviceSession, ...]:
@@ -382,7 +384,13 @@ class ProxiedDevices:
         status = self.pool.status(device, STATUS_TIMEOUT_SECONDS)
         if status is None:
             return DeviceHealth("down: its proxy server does not answer")
-        return DeviceHealth("up", sessions_of(status), int(status.get("allocated", 0)))
+        utilization = status.get("utilization_percent")
+        return DeviceHealth(
+            "up",
+            sessions_of(status),
+            int(status.get("allocated", 0)),
+            float(utilization) if isinstance(utilization, int | float) else None,
+        )
 
 
 class DirectDevices:

@@ -5,7 +5,7 @@ preemptions, restores), scheduling rounds, config reloads and spooled files arri
 on the daemon's change feed (singularityd.observe.feed): `Metrics.observe` is its only entry, so
 the rest of the daemon never calls into the metrics. Devices are sampled when Prometheus scrapes:
 memory and utilisation from NVML for GPUs, and for every proxied device what its proxy server
-reports (memory held by jobs, operations and busy time, sessions).
+reports (memory held by jobs, operations and busy time, sessions; a virtual device's utilisation).
 
 The endpoint runs on prometheus-client's own HTTP thread: the event-fed metrics are thread-safe,
 the job table is guarded by a lock, and device sampling only reads files and proxy sockets.
@@ -77,10 +77,12 @@ class DeviceSampler:
             status = self.proxies.status(device.index) if self.proxies is not None else None
             used = device.memory_used
             total = device.memory_total
+            ratio = device.utilization_percent / 100 if device.utilization_percent is not None else None
             if device.kind != "nvml":
                 used = int(status["allocated"]) if status else 0
                 total = int(status["capacity"]) if status else total
-            ratio = device.utilization_percent / 100 if device.utilization_percent is not None else None
+                if self.proxies is not None:
+                    ratio = float(status.get("utilization_percent", 0)) / 100 if status else 0.0
             samples.append(DeviceSample(device.index, device.kind, total, used, ratio, status))
         return samples
 
@@ -103,7 +105,10 @@ class _DeviceCollector(Collector):
             labels=labels,
         )
         utilization = GaugeMetricFamily(
-            "singularity_device_utilization_ratio", "GPU utilisation from NVML, 0 to 1.", labels=labels
+            "singularity_device_utilization_ratio",
+            "Share of the last second the device ran work, 0 to 1: NVML's for a GPU, the proxy server's "
+            "for a virtual device.",
+            labels=labels,
         )
         up = GaugeMetricFamily(
             "singularity_proxy_up", "1 when the device's proxy server runs and answers.", labels=labels

@@ -181,6 +181,14 @@ def test_the_profiler_asked_for_cuda_activity_records_the_process_without_an_err
     assert r.stderr.count("the profiler records this process's CPU activity only") == 1, r.stderr
 
 
+def test_utilization_is_the_share_of_the_last_second_the_device_worked(server: ProxyServer) -> None:
+    """torch.cuda.utilization() answers as NVML's does (it raised pynvml's error): most of the last
+    second while the program keeps the device busy, 0 after a second and a half of rest."""
+    r = run_program(["utilization.py"], proxy_env([server.socket], "utilization"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["busy True int", "idle 0"]
+
+
 def test_other_processes_meet_the_device_as_on_a_gpu(server: ProxyServer) -> None:
     """Fork, spawn and pickle with device tensors (tests/programs/other_processes.py): a forked
     child gets torch's error instead of its parent's connection (which hung it), a device tensor

@@ -77,7 +77,7 @@ requests = (
         st.tuples(st.just(protocol.REQ_CALL), op_ids, handles, arguments, kwargs),
         st.tuples(st.just(protocol.REQ_FETCH), handles),
         st.tuples(st.sampled_from([protocol.REQ_SYNC, 99])),
-        st.tuples(st.just(protocol.REQ_MEMORY), texts | st.sampled_from(protocol.MEMORY_QUERIES)),
+        st.tuples(st.just(protocol.REQ_FIGURE), texts | st.sampled_from(protocol.FIGURE_QUERIES)),
         st.tuples(st.just(protocol.REQ_RUN), plan_ids, handles, slot_values),
     ).map(list)
     | json_values

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from . import legacy_types, protocol
-from .devices import DEVICES, FORKED_CHILD, device_index, memory_query, synchronize
+from .devices import DEVICES, FORKED_CHILD, device_figure, device_index, synchronize
 
 
 class _DeviceProperties:
@@ -206,7 +206,7 @@ def _memory_stats(device: Any = None) -> dict[str, Any]:
     """`torch.cuda.memory_stats`: the server's figures, in CUDA's full layout."""
     stats = dict.fromkeys(_STAT_FIGURES, 0)
     stats["max_split_size"] = -1
-    stats.update(memory_query(protocol.MEMORY_STATS, device))
+    stats.update(device_figure(protocol.MEMORY_STATS, device))
     return dict(sorted(stats.items()))
 
 
@@ -360,15 +360,16 @@ def patch_cuda() -> None:
         ),
         "get_arch_list": lambda: ["sm_80", "sm_90"],
         "is_bf16_supported": lambda including_emulation=True: True,
-        "memory_allocated": lambda device=None: memory_query(protocol.MEMORY_ALLOCATED, device),
-        "max_memory_allocated": lambda device=None: memory_query(protocol.MEMORY_PEAK, device),
-        "memory_reserved": lambda device=None: memory_query(protocol.MEMORY_ALLOCATED, device),
-        "max_memory_reserved": lambda device=None: memory_query(protocol.MEMORY_PEAK, device),
+        "memory_allocated": lambda device=None: device_figure(protocol.MEMORY_ALLOCATED, device),
+        "max_memory_allocated": lambda device=None: device_figure(protocol.MEMORY_PEAK, device),
+        "memory_reserved": lambda device=None: device_figure(protocol.MEMORY_ALLOCATED, device),
+        "max_memory_reserved": lambda device=None: device_figure(protocol.MEMORY_PEAK, device),
         "memory_stats": _memory_stats,
+        "utilization": lambda device=None: device_figure(protocol.UTILIZATION, device),
         "set_per_process_memory_fraction": _set_memory_fraction,
-        "mem_get_info": lambda device=None: memory_query(protocol.MEMORY_INFO, device),
-        "reset_peak_memory_stats": lambda device=None: memory_query(protocol.MEMORY_RESET_PEAK, device),
-        "reset_max_memory_allocated": lambda device=None: memory_query(protocol.MEMORY_RESET_PEAK, device),
+        "mem_get_info": lambda device=None: device_figure(protocol.MEMORY_INFO, device),
+        "reset_peak_memory_stats": lambda device=None: device_figure(protocol.MEMORY_RESET_PEAK, device),
+        "reset_max_memory_allocated": lambda device=None: device_figure(protocol.MEMORY_RESET_PEAK, device),
         "reset_accumulated_memory_stats": _no_op,
         "empty_cache": _no_op,
         "ipc_collect": _no_op,
@@ -430,16 +431,16 @@ def patch_accelerator() -> None:
         "set_stream": _no_op,
         "get_device_capability": lambda device=None: {"major": 8, "minor": 0},
         "empty_cache": _no_op,
-        "memory_allocated": lambda device_index=None: memory_query(protocol.MEMORY_ALLOCATED, device_index),
-        "max_memory_allocated": lambda device_index=None: memory_query(protocol.MEMORY_PEAK, device_index),
-        "memory_reserved": lambda device_index=None: memory_query(protocol.MEMORY_ALLOCATED, device_index),
-        "max_memory_reserved": lambda device_index=None: memory_query(protocol.MEMORY_PEAK, device_index),
-        "memory_stats": lambda device_index=None: memory_query(protocol.MEMORY_STATS, device_index),
-        "reset_peak_memory_stats": lambda device_index=None: memory_query(
+        "memory_allocated": lambda device_index=None: device_figure(protocol.MEMORY_ALLOCATED, device_index),
+        "max_memory_allocated": lambda device_index=None: device_figure(protocol.MEMORY_PEAK, device_index),
+        "memory_reserved": lambda device_index=None: device_figure(protocol.MEMORY_ALLOCATED, device_index),
+        "max_memory_reserved": lambda device_index=None: device_figure(protocol.MEMORY_PEAK, device_index),
+        "memory_stats": lambda device_index=None: device_figure(protocol.MEMORY_STATS, device_index),
+        "reset_peak_memory_stats": lambda device_index=None: device_figure(
             protocol.MEMORY_RESET_PEAK, device_index
         ),
         "reset_accumulated_memory_stats": _no_op,
-        "get_memory_info": lambda device_index=None: memory_query(protocol.MEMORY_INFO, device_index),
+        "get_memory_info": lambda device_index=None: device_figure(protocol.MEMORY_INFO, device_index),
     }
     funcs = {name: _fresh(func) for name, func in funcs.items()}
     # torch's Python asks this for the default device (FSDP's mesh, the default c10d backend)

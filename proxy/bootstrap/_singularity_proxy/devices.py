@@ -115,6 +115,7 @@ def synchronize(index: int | None = None) -> None:
             channel.request([protocol.REQ_SYNC])
 
 
-def memory_query(what: str, device: Any = None) -> Any:
-    """A memory figure of this process on a device (one of protocol.MEMORY_QUERIES)."""
-    return DEVICES.channel(device_index(device)).request([protocol.REQ_MEMORY, what])
+def device_figure(what: str, device: Any = None) -> Any:
+    """A figure of this process's memory on a device, or of the device (one of
+    protocol.FIGURE_QUERIES), once what was queued for the device before it has run."""
+    return DEVICES.channel(device_index(device)).request([protocol.REQ_FIGURE, what])

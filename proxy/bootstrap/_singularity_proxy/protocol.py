@@ -186,8 +186,8 @@ tensor {"layout": name, "shape": [...], "coalesced": bool, "parts": [[dtype, sha
 bytes], ...]}, its dense components (indices and values)."""
 REQ_SYNC = 2
 """[REQ_SYNC] -> null once everything sent before it has run."""
-REQ_MEMORY = 3
-"""[REQ_MEMORY, what] -> the session's memory figure `what`, one of MEMORY_QUERIES."""
+REQ_FIGURE = 3
+"""[REQ_FIGURE, what] -> a figure of the session's memory or of the device, one of FIGURE_QUERIES."""
 REQ_RUN = 4
 """[REQ_RUN, plan_id, first_output_handle, values] -> the output template (OP_RUN, answered)."""
 
@@ -226,7 +226,8 @@ MEMORY_PEAK = "peak"  # -> the most bytes it held since the last reset
 MEMORY_RESET_PEAK = "reset_peak"  # -> null; the peak becomes the current figure
 MEMORY_INFO = "info"  # -> [free bytes on the device, capacity]
 MEMORY_STATS = "stats"  # -> a dict like torch.cuda.memory_stats()
-MEMORY_QUERIES = (MEMORY_ALLOCATED, MEMORY_PEAK, MEMORY_RESET_PEAK, MEMORY_INFO, MEMORY_STATS)
+UTILIZATION = "utilization"  # -> percent of the last second the device ran work, 0 to 100
+FIGURE_QUERIES = (MEMORY_ALLOCATED, MEMORY_PEAK, MEMORY_RESET_PEAK, MEMORY_INFO, MEMORY_STATS, UTILIZATION)
 
 # -- output templates: what an operation returned, in the REPLY to REQ_CALL -----------------------
 TEMPLATE_TENSOR = "T"
