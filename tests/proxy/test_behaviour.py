@@ -181,6 +181,15 @@ def test_the_profiler_asked_for_cuda_activity_records_the_process_without_an_err
     assert r.stderr.count("the profiler records this process's CPU activity only") == 1, r.stderr
 
 
+def test_device_tensors_format_and_share_memory_as_on_a_gpu(server: ProxyServer) -> None:
+    """f"{loss:.4f}" of a 0-dim device tensor printed its number only on the host (TypeError on the
+    device, and f"{loss}" the tensor's repr), and share_memory_() of a device tensor or module
+    raised TypeError: both as on a GPU now (tests/programs/probe_format.py)."""
+    direct, proxied = outputs_on_cpu_and_device("probe_format.py", server)
+    assert proxied == direct
+    assert "loss 0.1235 0.12345600128173828   1.23e-01|" in proxied
+
+
 def test_utilization_is_the_share_of_the_last_second_the_device_worked(server: ProxyServer) -> None:
     """torch.cuda.utilization() answers as NVML's does (it raised pynvml's error): most of the last
     second while the program keeps the device busy, 0 after a second and a half of rest."""

@@ -112,6 +112,22 @@ class StandInStorage:
     def is_cuda(self) -> bool:
         return True
 
+    def is_shared(self) -> bool:
+        """True, as for any CUDA storage (processes share it by CUDA IPC, not shared memory)."""
+        return True
+
+    _is_shared = is_shared
+
+    def share_memory_(self) -> StandInStorage:
+        """Nothing to do, as for a CUDA storage (`Tensor.share_memory_`, `Module.share_memory`)."""
+        return self
+
+    _share_memory_ = share_memory_
+
+    def is_pinned(self, device: Any = "cuda") -> bool:
+        """False: only host memory is pinned."""
+        return False
+
 
 class ProxyStorage(StandInStorage):
     """What `untyped_storage()` gives for a stand-in: its size, and resizing (FSDP frees and

@@ -108,10 +108,23 @@ class ProxyTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return _repr(self)
 
+    def __format__(self, format_spec: str) -> str:
+        # torch formats only a plain 0-dim Tensor as its number (`type(self) is Tensor`)
+        is_parameter = getattr(self, "_is_param", False)
+        if self.dim() == 0 and not is_parameter:
+            return format(self.detach().item(), format_spec)
+        if format_spec:
+            kind = "Parameter" if is_parameter else "Tensor"
+            raise TypeError(f"unsupported format string passed to {kind}.__format__")
+        return str(self)
+
     def untyped_storage(self) -> Any:  # type: ignore[override]
         return ProxyStorage(self)
 
     def storage(self) -> Any:  # type: ignore[override]
+        return ProxyTypedStorage(self)
+
+    def _typed_storage(self) -> Any:
         return ProxyTypedStorage(self)
 
     def data_ptr(self) -> int:  # type: ignore[override]
