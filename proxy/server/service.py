@@ -228,7 +228,11 @@ class Server:
                 if not refusal and existing is not None and existing.uid != uid and uid != 0:
                     refusal = f"proxy: session {key} belongs to another user"
                 if not refusal and existing is not None and existing.connection is not None:
-                    refusal = f"proxy: session {key} is in use by another process"
+                    refusal = (
+                        f"proxy: another process of rank {rank} of job {job_id} already uses cuda:{index}: "
+                        "proxied devices serve one process of a rank on each of its devices (as torchrun "
+                        "and mp.spawn give each process a device of its own)"
+                    )
                 if refusal:
                     connection.send(protocol.ERROR, _refusal(PermissionError, refusal))
                     return None

@@ -1,7 +1,9 @@
 """Device tensors and other processes, proxied, as on a GPU: a forked child of a process that used
 the device may not use it (torch's own error), a device tensor is not sent to a spawned process
 (CUDA IPC is not served: refused, never a silent copy that the two processes change apart), a CPU
-copy is, and pickling device tensors (as object collectives do) brings them back onto the device.
+copy is, a spawned process may not use a device its parent uses (one process of a rank per device
+is served: refused clearly), and pickling device tensors (as object collectives do) brings them
+back onto the device.
 """
 
 import os
@@ -13,6 +15,13 @@ import torch.multiprocessing as mp
 
 def in_child(tensor: torch.Tensor, queue: mp.Queue) -> None:
     queue.put(f"{tensor.device.type} {float(tensor.sum())}")
+
+
+def on_the_device(queue: mp.Queue) -> None:
+    try:
+        queue.put(f"used it: {float(torch.ones(2, device='cuda').sum())}")
+    except RuntimeError as error:
+        queue.put(str(error))
 
 
 if __name__ == "__main__":
@@ -38,6 +47,10 @@ if __name__ == "__main__":
     child = mp.Process(target=in_child, args=(weights.cpu(), queue))
     child.start()
     print(f"spawned child got: {queue.get(timeout=120)}", flush=True)
+    child.join()
+    child = mp.Process(target=on_the_device, args=(queue,))
+    child.start()
+    print(f"spawned child on the device: {queue.get(timeout=120)}", flush=True)
     child.join()
 
     back = pickle.loads(pickle.dumps({"w": weights * 3}))["w"]

@@ -213,6 +213,9 @@ def test_other_processes_meet_the_device_as_on_a_gpu(server: ProxyServer) -> Non
         "proxied devices (CUDA IPC is not served): send a CPU copy (tensor.cpu()) or create the "
         "tensor in that process",
         "spawned child got: cpu 4.0",
+        "spawned child on the device: proxy: another process of rank 0 of job processes already uses "
+        "cuda:0: proxied devices serve one process of a rank on each of its devices (as torchrun and "
+        "mp.spawn give each process a device of its own)",
         "pickled: cuda:0 12.0",
         "pickled layer: a parameter on cuda:0, torch.bfloat16, True, True",
     ]
