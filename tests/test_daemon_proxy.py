@@ -118,9 +118,10 @@ def test_proxied_job_preempted_and_moved_is_exact(daemon_root: Path) -> None:
 def test_a_job_fed_by_dataloader_workers_is_preempted_exactly(daemon_root: Path) -> None:
     """A proxied job fed by a DataLoader with 2 worker processes and a pin-memory thread (how most
     training scripts feed a GPU): the thread works on the device, and the job preempted 3 times,
-    its workers with it, prints what a direct run prints."""
+    its workers with it, prints what a direct run prints. Its batches (2 MiB) travel in deleted
+    shared memory files, which CRIU carries only up to its ghost file limit (1 MiB unless told)."""
     total = 150
-    args = ["--steps", str(total)]
+    args = ["--steps", str(total), "--width", "16384"]
     expected = direct_output("loader_train.py", args)
     release = daemon_root / "release"
     with running_daemon(daemon_root, virtual_devices=1) as daemon:

@@ -79,6 +79,13 @@ ERROR_HINTS: tuple[tuple[str, str], ...] = (
 NOISE = ("rlimit: Can't setup RLIMIT_NOFILE",)
 
 
+GHOST_LIMIT_BYTES = 1 << 40
+"""Deleted files a job holds open or mapped go into its image whatever their size (CRIU refuses
+over 1 MiB unless told): a DataLoader's workers hand every batch over in such a file in
+/dev/shm, and a job whose files cannot travel cannot be checkpointed at all; a disk that fills
+fails the checkpoint as any other full disk does."""
+
+
 @dataclass(frozen=True)
 class CriuOptions:
     """Knobs of the dumps and restores; the defaults suit the daemon's job trees."""
@@ -87,7 +94,7 @@ class CriuOptions:
     tcp_established: bool = True
     file_locks: bool = True
     network_lock: str | None = None
-    ghost_limit_bytes: int | None = None
+    ghost_limit_bytes: int | None = GHOST_LIMIT_BYTES
     pre_dump_mode: str = "splice"
     fork_retry_attempts: int = 10
     fork_retry_delay_s: float = 0.2
