@@ -190,6 +190,15 @@ def test_device_tensors_format_and_share_memory_as_on_a_gpu(server: ProxyServer)
     assert "loss 0.1235 0.12345600128173828   1.23e-01|" in proxied
 
 
+def test_functions_run_for_rpc_use_the_device(server: ProxyServer) -> None:
+    """torch.distributed.rpc runs a remote call's function on a thread it starts in C++, where the
+    device was unknown ("PyTorch is not linked with support for cuda devices" from `.to("cuda")`;
+    pytorch/examples' rpc examples): tests/programs/rpc_device.py prints what it prints on the CPU."""
+    direct, proxied = outputs_on_cpu_and_device("rpc_device.py", server)
+    assert proxied == direct
+    assert len(proxied.splitlines()) == 4 and all(" True " in line for line in proxied.splitlines())
+
+
 def test_utilization_is_the_share_of_the_last_second_the_device_worked(server: ProxyServer) -> None:
     """torch.cuda.utilization() answers as NVML's does (it raised pynvml's error): most of the last
     second while the program keeps the device busy, 0 after a second and a half of rest."""

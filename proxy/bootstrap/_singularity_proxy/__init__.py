@@ -54,7 +54,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     )
     from .devices import DEVICES
     from .located_warnings import locate_warnings
-    from .mode import DeviceMode, enter_in_new_threads
+    from .mode import DeviceMode, enter_in_new_threads, enter_in_rpc_functions
     from .randomness import RANDOM_OPS, host_random_handler
     from .transfers import TRANSFER_OPS
 
@@ -76,5 +76,6 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     mode = DeviceMode()
     mode.__enter__()  # type: ignore[no-untyped-call,unused-ignore]
     enter_in_new_threads(mode)
+    enter_in_rpc_functions(mode)
     tensor.device_mode.append(mode)
     _installed.append(mode)

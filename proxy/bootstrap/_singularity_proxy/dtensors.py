@@ -30,29 +30,19 @@ to import, so its modules are patched when the program imports them, not before.
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import importlib.machinery
-import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
 import torch
 
+from .on_import import patch_modules
 from .tensor import ProxyTensor
 
 
 def install() -> None:
     """Patch DTensor's modules now if they are imported, else when they are."""
-    waiting = {}
-    for name, patch in PATCHES.items():
-        module = sys.modules.get(name)
-        if module is not None:
-            patch(module)
-        else:
-            waiting[name] = patch
-    if waiting and not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport(waiting))
+    patch_modules(PATCHES)
 
 
 def patch_api(module: ModuleType) -> None:
@@ -161,46 +151,3 @@ PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "torch.distributed.tensor._op_schema": patch_op_schema,
 }
 """DTensor's modules and what makes each fit proxied devices."""
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds the modules to patch as the other finders do, and patches each once it has run."""
-
-    def __init__(self, patches: dict[str, Callable[[ModuleType], None]]) -> None:
-        self._patches = patches
-        self._finding = False
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        patch = self._patches.get(fullname)
-        if patch is None or self._finding:
-            return None
-        self._finding = True
-        try:
-            spec = next(
-                (
-                    found
-                    for finder in sys.meta_path
-                    if finder is not self and hasattr(finder, "find_spec")
-                    for found in [finder.find_spec(fullname, path, target)]
-                    if found is not None
-                ),
-                None,
-            )
-        finally:
-            self._finding = False
-        loader: Any = spec.loader if spec is not None else None
-        if loader is None or not hasattr(loader, "exec_module"):
-            return None
-        run = loader.exec_module
-
-        def exec_module(module: ModuleType) -> None:
-            run(module)
-            patch(module)
-            self._patches.pop(fullname, None)
-            if not self._patches and self in sys.meta_path:
-                sys.meta_path.remove(self)
-
-        loader.exec_module = exec_module
-        return spec

@@ -23,6 +23,7 @@ from . import legacy_types, protocol
 from .channel import CLIENT_LOCK, ReaderThread
 from .devices import DEVICES, device_index, same_device_error
 from .encoding import wire_arguments
+from .on_import import patch_modules
 from .tensor import ProxyTensor, download, new_stand_in
 from .transfers import to_device, to_host, upload
 
@@ -597,3 +598,22 @@ def enter_in_new_threads(mode: DeviceMode) -> None:
         start(thread)
 
     threading.Thread._bootstrap_inner = bootstrap_inner  # type: ignore[attr-defined]
+
+
+def enter_in_rpc_functions(mode: DeviceMode) -> None:
+    """Run the functions torch.distributed.rpc calls for other processes under `mode` too: RPC runs
+    them on threads of its own, started in C++, where enter_in_new_threads cannot reach, and
+    `.to("cuda")` in a remote function failed as on a host without CUDA."""
+
+    def patch(internal: Any) -> None:
+        run = internal._run_function
+
+        def run_function(python_udf: Any) -> Any:
+            if mode in torch.overrides._get_current_function_mode_stack():
+                return run(python_udf)
+            with mode:
+                return run(python_udf)
+
+        internal._run_function = run_function
+
+    patch_modules({"torch.distributed.rpc.internal": patch})
