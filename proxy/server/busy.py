@@ -34,20 +34,22 @@ class BusyTime:
     def end(self, now: float) -> None:
         """The work begun last ends."""
         self._depth -= 1
-        if self._depth == 0:
-            self.total_seconds += now - self._since
-            self._add(self._since, now)
-
-    def _add(self, began: float, ended: float) -> None:
+        if self._depth:
+            return
+        began = self._since
+        self.total_seconds += now - began
+        buckets = self._buckets
         bucket = int(began // BUCKET_SECONDS)
-        while began < ended:
-            edge = min(ended, (bucket + 1) * BUCKET_SECONDS)
-            self._buckets[bucket] = self._buckets.get(bucket, 0.0) + edge - began
+        while True:  # most work falls in one bucket: one pass
+            edge = (bucket + 1) * BUCKET_SECONDS
+            if now <= edge:
+                buckets[bucket] = buckets.get(bucket, 0.0) + now - began
+                break
+            buckets[bucket] = buckets.get(bucket, 0.0) + edge - began
             began, bucket = edge, bucket + 1
-        if len(self._buckets) > _KEPT_BUCKETS:
-            oldest = bucket - _KEPT_BUCKETS
-            for key in [key for key in self._buckets if key < oldest]:
-                del self._buckets[key]
+        if len(buckets) > _KEPT_BUCKETS:
+            for key in [key for key in buckets if key < bucket - _KEPT_BUCKETS]:
+                del buckets[key]
 
     def utilization_percent(self, now: float) -> int:
         """The share of the last second or so spent working, 0 to 100, as NVML rounds it."""
