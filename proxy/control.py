@@ -252,9 +252,14 @@ def criu_dump_args(pid: int) -> list[str]:
 
 
 def open_restored_connection(
-    socket_path: str | os.PathLike[str], job_id: str, rank: int, device_index: int, timeout: float = 120.0
+    socket_path: str | os.PathLike[str],
+    job_id: str,
+    rank: int,
+    device_index: int,
+    process: int,
+    timeout: float = 120.0,
 ) -> socket.socket:
-    """Open the connection a restored process will use for device `device_index`.
+    """Open the connection restored process `process` (its pid) will use for device `device_index`.
 
     The hello is done here on the process's behalf, so the server attaches the connection
     to the job's loaded state; the returned socket is inheritable, ready to be passed to
@@ -264,7 +269,7 @@ def open_restored_connection(
     connection.settimeout(timeout)
     try:
         connection.connect(os.fspath(socket_path))
-        protocol.send_message(connection, protocol.HELLO, [job_id, rank, device_index, True])
+        protocol.send_message(connection, protocol.HELLO, [job_id, rank, device_index, True, process])
         welcome = protocol.recv_frame(connection)
     except BaseException:
         connection.close()

@@ -139,6 +139,29 @@ def test_a_job_fed_by_dataloader_workers_is_preempted_exactly(daemon_root: Path)
         assert sum(r.startswith("restored from checkpoint") for r in reasons) == 3
 
 
+def test_processes_of_a_rank_share_its_device_through_preemptions(daemon_root: Path) -> None:
+    """A job's main process and two workers it starts train on its one device at once, as processes
+    share a GPU (the workers were refused: the server kept one session per rank and device); the
+    job preempted 3 times, all three processes with it, prints what a direct run prints."""
+    total = 300
+    args = ["--steps", str(total)]
+    expected = direct_output("shared_device.py", args)
+    release = daemon_root / "release"
+    with running_daemon(daemon_root, virtual_devices=1) as daemon:
+        job = daemon.submit(PYTHON, "shared_device.py", *args, "--hold", str(release), options=JOB_OPTIONS)
+        daemon.wait_state(job, "RUNNING")
+        for beyond in (20, 120, 220):
+            wait_until(functools.partial(progressed, daemon, job, beyond, total), timeout=180)
+            result = daemon.sing("preempt", str(job))
+            assert result.code == 0, result.err
+            daemon.wait_state(job, "RUNNING")
+        release.touch()
+        assert daemon.sing("wait", str(job), timeout=600).code == 0, daemon.sing("logs", str(job)).out[-2000:]
+        assert daemon.sing("logs", str(job)).out == expected
+        reasons = [e["reason"] for e in daemon.job(job)["events"]]
+        assert sum(r.startswith("restored from checkpoint") for r in reasons) == 3
+
+
 @requires_root
 def test_another_users_proxied_job_preempted_is_exact(daemon_root: Path) -> None:
     """A second user's job holding connections to the proxy (external to its namespaces) is

@@ -126,9 +126,9 @@ class ControlHandler:
             for state in saved:
                 index = UNKNOWN_DEVICE if state.index is None else state.index
                 with server.state_lock:
-                    if (job_id, state.rank, index) in server.sessions:
+                    if (job_id, state.rank, index, state.process) in server.sessions:
                         raise RuntimeError(f"proxy: job {job_id} rank {state.rank} cuda:{index} already here")
-                    session = Session(job_id, state.rank, state.uid, server.memory, index)
+                    session = Session(job_id, state.rank, state.uid, server.memory, index, state.process)
                     session.parked = True
                     session.parked_event.set()
                     for op_id, (namespace, name, overload) in state.ops.items():
@@ -188,14 +188,14 @@ class ControlHandler:
         server = self.server
         executor = server.executor
         with server.state_lock:
-            jobs = {job for job, _rank, _index in server.sessions}
+            jobs = {job for job, *_ in server.sessions}
         squashing = server.squash.figures()
         splicing = {job: {**server.dedup.summary(job, share=False), **squashing} for job in sorted(jobs)}
         with server.state_lock:
             processes: dict[
                 str, dict[str, Any]
             ] = {}  # a process's sessions of several devices here: one entry
-            for (job, rank, _index), session in server.sessions.items():
+            for (job, rank, *_), session in server.sessions.items():
                 seen = processes.setdefault(
                     f"{job}/{rank}", {"bytes": 0, "parked": True, "waiting": False, "connected": False}
                 )

@@ -30,7 +30,7 @@ from .device_memory import DeviceMemory
 from .executor import Executor
 from .pace import GRACE, Pace
 from .runner import Runner, Work
-from .session import UNKNOWN_DEVICE, Connection, Session, exception_info
+from .session import UNKNOWN_DEVICE, Connection, Session, SessionKey, exception_info
 from .squash import Squash
 
 
@@ -91,11 +91,11 @@ class Server:
         self.collectives.squash = self.squash
         self.pace = Pace(grace=turn_grace, enabled=splice_lean)
         """The turns spliced ranks of a job take on the device (pace.py)."""
-        self.sessions: dict[tuple[str, int, int], Session] = {}
+        self.sessions: dict[SessionKey, Session] = {}
         self.by_job: dict[str, list[Session]] = {}
         """Job id -> its sessions by rank, worked out once after sessions came or went
         (`job_sessions` is asked at every spliced operation and collective)."""
-        self.runners: dict[tuple[str, int, int], Runner] = {}
+        self.runners: dict[SessionKey, Runner] = {}
         """The queue and thread of each session."""
         self.state_lock = threading.RLock()
         """Held while sessions are added, removed or looked up."""
@@ -152,8 +152,8 @@ class Server:
     def job_runners(self, job_id: str) -> list[Runner]:
         """The runners of a job's sessions, by rank."""
         with self.state_lock:
-            found = (r for (job, _rank, _index), r in self.runners.items() if job == job_id)
-            return sorted(found, key=lambda r: (r.session.rank, r.session.index))
+            found = (r for (job, *_), r in self.runners.items() if job == job_id)
+            return sorted(found, key=lambda r: (r.session.rank, r.session.index, r.session.process))
 
     def wait_idle(self, job_id: str, timeout: float) -> bool:
         """Wait until nothing of the job's sessions can run here (see runner.Runner.idle)."""
@@ -173,8 +173,8 @@ class Server:
         with self.state_lock:
             found = self.by_job.get(job_id)
             if found is None:
-                of_job = (s for (job, _rank, _index), s in self.sessions.items() if job == job_id)
-                found = self.by_job[job_id] = sorted(of_job, key=lambda s: (s.rank, s.index))
+                of_job = (s for (job, *_), s in self.sessions.items() if job == job_id)
+                found = self.by_job[job_id] = sorted(of_job, key=lambda s: (s.rank, s.index, s.process))
             return list(found)
 
     def admission_problem(self, job_id: str, uid: int) -> str:
@@ -197,25 +197,28 @@ class Server:
     def _open_session(self, connection: Connection, uid: int, hello: protocol.Frame) -> Session | None:
         """The session a hello asks for, attached to the connection; None after refusing it."""
         body = hello.decode() if hello.kind == protocol.HELLO else None
+        if type(body) is list and len(body) == 4:
+            body = [*body, 0]  # a client from before processes were told apart
         if (
             type(body) is not list
-            or len(body) != 4
+            or len(body) != 5
             or type(body[0]) is not str
             or type(body[1]) is not int
             or type(body[2]) is not int
             or type(body[3]) is not bool
+            or type(body[4]) is not int
         ):
             connection.send(
                 protocol.ERROR, _refusal(PermissionError, "proxy: the first message must be a hello")
             )
             return None
-        job_id, rank, index, resume = body
-        key = (job_id, rank, index)
+        job_id, rank, index, resume, process = body
+        key = (job_id, rank, index, process)
         replaced: tuple[Session, Runner | None] | None = None
         with self.state_lock:
             existing = self.sessions.get(key)
             if resume and existing is None:
-                existing = self.sessions.get((job_id, rank, UNKNOWN_DEVICE))
+                existing = self.sessions.get((job_id, rank, UNKNOWN_DEVICE, process))
             if resume:
                 if existing is None or uid not in (0, self.daemon_uid):
                     connection.send(
@@ -228,17 +231,13 @@ class Server:
                 if not refusal and existing is not None and existing.uid != uid and uid != 0:
                     refusal = f"proxy: session {key} belongs to another user"
                 if not refusal and existing is not None and existing.connection is not None:
-                    refusal = (
-                        f"proxy: another process of rank {rank} of job {job_id} already uses cuda:{index}: "
-                        "proxied devices serve one process of a rank on each of its devices (as torchrun "
-                        "and mp.spawn give each process a device of its own)"
-                    )
+                    refusal = f"proxy: session {key} is in use by another connection"
                 if refusal:
                     connection.send(protocol.ERROR, _refusal(PermissionError, refusal))
                     return None
                 if existing is not None:
                     replaced = (existing, self._detach(existing))
-                session = Session(job_id, rank, uid, self.memory, index)
+                session = Session(job_id, rank, uid, self.memory, index, process)
                 self.add_session(session)
             session.connection = connection
         if replaced is not None:

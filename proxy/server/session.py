@@ -127,21 +127,33 @@ class Connection:
         return int(struct.unpack("i", buf)[0])
 
 
+SessionKey = tuple[str, int, int, int]
+"""(job id, rank, logical device, process of the rank)."""
 UNKNOWN_DEVICE = -1
 """The logical device of a session restored from a file that did not name it (the rank's only one)."""
 
 
 class Session:
-    """Everything one job process (job id, rank) holds on this device through one of the devices
-    it sees (`index`, its cuda:index): a process whose cuda:0 and cuda:1 are both served here has a
-    session for each, as on two GPUs."""
+    """Everything one job process (job id, rank, which process of the rank) holds on this device
+    through one of the devices it sees (`index`, its cuda:index): a process whose cuda:0 and cuda:1
+    are both served here has a session for each, as on two GPUs, and two processes of a rank on one
+    device have a session each, as two processes on one GPU."""
 
     def __init__(
-        self, job_id: str, rank: int, uid: int, memory: DeviceMemory[Session], index: int = 0
+        self,
+        job_id: str,
+        rank: int,
+        uid: int,
+        memory: DeviceMemory[Session],
+        index: int = 0,
+        process: int = 0,
     ) -> None:
         self.job_id = job_id
         self.rank = rank
         self.index = index
+        self.process = process
+        """The pid of the process that holds it (0 in checkpoints from before processes were told
+        apart): a rank's processes each have their own sessions."""
         self.uid = uid
         self.memory = memory
         self.tensors: dict[int, torch.Tensor] = {}
@@ -198,9 +210,9 @@ class Session:
     # -- what the job refers to -------------------------------------------------------------------
 
     @property
-    def key(self) -> tuple[str, int, int]:
-        """(job id, rank, logical device): what the server holds the session under."""
-        return (self.job_id, self.rank, self.index)
+    def key(self) -> SessionKey:
+        """(job id, rank, logical device, process): what the server holds the session under."""
+        return (self.job_id, self.rank, self.index, self.process)
 
     def tensor(self, handle: Any) -> torch.Tensor:
         """The tensor the session holds under `handle`; ProtocolError if it holds none."""

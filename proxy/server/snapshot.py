@@ -93,7 +93,14 @@ def live_storages(sessions: Sequence[Session]) -> dict[int, LiveStorage]:
             base = tensor._base if tensor._is_view() else None
             counter_owner = tensor if base is None else base
             holders[key].add(
-                (session.rank, session.index, counter_owner._cdata, tensor._version, marks.get(key))
+                (
+                    session.rank,
+                    session.index,
+                    session.process,
+                    counter_owner._cdata,
+                    tensor._version,
+                    marks.get(key),
+                )
             )
     for key, parts in holders.items():
         if None not in parts:
@@ -372,6 +379,7 @@ class JobSave:
             "job_id": session.job_id,
             "rank": session.rank,
             "index": session.index,
+            "process": session.process,
             "uid": session.uid,
             "plans": plans,
             "queue": queue,

@@ -16,7 +16,8 @@ Layout (format 2):
 
 Index: {"format": 2, "device": i,
         "storages": {id: [offset, nbytes]}, "blobs": {id: [offset, nbytes]},
-        "sessions": [{"job_id", "rank", "index", "uid", "ops": {op_id: [namespace, name, overload]},
+        "sessions": [{"job_id", "rank", "index", "process", "uid",
+                      "ops": {op_id: [namespace, name, overload]},
                       "peak", "pending_error", "plans": blob id | null, "queue": blob id | null,
                       "groups": {name: [global rank, members]},
                       "tensors": {handle: ["s", storage id, dtype, shape, stride, offset, flags]
@@ -73,6 +74,8 @@ class SavedSession:
     index: int | None = None
     """The logical device (the process's cuda:index) the session served; None in files older
     than the field (then the rank's only session on the device)."""
+    process: int = 0
+    """The pid of the process that held it (0 in files older than the field)."""
 
 
 def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -292,6 +295,7 @@ def read_state(
                 list(blobs[int(state["queue"])]) if state.get("queue") is not None else [],
                 _groups(state.get("groups")),
                 protocol.integer(state["index"]) if state.get("index") is not None else None,
+                protocol.integer(state.get("process", 0)),
             )
         )
     return int(index["device"]), sessions

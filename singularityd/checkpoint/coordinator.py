@@ -19,7 +19,7 @@ from typing import Any
 
 from singularityd import faults
 from singularityd.checkpoint.criu import DumpStats
-from singularityd.checkpoint.errors import CheckpointError, CriuError, DeviceConnectedMeanwhile, JobEnded
+from singularityd.checkpoint.errors import CheckpointError, DeviceConnectedMeanwhile, JobEnded
 from singularityd.checkpoint.hashing import PrefixHash, hash_prefixes
 from singularityd.checkpoint.interface import (
     CheckpointTaken,
@@ -189,8 +189,9 @@ class JobCheckpoints:
         purpose: Mapping[str, Any] | None = None,
     ) -> CheckpointTaken:
         """Checkpoint the job (see `_take_once`), again when it failed because a process of the job
-        connected to a device meanwhile (a rank's first use of a device): the connections are
-        found before the dump, and CRIU refuses one it was not told of. A move's checkpoint, whose
+        connected to a device meanwhile (a rank's first use of a device, a process it started): the
+        connections are found before the dump, and CRIU refuses one it was not told of, as a server
+        refuses to save a session that connected after the job parked. A move's checkpoint, whose
         hooks have run, is not taken again."""
         attempts = 1 if hooks is not None else CONNECTION_RACE_ATTEMPTS
         for attempt in range(1, attempts + 1):
@@ -322,7 +323,7 @@ class JobCheckpoints:
                     await self.devices.resume(job_id, devices)
             if isinstance(error, JobGoneFromDevice):
                 raise JobEnded(f"job {job_id} ended while it was being checkpointed") from None
-            if isinstance(error, CriuError) and await self._connected_since(target.pid, connections):
+            if await self._connected_since(target.pid, connections):  # CRIU or a server refused it
                 raise DeviceConnectedMeanwhile(
                     f"job {job_id} connected to a device while it was being checkpointed; checkpoint it again"
                 ) from None

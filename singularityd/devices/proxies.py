@@ -52,10 +52,30 @@ class ProxyConnection:
     rank: int
     index: int
     inode: int
+    process: int = 0
+    """The process's own pid, in the job's PID namespace: the server's sessions tell a rank's
+    processes apart by it."""
 
     def as_dict(self) -> dict[str, int]:
         """JSON form, kept in the checkpoint's manifest."""
-        return {"pid": self.pid, "rank": self.rank, "index": self.index, "inode": self.inode}
+        return {
+            "pid": self.pid,
+            "rank": self.rank,
+            "index": self.index,
+            "inode": self.inode,
+            "process": self.process,
+        }
+
+
+def _pid_inside(pid: int) -> int:
+    """A process's pid in its innermost PID namespace, as it sees it (`pid` when unknown)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return pid
 
 
 def _rank_of(pid: int) -> int:
@@ -80,7 +100,10 @@ def job_connections(pids: Sequence[int]) -> list[ProxyConnection]:
         except OSError:
             continue
         rank = _rank_of(pid) if sockets else 0
-        found += [ProxyConnection(pid, rank, index, inode) for index, (_, inode) in sorted(sockets.items())]
+        process = _pid_inside(pid) if sockets else pid
+        found += [
+            ProxyConnection(pid, rank, index, inode, process) for index, (_, inode) in sorted(sockets.items())
+        ]
     return found
 
 
@@ -248,6 +271,7 @@ class JobProxies(ProxyServers):
                     str(job_id),
                     entry["rank"],
                     entry["index"],
+                    entry.get("process", 0),
                 )
                 opened.append(connection)
                 inherit[f"socket:[{entry['inode']}]"] = connection.fileno()

@@ -1,9 +1,8 @@
 """Device tensors and other processes, proxied, as on a GPU: a forked child of a process that used
 the device may not use it (torch's own error), a device tensor is not sent to a spawned process
 (CUDA IPC is not served: refused, never a silent copy that the two processes change apart), a CPU
-copy is, a spawned process may not use a device its parent uses (one process of a rank per device
-is served: refused clearly), and pickling device tensors (as object collectives do) brings them
-back onto the device.
+copy is, a spawned process uses the device its parent uses, and pickling device tensors (as object
+collectives do) brings them back onto the device.
 """
 
 import os

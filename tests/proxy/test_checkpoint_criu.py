@@ -137,7 +137,7 @@ def test_preempt_resume_across_servers(tmp_path: Path) -> None:
             seen_lines.append(_lines(out))
             with ProxyControl(dst.control) as ctl:
                 assert ctl.load("criu-job", tensors)["live_bytes"] == report["live_bytes"]
-                conn = open_restored_connection(dst.socket, "criu-job", 0, 0)
+                conn = open_restored_connection(dst.socket, "criu-job", 0, 0, pid)
                 try:
                     _criu(
                         "restore",

@@ -43,7 +43,7 @@ class ReaderThread(threading.Thread):
 class Channel:
     """The connection of this process to the proxy server of one device."""
 
-    def __init__(self, path: str, index: int, job_id: str, rank: int) -> None:
+    def __init__(self, path: str, index: int, job_id: str, rank: int, process: int) -> None:
         self.index = index
         self.device = torch.device("cuda", index)
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -75,7 +75,7 @@ class Channel:
         self._answer: protocol.Frame | None = None
         self._answered = threading.Event()
         self._failure: BaseException | None = None
-        protocol.send_message(self.sock, protocol.HELLO, [job_id, rank, index, False])
+        protocol.send_message(self.sock, protocol.HELLO, [job_id, rank, index, False, process])
         welcome = protocol.recv_frame(self.sock)
         if welcome.kind != protocol.WELCOME:
             raise ProxyConnectionError(str(welcome.value()[-1]))

@@ -59,7 +59,7 @@ class DeviceTable:
             with self.lock:
                 channel = self.channels[chosen]
                 if channel is None:
-                    channel = Channel(self.paths[chosen], chosen, self.job_id, self.rank)
+                    channel = Channel(self.paths[chosen], chosen, self.job_id, self.rank, os.getpid())
                     self.channels[chosen] = channel
         self.initialized = True
         return channel

@@ -29,8 +29,9 @@ larger uploads travel in chunks (OP_ALLOCATE, then OP_WRITE).
 Messages (frame kind: body)
 ---------------------------
 Job process -> server:
-    HELLO: [job_id, rank, device_index, resume]  the first frame; `resume` re-attaches a
-        restored process to the session the server holds for (job_id, rank)
+    HELLO: [job_id, rank, device_index, resume, process]  the first frame; `resume` re-attaches
+        a restored process to the session the server holds for it; `process`, the process's pid
+        (which a restore keeps), tells apart the processes of one rank (older clients: absent, 0)
     BATCH: [ops]  operations to run in order; never answered
     REQUEST: [ops, request]  operations, then one request, answered by exactly one REPLY
         or ERROR (also when the frame cannot be decoded)
