@@ -13,6 +13,7 @@ import os
 import random
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -114,52 +115,47 @@ def test_proxied_job_preempted_and_moved_is_exact(daemon_root: Path) -> None:
         daemon.sing("cancel", str(blocker))
 
 
+def preempted_job_prints_the_direct_output(
+    daemon_root: Path, program: str, args: list[str], beyond: Sequence[int], step_timeout: float
+) -> None:
+    """Run `program` (with `args` and a --hold file) on one virtual device, preempt it once it
+    printed more than each of `beyond` steps, then let it end: it must print what a direct run
+    prints, restored once per preemption."""
+    expected = direct_output(program, args)
+    total = int(args[args.index("--steps") + 1])
+    release = daemon_root / "release"
+    with running_daemon(daemon_root, virtual_devices=1) as daemon:
+        job = daemon.submit(PYTHON, program, *args, "--hold", str(release), options=JOB_OPTIONS)
+        daemon.wait_state(job, "RUNNING")
+        for steps_done in beyond:
+            wait_until(functools.partial(progressed, daemon, job, steps_done, total), timeout=step_timeout)
+            result = daemon.sing("preempt", str(job))
+            assert result.code == 0, result.err
+            daemon.wait_state(job, "RUNNING")
+        release.touch()
+        assert daemon.sing("wait", str(job), timeout=600).code == 0, daemon.sing("logs", str(job)).out[-2000:]
+        assert daemon.sing("logs", str(job)).out == expected
+        reasons = [e["reason"] for e in daemon.job(job)["events"]]
+        assert sum(r.startswith("restored from checkpoint") for r in reasons) == len(beyond)
+
+
 @requires_root
 def test_a_job_fed_by_dataloader_workers_is_preempted_exactly(daemon_root: Path) -> None:
     """A proxied job fed by a DataLoader with 2 worker processes and a pin-memory thread (how most
     training scripts feed a GPU): the thread works on the device, and the job preempted 3 times,
     its workers with it, prints what a direct run prints. Its batches (2 MiB) travel in deleted
     shared memory files, which CRIU carries only up to its ghost file limit (1 MiB unless told)."""
-    total = 150
-    args = ["--steps", str(total), "--width", "16384"]
-    expected = direct_output("loader_train.py", args)
-    release = daemon_root / "release"
-    with running_daemon(daemon_root, virtual_devices=1) as daemon:
-        job = daemon.submit(PYTHON, "loader_train.py", *args, "--hold", str(release), options=JOB_OPTIONS)
-        daemon.wait_state(job, "RUNNING")
-        for beyond in (10, 50, 100):
-            wait_until(functools.partial(progressed, daemon, job, beyond, total), timeout=120)
-            result = daemon.sing("preempt", str(job))
-            assert result.code == 0, result.err
-            daemon.wait_state(job, "RUNNING")
-        release.touch()
-        assert daemon.sing("wait", str(job), timeout=600).code == 0, daemon.sing("logs", str(job)).out[-2000:]
-        assert daemon.sing("logs", str(job)).out == expected
-        reasons = [e["reason"] for e in daemon.job(job)["events"]]
-        assert sum(r.startswith("restored from checkpoint") for r in reasons) == 3
+    args = ["--steps", "150", "--width", "16384"]
+    preempted_job_prints_the_direct_output(daemon_root, "loader_train.py", args, (10, 50, 100), 120)
 
 
+@requires_root
 def test_processes_of_a_rank_share_its_device_through_preemptions(daemon_root: Path) -> None:
     """A job's main process and two workers it starts train on its one device at once, as processes
     share a GPU (the workers were refused: the server kept one session per rank and device); the
     job preempted 3 times, all three processes with it, prints what a direct run prints."""
-    total = 300
-    args = ["--steps", str(total)]
-    expected = direct_output("shared_device.py", args)
-    release = daemon_root / "release"
-    with running_daemon(daemon_root, virtual_devices=1) as daemon:
-        job = daemon.submit(PYTHON, "shared_device.py", *args, "--hold", str(release), options=JOB_OPTIONS)
-        daemon.wait_state(job, "RUNNING")
-        for beyond in (20, 120, 220):
-            wait_until(functools.partial(progressed, daemon, job, beyond, total), timeout=180)
-            result = daemon.sing("preempt", str(job))
-            assert result.code == 0, result.err
-            daemon.wait_state(job, "RUNNING")
-        release.touch()
-        assert daemon.sing("wait", str(job), timeout=600).code == 0, daemon.sing("logs", str(job)).out[-2000:]
-        assert daemon.sing("logs", str(job)).out == expected
-        reasons = [e["reason"] for e in daemon.job(job)["events"]]
-        assert sum(r.startswith("restored from checkpoint") for r in reasons) == 3
+    args = ["--steps", "300"]
+    preempted_job_prints_the_direct_output(daemon_root, "shared_device.py", args, (20, 120, 220), 180)
 
 
 @requires_root
