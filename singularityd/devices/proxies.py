@@ -92,18 +92,22 @@ def _rank_of(pid: int) -> int:
 
 
 def job_connections(pids: Sequence[int]) -> list[ProxyConnection]:
-    """Every proxy connection held by the given processes of a job."""
+    """Every proxy connection held by the given processes of a job (`pids` root first, as
+    tree_pids lists them): one that forked children inherited (a DataLoader's workers hold their
+    parent's) is listed once, for the process that opened it, whose session it is."""
     found = []
+    seen: set[int] = set()
     for pid in pids:
         try:
             sockets = client_sockets(pid)
         except OSError:
             continue
-        rank = _rank_of(pid) if sockets else 0
-        process = _pid_inside(pid) if sockets else pid
-        found += [
-            ProxyConnection(pid, rank, index, inode, process) for index, (_, inode) in sorted(sockets.items())
-        ]
+        opened = [(index, inode) for index, (_, inode) in sorted(sockets.items()) if inode not in seen]
+        if not opened:
+            continue
+        rank, process = _rank_of(pid), _pid_inside(pid)
+        found += [ProxyConnection(pid, rank, index, inode, process) for index, inode in opened]
+        seen.update(inode for _, inode in opened)
     return found
 
 
