@@ -128,7 +128,7 @@ class Connection:
 
 
 SessionKey = tuple[str, int, int, int]
-"""(job id, rank, logical device, process of the rank)."""
+"""(job id, rank, logical device, pid of the process holding it)."""
 UNKNOWN_DEVICE = -1
 """The logical device of a session restored from a file that did not name it (the rank's only one)."""
 
