@@ -37,7 +37,7 @@ thread's at a time (a program's threads may use the devices as they may use a GP
 
 class ReaderThread(threading.Thread):
     """A channel's own thread reading answers: the only thread of a job that works without the
-    device mode (mode.enter_in_new_threads)."""
+    device mode (threads.enter_in_new_threads)."""
 
 
 class Channel:

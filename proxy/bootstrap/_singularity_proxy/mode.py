@@ -20,10 +20,9 @@ from torch.overrides import TorchFunctionMode, handle_torch_function
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import legacy_types, protocol
-from .channel import CLIENT_LOCK, ReaderThread
+from .channel import CLIENT_LOCK
 from .devices import DEVICES, device_index, same_device_error
 from .encoding import wire_arguments
-from .on_import import patch_modules
 from .tensor import ProxyTensor, download, new_stand_in
 from .transfers import to_device, to_host, upload
 
@@ -584,36 +583,3 @@ class DeviceMode(TorchFunctionMode):
             return result
         with CLIENT_LOCK:
             return _on_device_of(args, result)
-
-
-def enter_in_new_threads(mode: DeviceMode) -> None:
-    """Let every thread the program starts from now on work under `mode` too, as its main thread
-    does: torch keeps function modes per thread, and a DataLoader's pin-memory thread, a thread
-    pool's workers or the program's own threads would otherwise see no device at all."""
-    start = threading.Thread._bootstrap_inner  # type: ignore[attr-defined]
-
-    def bootstrap_inner(thread: threading.Thread) -> None:
-        if not isinstance(thread, ReaderThread):
-            mode.__enter__()
-        start(thread)
-
-    threading.Thread._bootstrap_inner = bootstrap_inner  # type: ignore[attr-defined]
-
-
-def enter_in_rpc_functions(mode: DeviceMode) -> None:
-    """Run the functions torch.distributed.rpc calls for other processes under `mode` too: RPC runs
-    them on threads of its own, started in C++, where enter_in_new_threads cannot reach, and
-    `.to("cuda")` in a remote function failed as on a host without CUDA."""
-
-    def patch(internal: Any) -> None:
-        run = internal._run_function
-
-        def run_function(python_udf: Any) -> Any:
-            if mode in torch.overrides._get_current_function_mode_stack():
-                return run(python_udf)
-            with mode:
-                return run(python_udf)
-
-        internal._run_function = run_function
-
-    patch_modules({"torch.distributed.rpc.internal": patch})

@@ -1,0 +1,47 @@
+# mypy: disable-error-code="no-untyped-call,unused-ignore"
+"""The device mode in threads other than the main one: torch keeps function modes per thread, so
+each thread that may use the devices must enter the mode (mode.py) itself."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from .channel import ReaderThread
+from .mode import DeviceMode
+from .on_import import patch_modules
+
+
+def enter_in_new_threads(mode: DeviceMode) -> None:
+    """Let every thread the program starts from now on work under `mode` too, as its main thread
+    does: torch keeps function modes per thread, and a DataLoader's pin-memory thread, a thread
+    pool's workers or the program's own threads would otherwise see no device at all."""
+    start = threading.Thread._bootstrap_inner  # type: ignore[attr-defined]
+
+    def bootstrap_inner(thread: threading.Thread) -> None:
+        if not isinstance(thread, ReaderThread):
+            mode.__enter__()
+        start(thread)
+
+    threading.Thread._bootstrap_inner = bootstrap_inner  # type: ignore[attr-defined]
+
+
+def enter_in_rpc_functions(mode: DeviceMode) -> None:
+    """Run the functions torch.distributed.rpc calls for other processes under `mode` too: RPC runs
+    them on threads of its own, started in C++, where enter_in_new_threads cannot reach, and
+    `.to("cuda")` in a remote function failed as on a host without CUDA."""
+
+    def patch(internal: Any) -> None:
+        run = internal._run_function
+
+        def run_function(python_udf: Any) -> Any:
+            if mode in torch.overrides._get_current_function_mode_stack():
+                return run(python_udf)
+            with mode:
+                return run(python_udf)
+
+        internal._run_function = run_function
+
+    patch_modules({"torch.distributed.rpc.internal": patch})
