@@ -26,6 +26,7 @@ from singularity.proxy.control import (
     cut_reached,
     open_restored_connection,
 )
+from singularityd.checkpoint.precheck import read_proc_facts
 from singularityd.devices.proxy_servers import PROXY_DIR, ProxyError, ProxyServers
 from singularityd.devices.regroup import RegroupError, regroup
 from singularityd.devices.splicing import SavedLayout, device_slots
@@ -67,17 +68,6 @@ class ProxyConnection:
         }
 
 
-def _pid_inside(pid: int) -> int:
-    """A process's pid in its innermost PID namespace, as it sees it (`pid` when unknown)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("NSpid:"):
-                return int(line.split()[-1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return pid
-
-
 def _rank_of(pid: int) -> int:
     """The RANK a job process was started with (0 when it has none)."""
     try:
@@ -105,7 +95,8 @@ def job_connections(pids: Sequence[int]) -> list[ProxyConnection]:
         opened = [(index, inode) for index, (_, inode) in sorted(sockets.items()) if inode not in seen]
         if not opened:
             continue
-        rank, process = _rank_of(pid), _pid_inside(pid)
+        facts = read_proc_facts(pid, with_tcp=False)
+        rank, process = _rank_of(pid), facts.nspid[-1] if facts is not None else pid  # its pid, as it sees it
         found += [ProxyConnection(pid, rank, index, inode, process) for index, inode in opened]
         seen.update(inode for _, inode in opened)
     return found
