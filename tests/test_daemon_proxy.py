@@ -150,11 +150,14 @@ def test_a_job_fed_by_dataloader_workers_is_preempted_exactly(daemon_root: Path)
 
 
 @requires_root
-def test_processes_of_a_rank_share_its_device_through_preemptions(daemon_root: Path) -> None:
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_processes_of_a_rank_share_its_device_through_preemptions(daemon_root: Path, start: str) -> None:
     """A job's main process and two workers it starts train on its one device at once, as processes
     share a GPU (the workers were refused: the server kept one session per rank and device); the
-    job preempted 3 times, all three processes with it, prints what a direct run prints."""
-    args = ["--steps", "300"]
+    job preempted 3 times, all three processes with it, prints what a direct run prints. Spawned
+    workers share the queue's semaphores by name in /dev/shm, which CRIU refused to dump while the
+    process that made them mapped them under glibc's deleted temporary name."""
+    args = ["--steps", "300", "--start", start]
     preempted_job_prints_the_direct_output(daemon_root, "shared_device.py", args, (20, 120, 220), 180)
 
 

@@ -3,7 +3,9 @@
 The daemon's launcher puts this directory first on the job's PYTHONPATH. Right after the program
 first imports torch (processes of the job that never use torch pay nothing): with USE_LIBUV=0
 (the daemon's default) torch's TCPStore defaults to its plain backend, which CRIU can dump
-(_singularity_proxy.stores); with SING_PROXY_SOCKETS the client is installed.
+(_singularity_proxy.stores); with SING_PROXY_SOCKETS the client is installed. In every process,
+multiprocessing's named semaphores are mapped so that CRIU can dump them
+(_singularity_proxy.semaphores).
 """
 
 from __future__ import annotations
@@ -50,10 +52,23 @@ class _TorchHook(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _torch_imported() -> None:
-    """What the job's environment asks for once torch is imported."""
+def _client_importable() -> None:
+    """Let this process import the in-job client's package (after the program's own paths)."""
     if _HERE not in sys.path:
         sys.path.append(_HERE)
+
+
+def _semaphores_mapped_by_name() -> None:
+    """Patch multiprocessing's semaphores once the program imports them."""
+    _client_importable()
+    from _singularity_proxy import on_import, semaphores  # type: ignore[import-not-found,unused-ignore]
+
+    on_import.patch_modules({"multiprocessing.synchronize": semaphores.map_by_name})
+
+
+def _torch_imported() -> None:
+    """What the job's environment asks for once torch is imported."""
+    _client_importable()
     import _singularity_proxy  # type: ignore[import-not-found,unused-ignore]
     from _singularity_proxy import stores  # type: ignore[import-not-found,unused-ignore]
 
@@ -63,6 +78,7 @@ def _torch_imported() -> None:
 
 
 _chain()
+_semaphores_mapped_by_name()
 if os.environ.get("SING_PROXY_SOCKETS") or os.environ.get("USE_LIBUV") == "0":
     if "torch" in sys.modules:
         _torch_imported()

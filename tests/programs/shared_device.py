@@ -1,7 +1,8 @@
 """Three processes of one rank train on one device at once, as three processes share a GPU: the
-main process and two workers it forks before it uses the device each train a model of their own,
-starting together once both workers use the device; the main process prints a loss every step
-and, at the end, what each worker sent it (its last losses and weights checksum).
+main process and two workers it starts (forked, or spawned with --start spawn) before it uses
+the device each train a model of their own, starting together once both workers use the device;
+the main process prints a loss every step and, at the end, what each worker sent it (its last
+losses and weights checksum) through a multiprocessing queue of the same start method.
 
 With --hold FILE the main process waits, before its final lines, until FILE exists.
 """
@@ -42,12 +43,13 @@ def worker(seed: int, steps: int, device: str, report: "mp.Queue[tuple[int, str]
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--start", choices=("fork", "spawn"), default="fork")
     ap.add_argument("--hold", help="before the final lines, wait until this file exists")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    forks = mp.get_context("fork")  # spawn's semaphores keep a name CRIU cannot dump without link remaps
-    report: "mp.Queue[tuple[int, str]]" = forks.Queue()
-    workers = [forks.Process(target=worker, args=(seed, args.steps, device, report)) for seed in (1, 2)]
+    context = mp.get_context(args.start)
+    report: "mp.Queue[tuple[int, str]]" = context.Queue()
+    workers = [context.Process(target=worker, args=(seed, args.steps, device, report)) for seed in (1, 2)]
     for process in workers:
         process.start()
     assert sorted(report.get(timeout=300) for _ in workers) == [(1, "ready"), (2, "ready")]

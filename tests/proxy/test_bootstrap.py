@@ -26,7 +26,8 @@ def test_chains_and_stays_inert_without_sockets(tmp_path: Path) -> None:
     env = base_env()
     env["PYTHONPATH"] = f"{bootstrap_path()}:{other}"
     assert _run(PROBE, env) == "False True\n"
-    code = "import torch; print(torch.cuda.is_available(), '_singularity_proxy' in __import__('sys').modules)"
+    installed = "'_singularity_proxy.devices' in __import__('sys').modules"
+    code = f"import torch; print(torch.cuda.is_available(), {installed})"
     assert _run(code, env) == "False False\n"
 
 
@@ -35,6 +36,23 @@ def test_activates_only_when_torch_is_imported(server: ProxyServer, tmp_path: Pa
     assert _run(PROBE, env) == "False False\n"
     code = "import torch; print(torch.cuda.is_available(), torch.cuda.device_count())"
     assert _run(code, env) == "True 1\n"
+
+
+SEMAPHORE_MAPS = """
+import multiprocessing
+lock = multiprocessing.get_context("spawn").Lock()
+with lock:
+    print([line.split(maxsplit=5)[-1].strip() for line in open("/proc/self/maps") if "/dev/shm/sem." in line])
+"""
+
+
+def test_spawn_semaphores_are_mapped_by_their_name() -> None:
+    """A semaphore made for spawned processes is mapped under the name they open it by, not glibc's
+    deleted temporary name, which CRIU refuses to dump ("Can't create link remap")."""
+    env = base_env()
+    env["PYTHONPATH"] = str(bootstrap_path())
+    (path,) = eval(_run(SEMAPHORE_MAPS, env))
+    assert path.startswith("/dev/shm/sem.mp-") and not path.endswith("(deleted)")
 
 
 THREADS_AT_EXIT = """

@@ -9,7 +9,9 @@ torch.accelerator), device_comm (nn.DataParallel's copies between devices), seri
 (torch.save / torch.load), composites (operators run whole),
 compiler (torch.compile runs eagerly), located_warnings (warnings shown at the program's line),
 collectives (collectives on stand-ins, run by the servers), process_group (the "nccl" process
-group, DDP's buckets) and dtensors (DTensors of stand-ins). See docs/proxy.md.
+group, DDP's buckets) and dtensors (DTensors of stand-ins). Apart from the client, every job
+process maps multiprocessing's named semaphores so that CRIU can dump them (semaphores). See
+docs/proxy.md.
 """
 
 from __future__ import annotations

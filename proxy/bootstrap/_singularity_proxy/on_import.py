@@ -1,5 +1,5 @@
-"""Patches of torch modules that programs import late (DTensor, RPC): made when the module is
-imported, so that a program that never imports them does not pay for importing them."""
+"""Patches of modules that programs import late (DTensor, RPC, multiprocessing's semaphores): made
+when the module is imported, so that a program that never imports them does not pay for it."""
 
 from __future__ import annotations
 
