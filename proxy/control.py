@@ -163,12 +163,13 @@ class ProxyControl:
         finally:
             os.close(fd)
 
-    def load(self, job_id: str, path: str | os.PathLike[str]) -> dict[str, int]:
+    def load(self, job_id: str, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Recreate a saved job's tensors on this server (any server) from the file at `path`,
         parked until resume (the file is opened here and passed as a descriptor). Storages that
         `preload` read are taken where the index names their record; the rest is read.
         Returns {"live_bytes", "ranks", "file_bytes", "preloaded_bytes" (taken),
-        "unused_preloaded_bytes" (freed)}."""
+        "unused_preloaded_bytes" (freed), "connected" (the sessions whose processes were connected
+        when the job parked, to be reconnected: [rank, device index, process] each)}."""
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             return dict(self._call("load", job_id, fds=[fd]))

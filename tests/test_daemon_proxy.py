@@ -162,6 +162,32 @@ def test_processes_of_a_rank_share_its_device_through_preemptions(daemon_root: P
 
 
 @requires_root
+def test_a_process_exiting_after_its_connection_ended_is_checkpointed(daemon_root: Path) -> None:
+    """A spawned worker that used the device, caught at the very end of its exit (its client has
+    ended the connection, the server has let its session go, the process still holds the dead
+    socket): two checkpoints restore it as it was, no connection given back to it (the restore
+    failed with "no session to resume"), and the job prints what a direct run prints."""
+    ready = daemon_root / "direct"
+    ready.mkdir()
+    (ready / "go").touch()
+    expected = direct_output("exiting_worker.py", [str(ready)])
+    folder = daemon_root / "linger"
+    folder.mkdir()
+    with running_daemon(daemon_root, virtual_devices=1) as daemon:
+        job = daemon.submit(PYTHON, "exiting_worker.py", str(folder), options=JOB_OPTIONS)
+        wait_until((folder / "lingering").exists, timeout=180)
+        for _ in range(2):
+            result = daemon.sing("preempt", str(job))
+            assert result.code == 0, result.err
+            daemon.wait_state(job, "RUNNING")
+        (folder / "go").touch()
+        assert daemon.sing("wait", str(job), timeout=300).code == 0, daemon.sing("logs", str(job)).out[-2000:]
+        assert daemon.sing("logs", str(job)).out == expected
+        reasons = [e["reason"] for e in daemon.job(job)["events"]]
+        assert sum(r.startswith("restored from checkpoint") for r in reasons) == 2
+
+
+@requires_root
 def test_another_users_proxied_job_preempted_is_exact(daemon_root: Path) -> None:
     """A second user's job holding connections to the proxy (external to its namespaces) is
     dumped, and restored with fresh connections, exactly; it runs in a user namespace where root

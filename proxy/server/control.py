@@ -70,6 +70,7 @@ class ControlHandler:
         parked = []
         for session in sessions:
             connection = session.connection
+            session.connected_when_parked = connection is not None
             if connection is None:
                 session.parked = True
                 parked.append(session.rank)
@@ -78,6 +79,7 @@ class ControlHandler:
             if not arrived and not session.parked:
                 raise TimeoutError(f"job {job_id} rank {session.rank} did not park in {timeout}s")
             if not session.parked:  # the process ended meanwhile: its session is saved as it is
+                session.connected_when_parked = False
                 session.parked = True
                 parked.append(session.rank)
                 continue
@@ -112,9 +114,10 @@ class ControlHandler:
         self.server.dedup.forget(job_id)
         return freed
 
-    def load(self, job_id: str, fd: int) -> dict[str, int]:
+    def load(self, job_id: str, fd: int) -> dict[str, Any]:
         """Recreate a saved job's tensors here from the file open at `fd`, parked until resume (taking
-        the storages preloaded for it that the file's index names; the rest are freed)."""
+        the storages preloaded for it that the file's index names; the rest are freed). Says which
+        sessions had a connection to reconnect ([rank, device index, process] each)."""
         server = self.server
         preloaded = self.preloads.take(job_id)
         preloaded_bytes = sum(storage.nbytes() for storage in preloaded.values())
@@ -154,6 +157,11 @@ class ControlHandler:
             "file_bytes": os.fstat(fd).st_size,
             "preloaded_bytes": taken_bytes,
             "unused_preloaded_bytes": preloaded_bytes - taken_bytes,
+            "connected": [
+                [state.rank, UNKNOWN_DEVICE if state.index is None else state.index, state.process]
+                for state in saved
+                if state.connected
+            ],
         }
 
     def resume(self, job_id: str) -> list[int]:

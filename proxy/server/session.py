@@ -183,6 +183,9 @@ class Session:
         self.park_asked = False
         """Whether the daemon asked the process to park (only then is PARKED taken)."""
         self.parked = False
+        self.connected_when_parked = True
+        """Whether its process was still connected when the daemon parked the job: a checkpoint
+        then holds the connection (to be reconnected on restore) rather than a dead one."""
         self.retiring = False
         """Whether a thread is retiring the session (its process ended: service.Server.retire)."""
         self.waiting = False

@@ -380,6 +380,7 @@ class JobSave:
             "rank": session.rank,
             "index": session.index,
             "process": session.process,
+            "connected": session.connected_when_parked,
             "uid": session.uid,
             "plans": plans,
             "queue": queue,

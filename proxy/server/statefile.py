@@ -16,7 +16,7 @@ Layout (format 2):
 
 Index: {"format": 2, "device": i,
         "storages": {id: [offset, nbytes]}, "blobs": {id: [offset, nbytes]},
-        "sessions": [{"job_id", "rank", "index", "process", "uid",
+        "sessions": [{"job_id", "rank", "index", "process", "connected", "uid",
                       "ops": {op_id: [namespace, name, overload]},
                       "peak", "pending_error", "plans": blob id | null, "queue": blob id | null,
                       "groups": {name: [global rank, members]},
@@ -76,6 +76,10 @@ class SavedSession:
     than the field (then the rank's only session on the device)."""
     process: int = 0
     """The pid of the process that held it (0 in files older than the field)."""
+    connected: bool = True
+    """Whether its process was connected when the job parked (files older than the field: yes).
+    A process that had ended its connection (exiting) holds a dead one, which CRIU restores
+    as it was; only connected processes get a connection back."""
 
 
 def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -296,6 +300,7 @@ def read_state(
                 _groups(state.get("groups")),
                 protocol.integer(state["index"]) if state.get("index") is not None else None,
                 protocol.integer(state.get("process", 0)),
+                state.get("connected", True) is not False,
             )
         )
     return int(index["device"]), sessions

@@ -411,7 +411,7 @@ class JobCheckpoints:
                 connection.close()
         problem = ""
         resume_began = time.monotonic()
-        if opened:
+        if loaded:  # the servers hold the job's sessions parked, connected or not
             try:
                 await self.devices.resume(job_id, devices)
             except DeviceError as error:

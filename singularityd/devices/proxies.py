@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import shutil
 import socket
 import time
@@ -31,8 +32,13 @@ from singularityd.devices.proxy_servers import PROXY_DIR, ProxyError, ProxyServe
 from singularityd.devices.regroup import RegroupError, regroup
 from singularityd.devices.splicing import SavedLayout, device_slots
 
+log = logging.getLogger(__name__)
+
 STATE_FILE_SUFFIX = ".state"
 PRECOPIED_SUFFIX = ".precopied"
+ANY_DEVICE = -1
+"""The device index a saved session has when its server did not know it (the server's
+UNKNOWN_DEVICE): a restored connection to any of the job's devices resumes it."""
 
 
 class Reconnection(NamedTuple):
@@ -100,6 +106,12 @@ def job_connections(pids: Sequence[int]) -> list[ProxyConnection]:
         found += [ProxyConnection(pid, rank, index, inode, process) for index, inode in opened]
         seen.update(inode for _, inode in opened)
     return found
+
+
+def _was_connected(connected: set[tuple[int, int, int]], rank: int, index: int, process: int) -> bool:
+    """Whether the process's connection was open when the checkpoint parked the job (it was not
+    when its session is missing: the server lets the session of an ended connection go)."""
+    return (rank, index, process) in connected or (rank, ANY_DEVICE, process) in connected
 
 
 def device_state_file(images: Path, index: int) -> Path:
@@ -246,6 +258,7 @@ class JobProxies(ProxyServers):
                 why = f"cannot move the job's device state to {len(devices)} devices: {error}"
                 raise ProxyError(why) from error
         file_bytes = preloaded_bytes = 0
+        connected: set[tuple[int, int, int]] | None = set()
         try:
             for index, device in enumerate(devices):
                 path = files[index]
@@ -254,6 +267,11 @@ class JobProxies(ProxyServers):
                         loaded = proxy.load(str(job_id), path)
                     file_bytes += int(loaded.get("file_bytes") or 0)
                     preloaded_bytes += int(loaded.get("preloaded_bytes") or 0)
+                    said = loaded.get("connected")
+                    if connected is not None and said is not None:
+                        connected.update((int(r), int(i), int(p)) for r, i, p in said)
+                    else:
+                        connected = None  # a server that does not say: every process was connected
         finally:
             if saved.servers != len(devices):
                 shutil.rmtree(images / PROXY_DIR / f"on-{len(devices)}", ignore_errors=True)
@@ -261,12 +279,17 @@ class JobProxies(ProxyServers):
         opened: list[socket.socket] = []
         try:
             for entry in connections:
+                rank, index, process = entry["rank"], entry["index"], entry.get("process", 0)
+                if connected is not None and not _was_connected(connected, rank, index, process):
+                    log.info(  # CRIU restores the dead connection it dumped as it was
+                        "job %d: process %d's connection to cuda:%d had ended before the checkpoint",
+                        job_id,
+                        process,
+                        index,
+                    )
+                    continue
                 connection = open_restored_connection(
-                    self.socket_path(job_id, devices[slots[entry["index"]]]),
-                    str(job_id),
-                    entry["rank"],
-                    entry["index"],
-                    entry.get("process", 0),
+                    self.socket_path(job_id, devices[slots[index]]), str(job_id), rank, index, process
                 )
                 opened.append(connection)
                 inherit[f"socket:[{entry['inode']}]"] = connection.fileno()
