@@ -162,6 +162,34 @@ def test_processes_of_a_rank_share_its_device_through_preemptions(daemon_root: P
 
 
 @requires_root
+def test_shared_memory_files_travel_in_the_checkpoint(daemon_root: Path) -> None:
+    """A job whose spawned workers share a queue (its semaphores are files of /dev/shm, which CRIU
+    expects at restore) is suspended; its files are then removed from /dev/shm, as on another
+    machine, and the resume puts them back from the checkpoint: the job prints what a direct run
+    prints (the restore failed for want of them before)."""
+    args = ["--steps", "300", "--start", "spawn"]
+    expected = direct_output("shared_device.py", args)
+    release = daemon_root / "release"
+    with running_daemon(daemon_root, virtual_devices=1) as daemon:
+        job = daemon.submit(PYTHON, "shared_device.py", *args, "--hold", str(release), options=JOB_OPTIONS)
+        wait_until(functools.partial(progressed, daemon, job, 20, 300), timeout=180)
+        result = daemon.sing("suspend", str(job))
+        assert result.code == 0, result.err
+        (index,) = (daemon.state_dir / "checkpoints" / str(job)).glob("*/images/shm/files.json")
+        carried = [entry["name"] for entry in json.loads(index.read_text())]
+        assert any(name.startswith("sem.mp-") for name in carried), carried
+        for name in carried:
+            (index.parent / name).read_bytes()  # the copy is there
+            Path("/dev/shm", name).unlink()
+        result = daemon.sing("resume", "--wait", str(job), timeout=120)
+        assert result.code == 0, result.err
+        assert all(Path("/dev/shm", name).exists() for name in carried)
+        release.touch()
+        assert daemon.sing("wait", str(job), timeout=600).code == 0, daemon.sing("logs", str(job)).out[-2000:]
+        assert daemon.sing("logs", str(job)).out == expected
+
+
+@requires_root
 def test_a_process_exiting_after_its_connection_ended_is_checkpointed(daemon_root: Path) -> None:
     """A spawned worker that used the device, caught at the very end of its exit (its client has
     ended the connection, the server has let its session go, the process still holds the dead

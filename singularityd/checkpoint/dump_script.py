@@ -20,10 +20,13 @@ TCP_REFUSED_EXIT = 75
 """How the action script of a dump without the network lock fails when the dump holds a TCP connection."""
 
 
-def post_dump_script(paths: Sequence[str], out: Path, refuse_tcp_in: Path | None = None) -> str:
-    """A CRIU action script that records the sizes of `paths` while the tree is still frozen; with
-    `refuse_tcp_in` (a dump without the network lock) it first fails if that images folder holds an
-    established TCP connection, so that CRIU lets the tree run on instead of killing it."""
+def post_dump_script(
+    paths: Sequence[str], out: Path, refuse_tcp_in: Path | None = None, copies: Sequence[str] = ()
+) -> str:
+    """A CRIU action script that records the sizes of `paths` while the tree is still frozen, then
+    runs the shell lines `copies` (shm.prepare_copies); with `refuse_tcp_in` (a dump without the
+    network lock) it first fails if that images folder holds an established TCP connection, so that
+    CRIU lets the tree run on instead of killing it."""
     lines = [f"stat -L -c %s -- {shlex.quote(p)} 2>/dev/null || echo -1" for p in paths]
     body = "\n".join(lines) or ":"
     refuse = ""
@@ -34,8 +37,7 @@ def post_dump_script(paths: Sequence[str], out: Path, refuse_tcp_in: Path | None
         "#!/bin/sh\n"
         '[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\n'
         f"{refuse}"
-        f"{{\n{body}\n}} > {shlex.quote(str(out))}\n"
-        "exit 0\n"
+        f"{{\n{body}\n}} > {shlex.quote(str(out))}\n" + "".join(f"{line}\n" for line in copies) + "exit 0\n"
     )
 
 

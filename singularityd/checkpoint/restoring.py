@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from singularityd.checkpoint.criu import LEAVE_STOPPED, Criu, RestoreOutcome, run_to_completion
 from singularityd.checkpoint.errors import NoValidCheckpoint
 from singularityd.checkpoint.manifest import IMAGES_DIR, Manifest, Skipped, Verdict
+from singularityd.checkpoint.shm import write_back
 from singularityd.checkpoint.store import ImageStore, rewind_files
 
 InheritFds = Mapping[str, int] | Callable[[Manifest], Mapping[str, int]]
@@ -144,6 +145,7 @@ class Restorer:
             else:
                 fds = dict(inherit_fds or {})
             rewound = rewind_files(manifest.rewind_sizes) if rewind else {}
+            await asyncio.to_thread(write_back, path / IMAGES_DIR)
             logs = self.store.logs_dir(job_id)
             stamp = time.strftime("%Y%m%dT%H%M%S")
             outcome = await self.criu.restore(

@@ -37,6 +37,7 @@ from singularityd.checkpoint.manifest import Manifest
 from singularityd.checkpoint.namespaces import ExternalMounts, read_external_mounts
 from singularityd.checkpoint.precheck import dump_problems, tree_holds_tcp, tree_pids
 from singularityd.checkpoint.restoring import Restorer
+from singularityd.checkpoint.shm import SharedFile, prepare_copies, shared_memory_files
 from singularityd.checkpoint.staging import Staged, StagingArea, mark_staged, move_images
 from singularityd.checkpoint.store import (
     ImageStore,
@@ -211,6 +212,7 @@ class Checkpointer(Restorer):
             pids = await asyncio.to_thread(tree_pids, pid)
             needed = await asyncio.to_thread(tree_anon_bytes, pids)
             lock_network = await asyncio.to_thread(tree_holds_tcp, pids)
+            shared = await asyncio.to_thread(shared_memory_files, pids, owner_uid)
             pending = await asyncio.to_thread(
                 self.store.begin,
                 job_id,
@@ -241,6 +243,7 @@ class Checkpointer(Restorer):
                     external_unix_inodes,
                     mounts,
                     rewind_paths,
+                    shared,
                     before_final_dump,
                     lock_network,
                 )
@@ -368,12 +371,14 @@ class Checkpointer(Restorer):
         external_unix_inodes: Sequence[int],
         mounts: ExternalMounts | None,
         rewind_paths: Sequence[str],
+        shared: Sequence[SharedFile],
         before_final_dump: Callable[[Path], Any] | None,
         lock_network: bool,
     ) -> tuple[list[DumpStats], DumpStats, dict[str, int], dict[str, PrefixHash], bool]:
-        """Pre-dump, then dump the job into `image_dir`; the dump's figures, the rewound files'
-        sizes, (for a dump that stops the job, whose manifest is on the way to its restore) the
-        pages images as hashed while CRIU wrote them, and whether the network lock was taken.
+        """Pre-dump, then dump the job into `image_dir` (with copies of its `shared` /dev/shm files);
+        the dump's figures, the rewound files' sizes, (for a dump that stops the job, whose manifest
+        is on the way to its restore) the pages images as hashed while CRIU wrote them, and whether
+        the network lock was taken.
 
         A dump that stops a tree holding no TCP socket goes without CRIU's network lock (a few
         tenths of a second of the freeze): should a TCP connection have appeared in its images
@@ -407,14 +412,15 @@ class Checkpointer(Restorer):
             if asyncio.iscoroutine(r) or isinstance(r, asyncio.Future):
                 await r
         following = image_dir == pending.images and not leave_running
+        copies = await asyncio.to_thread(prepare_copies, image_dir, shared)
         try:
             while True:
                 refusing = not leave_running and not lock_network
                 script: Path | None = None
-                if rewind_paths or refusing:
+                if rewind_paths or refusing or copies:
                     script = script_file
                     script.write_text(
-                        post_dump_script(rewind_paths, sizes_file, image_dir if refusing else None)
+                        post_dump_script(rewind_paths, sizes_file, image_dir if refusing else None, copies)
                     )
                     script.chmod(0o700)
                 written_before = set(os.listdir(image_dir)) if refusing else set()

@@ -1,0 +1,159 @@
+"""Files of the machine's /dev/shm that a job's processes map or hold open, carried in its checkpoints.
+
+multiprocessing's named semaphores and `SharedMemory` blocks, and torch's `file_system` tensors,
+live in files of /dev/shm that stay linked while the job runs. CRIU dumps a mapping or descriptor
+of a linked file by its path and expects the file to be there, with the same size, at restore;
+/dev/shm is the machine's, so a restore on another machine (a move) or after /dev/shm was cleared
+would fail, and a restore of an older checkpoint would find the bytes the job wrote since. So the
+final dump's action script copies each such file of the job's user beside the images while the
+tree is still frozen, and a restore writes them back, as that user's, before CRIU runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import stat
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from singularityd.checkpoint.errors import CheckpointError
+
+SHM = Path("/dev/shm")
+SHM_IMAGES = "shm"
+"""The folder of a checkpoint's images that holds the copies."""
+SHM_INDEX = "files.json"
+"""The copies' owners and modes, in that folder."""
+
+
+class SharedMemoryError(CheckpointError):
+    """A saved /dev/shm file cannot be put back."""
+
+
+@dataclass(frozen=True)
+class SharedFile:
+    """One file of /dev/shm the job uses, as a restore must recreate it."""
+
+    name: str
+    uid: int
+    gid: int
+    mode: int
+
+
+def _shm_names(pid: int) -> set[str]:
+    """Names of the /dev/shm files (not deleted) a process maps or holds open, as it sees them."""
+    paths: set[str] = set()
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6:
+                paths.add(fields[5])
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                paths.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    prefix = f"{SHM}/"
+    return {
+        path[len(prefix) :]
+        for path in paths
+        if path.startswith(prefix) and not path.endswith(" (deleted)") and "/" not in path[len(prefix) :]
+    }
+
+
+def shared_memory_files(pids: Sequence[int], owner_uid: int) -> list[SharedFile]:
+    """The files of the daemon's /dev/shm that the processes map or hold open and the job's user
+    owns (a /dev/shm of the job's own is in CRIU's images already; others' files are not the job's)."""
+    found: dict[str, SharedFile] = {}
+    for pid in pids:
+        for name in _shm_names(pid) - found.keys():
+            try:
+                theirs = os.stat(f"/proc/{pid}/root{SHM}/{name}", follow_symlinks=False)
+                ours = os.stat(SHM / name, follow_symlinks=False)
+            except OSError:
+                continue
+            same = (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
+            if same and stat.S_ISREG(ours.st_mode) and ours.st_uid == owner_uid:
+                found[name] = SharedFile(name, ours.st_uid, ours.st_gid, stat.S_IMODE(ours.st_mode))
+    return sorted(found.values(), key=lambda f: f.name)
+
+
+def prepare_copies(images: Path, files: Sequence[SharedFile]) -> list[str]:
+    """Make the images' folder for the copies and its index; the shell lines of the action script
+    that copy the files into it (run while the tree is frozen; a file gone meanwhile is skipped)."""
+    if not files:
+        return []
+    folder = images / SHM_IMAGES
+    folder.mkdir(mode=0o700, exist_ok=True)
+    (folder / SHM_INDEX).write_text(json.dumps([asdict(f) for f in files]))
+    return [
+        f"cp -- {shlex.quote(str(SHM / f.name))} {shlex.quote(str(folder / f.name))} 2>/dev/null || :"
+        for f in files
+    ]
+
+
+def write_back(images: Path) -> list[str]:
+    """Put the checkpoint's /dev/shm files back, as their owner's with their modes, over what the
+    job left there; the names written. Raises SharedMemoryError for a name another user took."""
+    folder = images / SHM_IMAGES
+    try:
+        saved = [SharedFile(**entry) for entry in json.loads((folder / SHM_INDEX).read_text())]
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, TypeError) as error:
+        raise SharedMemoryError(f"the checkpoint's list of /dev/shm files is unreadable: {error}") from None
+    written = []
+    for each in saved:
+        if "/" in each.name or each.name in ("", ".", ".."):
+            raise SharedMemoryError(f"the checkpoint names a /dev/shm file {each.name!r} outside /dev/shm")
+        try:
+            data = (folder / each.name).read_bytes()
+        except FileNotFoundError:
+            continue  # gone before the dump: CRIU's images do not map it either
+        _write_one(SHM / each.name, each, data)
+        written.append(each.name)
+    return written
+
+
+def _open_to_write(path: Path, saved: SharedFile) -> int:
+    """A descriptor to write `path` through: the file made anew as `saved` says, or the one there,
+    if it is the owner's regular file (never through a link, never another user's file)."""
+    flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, saved.mode)
+    except FileExistsError:
+        pass
+    else:
+        try:
+            os.fchown(fd, saved.uid, saved.gid)
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
+    fd = os.open(path, flags)
+    found = os.fstat(fd)
+    if stat.S_ISREG(found.st_mode) and found.st_uid == saved.uid:
+        return fd
+    os.close(fd)
+    raise SharedMemoryError(f"cannot put {path} back: another user's file has its name")
+
+
+def _write_one(path: Path, saved: SharedFile, data: bytes) -> None:
+    """Write `data` into `path` with the owner and mode `saved` says."""
+    try:
+        fd = _open_to_write(path, saved)
+    except OSError as error:
+        raise SharedMemoryError(f"cannot put {path} back: {error.strerror}") from None
+    try:
+        os.fchmod(fd, saved.mode)
+        os.ftruncate(fd, len(data))
+        view = memoryview(data)
+        done = 0
+        while done < len(data):
+            done += os.pwrite(fd, view[done:], done)
+    except OSError as error:
+        raise SharedMemoryError(f"cannot put {path} back: {error.strerror}") from None
+    finally:
+        os.close(fd)

@@ -1,0 +1,127 @@
+"""A job's /dev/shm files carried in its checkpoints: which are found, and how they are put back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from singularityd.checkpoint.shm import (
+    SHM,
+    SHM_IMAGES,
+    SHM_INDEX,
+    SharedFile,
+    SharedMemoryError,
+    prepare_copies,
+    shared_memory_files,
+    write_back,
+)
+from tests.conftest import requires_root
+
+NOBODY = 65534
+
+HOLDER = """
+import mmap, os, sys
+linked, deleted, opened = sys.argv[1:4]
+maps = []
+for path in (linked, deleted):
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, 4096)
+    maps.append(mmap.mmap(fd, 4096))
+    os.close(fd)
+os.unlink(deleted)
+held = os.open(opened, os.O_RDWR | os.O_CREAT, 0o600)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def names() -> Iterator[list[str]]:
+    """Fresh names in /dev/shm, removed afterwards."""
+    made = [f"sing-test-{uuid.uuid4().hex[:12]}-{i}" for i in range(3)]
+    yield made
+    for name in made:
+        (SHM / name).unlink(missing_ok=True)
+
+
+def test_the_linked_files_a_process_maps_or_holds_open_are_found(names: list[str]) -> None:
+    """A mapped file and an open one are the job's (owned by its user); a mapping of a deleted file
+    is not (CRIU carries that one itself), nor are files of another owner."""
+    linked, deleted, opened = (str(SHM / name) for name in names)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, linked, deleted, opened],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "ready\n"
+        found = shared_memory_files([holder.pid], os.getuid())
+        assert [f.name for f in found] == sorted([names[0], names[2]])
+        assert all(f.uid == os.getuid() and f.mode == 0o600 for f in found)
+        assert shared_memory_files([holder.pid], os.getuid() + 1) == []
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def _saved(images: Path, files: list[SharedFile], contents: list[bytes]) -> None:
+    """A checkpoint's images holding copies of `files` with `contents`."""
+    prepare_copies(images, files)
+    for each, data in zip(files, contents, strict=True):
+        (images / SHM_IMAGES / each.name).write_bytes(data)
+
+
+@requires_root
+def test_written_back_as_their_owners_with_the_saved_bytes(tmp_path: Path, names: list[str]) -> None:
+    """A file gone from /dev/shm is made again, its owner's, with its mode and bytes; one still
+    there (the job's bytes since the checkpoint) gets the checkpoint's bytes and size back."""
+    files = [SharedFile(names[0], NOBODY, NOBODY, 0o640), SharedFile(names[1], NOBODY, NOBODY, 0o600)]
+    _saved(tmp_path, files, [b"semaphore", b"block" * 100])
+    there = SHM / names[1]
+    there.write_bytes(b"written since" * 1000)
+    os.chown(there, NOBODY, NOBODY)
+    assert sorted(write_back(tmp_path)) == sorted(names[:2])
+    for each, data in zip(files, [b"semaphore", b"block" * 100], strict=True):
+        path = SHM / each.name
+        facts = path.stat()
+        assert (facts.st_uid, facts.st_gid, facts.st_mode & 0o777) == (NOBODY, NOBODY, each.mode)
+        assert path.read_bytes() == data
+
+
+@requires_root
+def test_never_written_into_another_users_file_nor_through_a_link(tmp_path: Path, names: list[str]) -> None:
+    """The daemon writes as root into a directory every user writes to: a name another user took,
+    or a link planted there, stops the restore with a clear message and changes nothing."""
+    _saved(tmp_path, [SharedFile(names[0], NOBODY, NOBODY, 0o600)], [b"saved"])
+    theirs = SHM / names[0]
+    theirs.write_bytes(b"another user's")
+    with pytest.raises(SharedMemoryError, match="another user's file has its name"):
+        write_back(tmp_path)
+    assert theirs.read_bytes() == b"another user's"
+    theirs.unlink()
+    target = tmp_path / "target"
+    target.write_bytes(b"untouched")
+    theirs.symlink_to(target)
+    with pytest.raises(SharedMemoryError, match="cannot put"):
+        write_back(tmp_path)
+    assert target.read_bytes() == b"untouched"
+
+
+def test_a_name_outside_dev_shm_is_refused(tmp_path: Path) -> None:
+    """A checkpoint's list naming a path outside /dev/shm is refused, whatever wrote it."""
+    folder = tmp_path / SHM_IMAGES
+    folder.mkdir()
+    (folder / SHM_INDEX).write_text(json.dumps([{"name": "../x", "uid": 0, "gid": 0, "mode": 384}]))
+    with pytest.raises(SharedMemoryError, match="outside /dev/shm"):
+        write_back(tmp_path)
+    (folder / SHM_INDEX).write_text("{not json")
+    with pytest.raises(SharedMemoryError, match="unreadable"):
+        write_back(tmp_path)
