@@ -26,23 +26,7 @@ def linger_at_exit() -> None:
 atexit.register(linger_at_exit)  # before torch: exit handlers run last registered first
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-
-def train(seed: int, steps: int, device: str, show: bool) -> str:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for step in range(steps):
-        x = torch.randn(32, 8, device=device)
-        loss = nn.functional.mse_loss(model(x), x[:, :1] * x[:, 1:2])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if show:
-            print(f"step {step} loss {loss.item():.8f}", flush=True)
-    checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
-    return f"weights {checksum:.10f}"
+from shared_device import train  # noqa: E402
 
 
 def worker(device: str, report: "multiprocessing.Queue[str]") -> None:
