@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from singularityd.checkpoint.dump_script import post_dump_script
 from singularityd.checkpoint.shm import (
     SHM,
     SHM_IMAGES,
@@ -125,3 +126,32 @@ def test_a_name_outside_dev_shm_is_refused(tmp_path: Path) -> None:
     (folder / SHM_INDEX).write_text("{not json")
     with pytest.raises(SharedMemoryError, match="unreadable"):
         write_back(tmp_path)
+
+
+def _run_script(tmp_path: Path, copies: list[str]) -> int:
+    """Run a final dump's action script with these copy lines, as CRIU runs it after the dump."""
+    script = tmp_path / "post-dump.sh"
+    script.write_text(post_dump_script([], tmp_path / "sizes", None, copies))
+    env = {**os.environ, "CRTOOLS_SCRIPT_ACTION": "post-dump"}
+    return subprocess.run(["sh", str(script)], env=env, check=False).returncode
+
+
+def test_the_action_script_copies_skips_what_went_and_fails_on_a_failed_copy(
+    tmp_path: Path, names: list[str]
+) -> None:
+    """The copies are made while the tree is frozen; a file removed since it was found is skipped,
+    and a copy that fails leaves nothing behind and fails the script (CRIU then lets the job run
+    on: the checkpoint fails rather than keep half a file)."""
+    (SHM / names[0]).write_bytes(b"semaphore")
+    images = tmp_path / "images"
+    images.mkdir()
+    files = [SharedFile(name, os.getuid(), os.getgid(), 0o600) for name in names[:2]]
+    assert _run_script(tmp_path, prepare_copies(images, files)) == 0
+    assert (images / SHM_IMAGES / names[0]).read_bytes() == b"semaphore"
+    assert not (images / SHM_IMAGES / names[1]).exists()  # never there: skipped
+    copies = prepare_copies(images, files)
+    for entry in (images / SHM_IMAGES).iterdir():
+        entry.unlink()
+    (images / SHM_IMAGES).rmdir()  # the copy now fails
+    assert _run_script(tmp_path, copies) != 0
+    assert not (images / SHM_IMAGES).exists()

@@ -82,16 +82,19 @@ def shared_memory_files(pids: Sequence[int], owner_uid: int) -> list[SharedFile]
 
 def prepare_copies(images: Path, files: Sequence[SharedFile]) -> list[str]:
     """Make the images' folder for the copies and its index; the shell lines of the action script
-    that copy the files into it (run while the tree is frozen; a file gone meanwhile is skipped)."""
+    that copy the files into it while the tree is frozen. A file gone meanwhile is skipped; a copy
+    that fails (a full disk) is removed and fails the script, so CRIU lets the tree run on and the
+    checkpoint fails rather than keep a partial file to write back."""
     if not files:
         return []
     folder = images / SHM_IMAGES
     folder.mkdir(mode=0o700, exist_ok=True)
     (folder / SHM_INDEX).write_text(json.dumps([asdict(f) for f in files]))
-    return [
-        f"cp -- {shlex.quote(str(SHM / f.name))} {shlex.quote(str(folder / f.name))} 2>/dev/null || :"
-        for f in files
-    ]
+    lines = []
+    for each in files:
+        source, copy = shlex.quote(str(SHM / each.name)), shlex.quote(str(folder / each.name))
+        lines.append(f"if [ -e {source} ]; then cp -- {source} {copy} || {{ rm -f -- {copy}; exit 1; }}; fi")
+    return lines
 
 
 def write_back(images: Path) -> list[str]:
