@@ -310,8 +310,8 @@ class Daemon:
                 self.store.set_cancel_requested(job.id)
             case CountRestart():
                 self.store.count_restart(job.id)
-            case DiscardCheckpoints():
-                self.spawn(self._discard_checkpoints(job.id, state))
+            case DiscardCheckpoints(without_processes=without_processes):
+                self.spawn(self._discard_checkpoints(job.id, state, without_processes))
             case TerminateProcesses():
                 if record is not None:
                     record.terminate(self.config.kill_grace_seconds + KILL_BACKSTOP_SECONDS)
@@ -357,9 +357,12 @@ class Daemon:
             case _:
                 raise TypeError(f"unknown action {action!r}")
 
-    async def _discard_checkpoints(self, job_id: int, state: JobState) -> None:
-        """Remove an ended job's checkpoints (off the event loop: they can take gigabytes), saying so."""
-        freed = await asyncio.to_thread(self.checkpoints.discard, job_id)
+    async def _discard_checkpoints(
+        self, job_id: int, state: JobState, without_processes: bool = False
+    ) -> None:
+        """Remove an ended job's checkpoints (off the event loop: they can take gigabytes), saying so;
+        `without_processes`: the /dev/shm files they carried too (see DiscardCheckpoints)."""
+        freed = await asyncio.to_thread(self.checkpoints.discard, job_id, without_processes)
         if freed:
             reason = (
                 f"its checkpoints were removed ({human_bytes(freed)}): a job that has ended never resumes"

@@ -170,27 +170,31 @@ def test_ended_jobs_cannot_change(state: JobState) -> None:
 
 
 @pytest.mark.parametrize(
-    ("job", "stimulus", "ends"),
+    ("job", "stimulus", "ends", "without_processes"),
     [
-        (facts(JobState.RUNNING), Exited(0, None), True),
-        (facts(JobState.RUNNING), Exited(3, None), True),
-        (facts(JobState.RUNNING, cancel=True), Exited(None, signal.SIGTERM), True),
-        (facts(JobState.PREEMPTED), CancelRequested("alice"), True),
-        (facts(JobState.SUSPENDED), CancelRequested("alice"), True),
-        (JobFacts(7, JobState.RUNNING, has_checkpoint=True), ProcessesLost("gone"), False),
-        (JobFacts(7, JobState.RUNNING, max_restarts=1), Exited(3, None), False),
-        (facts(JobState.PENDING), Started((0,)), False),
+        (facts(JobState.RUNNING), Exited(0, None), True, False),
+        (facts(JobState.RUNNING), Exited(3, None), True, False),
+        (facts(JobState.RUNNING, cancel=True), Exited(None, signal.SIGTERM), True, False),
+        (facts(JobState.PREEMPTED), CancelRequested("alice"), True, True),
+        (facts(JobState.SUSPENDED), CancelRequested("alice"), True, True),
+        (JobFacts(7, JobState.RUNNING, has_checkpoint=True), ProcessesLost("gone"), False, False),
+        (JobFacts(7, JobState.RUNNING, max_restarts=1), Exited(3, None), False, False),
+        (facts(JobState.PENDING), Started((0,)), False, False),
     ],
 )
 def test_a_job_that_ends_for_good_has_its_checkpoints_discarded(
-    job: JobFacts, stimulus: CancelRequested | Exited | ProcessesLost | Started, ends: bool
+    job: JobFacts,
+    stimulus: CancelRequested | Exited | ProcessesLost | Started,
+    ends: bool,
+    without_processes: bool,
 ) -> None:
-    """Completed, failed or cancelled, from any state: nothing can resume from its checkpoints."""
+    """Completed, failed or cancelled, from any state: nothing can resume from its checkpoints;
+    one that ends with no processes here to end (queued, held) loses its /dev/shm files too."""
     decision = decide(job, stimulus, now=0)
     assert decision.transition is not None
     assert decision.transition.to_state.is_terminal is ends
-    assert (DiscardCheckpoints() in decision.actions) is ends
-    assert decision.actions.count(DiscardCheckpoints()) <= 1
+    discards = [a for a in decision.actions if isinstance(a, DiscardCheckpoints)]
+    assert discards == ([DiscardCheckpoints(without_processes)] if ends else [])
 
 
 def test_lost_and_requeued_and_launch_failure() -> None:
@@ -264,7 +268,7 @@ def test_a_stopping_checkpoint_that_completes_after_a_cancel_ends_the_job_cancel
     decision = decide(job, Checkpointed("checkpoint 2 (10M)"), 0)
     assert decision.transition is not None and decision.transition.to_state is JobState.CANCELLED
     assert "cancelled (asked while the checkpoint ran)" in decision.transition.reason
-    assert decision.actions == (ReleaseDevices(), Reschedule(), DiscardCheckpoints())
+    assert decision.actions == (ReleaseDevices(), Reschedule(), DiscardCheckpoints(without_processes=True))
 
 
 def test_an_in_place_checkpoint_that_completes_is_noted() -> None:
@@ -347,7 +351,7 @@ def test_lost_processes_of_a_checkpointed_job_queue_it_to_resume() -> None:
 def test_a_restore_that_fails_fails_the_job() -> None:
     broken = decide(running(Activity(launching=True)), RestoreFailed("all corrupt"), 0)
     assert broken.transition is not None and broken.transition.reason == "cannot resume: all corrupt"
-    assert broken.actions == (ReleaseDevices(), Reschedule(), DiscardCheckpoints())
+    assert broken.actions == (ReleaseDevices(), Reschedule(), DiscardCheckpoints(without_processes=True))
 
 
 # An exit during a checkpoint

@@ -190,6 +190,23 @@ def test_shared_memory_files_travel_in_the_checkpoint(daemon_root: Path) -> None
 
 
 @requires_root
+def test_a_job_cancelled_while_suspended_leaves_no_shared_memory_files(daemon_root: Path) -> None:
+    """The /dev/shm files a suspended job's checkpoint carried have no process left to remove them
+    once it is cancelled: they go with its checkpoints (they stayed in /dev/shm for good)."""
+    args = ["--steps", "300", "--start", "spawn", "--hold", str(daemon_root / "never")]
+    with running_daemon(daemon_root, virtual_devices=1) as daemon:
+        job = daemon.submit(PYTHON, "shared_device.py", *args, options=JOB_OPTIONS)
+        wait_until(functools.partial(progressed, daemon, job, 20, 300), timeout=180)
+        assert daemon.sing("suspend", str(job)).code == 0
+        (index,) = (daemon.state_dir / "checkpoints" / str(job)).glob("*/images/shm/files.json")
+        carried = [Path("/dev/shm", entry["name"]) for entry in json.loads(index.read_text())]
+        assert carried and all(path.exists() for path in carried)
+        assert daemon.sing("cancel", str(job)).code == 0
+        daemon.wait_state(job, "CANCELLED")
+        wait_until(lambda: not any(path.exists() for path in carried), timeout=30)
+
+
+@requires_root
 def test_a_process_exiting_after_its_connection_ended_is_checkpointed(daemon_root: Path) -> None:
     """A spawned worker that used the device, caught at the very end of its exit (its client has
     ended the connection, the server has let its session go, the process still holds the dead

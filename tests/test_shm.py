@@ -20,6 +20,7 @@ from singularityd.checkpoint.shm import (
     SharedFile,
     SharedMemoryError,
     prepare_copies,
+    release,
     shared_memory_files,
     write_back,
 )
@@ -155,3 +156,17 @@ def test_the_action_script_copies_skips_what_went_and_fails_on_a_failed_copy(
     (images / SHM_IMAGES).rmdir()  # the copy now fails
     assert _run_script(tmp_path, copies) != 0
     assert not (images / SHM_IMAGES).exists()
+
+
+@requires_root
+def test_released_where_they_are_still_their_owners_files(tmp_path: Path, names: list[str]) -> None:
+    """A job that ended with no processes to remove its files: those its checkpoints carried go,
+    where they are still their owner's regular files; another user's file of the name stays."""
+    files = [SharedFile(name, NOBODY, NOBODY, 0o600) for name in names]
+    _saved(tmp_path, files, [b"a", b"b", b"c"])
+    for name, owner in zip(names, [NOBODY, 0, NOBODY], strict=True):
+        (SHM / name).write_bytes(b"there")
+        os.chown(SHM / name, owner, owner)
+    (SHM / names[2]).unlink()
+    assert release([tmp_path]) == [names[0]]
+    assert not (SHM / names[0]).exists() and (SHM / names[1]).read_bytes() == b"there"

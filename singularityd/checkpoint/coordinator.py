@@ -42,6 +42,7 @@ from singularityd.checkpoint.pause import (
 from singularityd.checkpoint.precheck import tree_pids
 from singularityd.checkpoint.restoring import KnownDigests
 from singularityd.checkpoint.service import Checkpointer, CheckpointResult
+from singularityd.checkpoint.shm import release
 from singularityd.devices.access import (
     DeviceAccess,
     DeviceError,
@@ -167,8 +168,17 @@ class JobCheckpoints:
                 return stored
         return None
 
-    def discard(self, job_id: int) -> int:
-        """Remove every checkpoint of a job that has ended for good; the bytes they took on disk."""
+    def discard(self, job_id: int, shared_memory: bool = False) -> int:
+        """Remove every checkpoint of a job that has ended for good (with `shared_memory`, the
+        /dev/shm files they carried: the job has no processes left to remove them); the bytes
+        they took on disk."""
+        if shared_memory:
+            folders = [
+                self.images.checkpoint_dir(str(job_id), seq) / IMAGES_DIR
+                for seq in self.images.seqs(str(job_id))
+            ]
+            for name in release(folders):
+                log.info("job %d: removed /dev/shm/%s, which its checkpoints carried", job_id, name)
         freed = self.images.usage(str(job_id)).bytes_on_disk
         self.images.remove_checkpoints(str(job_id))
         self._forget_cached(job_id)

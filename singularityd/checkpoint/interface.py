@@ -164,8 +164,9 @@ class Checkpoints(Protocol):
     async def resume_parked(self, job_id: int, devices: tuple[int, ...]) -> None:
         """Let go a job a killed daemon may have left parked in its proxies mid-checkpoint."""
 
-    def discard(self, job_id: int) -> int:
-        """Remove every checkpoint of a job that has ended for good; the bytes they took on disk."""
+    def discard(self, job_id: int, shared_memory: bool = False) -> int:
+        """Remove every checkpoint of a job that has ended for good (with `shared_memory`, the
+        /dev/shm files they carried); the bytes they took on disk."""
 
     async def settle_interrupted(self, job_id: int) -> str:
         """Record or remove a dump that stops the job, cut short by the daemon's death (see
@@ -227,7 +228,7 @@ class NoCheckpoints:
     async def resume_parked(self, job_id: int, devices: tuple[int, ...]) -> None:
         """Nothing was parked by a checkpoint."""
 
-    def discard(self, job_id: int) -> int:
+    def discard(self, job_id: int, shared_memory: bool = False) -> int:
         """Nothing was written."""
         return 0
 

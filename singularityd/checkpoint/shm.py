@@ -97,22 +97,44 @@ def prepare_copies(images: Path, files: Sequence[SharedFile]) -> list[str]:
     return lines
 
 
-def write_back(images: Path) -> list[str]:
-    """Put the checkpoint's /dev/shm files back, as their owner's with their modes, over what the
-    job left there; the names written. Raises SharedMemoryError for a name another user took."""
-    folder = images / SHM_IMAGES
+def _carried(images: Path) -> list[SharedFile]:
+    """The /dev/shm files a checkpoint's images carry (none when they carry none)."""
     try:
-        saved = [SharedFile(**entry) for entry in json.loads((folder / SHM_INDEX).read_text())]
+        entries = json.loads((images / SHM_IMAGES / SHM_INDEX).read_text())
+        saved = [SharedFile(**entry) for entry in entries]
     except FileNotFoundError:
         return []
     except (OSError, ValueError, TypeError) as error:
         raise SharedMemoryError(f"the checkpoint's list of /dev/shm files is unreadable: {error}") from None
-    written = []
     for each in saved:
         if "/" in each.name or each.name in ("", ".", ".."):
             raise SharedMemoryError(f"the checkpoint names a /dev/shm file {each.name!r} outside /dev/shm")
+    return saved
+
+
+def release(folders: Sequence[Path]) -> list[str]:
+    """Remove from /dev/shm the files these checkpoints' images carried, where they are still
+    their owner's regular files, as the job's processes would have as they ended; the names."""
+    removed: list[str] = []
+    for images in folders:
+        with contextlib.suppress(SharedMemoryError):
+            for each in _carried(images):
+                path = SHM / each.name
+                with contextlib.suppress(OSError):
+                    found = os.stat(path, follow_symlinks=False)
+                    if stat.S_ISREG(found.st_mode) and found.st_uid == each.uid:
+                        path.unlink()
+                        removed.append(each.name)
+    return removed
+
+
+def write_back(images: Path) -> list[str]:
+    """Put the checkpoint's /dev/shm files back, as their owner's with their modes, over what the
+    job left there; the names written. Raises SharedMemoryError for a name another user took."""
+    written = []
+    for each in _carried(images):
         try:
-            data = (folder / each.name).read_bytes()
+            data = (images / SHM_IMAGES / each.name).read_bytes()
         except FileNotFoundError:
             continue  # gone before the dump: CRIU's images do not map it either
         _write_one(SHM / each.name, each, data)

@@ -88,6 +88,11 @@ class CountRestart:
 class DiscardCheckpoints:
     """Remove the job's checkpoints: it has ended for good, so nothing can resume from them."""
 
+    without_processes: bool = False
+    """The job ended with no processes here to end (cancelled while preempted or suspended, or
+    never restored): the /dev/shm files its checkpoints carried, which its processes would have
+    removed as they ended, go too."""
+
 
 @dataclass(frozen=True)
 class Note:

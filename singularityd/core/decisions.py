@@ -313,8 +313,18 @@ def decide(job: JobFacts, stimulus: Stimulus, now: float) -> Decision:
     are removed then: they hold its processes' memory and would fill the disk."""
     decision = _decide(job, stimulus, now)
     if decision.transition is not None and decision.transition.to_state.is_terminal:
-        return replace(decision, actions=(*decision.actions, DiscardCheckpoints()))
+        discard = DiscardCheckpoints(without_processes=_ends_without_processes(job, stimulus))
+        return replace(decision, actions=(*decision.actions, discard))
     return decision
+
+
+def _ends_without_processes(job: JobFacts, stimulus: Stimulus) -> bool:
+    """Whether a job that ends on this stimulus has no processes here to end: it was queued or
+    held, its restore failed, or the checkpoint that stopped them completed."""
+    if job.state in (JobState.PENDING, JobState.PREEMPTED, JobState.SUSPENDED):
+        return True
+    stopped = job.activity.checkpoint is not None and job.activity.checkpoint.stop
+    return isinstance(stimulus, RestoreFailed) or (isinstance(stimulus, Checkpointed) and stopped)
 
 
 def _decide(job: JobFacts, stimulus: Stimulus, now: float) -> Decision:
