@@ -162,28 +162,39 @@ def test_processes_of_a_rank_share_its_device_through_preemptions(daemon_root: P
 
 
 @requires_root
-def test_shared_memory_files_travel_in_the_checkpoint(daemon_root: Path) -> None:
+@pytest.mark.parametrize("owner", ["root", "another user"])
+def test_shared_memory_files_travel_in_the_checkpoint(daemon_root: Path, owner: str) -> None:
     """A job whose spawned workers share a queue (its semaphores are files of /dev/shm, which CRIU
     expects at restore) is suspended; its files are then removed from /dev/shm, as on another
-    machine, and the resume puts them back from the checkpoint: the job prints what a direct run
-    prints (the restore failed for want of them before)."""
+    machine, and the resume puts them back from the checkpoint, its user's: the job prints what a
+    direct run prints (the restore failed for want of them before). Another user's files are
+    read as that user (in a user namespace, their own mounts)."""
     args = ["--steps", "300", "--start", "spawn"]
     expected = direct_output("shared_device.py", args)
     release = daemon_root / "release"
+    python, options, user = [PYTHON], JOB_OPTIONS, None
+    if owner != "root":
+        user = other_user()
+        command = python_for_user(user)
+        assert command is not None and command[1].startswith("PYTHONPATH=")
+        python, options = [command[-1]], [*JOB_OPTIONS, "--env", command[1]]
     with running_daemon(daemon_root, virtual_devices=1) as daemon:
-        job = daemon.submit(PYTHON, "shared_device.py", *args, "--hold", str(release), options=JOB_OPTIONS)
+        job = daemon.submit(
+            *python, "shared_device.py", *args, "--hold", str(release), options=options, user=user
+        )
         wait_until(functools.partial(progressed, daemon, job, 20, 300), timeout=180)
-        result = daemon.sing("suspend", str(job))
+        result = daemon.sing("suspend", str(job), user=user)
         assert result.code == 0, result.err
         (index,) = (daemon.state_dir / "checkpoints" / str(job)).glob("*/images/shm/files.json")
-        carried = [entry["name"] for entry in json.loads(index.read_text())]
-        assert any(name.startswith("sem.mp-") for name in carried), carried
-        for name in carried:
-            (index.parent / name).read_bytes()  # the copy is there
-            Path("/dev/shm", name).unlink()
-        result = daemon.sing("resume", "--wait", str(job), timeout=120)
+        carried = [Path("/dev/shm", entry["name"]) for entry in json.loads(index.read_text())]
+        assert any(path.name.startswith("sem.mp-") for path in carried), carried
+        owners = {path.stat().st_uid for path in carried}
+        for path in carried:
+            assert (index.parent / path.name).read_bytes()  # the copy is there
+            path.unlink()
+        result = daemon.sing("resume", "--wait", str(job), timeout=120, user=user)
         assert result.code == 0, result.err
-        assert all(Path("/dev/shm", name).exists() for name in carried)
+        assert {path.stat().st_uid for path in carried} == owners
         release.touch()
         assert daemon.sing("wait", str(job), timeout=600).code == 0, daemon.sing("logs", str(job)).out[-2000:]
         assert daemon.sing("logs", str(job)).out == expected

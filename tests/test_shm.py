@@ -170,3 +170,19 @@ def test_released_where_they_are_still_their_owners_files(tmp_path: Path, names:
     (SHM / names[2]).unlink()
     assert release([tmp_path]) == [names[0]]
     assert not (SHM / names[0]).exists() and (SHM / names[1]).read_bytes() == b"there"
+
+
+@requires_root
+def test_a_name_swapped_for_a_link_copies_only_what_its_owner_reads(tmp_path: Path, names: list[str]) -> None:
+    """The copies are read as each file's owner: a user who swaps the name for a link to a file
+    only root may read (between the listing and the frozen dump) gets no copy of it, which a
+    restore would write back as theirs; the checkpoint fails instead."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"root only")
+    secret.chmod(0o600)
+    images = tmp_path / "images"
+    images.mkdir()
+    copies = prepare_copies(images, [SharedFile(names[0], NOBODY, NOBODY, 0o600)])
+    (SHM / names[0]).symlink_to(secret)
+    assert _run_script(tmp_path, copies) != 0
+    assert not (images / SHM_IMAGES / names[0]).exists()

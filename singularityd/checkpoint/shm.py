@@ -82,9 +82,10 @@ def shared_memory_files(pids: Sequence[int], owner_uid: int) -> list[SharedFile]
 
 def prepare_copies(images: Path, files: Sequence[SharedFile]) -> list[str]:
     """Make the images' folder for the copies and its index; the shell lines of the action script
-    that copy the files into it while the tree is frozen. A file gone meanwhile is skipped; a copy
-    that fails (a full disk) is removed and fails the script, so CRIU lets the tree run on and the
-    checkpoint fails rather than keep a partial file to write back."""
+    that copy the files into it while the tree is frozen, each read as its owner (a name swapped
+    for a link since it was found then reads only what that user may read). A file gone meanwhile
+    is skipped; a copy that fails (a full disk) is removed and fails the script, so CRIU lets the
+    tree run on and the checkpoint fails rather than keep a partial file to write back."""
     if not files:
         return []
     folder = images / SHM_IMAGES
@@ -93,8 +94,16 @@ def prepare_copies(images: Path, files: Sequence[SharedFile]) -> list[str]:
     lines = []
     for each in files:
         source, copy = shlex.quote(str(SHM / each.name)), shlex.quote(str(folder / each.name))
-        lines.append(f"if [ -e {source} ]; then cp -- {source} {copy} || {{ rm -f -- {copy}; exit 1; }}; fi")
+        reader = "" if os.geteuid() == each.uid else f"setpriv {_as_owner(each)} "
+        lines.append(
+            f"if [ -e {source} ]; then {reader}cat -- {source} > {copy} || {{ rm -f -- {copy}; exit 1; }}; fi"
+        )
     return lines
+
+
+def _as_owner(each: SharedFile) -> str:
+    """setpriv's options to run as the file's owner, with no other group."""
+    return f"--reuid={each.uid} --regid={each.gid} --clear-groups"
 
 
 def _carried(images: Path) -> list[SharedFile]:
