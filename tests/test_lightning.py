@@ -4,6 +4,7 @@ prints what it prints on 4 devices, every rank, and saves the same Lightning che
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch
 from tests.conftest import requires_root
 from tests.helpers import running_daemon
 from tests.proxy.conftest import PYTHON
-from tests.test_collectives import JOB_OPTIONS, run_job
+from tests.test_collectives import JOB_OPTIONS, run_job, submit, succeeded
 from tests.test_elastic import ELASTIC, at_gate, on_devices, resized_to
 from tests.test_splice_refusal import finished
 
@@ -99,3 +100,24 @@ def test_a_lightning_job_resized_and_preempted_runs_exactly_as_on_four_devices(d
         assert finished(daemon, job, release, RANKS) == expected
         assert resized_to(daemon, job) == [1, 3]
         assert same(lightning_checkpoint(out), lightning_checkpoint(daemon_root / "four"))
+
+
+PRINTED = re.compile(r"rank \d+ (?:step \d+ loss -?\d+\.\d{10}|final [0-9a-f]{32})")
+"""A rank's loss or final checksum line, found also where two processes' lines ran together."""
+
+
+@requires_root
+@pytest.mark.timeout(900)
+def test_one_process_on_two_devices_launches_its_own_ranks_as_on_a_workstation(daemon_root: Path) -> None:
+    """`sing submit --gpus 2 python train.py` of an unmodified Lightning program: the one process
+    gets no torchrun variables (they told Lightning its world was one process: "You set devices=2
+    ... does not match the world size (1)"), so Lightning starts its second rank itself, as on a
+    two-GPU workstation, and both ranks print what a job of two ranks prints."""
+    args = ["--epochs", "2"]
+    with running_daemon(daemon_root, virtual_devices=2) as daemon:
+        ranks = run_job(daemon, "lightning_train.py", [*args, "--out", str(daemon_root / "two")], 2, 2)
+        one = submit(daemon, "lightning_train.py", [*args, "--out", str(daemon_root / "one")], 1, 2)
+        (log,) = succeeded(daemon, one, 1)
+    expected = sorted(PRINTED.findall("".join(ranks)))
+    assert any(line.startswith("rank 1 step") for line in expected)
+    assert sorted(PRINTED.findall(log)) == expected  # both ranks write the one process's log

@@ -64,3 +64,17 @@ def test_ranks_get_every_variable_torchrun_gives_a_worker_of_one_node() -> None:
             "2",
             "2",
         )
+
+
+@pytest.mark.parametrize(("devices", "launched"), [((0, 1), False), ((0,), True), ((), True)])
+def test_one_rank_on_several_devices_is_a_program_of_its_own_not_a_torchrun_worker(
+    devices: tuple[int, ...], launched: bool
+) -> None:
+    """One process on several devices starts its own workers (mp.spawn, Lightning's launcher), as
+    on a workstation: torchrun's variables would tell it its world is one process."""
+    (env,) = rank_environments(
+        {}, job_id=3, user="nobody", ranks=1, devices=devices, device_env={}, master_port=1
+    )
+    torchrun = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"}
+    assert (torchrun <= env.keys()) is launched and (torchrun & env.keys() == set()) is not launched
+    assert env["SING_JOB_ID"] == "3"

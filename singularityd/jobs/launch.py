@@ -91,6 +91,9 @@ def rank_environments(
     sizes, TORCHELASTIC_*), so programs and libraries that detect torchrun by them (Lightning's
     TorchElasticEnvironment) see it. The ranks make their own store (no agent's), and torchrun's
     restarts are the daemon's resumes, which restore the processes' memory: the count stays 0.
+    A job of one rank on several devices is one program that uses them itself, as on a
+    workstation (nn.DataParallel, mp.spawn, Lightning's own launcher): it gets none of them,
+    which would tell such a program that its world is one process.
 
     USER and LOGNAME always name the job's real user, whatever the request carried.
     USE_LIBUV defaults to 0: torch's libuv TCPStore creates an io_uring, which CRIU cannot dump.
@@ -110,32 +113,36 @@ def rank_environments(
     defaults["USE_LIBUV"] = "0"
     if cpu_has_amx():
         defaults.update(WITHOUT_AMX)
+    launched_by_torchrun = ranks > 1 or len(devices) <= 1
     for rank in range(ranks):
         env = {**defaults, **base, **identity}
-        env.update(
-            {
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "GROUP_RANK": "0",
-                "ROLE_RANK": str(rank),
-                "ROLE_NAME": "default",
-                "WORLD_SIZE": str(ranks),
-                "LOCAL_WORLD_SIZE": str(ranks),
-                "GROUP_WORLD_SIZE": "1",
-                "ROLE_WORLD_SIZE": str(ranks),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(master_port),
-                "TORCHELASTIC_RUN_ID": f"sing-{job_id}",
-                "TORCHELASTIC_RESTART_COUNT": "0",
-                "TORCHELASTIC_MAX_RESTARTS": "0",
-                "TORCHELASTIC_USE_AGENT_STORE": "False",
-                "SING_JOB_ID": str(job_id),
-                "SING_DEVICES": listed,
-            }
-        )
+        if launched_by_torchrun:
+            env.update(torchrun_variables(rank, ranks, master_port, job_id))
+        env.update({"SING_JOB_ID": str(job_id), "SING_DEVICES": listed})
         env.update(device_env)
         environments.append(env)
     return environments
+
+
+def torchrun_variables(rank: int, ranks: int, master_port: int, job_id: int) -> dict[str, str]:
+    """What torchrun's local agent gives worker `rank` of a one-node run of `ranks` workers."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "GROUP_RANK": "0",
+        "ROLE_RANK": str(rank),
+        "ROLE_NAME": "default",
+        "WORLD_SIZE": str(ranks),
+        "LOCAL_WORLD_SIZE": str(ranks),
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_WORLD_SIZE": str(ranks),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_RUN_ID": f"sing-{job_id}",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+    }
 
 
 def user_groups(user: str, gid: int) -> list[int]:
