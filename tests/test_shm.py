@@ -174,9 +174,10 @@ def test_released_where_they_are_still_their_owners_files(tmp_path: Path, names:
 
 @requires_root
 def test_a_name_swapped_for_a_link_copies_only_what_its_owner_reads(tmp_path: Path, names: list[str]) -> None:
-    """The copies are read as each file's owner: a user who swaps the name for a link to a file
-    only root may read (between the listing and the frozen dump) gets no copy of it, which a
-    restore would write back as theirs; the checkpoint fails instead."""
+    """The copies are made by root while the tree is frozen: a user who swaps the name for a link
+    to a file only root may read (between the listing and the dump) must get no copy of it, which a
+    restore would write back as theirs. Links are not followed and a file that is no longer the
+    user's is not copied: the checkpoint fails instead."""
     secret = tmp_path / "secret"
     secret.write_bytes(b"root only")
     secret.chmod(0o600)
@@ -184,5 +185,9 @@ def test_a_name_swapped_for_a_link_copies_only_what_its_owner_reads(tmp_path: Pa
     images.mkdir()
     copies = prepare_copies(images, [SharedFile(names[0], NOBODY, NOBODY, 0o600)])
     (SHM / names[0]).symlink_to(secret)
+    assert _run_script(tmp_path, copies) != 0
+    assert not (images / SHM_IMAGES / names[0]).exists()
+    (SHM / names[0]).unlink()
+    (SHM / names[0]).write_bytes(b"root's now")  # another owner's file under the name
     assert _run_script(tmp_path, copies) != 0
     assert not (images / SHM_IMAGES / names[0]).exists()
