@@ -19,6 +19,7 @@ from singularityd.checkpoint.shm import (
     SHM_INDEX,
     SharedFile,
     SharedMemoryError,
+    copy_path,
     prepare_copies,
     release,
     shared_memory_files,
@@ -78,7 +79,7 @@ def _saved(images: Path, files: list[SharedFile], contents: list[bytes]) -> None
     """A checkpoint's images holding copies of `files` with `contents`."""
     prepare_copies(images, files)
     for each, data in zip(files, contents, strict=True):
-        (images / SHM_IMAGES / each.name).write_bytes(data)
+        copy_path(images, each.name).write_bytes(data)
 
 
 @requires_root
@@ -148,14 +149,15 @@ def test_the_action_script_copies_skips_what_went_and_fails_on_a_failed_copy(
     images.mkdir()
     files = [SharedFile(name, os.getuid(), os.getgid(), 0o600) for name in names[:2]]
     assert _run_script(tmp_path, prepare_copies(images, files)) == 0
-    assert (images / SHM_IMAGES / names[0]).read_bytes() == b"semaphore"
-    assert not (images / SHM_IMAGES / names[1]).exists()  # never there: skipped
+    assert copy_path(images, names[0]).read_bytes() == b"semaphore"
+    assert not copy_path(images, names[1]).exists()  # never there: skipped
     copies = prepare_copies(images, files)
-    for entry in (images / SHM_IMAGES).iterdir():
+    copies_folder = copy_path(images, names[0]).parent
+    for entry in copies_folder.iterdir():
         entry.unlink()
-    (images / SHM_IMAGES).rmdir()  # the copy now fails
+    copies_folder.rmdir()  # the copy now fails
     assert _run_script(tmp_path, copies) != 0
-    assert not (images / SHM_IMAGES).exists()
+    assert not copies_folder.exists()
 
 
 @requires_root
@@ -186,8 +188,8 @@ def test_a_name_swapped_for_a_link_copies_only_what_its_owner_reads(tmp_path: Pa
     copies = prepare_copies(images, [SharedFile(names[0], NOBODY, NOBODY, 0o600)])
     (SHM / names[0]).symlink_to(secret)
     assert _run_script(tmp_path, copies) != 0
-    assert not (images / SHM_IMAGES / names[0]).exists()
+    assert not copy_path(images, names[0]).exists()
     (SHM / names[0]).unlink()
     (SHM / names[0]).write_bytes(b"root's now")  # another owner's file under the name
     assert _run_script(tmp_path, copies) != 0
-    assert not (images / SHM_IMAGES / names[0]).exists()
+    assert not copy_path(images, names[0]).exists()

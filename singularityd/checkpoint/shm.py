@@ -28,6 +28,13 @@ SHM_IMAGES = "shm"
 """The folder of a checkpoint's images that holds the copies."""
 SHM_INDEX = "files.json"
 """The copies' owners and modes, in that folder."""
+SHM_COPIES = "copies"
+"""The folder of the copies in it (apart from the index: any name is a file's name in /dev/shm)."""
+
+
+def copy_path(images: Path, name: str) -> Path:
+    """Where a checkpoint's images keep their copy of /dev/shm/`name`."""
+    return images / SHM_IMAGES / SHM_COPIES / name
 
 
 class SharedMemoryError(CheckpointError):
@@ -127,8 +134,9 @@ def prepare_copies(images: Path, files: Sequence[SharedFile]) -> list[str]:
     folder = images / SHM_IMAGES
     folder.mkdir(mode=0o700, exist_ok=True)
     (folder / SHM_INDEX).write_text(json.dumps([asdict(f) for f in files]))
+    (folder / SHM_COPIES).mkdir(mode=0o700, exist_ok=True)
     entries = [part for each in files for part in (str(each.uid), each.name)]
-    argv = [sys.executable, "-I", "-S", "-c", COPY_PROGRAM, str(folder), *entries]
+    argv = [sys.executable, "-I", "-S", "-c", COPY_PROGRAM, str(folder / SHM_COPIES), *entries]
     return [f"{shlex.join(argv)} || exit 1"]
 
 
@@ -169,7 +177,7 @@ def write_back(images: Path) -> list[str]:
     written = []
     for each in _carried(images):
         try:
-            data = (images / SHM_IMAGES / each.name).read_bytes()
+            data = copy_path(images, each.name).read_bytes()
         except FileNotFoundError:
             continue  # gone before the dump: CRIU's images do not map it either
         _write_one(SHM / each.name, each, data)
