@@ -178,7 +178,7 @@ class FakeCheckpoints:
     async def settle_interrupted(self, job_id: int) -> str:
         return ""
 
-    def discard(self, job_id: int) -> int:
+    def discard(self, job_id: int, shared_memory: bool = False) -> int:
         """The job ended: its checkpoints go."""
         return 100 if self.stored.pop(job_id, None) is not None else 0
 
