@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from singularityd.checkpoint import shm
 from singularityd.checkpoint.dump_script import post_dump_script
 from singularityd.checkpoint.shm import (
     SHM,
@@ -97,6 +98,19 @@ def test_written_back_as_their_owners_with_the_saved_bytes(tmp_path: Path, names
         facts = path.stat()
         assert (facts.st_uid, facts.st_gid, facts.st_mode & 0o777) == (NOBODY, NOBODY, each.mode)
         assert path.read_bytes() == data
+
+
+def test_a_file_larger_than_a_chunk_is_written_back_whole(
+    tmp_path: Path, names: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write-back moves a file in chunks (a shared block may be as large as the job's memory):
+    every chunk lands at its place, the last one short."""
+    monkeypatch.setattr(shm, "COPY_CHUNK_BYTES", 4096)
+    data = os.urandom(5 * 4096 + 123)
+    files = [SharedFile(names[0], os.getuid(), os.getgid(), 0o600)]
+    _saved(tmp_path, files, [data])
+    assert write_back(tmp_path) == [names[0]]
+    assert (SHM / names[0]).read_bytes() == data
 
 
 @requires_root

@@ -12,6 +12,7 @@ tree is still frozen, and a restore writes them back, as that user's, before CRI
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shlex
@@ -30,6 +31,8 @@ SHM_INDEX = "files.json"
 """The copies' owners and modes, in that folder."""
 SHM_COPIES = "copies"
 """The folder of the copies in it (apart from the index: any name is a file's name in /dev/shm)."""
+COPY_CHUNK_BYTES = 64 << 20
+"""Most bytes one sendfile of a write-back moves."""
 
 
 def copy_path(images: Path, name: str) -> Path:
@@ -177,10 +180,13 @@ def write_back(images: Path) -> list[str]:
     written = []
     for each in _carried(images):
         try:
-            data = copy_path(images, each.name).read_bytes()
+            source = os.open(copy_path(images, each.name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             continue  # gone before the dump: CRIU's images do not map it either
-        _write_one(SHM / each.name, each, data)
+        try:
+            _write_one(SHM / each.name, each, source)
+        finally:
+            os.close(source)
         written.append(each.name)
     return written
 
@@ -208,19 +214,23 @@ def _open_to_write(path: Path, saved: SharedFile) -> int:
     raise SharedMemoryError(f"cannot put {path} back: another user's file has its name")
 
 
-def _write_one(path: Path, saved: SharedFile, data: bytes) -> None:
-    """Write `data` into `path` with the owner and mode `saved` says."""
+def _write_one(path: Path, saved: SharedFile, source: int) -> None:
+    """Copy the open file `source` into `path`, with the owner and mode `saved` says (by the
+    kernel, a chunk at a time: a shared block may be as large as the job's memory)."""
     try:
         fd = _open_to_write(path, saved)
     except OSError as error:
         raise SharedMemoryError(f"cannot put {path} back: {error.strerror}") from None
     try:
         os.fchmod(fd, saved.mode)
-        os.ftruncate(fd, len(data))
-        view = memoryview(data)
+        size = os.fstat(source).st_size
+        os.ftruncate(fd, size)
         done = 0
-        while done < len(data):
-            done += os.pwrite(fd, view[done:], done)
+        while done < size:
+            sent = os.sendfile(fd, source, done, min(size - done, COPY_CHUNK_BYTES))
+            if sent == 0:
+                raise OSError(errno.EIO, "the copy ended early")
+            done += sent
     except OSError as error:
         raise SharedMemoryError(f"cannot put {path} back: {error.strerror}") from None
     finally:
