@@ -1,8 +1,8 @@
 """A lab of real daemons on this machine, each as if on a machine of its own.
 
 Each node gets a network namespace on the test network (netns.py) and a mount namespace of its
-own, pinned to a file so that a restarted daemon enters the same one as the jobs it left running
-(CRIU then sees the jobs in its own mount namespace). Inside it, the node's own folder is mounted
+own, pinned to a file so that a restarted daemon enters the same one it left its jobs' copies of
+(CRIU then finds the jobs' mounts among its own). Inside it, the node's own folder is mounted
 at one path common to all nodes (`LabPaths.common`), and the daemon keeps its socket and state
 there: like separate machines that all use /var/lib/singularity, every node sees its jobs at the
 same path, while the folders stay apart. The tests reach a node's socket and files through the
@@ -96,6 +96,11 @@ class Node:
         return self.paths.pins / self.name
 
     @property
+    def network_pin(self) -> Path:
+        """The file that keeps the node's network namespace (its jobs' too)."""
+        return Path("/run/netns") / self.network_namespace
+
+    @property
     def log(self) -> Path:
         """The daemon's stderr."""
         return self.folder / "daemon.log"
@@ -128,7 +133,7 @@ class Node:
         environment = {**os.environ, **(env or {}), "NOTIFY_SOCKET": str(common / "notify.sock")}
         environment.pop("SING_SOCKET", None)
         command = [
-            "nsenter", f"--mount={self.pin}", f"--net=/run/netns/{self.network_namespace}", "--",
+            "nsenter", f"--mount={self.pin}", f"--net={self.network_pin}", "--",
             SINGULARITYD, "--config", str(self.write_config()), "--socket", str(common / "run" / "sing.sock"),
             "--state-dir", str(common / "state"), "--devices", "virtual", "--log-level", "debug",
         ]  # fmt: skip
@@ -276,8 +281,9 @@ class Lab:
             run("umount", "--lazy", str(self.paths.pins))
 
 
-def processes_in_mount_namespace(pin: Path) -> list[int]:
-    """PIDs of the processes living in the mount namespace a pin file holds."""
+def processes_in_network_namespace(pin: Path) -> list[int]:
+    """PIDs of the processes living in the network namespace a pin file holds (a node's daemon,
+    its proxies and its jobs, which have mount namespaces of their own)."""
     try:
         wanted = os.stat(pin).st_ino
     except OSError:
@@ -286,15 +292,15 @@ def processes_in_mount_namespace(pin: Path) -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError):
-                if os.stat(f"/proc/{entry}/ns/mnt").st_ino == wanted:
+                if os.stat(f"/proc/{entry}/ns/net").st_ino == wanted:
                     found.append(int(entry))
     return found
 
 
 def kill_jobs_of(node: Node) -> None:
-    """Kill everything left in the node's mount namespace (jobs, proxy servers, spawner)."""
+    """Kill everything left in the node's network namespace (jobs, proxy servers, spawner)."""
     for _ in range(3):
-        pids = [pid for pid in processes_in_mount_namespace(node.pin) if pid != os.getpid()]
+        pids = [pid for pid in processes_in_network_namespace(node.network_pin) if pid != os.getpid()]
         if not pids:
             return
         for pid in pids:

@@ -143,10 +143,11 @@ class Referee:
         self.marker = marker
 
     def _node_of(self) -> dict[int, str]:
+        """Each node's name by the inode of its network namespace, where its jobs run."""
         inodes = {}
         for node in self.lab.nodes.values():
             with contextlib.suppress(OSError):
-                inodes[os.stat(node.pin).st_ino] = node.name
+                inodes[os.stat(node.network_pin).st_ino] = node.name
         return inodes
 
     def copies(self, marker: str) -> dict[str, Copies]:
@@ -155,7 +156,7 @@ class Referee:
         found: dict[str, Copies] = collections.defaultdict(Copies)
         for pid, live in copies_by_pid(marker).items():
             with contextlib.suppress(OSError):
-                node = nodes.get(os.stat(f"/proc/{pid}/ns/mnt").st_ino)
+                node = nodes.get(os.stat(f"/proc/{pid}/ns/net").st_ino)
                 if node is None:
                     continue
                 if live:

@@ -171,5 +171,6 @@ def test_a_move_given_up_after_the_preload_leaves_nothing_on_the_target(lab: Lab
     assert preloaded_on(b, job) == 0
     assert b.sing("wait", str(local_job), timeout=120).code == 0
     release.touch()
-    assert a.sing("wait", str(job), timeout=300).code == 0, a.sing("logs", str(job)).out[-2000:]
+    done = a.sing("wait", str(job), timeout=300)
+    assert done.code == 0, a.sing("show", str(job)).out + a.sing("logs", str(job)).out[-2000:]
     assert a.sing("logs", str(job)).out == expected
