@@ -499,3 +499,24 @@ def test_a_process_whose_main_thread_ended_long_ago_fails_the_dump_clearly(
         asyncio.run(cp.checkpoint("stays", job.pid, owner_uid=0, owner_gid=0, leave_running=False))
     assert pid_alive(job.pid)
     assert job.log().read_text() == "child\n"
+
+
+@requires_root
+def test_a_restore_whose_mounts_cannot_be_prepared_says_why(criu_info: CriuInfo, work: Path) -> None:
+    """A job dumped with its own mounts is restored through a mount yard; a mount point the
+    checkpoint names that this machine lacks fails the restore with the wrapper's reason, not an
+    empty CRIU log."""
+    images = work / "images"
+    images.mkdir()
+    with pytest.raises(CheckpointError) as failed:
+        asyncio.run(
+            Criu(criu_info).restore(
+                images,
+                log_file=work / "restore.log",
+                pidfile=work / "restore.pid",
+                external_mounts={"m0": str(work / "no-such-mount-point")},
+                mount_yard=work / "yard",
+            )
+        )
+    assert "cannot prepare the job's mounts for CRIU" in str(failed.value), failed.value
+    assert "no-such-mount-point" not in os.listdir(work)

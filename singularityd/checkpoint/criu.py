@@ -77,6 +77,7 @@ ERROR_HINTS: tuple[tuple[str, str], ...] = (
     ),
 )
 NOISE = ("rlimit: Can't setup RLIMIT_NOFILE",)
+NO_ERROR_LINE = "CRIU failed without an error line in its log"
 
 
 GHOST_LIMIT_BYTES = 1 << 40
@@ -195,7 +196,7 @@ def summarize_log(text: str) -> str:
             return f"{hint} ({first})" if first and first != hint else hint
     if errors:
         return errors[0]
-    return "CRIU failed without an error line in its log"
+    return NO_ERROR_LINE
 
 
 async def run_to_completion(aw: Awaitable[T]) -> T:
@@ -281,7 +282,10 @@ async def _run_retrying(
             break
         log.info("%s failed (%s); trying again", what, summarize_log(criu_log))
         await transient[cause].between()
-    raise CriuError(f"{what} failed: {summarize_log(criu_log)}", log_file, rc)
+    reason = summarize_log(criu_log)
+    if reason == NO_ERROR_LINE and err.strip():  # failed before it logged (the mount yard's wrapper)
+        reason = err.strip().splitlines()[-1]
+    raise CriuError(f"{what} failed: {reason}", log_file, rc)
 
 
 async def _run_dump(
