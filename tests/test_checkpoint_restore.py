@@ -387,40 +387,24 @@ def test_restore_retries_while_pid_is_taken(criu_info: CriuInfo, work: Path) -> 
 def test_a_dump_gets_past_the_parasite_directory_a_killed_dump_left(
     criu_info: CriuInfo, work: Path, jobs: list[int]
 ) -> None:
-    """CRIU's parasite makes its proc directory in the working directory of the init of a tree whose
-    /proc is the machine's (a job an earlier daemon started without a /proc of its own, re-adopted);
-    one left by a killed dump is removed and the tree checkpointed."""
-    script = write_script(work, "count.py", COUNTER)
-    log = work / "left.log"
-    with log.open("a") as out:  # appended to, as job logs are: CRIU checks the size of others
-        unshare = subprocess.Popen(
-            ["unshare", "--pid", "--fork", "setsid", SYSTEM_PYTHON, script, "300", str(work / "release")],
-            cwd="/", stdout=out, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+    """The job's init works in /, where CRIU's parasite makes its proc directory for a job whose
+    /proc is the machine's; one left by a killed dump is removed and the job checkpointed."""
+    job = counting_job(work, "left", jobs, 300)
+    assert os.readlink(f"/proc/{job.pid}/cwd") == "/"
+    stale = Path("/") / PARASITE_PROC_DIR
+    wait_until(lambda: not stale.exists(), timeout=30)  # a dump of another test may hold it now
+    stale.mkdir(mode=0o700)
     try:
-        init = int(wait_until(lambda: children(unshare.pid), timeout=10)[0])
-        track(jobs, init)
-        assert wait_for_line(log, "2\n", 30)
-        stale = Path("/") / PARASITE_PROC_DIR
-        wait_until(lambda: not stale.exists(), timeout=30)  # a dump of another test may hold it now
-        stale.mkdir(mode=0o700)
-        try:
-            cp = checkpointer_in(criu_info, work / "store")
-            r = asyncio.run(cp.checkpoint("left", init, owner_uid=0, owner_gid=0, leave_running=False))
-            assert not stale.exists()
-            assert wait_exit(init, 10)
-            rr = asyncio.run(cp.restore_latest("left"))
-            assert rr.seq == r.seq
-            track(jobs, rr.pid)
-            (work / "release").touch()
-            assert wait_exit(rr.pid, 60)
-            assert log.read_text() == "".join(f"{i}\n" for i in range(300)) + "done\n"
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                stale.rmdir()
+        cp = checkpointer_in(criu_info, work / "store")
+        r = asyncio.run(cp.checkpoint("left", job.pid, owner_uid=0, owner_gid=0, leave_running=False))
+        assert not stale.exists()
+        assert wait_exit(job.pid, 10)
+        rr = asyncio.run(cp.restore_latest("left"))
+        assert rr.seq == r.seq
+        finish_counting(rr.pid, job, jobs, work / "release", 300)
     finally:
-        unshare.kill()
-        unshare.wait()
+        with contextlib.suppress(FileNotFoundError):
+            stale.rmdir()
 
 
 ENDING_LATER = """

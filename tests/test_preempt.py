@@ -220,26 +220,6 @@ def test_suspend_hold_and_resume(cr_daemon: Daemon) -> None:
     assert cr_daemon.sing("logs", str(job)).out == uninterrupted_output(120)
 
 
-def test_a_job_sees_its_own_processes_in_proc_before_and_after_a_preemption(cr_daemon: Daemon) -> None:
-    """/proc/<os.getpid()> is the job's process itself (psutil.Process() reads it), not the
-    machine's process of that number, and stays so in the restored job."""
-    release = release_file(cr_daemon)
-    program = REPO / "tests" / "programs" / "own_proc.py"
-    job = cr_daemon.submit(sys.executable, str(program), str(release))
-    cr_daemon.wait_state(job, "RUNNING")
-    log = cr_daemon.state_dir / "jobs" / str(job) / "logs" / "rank-0.log"
-    wait_until(lambda: log.exists() and log.read_text().count("\n") >= 3)
-    assert cr_daemon.sing("preempt", str(job)).code == 0
-    cr_daemon.wait_state(job, "RUNNING")
-    before = log.read_text().count("\n")
-    wait_until(lambda: log.read_text().count("\n") >= before + 3)
-    release.touch()
-    cr_daemon.wait_ok(job)
-    lines = cr_daemon.sing("logs", str(job)).out.splitlines()
-    assert lines[-1] == "done"
-    assert [line.split()[1] for line in lines[:-1]] == ["True"] * (len(lines) - 1), lines
-
-
 def test_daemon_and_job_killed_resume_from_periodic_checkpoint(daemon_root: Path) -> None:
     expected = uninterrupted_output(200)
     with running_daemon(daemon_root, virtual_devices=1) as daemon:
