@@ -2,9 +2,8 @@
 
 Run by the daemon (singularityd.jobs.launch) as `python -S launcher.py SPEC.json`; it imports
 only the standard library so it starts fast and never depends on the daemon's packages. As root
-it puts the job in a new PID namespace (so a CRIU restore never needs the original PIDs) and a
-private mount namespace whose /proc is that PID namespace's (so /proc/<os.getpid()> is the process
-itself), forks the supervisor, prints the supervisor's host PID and exits: the supervisor outlives the daemon,
+it puts the job in a new PID namespace (so a CRIU restore never needs the original PIDs), forks
+the supervisor, prints the supervisor's host PID and exits: the supervisor outlives the daemon,
 and records the job's exit status in a file, so a restarted daemon can re-adopt the job or learn
 how it ended.
 
@@ -35,7 +34,6 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 CLONE_NEWNS = 0x00020000
@@ -335,49 +333,25 @@ def _record_pid(spec: dict[str, Any], pid: int, ticks: int) -> None:
 def launch(spec: dict[str, Any], spec_path: str = "") -> int:
     """Fork the supervisor (in new namespaces when asked) and return its host PID.
 
-    In a PID namespace the supervisor is exec'd anew once its own /proc is mounted, so that CRIU
-    finds every file it maps in the job's mount namespace. It works in /, which every machine has:
-    CRIU restores its working directory by path, on this machine or a peer (each rank enters the
-    job's own directory).
+    The supervisor works in /, which every machine has: CRIU restores its working directory by
+    path, on this machine or a peer, and its parasite briefly makes a directory there to dump a
+    job whose /proc is not its PID namespace's (each rank enters the job's own directory).
     """
     os.chdir("/")
-    supervisor_argv = [sys.executable, "-S", os.path.abspath(__file__), SUPERVISE_FLAG, spec_path]
     if spec.get("user_namespace"):
-        pid, ticks = launch_in_user_namespace(spec, supervisor_argv)
+        pid, ticks = launch_in_user_namespace(
+            spec, [sys.executable, "-S", os.path.abspath(__file__), SUPERVISE_FLAG, spec_path]
+        )
         _record_pid(spec, pid, ticks)
         return pid
-    if not spec.get("pid_namespace"):
-        sys.stdout.flush()
-        pid = os.fork()
-        if pid == 0:
-            _run_supervisor(spec)
-        _record_pid(spec, pid, _start_ticks(pid))
-        return pid
-    _unshare(CLONE_NEWNS, "CLONE_NEWNS")
-    _mount(None, "/", None, MS_REC | MS_PRIVATE)
-    _unshare(CLONE_NEWPID | (CLONE_NEWNET if spec.get("network_namespace") else 0), "CLONE_NEWPID")
-    go_r, go_w = os.pipe()
+    if spec.get("pid_namespace"):
+        _unshare(CLONE_NEWPID | (CLONE_NEWNET if spec.get("network_namespace") else 0), "CLONE_NEWPID")
     sys.stdout.flush()
     pid = os.fork()
     if pid == 0:
-        os.close(go_w)
-        _wait_and_exec_supervisor(go_r, supervisor_argv, spec.get("status_path"), _swap_proc)
-    os.close(go_r)
-    try:
-        _record_pid(spec, pid, _start_ticks(pid))
-        os.write(go_w, b"g")
-    except BaseException:
-        os.kill(pid, signal.SIGKILL)
-        raise
-    finally:
-        os.close(go_w)
+        _run_supervisor(spec)
+    _record_pid(spec, pid, _start_ticks(pid))
     return pid
-
-
-def _swap_proc() -> None:
-    """Replace the /proc mount with a proc of the PID namespace this process is in."""
-    _check(_libc.umount2(b"/proc", MNT_DETACH), "umount /proc")
-    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
 
 
 def _read_exactly(fd: int, size: int) -> bytes:
@@ -428,7 +402,7 @@ def launch_in_user_namespace(spec: dict[str, Any], supervisor_argv: list[str]) -
                 init = os.fork()
                 if init == 0:
                     os.close(to_parent_w)
-                    _wait_and_exec_supervisor(go_r, supervisor_argv, spec.get("status_path"), _own_mounts)
+                    _wait_and_exec_supervisor(go_r, supervisor_argv, spec.get("status_path"))
                 os.write(to_parent_w, str(init).encode())
                 code = 0
         except BaseException as error:
@@ -465,15 +439,12 @@ def launch_in_user_namespace(spec: dict[str, Any], supervisor_argv: list[str]) -
     return init, ticks
 
 
-def _wait_and_exec_supervisor(
-    go_fd: int, argv: list[str], status_path: str | None, prepare: Callable[[], None]
-) -> None:
-    """In the job's init: wait for the launcher's go, `prepare` its mounts, exec the supervisor
-    (so that even its executable is opened in the job's mount namespace, where CRIU looks it up)."""
+def _wait_and_exec_supervisor(go_fd: int, argv: list[str], status_path: str | None) -> None:
+    """In the job's init: wait for the launcher's go, take a mount namespace, exec the supervisor."""
     error: BaseException | str = "the launcher gave up"
     try:
         if _read_exactly(go_fd, 1) == b"g":
-            prepare()
+            _unshare(CLONE_NEWNS, "CLONE_NEWNS")
             os.execv(argv[0], argv)
     except BaseException as failure:
         error = failure
@@ -483,11 +454,6 @@ def _wait_and_exec_supervisor(
                 message = f"supervisor failed: {error}"
                 _write_status(status_path, {"exit_code": EXIT_LAUNCH_ERROR, "signal": None, "error": message})
         os._exit(EXIT_LAUNCH_ERROR)
-
-
-def _own_mounts() -> None:
-    """Take a mount namespace of its own (owned by the user namespace the process is in)."""
-    _unshare(CLONE_NEWNS, "CLONE_NEWNS")
 
 
 def _replace_proc_for(init: int) -> None:
@@ -502,7 +468,8 @@ def _replace_proc_for(init: int) -> None:
     if mounter == 0:
         code = 1
         try:
-            _swap_proc()
+            _check(_libc.umount2(b"/proc", MNT_DETACH), "umount /proc")
+            _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
             code = 0
         except OSError as error:
             os.write(errors_w, str(error).encode())
