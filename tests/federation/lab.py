@@ -1,7 +1,7 @@
 """A lab of real daemons on this machine, each as if on a machine of its own.
 
 Each node gets a network namespace on the test network (netns.py) and a mount namespace of its
-own, pinned to a file so that a restarted daemon enters the same one it left its jobs' copies of
+own, pinned to a file so that a restarted daemon enters the same one as the jobs it left running
 (CRIU then finds the jobs' mounts among its own). Inside it, the node's own folder is mounted
 at one path common to all nodes (`LabPaths.common`), and the daemon keeps its socket and state
 there: like separate machines that all use /var/lib/singularity, every node sees its jobs at the
@@ -283,7 +283,7 @@ class Lab:
 
 def processes_in_network_namespace(pin: Path) -> list[int]:
     """PIDs of the processes living in the network namespace a pin file holds (a node's daemon,
-    its proxies and its jobs, which have mount namespaces of their own)."""
+    its proxies and its jobs, a job in a user namespace with a mount namespace of its own too)."""
     try:
         wanted = os.stat(pin).st_ino
     except OSError:
