@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .channel import CLIENT_LOCK
 from .devices import DEVICES
 from .tensor import ProxyTensor, SpecialHandler, download, fill, forward, upload_to
 
@@ -30,7 +31,8 @@ class _Upload(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
-        return (download(grad) if isinstance(grad, ProxyTensor) else grad), None
+        with CLIENT_LOCK:  # autograd's threads (distributed autograd runs several at once)
+            return (download(grad) if isinstance(grad, ProxyTensor) else grad), None
 
 
 class _Download(torch.autograd.Function):
@@ -43,7 +45,8 @@ class _Download(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
-        return upload(grad, ctx.index)
+        with CLIENT_LOCK:  # as above: two uploads at once would take the same handle
+            return upload(grad, ctx.index)
 
 
 def to_device(tensor: torch.Tensor, index: int) -> Any:
