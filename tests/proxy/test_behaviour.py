@@ -199,6 +199,16 @@ def test_functions_run_for_rpc_use_the_device(server: ProxyServer) -> None:
     assert len(proxied.splitlines()) == 4 and all(" True " in line for line in proxied.splitlines())
 
 
+def test_distributed_autograd_copies_gradients_to_the_device_from_many_threads(server: ProxyServer) -> None:
+    """Distributed autograd runs the backward passes of concurrent RPC micro-batches on several
+    threads at once, each copying a gradient to the device: those copies took the same tensor handle
+    ("proxy: handle ... cannot take a new tensor", pytorch/examples' rpc/pipeline).
+    tests/programs/rpc_pipeline.py prints every loss as on the CPU."""
+    direct, proxied = outputs_on_cpu_and_device("rpc_pipeline.py", server)
+    assert proxied == direct
+    assert len(proxied.splitlines()) == 10
+
+
 def test_utilization_is_the_share_of_the_last_second_the_device_worked(server: ProxyServer) -> None:
     """torch.cuda.utilization() answers as NVML's does (it raised pynvml's error): most of the last
     second while the program keeps the device busy, 0 after a second and a half of rest."""
