@@ -6,9 +6,12 @@ With CORPUS_HOLD naming a file, a program waits for that file before it prints i
 
 import hashlib
 import os
+import socket
 import time
+from collections.abc import Callable
 
 import torch
+import torch.multiprocessing as mp
 
 
 def hold() -> None:
@@ -26,3 +29,12 @@ def checksum(module: torch.nn.Module) -> str:
         h.update(name.encode())
         h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:32]
+
+
+def spawn_on_a_free_port(run: Callable[[int, str, int], None], device: str, processes: int = 2) -> None:
+    """Spawn `processes` processes running run(rank, device, port), with a free local TCP port
+    for their rendezvous."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    mp.spawn(run, args=(device, free), nprocs=processes, join=True)

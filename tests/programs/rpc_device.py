@@ -3,12 +3,11 @@ runs them on threads it starts in C++. Worker 0 uses the device; worker 1 never 
 worker 0 to run them (worker 0 asks itself too)."""
 
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed.rpc as rpc
-import torch.multiprocessing as mp
+from _common import spawn_on_a_free_port
 
 
 def on_device(device: str, n: int) -> str:
@@ -34,7 +33,4 @@ def run(rank: int, device: str, port: int) -> None:
 
 
 if __name__ == "__main__":
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        free = probe.getsockname()[1]
-    mp.spawn(run, args=(sys.argv[1], free), nprocs=2, join=True)
+    spawn_on_a_free_port(run, sys.argv[1])

@@ -4,14 +4,13 @@ copied to the host; the master's distributed autograd then runs their backward p
 threads at once, each copying a gradient back to the device. Prints every step's loss."""
 
 import os
-import socket
 import sys
 import threading
 
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
-import torch.multiprocessing as mp
+from _common import spawn_on_a_free_port
 from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
 
@@ -60,7 +59,4 @@ def run(rank: int, device: str, port: int) -> None:
 
 
 if __name__ == "__main__":
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        free = probe.getsockname()[1]
-    mp.spawn(run, args=(sys.argv[1], free), nprocs=2, join=True)
+    spawn_on_a_free_port(run, sys.argv[1])
