@@ -68,6 +68,19 @@ def _layout(tensor: torch.Tensor) -> list[Any]:
     return [list(tensor.shape), list(tensor.stride()), tensor.storage_offset()]
 
 
+def _resized_outputs(template: Any, layouts_before: list[Any], inputs: list[torch.Tensor]) -> Any:
+    """An output template in which each returned input whose layout the operation changed (an
+    `out=` argument it resized) is reported as reshaped, so the job's stand-in takes the layout."""
+    tag = template[0]
+    if tag == protocol.TEMPLATE_ALIAS:
+        layout = _layout(inputs[template[1]])
+        if layout != layouts_before[template[1]]:
+            return [protocol.TEMPLATE_RESHAPED, template[1], *layout]
+    elif tag in (protocol.TEMPLATE_LIST, protocol.TEMPLATE_TUPLE):
+        return [tag, [_resized_outputs(item, layouts_before, inputs) for item in template[1]]]
+    return template
+
+
 def _meta_growth(operator: Any, args: list[Any], kwargs: dict[str, Any]) -> int:
     """Bytes an operator would allocate, found by running it on meta tensors shaped like the inputs."""
     real_bytes: dict[int, int] = {}
@@ -204,6 +217,7 @@ class Executor:
             self._check_planned(session, served, args, kwargs)
         call, output = self._reused(session, served.operator, args, kwargs)
         ran = output is MISS
+        layouts_before = [_layout(session.tensors[h]) for h in inputs] if served.resizes_outputs else None
         if ran:
             self._note_lead(session, call)
             output = self._run_operator(session, served.operator, served.operator, args, kwargs)
@@ -218,6 +232,8 @@ class Executor:
             session.check_capacity(new_handles, sum(template_new_bytes(template)))
         if served.reshapes_input and template[0] == protocol.TEMPLATE_ALIAS:
             template = [protocol.TEMPLATE_RESHAPED, template[1], *_layout(output)]
+        if layouts_before is not None:
+            template = _resized_outputs(template, layouts_before, [session.tensors[h] for h in inputs])
         if served.rebinds_input:
             for handle in set(inputs):
                 session.rebind(handle)

@@ -277,6 +277,8 @@ class Served:
     """Whether it changes the shape, stride or offset of a tensor it was given (an in-place view)."""
     rebinds_input: bool
     """Whether it may give a tensor it was given another storage (set_)."""
+    resizes_outputs: bool
+    """Whether it writes `out=` arguments, which it resizes when their shape is not the result's."""
 
 
 def serve(namespace: str, name: str, overload: str) -> Served:
@@ -287,8 +289,7 @@ def serve(namespace: str, name: str, overload: str) -> Served:
         (i for i, a in enumerate(arguments) if a.name == "size" and str(a.type) == "List[int]"), None
     )
     written = [a for a in arguments if a.alias_info is not None and a.alias_info.is_write]
-    grows = bool(written) and (
-        name in ("resize_", "resize_as_", "set_") or any(a.name == "out" for a in written)
-    )
+    grows = bool(written) and (name in ("resize_", "resize_as_", "set_") or any(a.is_out for a in written))
     reshapes = torch.Tag.inplace_view in operator.tags
-    return Served(operator, size_argument, grows, reshapes, name == "set_")
+    resizes_outputs = any(a.is_out for a in written)
+    return Served(operator, size_argument, grows, reshapes, name == "set_", resizes_outputs)

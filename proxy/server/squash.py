@@ -110,8 +110,8 @@ def _judge(operator: Any) -> bool:
         if "Generator" in kind or (argument.name == "size" and kind == "List[int]"):
             return False
         written = argument.alias_info is not None and argument.alias_info.is_write
-        if written and argument.name.startswith("out"):
-            return False  # out= arguments may be resized
+        if written and argument.is_out:
+            return False  # out= arguments (whatever their name) may be resized
     for returned in schema.returns:
         if str(returned.type) not in ("Tensor", "Tensor[]", "Tensor?"):
             return False

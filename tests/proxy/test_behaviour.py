@@ -156,6 +156,14 @@ def test_tensors_asked_for_on_the_host_are_made_there(server: ProxyServer) -> No
     assert proxied.stdout == expected
 
 
+def test_out_arguments_an_operation_resizes_take_the_shape_it_gave_them(server: ProxyServer) -> None:
+    """`out=` tensors of another shape (empty ones, tuples of them, arguments not named `out`)
+    come back with the result's shape and storage size, the second call of a signature too."""
+    direct, proxied = outputs_on_cpu_and_device("probe_out_arguments.py", server)
+    assert "add 1 (3, 3) (3, 1) True 36" in direct and "max (3,) (3,)" in direct
+    assert proxied == direct
+
+
 def test_warnings_inside_operations_are_shown_at_the_lines_a_direct_run_shows(server: ProxyServer) -> None:
     direct = run_program(["probe_warnings.py", "cpu"], base_env())
     proxied = run_program(["probe_warnings.py", "cuda"], proxy_env([server.socket], "warnings"))
