@@ -164,6 +164,13 @@ def test_out_arguments_an_operation_resizes_take_the_shape_it_gave_them(server: 
     assert proxied == direct
 
 
+def test_a_tensor_given_other_data_stands_for_it_from_then_on(server: ProxyServer) -> None:
+    """`.data =` on parameters, plain tensors and views: shapes, values and training as directly."""
+    direct, proxied = outputs_on_cpu_and_device("probe_data_assignment.py", server)
+    assert "parameter (4,) 4.0 [1.0, 1.0, 1.0, 1.0]" in direct and "view [7.0, 7.0" in direct
+    assert proxied == direct
+
+
 def test_warnings_inside_operations_are_shown_at_the_lines_a_direct_run_shows(server: ProxyServer) -> None:
     direct = run_program(["probe_warnings.py", "cpu"], base_env())
     proxied = run_program(["probe_warnings.py", "cuda"], proxy_env([server.socket], "warnings"))

@@ -23,6 +23,7 @@ from . import legacy_types, protocol
 from .channel import CLIENT_LOCK
 from .devices import DEVICES, device_index, same_device_error
 from .encoding import wire_arguments
+from .storages import storage_record
 from .tensor import ProxyTensor, download, new_stand_in
 from .transfers import to_device, to_host, upload
 
@@ -228,6 +229,24 @@ def _new_tensor(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return func(*args, **kwargs)
 
 
+def _set_data(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`tensor.data = value` on stand-ins: the tensor stands for value's server tensor from then on
+    (torch itself changes only the wrapper's C++ metadata, which would leave it naming the old one)."""
+    self, value = args
+    if type(self) is ProxyTensor and type(value) is ProxyTensor:
+        func(self, value)
+        handle = value._handle
+        handle.shared = True
+        self._handle = handle
+        self._id = handle.id
+        self._meta = value._meta
+        self._channel = value._channel
+        self._storage = storage_record(value)
+        return None
+    _check_devices(args)
+    return func(*args, **kwargs)
+
+
 def _pin_memory(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return args[0]
 
@@ -345,6 +364,7 @@ _METHODS: dict[Any, Callable[[Any, Sequence[Any], dict[str, Any]], Any]] = {
     _Tensor.new_tensor: _new_tensor,
     _Tensor.pin_memory: _pin_memory,
     _Tensor.is_pinned: _is_pinned,
+    torch._C.TensorBase.data.__set__: _set_data,  # type: ignore[attr-defined]
     _Tensor.type: _type,
     torch.device: _device,
 }
