@@ -171,6 +171,12 @@ def test_a_tensor_given_other_data_stands_for_it_from_then_on(server: ProxyServe
     assert proxied == direct
 
 
+def test_generators_made_for_the_device_draw_as_the_direct_run_draws(server: ProxyServer) -> None:
+    direct, proxied = outputs_on_cpu_and_device("probe_generators.py", server)
+    assert "device True True True" in direct and "replay True 5" in direct and "pickle True True" in direct
+    assert proxied == direct
+
+
 def test_warnings_inside_operations_are_shown_at_the_lines_a_direct_run_shows(server: ProxyServer) -> None:
     direct = run_program(["probe_warnings.py", "cpu"], base_env())
     proxied = run_program(["probe_warnings.py", "cuda"], proxy_env([server.socket], "warnings"))

@@ -69,6 +69,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     cuda_surface.patch_cuda()
     cuda_surface.patch_accelerator()
     cuda_surface.patch_autocast()
+    cuda_surface.patch_generator()
     device_comm.install()
     serialization.install()
     composites.install()

@@ -452,6 +452,49 @@ def patch_accelerator() -> None:
             setattr(memory, name, func)
 
 
+class _GeneratorType(type(torch._C.Generator)):  # type: ignore[misc]
+    """The type of torch.Generator in a job: every generator is one, torch's own CPU ones too."""
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return isinstance(instance, torch._C.Generator)
+
+    def __subclasscheck__(cls, subclass: Any) -> bool:
+        return issubclass(subclass, torch._C.Generator)
+
+
+class Generator(torch._C.Generator, metaclass=_GeneratorType):
+    """torch.Generator, which a job may also make for a proxied device: a CPU generator naming that
+    device, since a job draws its devices' random numbers on the host with the generator it is
+    given (randomness.py), as a direct CPU run draws them."""
+
+    _proxied: torch.device | None = None
+
+    def __new__(cls, device: Any = None) -> Generator:
+        target = torch.device("cpu" if device is None else device)
+        if target.type != "cuda":
+            return super().__new__(cls, device=target)  # type: ignore[call-arg,no-any-return]
+        generator = super().__new__(cls, device="cpu")  # type: ignore[call-arg]
+        generator._proxied = torch.device("cuda", device_index(target))
+        return generator  # type: ignore[no-any-return]
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self._proxied or torch._C.Generator.device.__get__(self)  # type: ignore[attr-defined,no-any-return]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Copies and pickles keep the device (torch's own reduction rebuilds a CPU generator)."""
+        _, _, state = super().__reduce__()
+        return (Generator, (self.device,), state)
+
+
+Generator.__module__ = "torch"
+
+
+def patch_generator() -> None:
+    """Let `torch.Generator(device="cuda")` make a generator for a proxied device."""
+    torch.Generator = Generator  # type: ignore[misc]
+
+
 def patch_autocast() -> None:
     """autocast('cuda') also casts stand-ins, whose C++ device is the host."""
     autocast = torch.amp.autocast_mode.autocast
