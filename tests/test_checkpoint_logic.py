@@ -185,7 +185,8 @@ def test_tree_problems() -> None:
     assert tree_problems([], full, tcp_problem_text="") == ["the job's root process does not exist"]
     assert tree_problems([root_init, rank], full, tcp_problem_text="") == [
         "process 11 (python) uses io_uring, which CRIU cannot checkpoint "
-        "(for torch.distributed set USE_LIBUV=0 so its TCPStore does not use libuv)"
+        "(for torch.distributed set USE_LIBUV=0 so its TCPStore and RPC do not use libuv, "
+        "and name no 'uv' transport or 'mpt_uv' channel in TensorPipeRpcBackendOptions)"
     ]
 
 

@@ -2,10 +2,10 @@
 
 The daemon's launcher puts this directory first on the job's PYTHONPATH. Right after the program
 first imports torch (processes of the job that never use torch pay nothing): with USE_LIBUV=0
-(the daemon's default) torch's TCPStore defaults to its plain backend, which CRIU can dump
-(_singularity_proxy.stores); with SING_PROXY_SOCKETS the client is installed. In every process,
-multiprocessing's named semaphores are mapped so that CRIU can dump them
-(_singularity_proxy.semaphores).
+(the daemon's default) torch's TCPStore defaults to its plain backend and RPC to TensorPipe's
+shared-memory transport, which CRIU can dump (_singularity_proxy.stores); with SING_PROXY_SOCKETS
+the client is installed. In every process, multiprocessing's named semaphores are mapped so that
+CRIU can dump them (_singularity_proxy.semaphores).
 """
 
 from __future__ import annotations
@@ -70,10 +70,11 @@ def _torch_imported() -> None:
     """What the job's environment asks for once torch is imported."""
     _client_importable()
     import _singularity_proxy  # type: ignore[import-not-found,unused-ignore]
-    from _singularity_proxy import stores  # type: ignore[import-not-found,unused-ignore]
+    from _singularity_proxy import on_import, stores  # type: ignore[import-not-found,unused-ignore]
 
     if stores.wanted():
         stores.default_without_libuv()
+        on_import.patch_modules({"torch.distributed.rpc.options": stores.rpc_without_libuv})
     _singularity_proxy.activate()
 
 

@@ -90,7 +90,8 @@ def tree_problems(procs: Sequence[ProcFacts], daemon: DaemonFacts, *, tcp_proble
         if any("io_uring" in t for t in p.fd_targets):
             problems.append(
                 f"process {p.pid} ({p.name}) uses io_uring, which CRIU cannot checkpoint "
-                "(for torch.distributed set USE_LIBUV=0 so its TCPStore does not use libuv)"
+                "(for torch.distributed set USE_LIBUV=0 so its TCPStore and RPC do not use libuv, "
+                "and name no 'uv' transport or 'mpt_uv' channel in TensorPipeRpcBackendOptions)"
             )
             break
     if tcp_problem_text:
