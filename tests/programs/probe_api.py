@@ -45,6 +45,11 @@ try:
     x.numpy()
 except TypeError as e:
     print("numpy", e)
+for name, call in [("apply_", lambda: x.apply_(abs)), ("map_", lambda: x.map_(x, max))]:
+    try:
+        call()
+    except TypeError as e:
+        print(name, e)
 try:
     print(x + torch.ones(2, 3))
 except RuntimeError as e:

@@ -173,6 +173,14 @@ def _numpy(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return func(*args, **kwargs)
 
 
+def _host_only(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`apply_`, `map_` and `map2_`, which call Python on each element in place: refused for device
+    tensors with CUDA's error (run on the wrapper they would write through its empty storage)."""
+    if any(isinstance(arg, ProxyTensor) for arg in args[:3]):
+        raise TypeError(f"{func.__name__} is only implemented on CPU tensors")
+    return func(*args, **kwargs)
+
+
 def _tolist(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     if isinstance(args[0], ProxyTensor):
         return download(args[0].detach()).tolist()
@@ -361,6 +369,9 @@ _METHODS: dict[Any, Callable[[Any, Sequence[Any], dict[str, Any]], Any]] = {
     _Tensor.cpu: _cpu,
     _Tensor.numpy: _numpy,
     _Tensor.tolist: _tolist,
+    _Tensor.apply_: _host_only,
+    _Tensor.map_: _host_only,
+    _Tensor.map2_: _host_only,
     _Tensor.new_tensor: _new_tensor,
     _Tensor.pin_memory: _pin_memory,
     _Tensor.is_pinned: _is_pinned,
