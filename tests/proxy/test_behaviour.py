@@ -95,6 +95,8 @@ def test_api_surface_and_portable_save(server: ProxyServer, tmp_path: Path) -> N
         "item 5.0 tolist [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]",
         "numpy can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the "
         "tensor to host memory first.",
+        "apply_ apply_ is only implemented on CPU tensors",
+        "map_ map_ is only implemented on CPU tensors",
         "mixed Expected all tensors to be on the same device",
         "default device cuda:0",
         "deepcopy cuda:0 True True",
@@ -174,6 +176,14 @@ def test_a_tensor_given_other_data_stands_for_it_from_then_on(server: ProxyServe
 def test_generators_made_for_the_device_draw_as_the_direct_run_draws(server: ProxyServer) -> None:
     direct, proxied = outputs_on_cpu_and_device("probe_generators.py", server)
     assert "device True True True" in direct and "replay True 5" in direct and "pickle True True" in direct
+    assert proxied == direct
+
+
+def test_packed_sequences_keep_their_batch_sizes_and_lengths_on_the_host(server: ProxyServer) -> None:
+    """RNNs over packed sequences: batch sizes and lengths on the host, as CUDA returns them (the
+    LSTM refused batch sizes on the device), values, gradients and errors as directly."""
+    direct, proxied = outputs_on_cpu_and_device("probe_packed_sequences.py", server)
+    assert "packed cpu [3, 3, 2, 2, 1]" in direct and "padded (3, 5, 4) cpu [5, 2, 4]" in direct
     assert proxied == direct
 
 

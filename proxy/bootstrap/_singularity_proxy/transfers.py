@@ -78,5 +78,22 @@ def _copy_(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return forward(func, args, kwargs)
 
 
-TRANSFER_OPS: dict[Any, SpecialHandler] = {torch.ops.aten.copy_.default: _copy_}
+def _sizes_on_host(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`_pack_padded_sequence` and `_pad_packed_sequence` (RNNs' packed sequences): as on CUDA, the
+    sequences are made on the device and the batch sizes or lengths returned beside them on the
+    host. Those depend only on the host lengths or batch sizes given, so the host works them out
+    on one-feature zeros in place of the sequences, with the same checks and errors."""
+    sequences, _ = forward(func, args, kwargs)
+    first = args[0]
+    leading = 2 if func is torch.ops.aten._pack_padded_sequence.default else 1
+    zeros = torch.zeros(*first.shape[:leading], 1, dtype=first.dtype)
+    _, sizes = func(zeros, *args[1:], **kwargs)
+    return sequences, sizes
+
+
+TRANSFER_OPS: dict[Any, SpecialHandler] = {
+    torch.ops.aten.copy_.default: _copy_,
+    torch.ops.aten._pack_padded_sequence.default: _sizes_on_host,
+    torch.ops.aten._pad_packed_sequence.default: _sizes_on_host,
+}
 """Operators that move data between the host and devices, carried out by the client."""
