@@ -45,6 +45,13 @@ try:
     x.numpy()
 except TypeError as e:
     print("numpy", e)
+for name, call in [("to_dlpack", lambda: torch.utils.dlpack.to_dlpack(x)), ("__dlpack__", x.__dlpack__)]:
+    try:
+        call()
+    except BufferError as e:
+        print(name, "refused", "proxy server" in str(e))
+print("from_dlpack", torch.equal(torch.from_dlpack(x), x), torch.from_dlpack(x).data_ptr() == x.data_ptr())
+print("cuda_array_interface", hasattr(x, "__cuda_array_interface__"))
 for name, call in [("apply_", lambda: x.apply_(abs)), ("map_", lambda: x.map_(x, max))]:
     try:
         call()

@@ -23,6 +23,7 @@ from . import legacy_types, protocol
 from .channel import CLIENT_LOCK
 from .devices import DEVICES, device_index, same_device_error
 from .encoding import wire_arguments
+from .serialization import EXPORT_REFUSED, refuse_export
 from .storages import storage_record
 from .tensor import ProxyTensor, download, new_stand_in
 from .transfers import to_device, to_host, upload
@@ -179,6 +180,19 @@ def _host_only(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     if any(isinstance(arg, ProxyTensor) for arg in args[:3]):
         raise TypeError(f"{func.__name__} is only implemented on CPU tensors")
     return func(*args, **kwargs)
+
+
+def _export(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`__dlpack__` and `__cuda_array_interface__` of a stand-in: refused (serialization.py); the
+    interface's absence is an AttributeError, so that libraries asking `hasattr` take another way."""
+    if isinstance(args[0], ProxyTensor):
+        if func == _CUDA_ARRAY_INTERFACE:
+            raise AttributeError(EXPORT_REFUSED)
+        refuse_export(args[0])
+    return func(*args, **kwargs)
+
+
+_CUDA_ARRAY_INTERFACE = _Tensor.__cuda_array_interface__.__get__  # type: ignore[attr-defined]
 
 
 def _tolist(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -369,6 +383,8 @@ _METHODS: dict[Any, Callable[[Any, Sequence[Any], dict[str, Any]], Any]] = {
     _Tensor.cpu: _cpu,
     _Tensor.numpy: _numpy,
     _Tensor.tolist: _tolist,
+    _Tensor.__dlpack__: _export,
+    _CUDA_ARRAY_INTERFACE: _export,
     _Tensor.apply_: _host_only,
     _Tensor.map_: _host_only,
     _Tensor.map2_: _host_only,

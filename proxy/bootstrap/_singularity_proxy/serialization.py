@@ -25,6 +25,10 @@ SHARING_REFUSED = (
     "proxy: a CUDA tensor cannot be sent to another process on proxied devices (CUDA IPC is not "
     "served): send a CPU copy (tensor.cpu()) or create the tensor in that process"
 )
+EXPORT_REFUSED = (
+    "proxy: a tensor on a proxied device cannot be handed to another library by its memory (DLPack, "
+    "__cuda_array_interface__): its memory is in the proxy server; hand over tensor.cpu()"
+)
 
 _latest_copy: list[tuple[torch.Tensor, str]] = []
 """The latest host copy made by torch.save pickling a stand-in, with its location tag, kept (and
@@ -143,11 +147,34 @@ def refuse_sharing(stand_in: ProxyTensor) -> Any:
     raise RuntimeError(SHARING_REFUSED)
 
 
+def refuse_export(stand_in: Any) -> Any:
+    """DLPack and the CUDA array interface would give another library (numpy, CuPy) the address of
+    the stand-in's empty host wrapper, which it would read as the tensor's values."""
+    raise BufferError(EXPORT_REFUSED)
+
+
 def install() -> None:
     """Make stand-ins pickle as cuda tensors, and torch.save / torch.load handle them; refuse to
     send them to another process."""
     ProxyTensor.__reduce_ex__ = reduce_as_cuda_tensor  # type: ignore[assignment,method-assign]
     ForkingPickler.register(ProxyTensor, refuse_sharing)
+    dlpack: Any = torch.utils.dlpack
+    to_dlpack, from_dlpack = dlpack.to_dlpack, dlpack.from_dlpack
+
+    def to_dlpack_of_host_tensors(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(tensor, ProxyTensor):
+            refuse_export(tensor)
+        return to_dlpack(tensor, *args, **kwargs)
+
+    def from_dlpack_or_stand_in(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        """A stand-in given to torch's from_dlpack: the tensor viewing its memory, as on a GPU."""
+        if isinstance(tensor, ProxyTensor):
+            return tensor.detach()
+        return from_dlpack(tensor, *args, **kwargs)
+
+    top: Any = torch
+    dlpack.to_dlpack = to_dlpack_of_host_tensors
+    dlpack.from_dlpack = top.from_dlpack = from_dlpack_or_stand_in
     torch.serialization.register_package(1, _location_tag, lambda obj, location: None)
     original_load = torch.load
 
