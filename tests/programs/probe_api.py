@@ -3,6 +3,7 @@
 import copy
 import sys
 
+import numpy as np
 import torch
 
 path = sys.argv[1]
@@ -45,6 +46,10 @@ try:
     x.numpy()
 except TypeError as e:
     print("numpy", e)
+try:
+    np.asarray(x)
+except TypeError as e:
+    print("asarray", e)
 for name, call in [("to_dlpack", lambda: torch.utils.dlpack.to_dlpack(x)), ("__dlpack__", x.__dlpack__)]:
     try:
         call()

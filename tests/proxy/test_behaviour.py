@@ -95,6 +95,7 @@ def test_api_surface_and_portable_save(server: ProxyServer, tmp_path: Path) -> N
         "item 5.0 tolist [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]",
         "numpy can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the "
         "tensor to host memory first.",
+        "asarray can't convert cuda:0 device type tensor to numpy.",
         "to_dlpack refused True",
         "__dlpack__ refused True",
         "from_dlpack True True",

@@ -382,6 +382,7 @@ _METHODS: dict[Any, Callable[[Any, Sequence[Any], dict[str, Any]], Any]] = {
     _Tensor.cuda: _cuda,
     _Tensor.cpu: _cpu,
     _Tensor.numpy: _numpy,
+    _Tensor.__array__: _numpy,  # np.array(x), np.asarray(x): a GPU's TypeError, as numpy()'s
     _Tensor.tolist: _tolist,
     _Tensor.__dlpack__: _export,
     _CUDA_ARRAY_INTERFACE: _export,
