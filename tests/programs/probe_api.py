@@ -9,6 +9,7 @@ import torch
 path = sys.argv[1]
 print("available", torch.cuda.is_available(), torch.accelerator.is_available())
 print("count", torch.cuda.device_count(), torch.accelerator.device_count())
+print("cuda version", torch.version.cuda is not None)
 print("accelerator", torch.accelerator.current_accelerator())
 print("current", torch.cuda.current_device(), torch.accelerator.current_device_index())
 print("name", torch.cuda.get_device_name(0))

@@ -80,6 +80,7 @@ def test_api_surface_and_portable_save(server: ProxyServer, tmp_path: Path) -> N
     for line in [
         "available True True",
         "count 1 1",
+        "cuda version True",
         "accelerator cuda",
         "current 0 0",
         "name Singularity Virtual Device",

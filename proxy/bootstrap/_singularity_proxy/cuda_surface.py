@@ -337,8 +337,16 @@ def _fresh(func: Any) -> Any:
     return func
 
 
+CUDA_VERSION = "12.8"
+"""`torch.version.cuda` in a job whose torch is built without CUDA: the devices answer as GPUs of
+compute capability 8.0 do, and libraries check for a CUDA build before asking a device what it can
+do (transformers' `tf32=True` was refused as needing an Ampere GPU)."""
+
+
 def patch_cuda() -> None:
     """Make torch.cuda describe the proxied devices."""
+    if torch.version.cuda is None:
+        torch.version.cuda = CUDA_VERSION  # type: ignore[misc]
     cuda = torch.cuda
     count = len(DEVICES.paths)
     info = lambda device=None: DEVICES.channel(device_index(device)).info  # noqa: E731
