@@ -193,6 +193,14 @@ def test_packed_sequences_keep_their_batch_sizes_and_lengths_on_the_host(server:
     assert proxied == direct
 
 
+def test_tensors_made_from_lists_of_device_scalars_hold_their_values(server: ProxyServer) -> None:
+    """`torch.tensor([loss_a, loss_b])` failed ("its data is not allocated yet"): torch read the
+    stand-ins' empty host wrappers."""
+    direct, proxied = outputs_on_cpu_and_device("probe_values_from_device.py", server)
+    assert "tensor cpu torch.float32 [0.0, 5.0, 15.0]" in direct and "to device True 20.0" in direct
+    assert proxied == direct
+
+
 def test_warnings_inside_operations_are_shown_at_the_lines_a_direct_run_shows(server: ProxyServer) -> None:
     direct = run_program(["probe_warnings.py", "cpu"], base_env())
     proxied = run_program(["probe_warnings.py", "cuda"], proxy_env([server.socket], "warnings"))

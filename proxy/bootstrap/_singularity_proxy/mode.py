@@ -269,6 +269,23 @@ def _set_data(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return func(*args, **kwargs)
 
 
+_FROM_VALUES = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
+"""Functions making a tensor from nested sequences of values, which may hold device scalars."""
+
+
+def _host_values(data: Any) -> Any:
+    """Nested lists and tuples with every stand-in in them replaced by its host copy, as torch reads
+    a GPU tensor's value where it meets one (`torch.tensor([loss_a, loss_b])`); `data` itself when it
+    holds none."""
+    if isinstance(data, ProxyTensor):
+        return download(data.detach())
+    if type(data) is list or type(data) is tuple:
+        items = [_host_values(item) for item in data]
+        if any(new is not old for new, old in zip(items, data, strict=True)):
+            return items
+    return data
+
+
 def _pin_memory(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return args[0]
 
@@ -598,6 +615,9 @@ class DeviceMode(TorchFunctionMode):
             self._entering.checker_tried = False
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        if func in _FROM_VALUES and args and type(args[0]) in (list, tuple):
+            with CLIENT_LOCK:
+                args = (_host_values(args[0]), *args[1:])
         inside = _IN_MODE.get(func)
         if inside is not None:
             with CLIENT_LOCK, self:
