@@ -201,6 +201,15 @@ def test_tensors_made_from_lists_of_device_scalars_hold_their_values(server: Pro
     assert proxied == direct
 
 
+def test_conversions_put_tensors_where_the_program_asks(server: ProxyServer) -> None:
+    """`Module.to("cpu")` left the parameters on the device, `x.to(y)` and `Module.to(y)` of a device
+    tensor y went to the host (torch read y's C++ device), `type_as`, `view_as` and the like refused
+    a host template, and sparse tensors reported an earlier tensor's number of elements."""
+    direct, proxied = outputs_on_cpu_and_device("probe_conversions.py", server)
+    assert "module to cpu ('cpu'" in direct and "b 1 (2, 1) (1,) [1.0] 2.0" in direct and "ERR" not in direct
+    assert proxied == direct
+
+
 def test_warnings_inside_operations_are_shown_at_the_lines_a_direct_run_shows(server: ProxyServer) -> None:
     direct = run_program(["probe_warnings.py", "cpu"], base_env())
     proxied = run_program(["probe_warnings.py", "cuda"], proxy_env([server.socket], "warnings"))

@@ -56,9 +56,14 @@ def _from_torch_internals() -> bool:
     return _caller_module().startswith("torch.")
 
 
-_KEEPS_ON_HOST = ("torch.distributed._state_dict_utils", "torch.distributed.checkpoint")
+_KEEPS_ON_HOST = (
+    "torch.distributed._state_dict_utils",
+    "torch.distributed.checkpoint",
+    "torch.nn.modules.module",
+)
 """torch's own modules whose `.to("cpu")` means host memory, as the program's does: they offload
-state dicts to keep or save them, not group tensors by their C++ device."""
+state dicts to keep or save them, or move a module where the program asks (`Module.to("cpu")`),
+not group tensors by their C++ device."""
 
 
 def _as_device(value: Any) -> Any:
@@ -74,6 +79,11 @@ def _to(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     options = dict(kwargs)
     copy = bool(options.pop("copy", False))
     targets = [_as_device(arg) for arg in args[1:]]  # an int is an accelerator's index
+    other = targets[0] if targets else options.pop("other", None)
+    if isinstance(other, ProxyTensor):  # `x.to(y)`: torch would read y's C++ device, the host
+        targets = [other.device, other.dtype, *targets[1:]]
+    elif other is not None and not targets:
+        options["other"] = other
     if "device" in options:
         options["device"] = _as_device(options["device"])
     device, dtype, _non_blocking, memory_format = torch._C._nn._parse_to(*targets, **options)
@@ -115,10 +125,14 @@ def _to(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
 
 
 def _parse_to(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    """`torch._C._nn._parse_to` (behind `Module.to(1)`): a bare int names a cuda device here too."""
+    """`torch._C._nn._parse_to` (behind `Module.to(1)`): a bare int names a cuda device here too,
+    and a stand-in given as the example (`Module.to(tensor)`) its device, not its C++ one."""
     if "device" in kwargs:
         kwargs = {**kwargs, "device": _as_device(kwargs["device"])}
-    return func(*[_as_device(arg) for arg in args], **kwargs)
+    targets = [_as_device(arg) for arg in args]
+    if targets and isinstance(targets[0], ProxyTensor):
+        return (targets[0].device, targets[0].dtype, *func(targets[0], *targets[1:], **kwargs)[2:])
+    return func(*targets, **kwargs)
 
 
 def _cuda(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -172,6 +186,19 @@ def _numpy(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
             "copy the tensor to host memory first."
         )
     return func(*args, **kwargs)
+
+
+def _type_as(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`x.type_as(y)`: x as `y.type()` names it, on the host or a device (a stand-in stays on its
+    own device, another tensor goes to the current one, as `x.type("torch.cuda.FloatTensor")`)."""
+    self, other = args[0], args[1]
+    if isinstance(other, ProxyTensor):
+        device = self.device if isinstance(self, ProxyTensor) else torch.device("cuda", DEVICES.current)
+    elif isinstance(self, ProxyTensor):
+        device = torch.device("cpu")
+    else:
+        return func(*args, **kwargs)
+    return _to(_Tensor.to, (self,), {"device": device, "dtype": other.dtype})
 
 
 def _host_only(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -401,6 +428,7 @@ _METHODS: dict[Any, Callable[[Any, Sequence[Any], dict[str, Any]], Any]] = {
     _Tensor.numpy: _numpy,
     _Tensor.__array__: _numpy,  # np.array(x), np.asarray(x): a GPU's TypeError, as numpy()'s
     _Tensor.tolist: _tolist,
+    _Tensor.type_as: _type_as,
     _Tensor.__dlpack__: _export,
     _CUDA_ARRAY_INTERFACE: _export,
     _Tensor.apply_: _host_only,
@@ -415,6 +443,12 @@ _METHODS: dict[Any, Callable[[Any, Sequence[Any], dict[str, Any]], Any]] = {
 }
 
 _MIXING_ALLOWED = {
+    _Tensor.view_as,  # the other tensor gives only its shape
+    _Tensor.reshape_as,
+    _Tensor.expand_as,
+    _Tensor.resize_as_,
+    _Tensor.tensor_split,  # indices given as a tensor are on the host, as torch requires
+    torch.tensor_split,
     _Tensor.__getitem__,
     _Tensor.__setitem__,
     _Tensor.copy_,

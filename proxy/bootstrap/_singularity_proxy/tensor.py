@@ -365,19 +365,23 @@ def _parse_template(tree: Any) -> Any:
 
 
 def _count_new(template: Any) -> tuple[int, int, bool]:
-    """Number of new tensors, bytes of new storage, and whether a plain value is returned."""
+    """Number of new tensors, bytes of new storage, and whether the outputs depend on values (a
+    plain value, or a sparse tensor, whose number of elements depends on its values): such a
+    template is not kept for the next call of the signature."""
     tag = template[0]
-    if tag == protocol.TEMPLATE_TENSOR or tag == protocol.TEMPLATE_SPARSE:
+    if tag == protocol.TEMPLATE_TENSOR:
         return 1, template[2], False
+    if tag == protocol.TEMPLATE_SPARSE:
+        return 1, template[2], True
     if tag in (protocol.TEMPLATE_LIST, protocol.TEMPLATE_TUPLE):
         count = nbytes = 0
-        has_value = False
+        depends_on_values = False
         for item in template[1]:
-            item_count, item_bytes, item_value = _count_new(item)
+            item_count, item_bytes, item_depends = _count_new(item)
             count += item_count
             nbytes += item_bytes
-            has_value = has_value or item_value
-        return count, nbytes, has_value
+            depends_on_values = depends_on_values or item_depends
+        return count, nbytes, depends_on_values
     if tag == protocol.TEMPLATE_VALUE:
         return 0, 0, True
     return 0, 0, False
@@ -426,13 +430,14 @@ def _reshape(stand_in: ProxyTensor, shape: Any, stride: Any, offset: int) -> Pro
 
 
 def _value_dependent(func: Any, args: Sequence[Any]) -> bool:
-    """Whether the operation's outputs depend on input values (never cached)."""
+    """Whether the operation's outputs depend on input values (never cached): a sparse input's
+    number of elements is one (its layout does not show it)."""
     tags = func.tags
     if torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags:
         if func is torch.ops.aten.index.Tensor:
             return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
         return True
-    return False
+    return any(isinstance(arg, ProxyTensor) and arg.layout != torch.strided for arg in args)
 
 
 def custom_op_handler(func: Any) -> SpecialHandler | None:
@@ -526,13 +531,13 @@ def forward(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> An
     first = channel.next_handle
     reply = channel.request([protocol.REQ_RUN, known[0], first, call.values])
     template = _parse_template(reply)
-    count, nbytes, has_value = _count_new(template)
+    count, nbytes, depends_on_values = _count_new(template)
     channel.next_handle = first + count
     if len(known) == 4:
         viewed = viewed_argument(func)
         viewing = viewed is not None and viewed < len(args) and isinstance(args[viewed], ProxyTensor)
         known.append(viewed if viewing else None)
-    if not has_value and not _value_dependent(func, args):
+    if not depends_on_values and not _value_dependent(func, args):
         known[1:4] = [template, count, nbytes]
     return _viewing(_build(template, channel, inputs, [first]), known[4], args)
 
