@@ -210,6 +210,16 @@ def test_conversions_put_tensors_where_the_program_asks(server: ProxyServer) -> 
     assert proxied == direct
 
 
+def test_sparse_tensors_are_built_from_device_parts(server: ProxyServer) -> None:
+    """Sparse embedding gradients and sparse tensors made from device parts were refused (the
+    server serves no unchecked constructor), and a refused operator called again then failed
+    with "plan N was not made" instead of the refusal."""
+    direct, proxied = outputs_on_cpu_and_device("probe_sparse_parts.py", server)
+    assert "embedding 2 True [[1, 2, 5]]" in direct and "csr [[0.0, 3.0], [4.0, 0.0]]" in direct
+    refused = "PermissionError proxy: aten::_reshape_alias.default is n"
+    assert proxied == direct + f"reshape_alias 0 {refused}\nreshape_alias 1 {refused}\n"
+
+
 def test_warnings_inside_operations_are_shown_at_the_lines_a_direct_run_shows(server: ProxyServer) -> None:
     direct = run_program(["probe_warnings.py", "cpu"], base_env())
     proxied = run_program(["probe_warnings.py", "cuda"], proxy_env([server.socket], "warnings"))

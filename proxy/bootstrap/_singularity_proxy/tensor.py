@@ -269,6 +269,43 @@ def _upload_sparse(channel: Channel, tensor: torch.Tensor) -> ProxyTensor:
     return result
 
 
+def _checked_sparse_coo(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`_sparse_coo_tensor_with_dims_and_tensors`, which `torch.sparse_coo_tensor` and sparse
+    gradients (`nn.Embedding(sparse=True)`) build with: the server refuses it, since it checks
+    nothing against memory, so the checked constructor makes the tensor from the same parts."""
+    size, indices, values = args[2], args[3], args[4]
+    options = {
+        "dtype": kwargs.get("dtype") or values.dtype,
+        "device": values.device,
+        "is_coalesced": kwargs.get("is_coalesced"),
+    }
+    return forward(torch.ops.aten.sparse_coo_tensor.indices_size, (indices, values, list(size)), options)
+
+
+def _checked_sparse_compressed(layout: Any) -> SpecialHandler:
+    """The unchecked constructor of a compressed sparse layout (what `torch.sparse_csr_tensor` and
+    the like build with), run as the checked one, as `_checked_sparse_coo`."""
+
+    def construct(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        compressed, plain, values, size = args[:4]
+        options = {
+            "dtype": kwargs.get("dtype") or values.dtype,
+            "layout": kwargs.get("layout") or layout,
+            "device": values.device,
+        }
+        arguments = (compressed, plain, values, list(size))
+        return forward(torch.ops.aten.sparse_compressed_tensor.comp_plain_value_size, arguments, options)
+
+    return construct
+
+
+special_ops[torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors.default] = _checked_sparse_coo
+special_ops[torch.ops.aten._sparse_compressed_tensor_unsafe.default] = _checked_sparse_compressed(None)
+for _layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+    _unsafe = getattr(torch.ops.aten, f"_sparse_{str(_layout).removeprefix('torch.sparse_')}_tensor_unsafe")
+    special_ops[_unsafe.default] = _checked_sparse_compressed(_layout)
+
+
 def upload_to(channel: Channel, tensor: torch.Tensor) -> ProxyTensor:
     """A stand-in on the channel's device with a host tensor's values (no autograd).
 
@@ -529,7 +566,12 @@ def forward(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> An
                 return out
             return _viewing(_build(template, channel, inputs, [first]), known[4], args)
     first = channel.next_handle
-    reply = channel.request([protocol.REQ_RUN, known[0], first, call.values])
+    try:
+        reply = channel.request([protocol.REQ_RUN, known[0], first, call.values])
+    except BaseException:
+        if known[1] is None:  # the plan may have been refused: the next call plans it again
+            channel.calls.pop(key, None)
+        raise
     template = _parse_template(reply)
     count, nbytes, depends_on_values = _count_new(template)
     channel.next_handle = first + count
