@@ -81,6 +81,8 @@ def test_api_surface_and_portable_save(server: ProxyServer, tmp_path: Path) -> N
         "available True True",
         "count 1 1",
         "cuda version True",
+        "pinned True True True",
+        "not pinned False [0.0, 0.0, 0.0]",
         "accelerator cuda",
         "current 0 0",
         "name Singularity Virtual Device",

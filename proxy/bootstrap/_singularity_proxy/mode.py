@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from types import CodeType, FunctionType
 from typing import Any
@@ -313,12 +314,35 @@ def _host_values(data: Any) -> Any:
     return data
 
 
+_PINNED: set[int] = set()
+"""Addresses of the host storages made "pinned" (`pin_memory()`, `pin_memory=True`): there is no
+page-locked memory to give on virtual devices, nor any need of it, but a GPU says they are pinned."""
+
+
+def _mark_pinned(tensor: torch.Tensor) -> torch.Tensor:
+    """Count the tensor's storage as pinned while the tensor lives."""
+    address = tensor.untyped_storage().data_ptr()
+    if address not in _PINNED:
+        _PINNED.add(address)
+        weakref.finalize(tensor, _PINNED.discard, address)
+    return tensor
+
+
 def _pin_memory(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    return args[0]
+    """`x.pin_memory()`: x itself, counted as pinned (a stand-in is returned as it is)."""
+    return args[0] if isinstance(args[0], ProxyTensor) else _mark_pinned(args[0])
 
 
 def _is_pinned(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    return False
+    self = args[0]
+    return not isinstance(self, ProxyTensor) and self.untyped_storage().data_ptr() in _PINNED
+
+
+def _made_pinned(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """A host tensor made with `pin_memory=True` (`torch.empty(n, pin_memory=True)`, autograd's
+    `save_on_cpu`): torch refuses that without a CUDA build, so it is made unpinned and counted as
+    pinned."""
+    return _mark_pinned(func(*args, **{**kwargs, "pin_memory": False}))
 
 
 _SERVER_FACTORIES = {getattr(torch, name) for name in protocol.SERVER_FACTORIES}
@@ -662,6 +686,8 @@ class DeviceMode(TorchFunctionMode):
                 return handler(func, args, kwargs or {})
         if kwargs:
             device = kwargs.get("device")
+            if kwargs.get("pin_memory") and (device is None or not _is_cuda(device)):
+                return _made_pinned(func, args, kwargs)
             if device is not None and _is_cuda(device):
                 with CLIENT_LOCK:
                     return _factory(func, args, kwargs)
