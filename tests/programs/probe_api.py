@@ -75,8 +75,10 @@ with torch.device("cuda"):
     d = torch.ones(2)
 print("default device", d.device)
 m = torch.nn.Linear(3, 2).cuda()
+m(torch.ones(1, 3, device="cuda")).sum().backward()
 m2 = copy.deepcopy(m)
 print("deepcopy", m2.weight.device, torch.equal(m.weight, m2.weight), m2.weight is not m.weight)
+print("deepcopy grads", m2.weight.grad, m.weight.grad is not None)  # Parameter's deepcopy drops its grad
 print(m.bias)
 torch.manual_seed(0)
 g = torch.randn(3, 3, device="cuda", requires_grad=True)

@@ -108,6 +108,7 @@ def test_api_surface_and_portable_save(server: ProxyServer, tmp_path: Path) -> N
         "mixed Expected all tensors to be on the same device",
         "default device cuda:0",
         "deepcopy cuda:0 True True",
+        "deepcopy grads None True",
         "grad cuda:0 18.0",
         "load cuda:0 True True",
         "load cpu cpu cpu",

@@ -137,9 +137,9 @@ class ProxyTensor(torch.Tensor):
             new = self.clone()
         if self.requires_grad:
             new.requires_grad_(True)
-        if getattr(self, "_is_param", False):
+        if getattr(self, "_is_param", False):  # as Parameter.__deepcopy__: without its grad
             new = torch.nn.Parameter(new, requires_grad=self.requires_grad)
-        if self.grad is not None:
+        elif self.grad is not None:
             new.grad = self.grad.__deepcopy__(memo)  # type: ignore[operator]
         memo[id(self)] = new
         return new
