@@ -10,6 +10,7 @@ path = sys.argv[1]
 print("available", torch.cuda.is_available(), torch.accelerator.is_available())
 print("count", torch.cuda.device_count(), torch.accelerator.device_count())
 print("cuda version", torch.version.cuda is not None)
+print("device_of", torch.cuda.device_of(torch.ones(1, device="cuda")).idx, torch.cuda.device(0).idx)
 pinned_batch = next(iter(torch.utils.data.DataLoader(torch.arange(4.0), batch_size=2, pin_memory=True)))
 made_pinned = torch.zeros(3, pin_memory=True)
 print("pinned", made_pinned.is_pinned(), torch.arange(4.0).pin_memory().is_pinned(), pinned_batch.is_pinned())

@@ -81,6 +81,7 @@ def test_api_surface_and_portable_save(server: ProxyServer, tmp_path: Path) -> N
         "available True True",
         "count 1 1",
         "cuda version True",
+        "device_of 0 0",
         "pinned True True True",
         "not pinned False [0.0, 0.0, 0.0]",
         "accelerator cuda",

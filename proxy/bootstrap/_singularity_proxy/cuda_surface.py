@@ -151,6 +151,11 @@ class _DeviceContext:
         self.index = -1 if device is None else device_index(device)
         self.previous = -1
 
+    @property
+    def idx(self) -> int:
+        """The device's index, as torch.cuda.device names it (-1: none)."""
+        return self.index
+
     def __enter__(self) -> None:
         self.previous = DEVICES.current
         if self.index >= 0:
