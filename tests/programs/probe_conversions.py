@@ -1,7 +1,9 @@
 """Where conversions put tensors and what shapes they report: `Module.to("cpu")`, `x.to(other)`,
-`Module.to(tensor)`, `type_as` and the `*_as` methods given a host template, and sparse tensors of
-the same shape but different numbers of elements, printed the same on the CPU and on a device."""
+`Module.to(tensor)`, `type_as` and the `*_as` methods given a host template, shallow copies, and
+sparse tensors of the same shape but different numbers of elements, printed the same on the CPU
+and on a device."""
 
+import copy
 import sys
 
 import torch
@@ -55,6 +57,16 @@ show(
 )
 show("resize_as_", lambda: x.clone().resize_as_(template).shape)
 show("tensor_split", lambda: [t.tolist() for t in torch.tensor_split(x, torch.tensor([1, 3]))])
+
+shallow = copy.copy(x)
+shallow[0] = 9.0
+show("copy shares storage", lambda: x[0].item())
+show(
+    "copy of parameter",
+    lambda: (lambda p: (isinstance(p, nn.Parameter), p.requires_grad, p.tolist()))(
+        copy.copy(nn.Parameter(x))
+    ),
+)
 
 
 def sparse(tag, s):

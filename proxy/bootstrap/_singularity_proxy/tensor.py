@@ -130,6 +130,14 @@ class ProxyTensor(torch.Tensor):
     def data_ptr(self) -> int:  # type: ignore[override]
         return storage_record(self).address() + int(self._meta[2] * self._meta[3].itemsize)
 
+    def __copy__(self) -> Any:
+        """`copy.copy`: a tensor sharing this one's storage, as torch rebuilds a shallow copy (a
+        Parameter stays one; its reduction for pickles holds an object only a pickle rebuilds)."""
+        new = self.detach()
+        if getattr(self, "_is_param", False):
+            return torch.nn.Parameter(new, requires_grad=self.requires_grad)
+        return new.requires_grad_(self.requires_grad) if self.is_leaf else new
+
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         if id(self) in memo:
             return memo[id(self)]
