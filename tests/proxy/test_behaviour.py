@@ -224,6 +224,24 @@ def test_sparse_tensors_are_built_from_device_parts(server: ProxyServer) -> None
     assert proxied == direct + f"reshape_alias 0 {refused}\nreshape_alias 1 {refused}\n"
 
 
+def test_a_model_split_over_two_devices_clips_and_steps_as_directly(tmp_path: Path) -> None:
+    """clip_grad_norm_ and foreach and fused optimizers over parameters on two devices raised
+    "Expected all tensors to be on the same device": torch grouped the stand-ins of both devices as
+    one, by their C++ device (the host)."""
+    servers = [start_server(tmp_path, f"dev{index}") for index in range(2)]
+    try:
+        direct = run_program(["split_model.py", "cpu"], base_env())
+        env = proxy_env([s.socket for s in servers], "split")
+        proxied = run_program(["split_model.py", "cuda"], env)
+    finally:
+        for s in servers:
+            stop_server(s)
+    assert direct.returncode == 0, direct.stderr
+    assert proxied.returncode == 0, proxied.stderr
+    assert "step 5 loss" in direct.stdout
+    assert proxied.stdout == direct.stdout
+
+
 def test_warnings_inside_operations_are_shown_at_the_lines_a_direct_run_shows(server: ProxyServer) -> None:
     direct = run_program(["probe_warnings.py", "cpu"], base_env())
     proxied = run_program(["probe_warnings.py", "cuda"], proxy_env([server.socket], "warnings"))

@@ -125,6 +125,36 @@ def _to(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return out
 
 
+_GROUP_BY_DEVICE_AND_DTYPE = torch._C._group_tensors_by_device_and_dtype
+
+
+def _grouped_by_device_and_dtype(tensorlistlist: list[list[Any]], with_indices: bool = False) -> Any:
+    """`torch._C._group_tensors_by_device_and_dtype` (optimizers' foreach and fused steps,
+    `clip_grad_norm_`, averaged models): stand-ins grouped by the device they are on, as a GPU's
+    tensors are, not by their C++ device, which is the host for all of them (the groups of a
+    model split over two devices were then stepped and scaled as if on one)."""
+    first = tensorlistlist[0] if tensorlistlist else ()
+    if not any(type(tensor) is ProxyTensor for tensor in first):
+        return _GROUP_BY_DEVICE_AND_DTYPE(tensorlistlist, with_indices)
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[list[Any]], list[int]]] = {}
+    for index, tensor in enumerate(first):
+        key = (tensor.device, tensor.dtype)
+        group = groups.get(key)
+        if group is None:
+            group = groups[key] = ([[] for _ in tensorlistlist], [])
+        for grouped, tensors in zip(group[0], tensorlistlist, strict=True):
+            if tensors:  # an empty list (an optimizer's unused state) stays empty in every group
+                grouped.append(tensors[index])
+        if with_indices:
+            group[1].append(index)
+    return groups
+
+
+def group_by_proxied_device() -> None:
+    """Make torch group tensors for its multi-tensor kernels by their proxied device."""
+    torch._C._group_tensors_by_device_and_dtype = _grouped_by_device_and_dtype  # type: ignore[assignment]
+
+
 def _parse_to(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """`torch._C._nn._parse_to` (behind `Module.to(1)`): a bare int names a cuda device here too,
     and a stand-in given as the example (`Module.to(tensor)`) its device, not its C++ one."""
