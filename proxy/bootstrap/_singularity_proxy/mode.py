@@ -369,9 +369,9 @@ def _is_pinned(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
 
 
 def _made_pinned(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    """A host tensor made with `pin_memory=True` (`torch.empty(n, pin_memory=True)`, autograd's
-    `save_on_cpu`): torch refuses that without a CUDA build, so it is made unpinned and counted as
-    pinned."""
+    """A host tensor made with `pin_memory=True` (`torch.empty(n, pin_memory=True)`): torch refuses
+    that without a CUDA build, so it is made unpinned and counted as pinned. (Calls torch makes
+    inside an operation, such as autograd's `save_on_cpu` hooks, do not reach the mode.)"""
     return _mark_pinned(func(*args, **{**kwargs, "pin_memory": False}))
 
 
