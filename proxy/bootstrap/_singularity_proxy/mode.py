@@ -25,8 +25,7 @@ from .channel import CLIENT_LOCK
 from .devices import DEVICES, device_index, same_device_error
 from .encoding import wire_arguments
 from .serialization import EXPORT_REFUSED, refuse_export
-from .storages import storage_record
-from .tensor import ProxyTensor, download, new_stand_in
+from .tensor import ProxyTensor, download, new_stand_in, stand_for
 from .transfers import to_device, to_host, upload
 
 _Tensor = torch.Tensor
@@ -79,15 +78,7 @@ def _to(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     self: Any = args[0]
     options = dict(kwargs)
     copy = bool(options.pop("copy", False))
-    targets = [_as_device(arg) for arg in args[1:]]  # an int is an accelerator's index
-    other = targets[0] if targets else options.pop("other", None)
-    if isinstance(other, ProxyTensor):  # `x.to(y)`: torch would read y's C++ device, the host
-        targets = [other.device, other.dtype, *targets[1:]]
-    elif other is not None and not targets:
-        options["other"] = other
-    if "device" in options:
-        options["device"] = _as_device(options["device"])
-    device, dtype, _non_blocking, memory_format = torch._C._nn._parse_to(*targets, **options)
+    device, dtype, _non_blocking, memory_format = _parse_to(torch._C._nn._parse_to, args[1:], options)
     is_stand_in = isinstance(self, ProxyTensor)
     if device is None or device.type not in ("cuda", "cpu"):
         return func(*args, **kwargs)
@@ -156,14 +147,20 @@ def group_by_proxied_device() -> None:
 
 
 def _parse_to(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    """`torch._C._nn._parse_to` (behind `Module.to(1)`): a bare int names a cuda device here too,
-    and a stand-in given as the example (`Module.to(tensor)`) its device, not its C++ one."""
-    if "device" in kwargs:
-        kwargs = {**kwargs, "device": _as_device(kwargs["device"])}
+    """`torch._C._nn._parse_to` (behind `Tensor.to` and `Module.to`): a bare int names a cuda device
+    here too, and a stand-in given as the example (`x.to(y)`, `Module.to(y)`, by position or as
+    `other=`) gives its device, not its C++ one (the host)."""
+    options = dict(kwargs)
+    if "device" in options:
+        options["device"] = _as_device(options["device"])
     targets = [_as_device(arg) for arg in args]
+    example = options.pop("other", options.pop("tensor", None))
+    if example is not None:
+        targets.insert(0, example)
     if targets and isinstance(targets[0], ProxyTensor):
-        return (targets[0].device, targets[0].dtype, *func(targets[0], *targets[1:], **kwargs)[2:])
-    return func(*targets, **kwargs)
+        example = targets[0]
+        return (example.device, example.dtype, *func(example, *targets[1:], **options)[2:])
+    return func(*targets, **options)
 
 
 def _cuda(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -315,13 +312,7 @@ def _set_data(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     self, value = args
     if type(self) is ProxyTensor and type(value) is ProxyTensor:
         func(self, value)
-        handle = value._handle
-        handle.shared = True
-        self._handle = handle
-        self._id = handle.id
-        self._meta = value._meta
-        self._channel = value._channel
-        self._storage = storage_record(value)
+        stand_for(self, value)
         return None
     _check_devices(args)
     return func(*args, **kwargs)

@@ -180,14 +180,20 @@ def _detach(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         return forward(func, args, kwargs)
     meta = source._meta
     tensor = _make_wrapper(ProxyTensor, meta[0], meta[1], meta[2], None, meta[3], torch.strided, HOST)
+    stand_for(tensor, source)
+    return tensor
+
+
+def stand_for(tensor: Any, source: ProxyTensor) -> None:
+    """Make stand-in `tensor` name `source`'s server tensor and storage (sharing its handle), as
+    `detach` and `tensor.data = source` do; its C++ metadata is the caller's to set."""
     handle = source._handle
     handle.shared = True
     tensor._handle = handle
     tensor._id = handle.id
-    tensor._meta = meta
+    tensor._meta = source._meta
     tensor._channel = source._channel
     tensor._storage = storage_record(source)
-    return tensor
 
 
 def _in_place_view(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -287,7 +293,7 @@ def _checked_sparse_coo(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) 
         "device": values.device,
         "is_coalesced": kwargs.get("is_coalesced"),
     }
-    return forward(torch.ops.aten.sparse_coo_tensor.indices_size, (indices, values, list(size)), options)
+    return forward(_SPARSE_FACTORIES[torch.sparse_coo], (indices, values, list(size)), options)
 
 
 def _checked_sparse_compressed(layout: Any) -> SpecialHandler:
@@ -301,8 +307,8 @@ def _checked_sparse_compressed(layout: Any) -> SpecialHandler:
             "layout": kwargs.get("layout") or layout,
             "device": values.device,
         }
-        arguments = (compressed, plain, values, list(size))
-        return forward(torch.ops.aten.sparse_compressed_tensor.comp_plain_value_size, arguments, options)
+        factory = _SPARSE_FACTORIES[options["layout"]]
+        return forward(factory, (compressed, plain, values, list(size)), options)
 
     return construct
 
