@@ -14,9 +14,10 @@ import torch
 import torch.multiprocessing as mp
 
 
-def hold() -> None:
-    """Wait until the file CORPUS_HOLD names exists (at once when it names none)."""
-    path = os.environ.get("CORPUS_HOLD")
+def hold(path: str | None = None) -> None:
+    """Wait until the file `path`, else the one CORPUS_HOLD names, exists (at once when neither
+    names one)."""
+    path = path or os.environ.get("CORPUS_HOLD")
     while path and not os.path.exists(path):
         time.sleep(0.05)
 

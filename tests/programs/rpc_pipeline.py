@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
-from _common import spawn_on_a_free_port
+from _common import hold, spawn_on_a_free_port
 from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.rpc import RRef
 
@@ -63,8 +63,7 @@ def run(rank: int, device: str, port: int) -> None:
         args = parsed()
         for step in range(args.steps):
             if step == args.steps - 1:
-                while args.hold and not os.path.exists(args.hold):
-                    time.sleep(0.05)
+                hold(args.hold)
             inputs, targets = torch.randn(64, 32), torch.randn(64, 4)
             with dist_autograd.context() as context:
                 answers = [stage.rpc_async().forward(RRef(part)) for part in inputs.chunk(MICRO_BATCHES)]
