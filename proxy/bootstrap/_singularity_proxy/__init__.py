@@ -56,7 +56,8 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     )
     from .devices import DEVICES
     from .located_warnings import locate_warnings
-    from .mode import DeviceMode, group_by_proxied_device
+    from .method_handlers import group_by_proxied_device
+    from .mode import DeviceMode
     from .randomness import RANDOM_OPS, host_random_handler
     from .threads import enter_in_new_threads, enter_in_rpc_functions
     from .transfers import TRANSFER_OPS

@@ -1,0 +1,91 @@
+"""Refusing what CUDA refuses: one call from the program mixing cuda tensors with host tensors,
+or with another device's (with stand-ins, whose C++ device is the host, torch would not notice)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .devices import same_device_error
+from .tensor import ProxyTensor
+
+_Tensor = torch.Tensor
+_PACKAGE = __name__.rsplit(".", 1)[0]
+
+
+def is_cuda(device: Any) -> bool:
+    """Whether a device argument (a device, its name, or a bare index) names a cuda device."""
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def caller_module() -> str:
+    """The module of the torch function's caller: the first frame outside this package."""
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        name = str(frame.f_globals.get("__name__", ""))
+        if not name.startswith(_PACKAGE) and name != "torch.overrides":
+            return name
+        frame = frame.f_back
+    return ""
+
+
+def from_torch_internals() -> bool:
+    """Whether the caller of the torch function is torch's own Python code."""
+    return caller_module().startswith("torch.")
+
+
+MIXING_ALLOWED = {
+    _Tensor.view_as,  # the other tensor gives only its shape
+    _Tensor.reshape_as,
+    _Tensor.expand_as,
+    _Tensor.resize_as_,
+    _Tensor.tensor_split,  # indices given as a tensor are on the host, as torch requires
+    torch.tensor_split,
+    _Tensor.__getitem__,
+    _Tensor.__setitem__,
+    _Tensor.copy_,
+    _Tensor.index_put_,
+    _Tensor.index_put,
+    torch.index_put,
+    _Tensor.__reduce_ex__,
+    _Tensor.__deepcopy__,
+}
+"""Calls that legitimately take host and device tensors together (as they do on CUDA)."""
+
+
+def check_devices(args: Sequence[Any]) -> None:
+    """Raise what CUDA raises when one call mixes cuda tensors and (non-scalar) host tensors."""
+    device = host = None
+    channels_differ = False
+    for arg in args:
+        kind = type(arg)
+        if kind is ProxyTensor:
+            if device is None:
+                device = arg
+            elif arg._channel is not device._channel:
+                channels_differ = True
+        elif kind is list or kind is tuple:
+            for item in arg:
+                if isinstance(item, ProxyTensor):
+                    device = item if device is None else device
+                elif isinstance(item, torch.Tensor) and item.dim() > 0:
+                    host = item if host is None else host
+        elif isinstance(arg, torch.Tensor) and arg.dim() > 0:
+            if isinstance(arg, ProxyTensor):
+                device = arg if device is None else device
+            else:
+                host = arg if host is None else host
+    if device is None or (host is None and not channels_differ) or from_torch_internals():
+        return
+    for arg in args:
+        if isinstance(arg, ProxyTensor) and arg._channel is not device._channel:
+            raise same_device_error(str(device.device), str(arg.device))
+    if host is not None:
+        raise same_device_error(str(device.device), str(host.device))

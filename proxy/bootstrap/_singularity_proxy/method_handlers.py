@@ -1,0 +1,360 @@
+# mypy: disable-error-code="no-untyped-call,unused-ignore"
+"""The handlers of the tensor methods and functions the device mode (mode.py) takes over by name.
+
+Placement (`to`, `cuda`, `cpu`, `type`, `type_as`, `torch.device(0)`), reading values (`numpy`,
+`tolist`, torch.tensor of device scalars), tensors made like a stand-in on the host, `.data =`,
+pinned memory, refused exports (DLPack, `apply_`), and torch's grouping of tensors by device: each
+does for a stand-in what CUDA does for its tensors.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from . import legacy_types
+from .device_checks import caller_module, check_devices, is_cuda
+from .devices import DEVICES, device_index
+from .serialization import EXPORT_REFUSED, refuse_export
+from .tensor import ProxyTensor, download, stand_for
+from .transfers import to_device, to_host, upload
+
+_Tensor = torch.Tensor
+
+
+_KEEPS_ON_HOST = (
+    "torch.distributed._state_dict_utils",
+    "torch.distributed.checkpoint",
+    "torch.nn.modules.module",
+)
+"""torch's own modules whose `.to("cpu")` means host memory, as the program's does: they offload
+state dicts to keep or save them, or move a module where the program asks (`Module.to("cpu")`),
+not group tensors by their C++ device."""
+
+
+def _as_device(value: Any) -> Any:
+    """A device index (an int, as in `tensor.to(1)`) as the cuda device it names; else the value."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return torch.device("cuda", value)
+    return value
+
+
+def _to(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`Tensor.to`: stand-ins for cuda targets, host copies for the program's cpu targets."""
+    self: Any = args[0]
+    options = dict(kwargs)
+    copy = bool(options.pop("copy", False))
+    device, dtype, _non_blocking, memory_format = _parse_to(torch._C._nn._parse_to, args[1:], options)
+    is_stand_in = isinstance(self, ProxyTensor)
+    if device is None or device.type not in ("cuda", "cpu"):
+        return func(*args, **kwargs)
+    if device.type == "cuda":
+        index = DEVICES.current if device.index is None else device.index
+        already_there = (
+            self._channel.index == index
+            if is_stand_in
+            else self.device == torch.device("cuda", index) and is_traceable_wrapper_subclass(self)
+        )  # a DTensor of stand-ins is on its parts' device
+        if already_there:
+            if dtype is None and not copy and memory_format in (None, torch.preserve_format):
+                return self
+            return func(
+                self,
+                dtype=dtype or self.dtype,
+                copy=copy,
+                memory_format=memory_format or torch.preserve_format,
+            )
+        source = to_host(self) if is_stand_in else self
+        if dtype is not None and dtype != source.dtype:
+            source = source.to(dtype)
+        return to_device(source, index)
+    if not is_stand_in:
+        return func(*args, **kwargs)
+    caller = caller_module()
+    if caller.startswith("torch.") and not caller.startswith(_KEEPS_ON_HOST):
+        # torch groups tensors by their C++ device, which is the host for stand-ins
+        if dtype is None or dtype == self.dtype:
+            return self.clone() if copy else self
+        return func(self, dtype=dtype, copy=copy)
+    out = to_host(self)
+    if dtype is not None and dtype != out.dtype:
+        out = out.to(dtype)
+    return out
+
+
+_GROUP_BY_DEVICE_AND_DTYPE = torch._C._group_tensors_by_device_and_dtype
+
+
+def _grouped_by_device_and_dtype(tensorlistlist: list[list[Any]], with_indices: bool = False) -> Any:
+    """`torch._C._group_tensors_by_device_and_dtype` (optimizers' foreach and fused steps,
+    `clip_grad_norm_`, averaged models): stand-ins grouped by the device they are on, as a GPU's
+    tensors are, not by their C++ device, which is the host for all of them (the groups of a
+    model split over two devices were then stepped and scaled as if on one)."""
+    first = tensorlistlist[0] if tensorlistlist else ()
+    if not any(type(tensor) is ProxyTensor for tensor in first):
+        return _GROUP_BY_DEVICE_AND_DTYPE(tensorlistlist, with_indices)
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[list[Any]], list[int]]] = {}
+    for index, tensor in enumerate(first):
+        key = (tensor.device, tensor.dtype)
+        group = groups.get(key)
+        if group is None:
+            group = groups[key] = ([[] for _ in tensorlistlist], [])
+        for grouped, tensors in zip(group[0], tensorlistlist, strict=True):
+            if tensors:  # an empty list (an optimizer's unused state) stays empty in every group
+                grouped.append(tensors[index])
+        if with_indices:
+            group[1].append(index)
+    return groups
+
+
+def group_by_proxied_device() -> None:
+    """Make torch group tensors for its multi-tensor kernels by their proxied device."""
+    torch._C._group_tensors_by_device_and_dtype = _grouped_by_device_and_dtype  # type: ignore[assignment]
+
+
+def _parse_to(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`torch._C._nn._parse_to` (behind `Tensor.to` and `Module.to`): a bare int names a cuda device
+    here too, and a stand-in given as the example (`x.to(y)`, `Module.to(y)`, by position or as
+    `other=`) gives its device, not its C++ one (the host)."""
+    options = dict(kwargs)
+    if "device" in options:
+        options["device"] = _as_device(options["device"])
+    targets = [_as_device(arg) for arg in args]
+    example = options.pop("other", options.pop("tensor", None))
+    if example is not None:
+        targets.insert(0, example)
+    if targets and isinstance(targets[0], ProxyTensor):
+        example = targets[0]
+        return (example.device, example.dtype, *func(example, *targets[1:], **options)[2:])
+    return func(*targets, **options)
+
+
+def _cuda(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    self = args[0]
+    device = args[1] if len(args) > 1 else kwargs.get("device")
+    index = device_index(device)
+    if isinstance(self, ProxyTensor) and self._channel.index == index:
+        return self
+    source = to_host(self) if isinstance(self, ProxyTensor) else self
+    return to_device(source, index)
+
+
+def _device(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`torch.device(0)`: a bare index names the accelerator's device, a cuda one here."""
+    if len(args) == 1 and not kwargs:
+        return _as_device(args[0]) if isinstance(args[0], int) else func(*args)
+    return func(*args, **kwargs)
+
+
+def _type(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`Tensor.type`: a stand-in is named by its cuda legacy type, and a legacy type (a cuda one, or
+    the host's for a stand-in) converts as `.to` does."""
+    tensor = args[0]
+    spec = args[1] if len(args) > 1 else kwargs.get("dtype")
+    is_stand_in = isinstance(tensor, ProxyTensor)
+    if spec is None:
+        return legacy_types.type_name(tensor) if is_stand_in else func(*args, **kwargs)
+    target = legacy_types.type_target(spec)
+    if target is None or not (target[0] or is_stand_in):
+        return func(*args, **kwargs)
+    on_cuda, dtype = target
+    device = (tensor.device if is_stand_in else "cuda") if on_cuda else "cpu"
+    non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+    return _to(_Tensor.to, (tensor,), {"device": device, "dtype": dtype, "non_blocking": non_blocking})
+
+
+def _cpu(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    if isinstance(args[0], ProxyTensor):
+        return to_host(args[0])
+    return func(*args, **kwargs)
+
+
+def _numpy(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    self = args[0]
+    if isinstance(self, ProxyTensor):
+        force = kwargs.get("force", args[1] if len(args) > 1 else False)
+        if force:
+            return download(self.detach()).numpy()
+        raise TypeError(
+            f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() to "
+            "copy the tensor to host memory first."
+        )
+    return func(*args, **kwargs)
+
+
+def _type_as(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`x.type_as(y)`: x as `y.type()` names it, on the host or a device (a stand-in stays on its
+    own device, another tensor goes to the current one, as `x.type("torch.cuda.FloatTensor")`)."""
+    self, other = args[0], args[1]
+    if isinstance(other, ProxyTensor):
+        device = self.device if isinstance(self, ProxyTensor) else torch.device("cuda", DEVICES.current)
+    elif isinstance(self, ProxyTensor):
+        device = torch.device("cpu")
+    else:
+        return func(*args, **kwargs)
+    return _to(_Tensor.to, (self,), {"device": device, "dtype": other.dtype})
+
+
+def _host_only(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`apply_`, `map_` and `map2_`, which call Python on each element in place: refused for device
+    tensors with CUDA's error (run on the wrapper they would write through its empty storage)."""
+    if any(isinstance(arg, ProxyTensor) for arg in args[:3]):
+        raise TypeError(f"{func.__name__} is only implemented on CPU tensors")
+    return func(*args, **kwargs)
+
+
+def _export(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`__dlpack__` and `__cuda_array_interface__` of a stand-in: refused (serialization.py); the
+    interface's absence is an AttributeError, so that libraries asking `hasattr` take another way."""
+    if isinstance(args[0], ProxyTensor):
+        if func == _CUDA_ARRAY_INTERFACE:
+            raise AttributeError(EXPORT_REFUSED)
+        refuse_export(args[0])
+    return func(*args, **kwargs)
+
+
+_CUDA_ARRAY_INTERFACE = _Tensor.__cuda_array_interface__.__get__  # type: ignore[attr-defined]
+
+
+def _tolist(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    if isinstance(args[0], ProxyTensor):
+        return download(args[0].detach()).tolist()
+    return func(*args, **kwargs)
+
+
+_MADE_BY_METHOD = frozenset(
+    {_Tensor.new_tensor, _Tensor.new_empty, _Tensor.new_zeros, _Tensor.new_ones, _Tensor.new_full}
+)
+"""Methods that make a tensor of their tensor's dtype, placed where their `device` says."""
+FILLED_LIKE = frozenset({torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like})
+"""The functions making a tensor like a given one, empty or of one value: made part by part, a
+subclass's parts are what the whole would be (random ones are not: a DTensor draws by its own rules)."""
+HOST_PLACEABLE = _MADE_BY_METHOD | FILLED_LIKE | {torch.rand_like, torch.randn_like, torch.randint_like}
+"""Those methods and the functions that make a tensor like a given one (its layout and dtype)."""
+
+
+def made_on_host(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`x.new_zeros(n, device="cpu")`, `torch.zeros_like(x, device="cpu")` and the like of a stand-in
+    x: made on the host as CUDA makes them, from a host tensor with x's layout and dtype (the data
+    of `new_tensor` brought to the host first)."""
+    like = args[0]
+    if func in _MADE_BY_METHOD:
+        host_like = torch.empty(0, dtype=like.dtype)  # only its dtype counts
+    else:
+        host_like = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype)
+    rest = [download(arg.detach()) if isinstance(arg, ProxyTensor) else arg for arg in args[1:]]
+    return func(host_like, *rest, **kwargs)
+
+
+def _new_tensor(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    self = args[0]
+    device = kwargs.get("device")
+    if device is not None and not is_cuda(device):
+        return made_on_host(func, args, kwargs) if isinstance(self, ProxyTensor) else func(*args, **kwargs)
+    if isinstance(self, ProxyTensor) or device is not None:
+        index = self._channel.index if device is None else device_index(device)
+        options = dict(kwargs)
+        options.pop("device", None)
+        requires_grad = options.pop("requires_grad", False)
+        options.setdefault("dtype", self.dtype)
+        data = args[1]
+        if isinstance(data, ProxyTensor):
+            data = download(data.detach())
+        host = (
+            torch.tensor(data, **options)
+            if not isinstance(data, torch.Tensor)
+            else data.detach().to(options["dtype"])
+        )
+        out = upload(host, index)
+        if requires_grad:
+            out.requires_grad_(True)
+        return out
+    return func(*args, **kwargs)
+
+
+def _set_data(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`tensor.data = value` on stand-ins: the tensor stands for value's server tensor from then on
+    (torch itself changes only the wrapper's C++ metadata, which would leave it naming the old one)."""
+    self, value = args
+    if type(self) is ProxyTensor and type(value) is ProxyTensor:
+        func(self, value)
+        stand_for(self, value)
+        return None
+    check_devices(args)
+    return func(*args, **kwargs)
+
+
+FROM_VALUES = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
+"""Functions making a tensor from nested sequences of values, which may hold device scalars."""
+
+
+def host_values(data: Any) -> Any:
+    """Nested lists and tuples with every stand-in in them replaced by its host copy, as torch reads
+    a GPU tensor's value where it meets one (`torch.tensor([loss_a, loss_b])`); `data` itself when it
+    holds none."""
+    if isinstance(data, ProxyTensor):
+        return download(data.detach())
+    if type(data) is list or type(data) is tuple:
+        items = [host_values(item) for item in data]
+        if any(new is not old for new, old in zip(items, data, strict=True)):
+            return items
+    return data
+
+
+_PINNED: set[int] = set()
+"""Addresses of the host storages made "pinned" (`pin_memory()`, `pin_memory=True`): there is no
+page-locked memory to give on virtual devices, nor any need of it, but a GPU says they are pinned."""
+
+
+def _mark_pinned(tensor: torch.Tensor) -> torch.Tensor:
+    """Count the tensor's storage as pinned while the tensor lives."""
+    address = tensor.untyped_storage().data_ptr()
+    if address not in _PINNED:
+        _PINNED.add(address)
+        weakref.finalize(tensor, _PINNED.discard, address)
+    return tensor
+
+
+def _pin_memory(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`x.pin_memory()`: x itself, counted as pinned (a stand-in is returned as it is)."""
+    return args[0] if isinstance(args[0], ProxyTensor) else _mark_pinned(args[0])
+
+
+def _is_pinned(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    self = args[0]
+    return not isinstance(self, ProxyTensor) and self.untyped_storage().data_ptr() in _PINNED
+
+
+def made_pinned(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """A host tensor made with `pin_memory=True` (`torch.empty(n, pin_memory=True)`): torch refuses
+    that without a CUDA build, so it is made unpinned and counted as pinned. (Calls torch makes
+    inside an operation, such as autograd's `save_on_cpu` hooks, do not reach the mode.)"""
+    return _mark_pinned(func(*args, **{**kwargs, "pin_memory": False}))
+
+
+METHOD_HANDLERS: dict[Any, Callable[[Any, Sequence[Any], dict[str, Any]], Any]] = {
+    _Tensor.to: _to,
+    torch._C._nn._parse_to: _parse_to,
+    _Tensor.cuda: _cuda,
+    _Tensor.cpu: _cpu,
+    _Tensor.numpy: _numpy,
+    _Tensor.__array__: _numpy,  # np.array(x), np.asarray(x): a GPU's TypeError, as numpy()'s
+    _Tensor.tolist: _tolist,
+    _Tensor.type_as: _type_as,
+    _Tensor.__dlpack__: _export,
+    _CUDA_ARRAY_INTERFACE: _export,
+    _Tensor.apply_: _host_only,
+    _Tensor.map_: _host_only,
+    _Tensor.map2_: _host_only,
+    _Tensor.new_tensor: _new_tensor,
+    _Tensor.pin_memory: _pin_memory,
+    _Tensor.is_pinned: _is_pinned,
+    torch._C.TensorBase.data.__set__: _set_data,  # type: ignore[attr-defined]
+    _Tensor.type: _type,
+    torch.device: _device,
+}
+"""The handlers, by the method or function they take over (the mode calls them holding the client lock)."""
