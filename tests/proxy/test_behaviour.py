@@ -197,6 +197,14 @@ def test_packed_sequences_keep_their_batch_sizes_and_lengths_on_the_host(server:
     assert proxied == direct
 
 
+def test_views_made_in_inference_mode_are_normal_tensors_as_directly(server: ProxyServer) -> None:
+    """Every view of a normal tensor under `torch.inference_mode()` failed ("Cannot set
+    version_counter for inference tensor"): its stand-in was made as an inference tensor."""
+    direct, proxied = outputs_on_cpu_and_device("probe_inference_mode.py", server)
+    assert "t [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]] False" in direct and "made [[1.0, 2.0, 3.0]" in direct
+    assert proxied == direct
+
+
 def test_tensors_made_from_lists_of_device_scalars_hold_their_values(server: ProxyServer) -> None:
     """`torch.tensor([loss_a, loss_b])` failed ("its data is not allocated yet"): torch read the
     stand-ins' empty host wrappers."""

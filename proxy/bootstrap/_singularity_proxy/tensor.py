@@ -179,7 +179,11 @@ def _detach(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     if source.layout != torch.strided:
         return forward(func, args, kwargs)
     meta = source._meta
-    tensor = _make_wrapper(ProxyTensor, meta[0], meta[1], meta[2], None, meta[3], torch.strided, HOST)
+    if _normal_view_in_inference_mode(source):
+        with torch.inference_mode(False):
+            tensor = _make_wrapper(ProxyTensor, meta[0], meta[1], meta[2], None, meta[3], torch.strided, HOST)
+    else:
+        tensor = _make_wrapper(ProxyTensor, meta[0], meta[1], meta[2], None, meta[3], torch.strided, HOST)
     stand_for(tensor, source)
     return tensor
 
@@ -573,12 +577,13 @@ def forward(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> An
         if template is not None and known[3] < channel.sync_bytes:
             first = channel.new_handle(known[2])
             channel.push([protocol.OP_RUN, known[0], first, call.values])
-            if template[0] == protocol.TEMPLATE_TENSOR:
-                out = new_stand_in(channel, first, template[1])
-                if known[4] is not None:
-                    out._storage = storage_record(args[known[4]])
-                return out
-            return _viewing(_build(template, channel, inputs, [first]), known[4], args)
+            viewed = known[4]
+            if template[0] == protocol.TEMPLATE_TENSOR and viewed is None:
+                return new_stand_in(channel, first, template[1])
+            if viewed is not None and _normal_view_in_inference_mode(args[viewed]):
+                with torch.inference_mode(False):
+                    return _viewing(_build(template, channel, inputs, [first]), viewed, args)
+            return _viewing(_build(template, channel, inputs, [first]), viewed, args)
     first = channel.next_handle
     try:
         reply = channel.request([protocol.REQ_RUN, known[0], first, call.values])
@@ -595,7 +600,11 @@ def forward(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> An
         known.append(viewed if viewing else None)
     if not depends_on_values and not _value_dependent(func, args):
         known[1:4] = [template, count, nbytes]
-    return _viewing(_build(template, channel, inputs, [first]), known[4], args)
+    viewed = known[4]
+    if viewed is not None and _normal_view_in_inference_mode(args[viewed]):
+        with torch.inference_mode(False):
+            return _viewing(_build(template, channel, inputs, [first]), viewed, args)
+    return _viewing(_build(template, channel, inputs, [first]), viewed, args)
 
 
 def _viewing(outputs: Any, viewed: int | None, args: Sequence[Any]) -> Any:
@@ -603,6 +612,13 @@ def _viewing(outputs: Any, viewed: int | None, args: Sequence[Any]) -> Any:
     if viewed is not None:
         share_storage(outputs, args[viewed])
     return outputs
+
+
+def _normal_view_in_inference_mode(base: ProxyTensor) -> bool:
+    """Whether a view of `base` is made in inference mode while `base` is a normal tensor: the view
+    is a normal tensor then, which torch gives `base`'s version counter, so its stand-in must be
+    made outside inference mode (one made inside is an inference tensor, which refuses it)."""
+    return torch.is_inference_mode_enabled() and not base.is_inference()
 
 
 # -- printing ------------------------------------------------------------------------------------
