@@ -205,6 +205,14 @@ def test_views_made_in_inference_mode_are_normal_tensors_as_directly(server: Pro
     assert proxied == direct
 
 
+def test_transformer_inference_takes_the_fused_fast_paths_as_directly(server: ProxyServer) -> None:
+    """Eval-mode encoder layers and attention run torch's fused kernels on the CPU and on GPUs; on a
+    device they took the slow path (the device mode counts as an override), so bits differed."""
+    direct, proxied = outputs_on_cpu_and_device("probe_fast_paths.py", server)
+    assert direct.count("\n") == 8 and "layer inference mode" in direct
+    assert proxied == direct
+
+
 def test_tensors_made_from_lists_of_device_scalars_hold_their_values(server: ProxyServer) -> None:
     """`torch.tensor([loss_a, loss_b])` failed ("its data is not allocated yet"): torch read the
     stand-ins' empty host wrappers."""

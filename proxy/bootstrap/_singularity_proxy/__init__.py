@@ -50,6 +50,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
         cuda_surface,
         device_comm,
         dtensors,
+        fast_paths,
         process_group,
         serialization,
         tensor,
@@ -74,6 +75,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     device_comm.install()
     serialization.install()
     composites.install()
+    fast_paths.install()
     compiler.patch_compile()
     process_group.install()
     dtensors.install()
