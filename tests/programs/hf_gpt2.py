@@ -1,6 +1,7 @@
-"""A tiny GPT-2 from Hugging Face transformers: trains a few steps, generates (greedy and sampled),
-then saves itself with `save_pretrained` (safetensors, which finds the tied embedding and output
-weights by their storage) and loads the files again on the CPU.
+"""A tiny GPT-2 from Hugging Face transformers: trains a few steps, generates (greedy, sampled, and
+beam search under inference mode, as pipelines run it), then saves itself with `save_pretrained`
+(safetensors, which finds the tied embedding and output weights by their storage) and loads the
+files again on the CPU.
 
 Built from a small GPT2Config (nothing is downloaded). Prints every loss, a checksum of the
 weights, the generated tokens and the saved files' tensors, so that any bit of difference shows.
@@ -43,6 +44,11 @@ print("greedy", greedy.tolist())
 torch.manual_seed(1)
 sampled = model.generate(prompt, max_new_tokens=8, do_sample=True, top_k=20, pad_token_id=0)
 print("sampled", sampled.tolist())
+with torch.inference_mode():
+    mask = torch.ones_like(prompt)
+    mask[1, :1] = 0  # a left-padded prompt
+    beams = model.generate(prompt, attention_mask=mask, max_new_tokens=5, num_beams=3, pad_token_id=0)
+print("beams", beams.tolist())
 print("final", checksum(model))
 
 with tempfile.TemporaryDirectory() as folder:

@@ -213,6 +213,14 @@ def test_transformer_inference_takes_the_fused_fast_paths_as_directly(server: Pr
     assert proxied == direct
 
 
+def test_factories_take_device_scalars_as_values(server: ProxyServer) -> None:
+    """`torch.full(..., fill_value=device_scalar, device="cuda")` (Hugging Face beam search) failed:
+    the factory was sent to the server with the stand-in among its keywords."""
+    direct, proxied = outputs_on_cpu_and_device("probe_factory_values.py", server)
+    assert "full keyword True torch.int64 [[7, 7, 7], [7, 7, 7]]" in direct
+    assert proxied == direct
+
+
 def test_tensors_made_from_lists_of_device_scalars_hold_their_values(server: ProxyServer) -> None:
     """`torch.tensor([loss_a, loss_b])` failed ("its data is not allocated yet"): torch read the
     stand-ins' empty host wrappers."""

@@ -20,7 +20,7 @@ def test_transformers_gpt2_trains_and_generates_byte_identically(server: ProxySe
     proxied = _run(["hf_gpt2.py", "--device", "cuda"], proxy_env([server.socket], "hf-gpt2"))
     assert direct.returncode == 0, direct.stderr
     assert proxied.returncode == 0, proxied.stderr
-    assert "greedy" in direct.stdout and "sampled" in direct.stdout
+    assert "greedy" in direct.stdout and "sampled" in direct.stdout and "beams" in direct.stdout
     assert proxied.stdout == direct.stdout
 
 

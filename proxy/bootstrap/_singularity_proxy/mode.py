@@ -68,7 +68,7 @@ def _factory(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         return func(*args, **options)
     options.pop("pin_memory", None)
     requires_grad = bool(options.pop("requires_grad", False))
-    if func in _SERVER_FACTORIES and not any(isinstance(a, torch.Tensor) for a in args):
+    if func in _SERVER_FACTORIES and not any(isinstance(a, torch.Tensor) for a in (*args, *options.values())):
         options["device"] = "meta"
         meta = func(*args, **options)
         channel = DEVICES.channel(index)
