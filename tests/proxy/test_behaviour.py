@@ -221,6 +221,15 @@ def test_factories_take_device_scalars_as_values(server: ProxyServer) -> None:
     assert proxied == direct
 
 
+def test_a_cuda_default_device_places_the_programs_tensors_there(server: ProxyServer) -> None:
+    """`torch.set_default_device("cuda")` made every factory fail ("Could not run
+    'aten::empty.memory_format' with arguments from the 'CUDA' backend"): torch applies the default
+    beneath every other mode, after the device mode had let the call through."""
+    direct, proxied = outputs_on_cpu_and_device("probe_default_device.py", server)
+    assert "context device device device" in direct and "step 2 device" in direct
+    assert proxied == direct
+
+
 def test_tensors_made_from_lists_of_device_scalars_hold_their_values(server: ProxyServer) -> None:
     """`torch.tensor([loss_a, loss_b])` failed ("its data is not allocated yet"): torch read the
     stand-ins' empty host wrappers."""

@@ -58,7 +58,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     from .devices import DEVICES
     from .located_warnings import locate_warnings
     from .method_handlers import group_by_proxied_device
-    from .mode import DeviceMode
+    from .mode import DeviceMode, follow_default_device
     from .randomness import RANDOM_OPS, host_random_handler
     from .threads import enter_in_new_threads, enter_in_rpc_functions
     from .transfers import TRANSFER_OPS
@@ -81,6 +81,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     dtensors.install()
     locate_warnings()
     group_by_proxied_device()
+    follow_default_device()
     mode = DeviceMode()
     mode.__enter__()  # type: ignore[no-untyped-call,unused-ignore]
     enter_in_new_threads(mode)

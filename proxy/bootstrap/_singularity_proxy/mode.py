@@ -16,6 +16,7 @@ from types import CodeType, FunctionType
 from typing import Any
 
 import torch
+import torch.utils._device
 from torch.overrides import TorchFunctionMode, handle_torch_function
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -40,6 +41,29 @@ _Tensor = torch.Tensor
 
 
 _SERVER_FACTORIES = {getattr(torch, name) for name in protocol.SERVER_FACTORIES}
+_DEFAULT_DEVICE = torch.utils._device
+"""Where `torch.set_default_device` and `with torch.device(...)` keep the default device (CURRENT_DEVICE)."""
+_DEFAULT_PLACED = frozenset(torch.utils._device._device_constructors())
+"""The factories that make their tensors on the default device when not given one."""
+_PACKAGE = __name__.rsplit(".", 1)[0]
+_DEVICE_CONTEXT_FUNCTION = torch.utils._device.DeviceContext.__torch_function__
+
+
+def _device_context_function(
+    self: Any, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+) -> Any:
+    """torch's DeviceContext, which gives factories the default device, except a cuda one to the
+    host tensors the client itself makes (`torch.set_default_device` puts it beneath every other
+    mode, so it sees those too, and they would reach the real CUDA)."""
+    if self.device.type == "cuda" and str(sys._getframe(1).f_globals.get("__name__")).startswith(_PACKAGE):
+        return func(*args, **(kwargs or {}))
+    return _DEVICE_CONTEXT_FUNCTION(self, func, types, args, kwargs)
+
+
+def follow_default_device() -> None:
+    """Apply a cuda default device (`torch.set_default_device`, `with torch.device(...)`) to the
+    program's factories only, not to the host tensors the client makes."""
+    torch.utils._device.DeviceContext.__torch_function__ = _device_context_function  # type: ignore[method-assign]
 
 
 def _factory_of_parts(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -307,6 +331,15 @@ class DeviceMode(TorchFunctionMode):
         if handler is not None:
             with CLIENT_LOCK:
                 return handler(func, args, kwargs or {})
+        default = _DEFAULT_DEVICE.CURRENT_DEVICE
+        if (
+            default is not None
+            and default.type == "cuda"
+            and func in _DEFAULT_PLACED
+            and (not kwargs or kwargs.get("device") is None)
+            and not str(sys._getframe(1).f_globals.get("__name__")).startswith(_PACKAGE)
+        ):
+            kwargs = {**(kwargs or {}), "device": default}
         if kwargs:
             device = kwargs.get("device")
             if kwargs.get("pin_memory") and (device is None or not is_cuda(device)):
