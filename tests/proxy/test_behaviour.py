@@ -230,6 +230,15 @@ def test_a_cuda_default_device_places_the_programs_tensors_there(server: ProxySe
     assert proxied == direct
 
 
+def test_operators_of_extension_libraries_run_by_their_cpu_kernels(server: ProxyServer) -> None:
+    """Operators registered as C++ extensions register theirs (torchvision's nms, roi_align) were
+    refused ("operators of the 'probe_extension' namespace are not served"): they run in the job
+    on host copies, with their values, shapes, in-place updates and gradients as on the CPU."""
+    direct, proxied = outputs_on_cpu_and_device("probe_extension_ops.py", server)
+    assert "keep_above [0, 3] True" in direct and "grad [4.62" in direct
+    assert proxied == direct
+
+
 def test_tensors_made_from_lists_of_device_scalars_hold_their_values(server: ProxyServer) -> None:
     """`torch.tensor([loss_a, loss_b])` failed ("its data is not allocated yet"): torch read the
     stand-ins' empty host wrappers."""

@@ -56,6 +56,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
         tensor,
     )
     from .devices import DEVICES
+    from .host_kernels import host_kernel_handler
     from .located_warnings import locate_warnings
     from .method_handlers import group_by_proxied_device
     from .mode import DeviceMode, follow_default_device
@@ -67,6 +68,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     tensor.special_ops.update(RANDOM_OPS)
     tensor.special_ops.update(TRANSFER_OPS)
     tensor.special_rules.append(host_random_handler)
+    tensor.special_rules.append(host_kernel_handler)
     torch.__future__.set_swap_module_params_on_conversion(True)
     cuda_surface.patch_cuda()
     cuda_surface.patch_accelerator()
