@@ -284,6 +284,29 @@ def test_a_model_split_over_two_devices_clips_and_steps_as_directly(tmp_path: Pa
     assert proxied.stdout == direct.stdout
 
 
+def test_a_callable_map_location_loads_tensors_where_it_sends_their_storages(tmp_path: Path) -> None:
+    """`torch.load(f, map_location=lambda storage, loc: storage.cuda(gpu))` failed ("Storage device
+    not recognized: cuda"): a host storage cannot become a device one here, so the callable is given
+    one whose `.cuda()` and `.to("cuda")` name where its tensors go."""
+    servers = [start_server(tmp_path, f"dev{index}") for index in range(2)]
+    try:
+        proxied = run_program(["probe_map_location.py"], proxy_env([s.socket for s in servers], "mapped"))
+    finally:
+        for s in servers:
+            stop_server(s)
+    assert proxied.returncode == 0, proxied.stderr
+    assert proxied.stdout.splitlines() == [
+        "cuda() ['cuda:0', 'cuda:0', 'cuda:0'] True 7",
+        "cuda(1) ['cuda:1', 'cuda:1', 'cuda:1'] True 7",
+        "to cuda:1 ['cuda:1', 'cuda:1', 'cuda:1'] True 7",
+        "host ['cpu', 'cpu', 'cpu'] True 7",
+        "cpu() ['cpu', 'cpu', 'cpu'] True 7",
+        "as saved ['cuda:0', 'cuda:0', 'cpu'] True 7",  # where each was saved from
+        "by torch ['cuda:1', 'cuda:1', 'cuda:1'] True 7",
+        "loaded into a model cuda:0 True",
+    ]
+
+
 def test_warnings_inside_operations_are_shown_at_the_lines_a_direct_run_shows(server: ProxyServer) -> None:
     direct = run_program(["probe_warnings.py", "cpu"], base_env())
     proxied = run_program(["probe_warnings.py", "cuda"], proxy_env([server.socket], "warnings"))

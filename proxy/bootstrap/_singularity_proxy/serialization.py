@@ -108,6 +108,48 @@ def _mapped_location(map_location: Any, location: str) -> str:
     return location
 
 
+class _BoundForDevice:
+    """A loaded host storage and the cuda location a callable `map_location` sent it to."""
+
+    def __init__(self, storage: Any, location: str) -> None:
+        self.storage = storage
+        self.location = location
+
+
+class _StorageToMap:
+    """The storage a callable `map_location` is given (`lambda storage, loc: storage.cuda(gpu)`):
+    its `.cuda()` and `.to("cuda...")` name the device its tensors go to once loaded (a host storage
+    cannot become a device one here); anything else is the storage's own."""
+
+    def __init__(self, storage: Any) -> None:
+        self._storage = storage
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._storage, name)
+
+    def cuda(self, device: Any = None, non_blocking: bool = False) -> _BoundForDevice:
+        return _BoundForDevice(self._storage, f"cuda:{device_index(device)}")
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        device = kwargs.get("device", args[0] if args else None)
+        if device is not None and torch.device(device).type == "cuda":
+            return self.cuda(device)
+        return self._storage.to(*args, **kwargs)
+
+
+def _restored_by(map_location: Any, storage: Any, location: str) -> tuple[Any, str]:
+    """What a callable `map_location` makes of a loaded storage: the storage to load into and the
+    location its tensors go to (its own when the callable returns None)."""
+    restored = map_location(_StorageToMap(storage), location)
+    if restored is None:
+        return storage, location
+    if isinstance(restored, _BoundForDevice):
+        return restored.storage, restored.location
+    if isinstance(restored, _StorageToMap):
+        restored = restored._storage
+    return restored, "cpu"
+
+
 def _place(obj: Any, targets: dict[int, str], memo: dict[int, Any]) -> Any:
     """Move the loaded tensors whose storage was mapped to a cuda location onto it."""
     if id(obj) in memo:
@@ -183,10 +225,7 @@ def install() -> None:
 
         def restore(storage: Any, location: str) -> Any:
             if callable(map_location) and not isinstance(map_location, (dict, str, torch.device)):
-                restored = map_location(storage, location)
-                if restored is not None:
-                    return restored
-                target = location
+                storage, target = _restored_by(map_location, storage, location)
             else:
                 target = _mapped_location(map_location, location)
             if target.startswith("cuda"):
