@@ -239,6 +239,14 @@ def test_operators_of_extension_libraries_run_by_their_cpu_kernels(server: Proxy
     assert proxied == direct
 
 
+def test_custom_functions_get_zeros_on_the_device_for_unused_outputs(server: ProxyServer) -> None:
+    """A custom autograd Function whose second output went unused failed in backward ("Expected all
+    tensors to be on the same device"): the engine made its zero gradient on the host."""
+    direct, proxied = outputs_on_cpu_and_device("probe_custom_functions.py", server)
+    assert "backward gets True [0.0, 0.0]" in direct and "gradcheck True" in direct
+    assert proxied == direct
+
+
 def test_tensors_made_from_lists_of_device_scalars_hold_their_values(server: ProxyServer) -> None:
     """`torch.tensor([loss_a, loss_b])` failed ("its data is not allocated yet"): torch read the
     stand-ins' empty host wrappers."""

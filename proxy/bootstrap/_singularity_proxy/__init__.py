@@ -48,6 +48,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
         compiler,
         composites,
         cuda_surface,
+        custom_functions,
         device_comm,
         dtensors,
         fast_paths,
@@ -77,6 +78,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     device_comm.install()
     serialization.install()
     composites.install()
+    custom_functions.install()
     fast_paths.install()
     compiler.patch_compile()
     process_group.install()
