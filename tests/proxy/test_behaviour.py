@@ -247,6 +247,16 @@ def test_custom_functions_get_zeros_on_the_device_for_unused_outputs(server: Pro
     assert proxied == direct
 
 
+def test_modules_move_and_load_weights_as_on_a_gpu(server: ProxyServer) -> None:
+    """Every module conversion swapped parameters, so `load_state_dict` did too and failed where
+    anything held a parameter (DDP's reducer, a live graph, a view: "Expected use_count"), the old
+    `weight_norm` could not be moved, and `assign=True` trained other Parameters than on a GPU."""
+    direct, proxied = outputs_on_cpu_and_device("probe_module_moves.py", server)
+    assert "load while held True" in direct and "assign False [[0.0, 0.0, 0.0]" in direct
+    assert "old weight_norm load True" in direct
+    assert proxied == direct
+
+
 def test_tensors_made_from_lists_of_device_scalars_hold_their_values(server: ProxyServer) -> None:
     """`torch.tensor([loss_a, loss_b])` failed ("its data is not allocated yet"): torch read the
     stand-ins' empty host wrappers."""

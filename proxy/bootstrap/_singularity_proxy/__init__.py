@@ -42,8 +42,6 @@ def activate() -> bool:
 
 def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     """Install the client: the devices, the torch patches and the global mode."""
-    import torch
-
     from . import (
         compiler,
         composites,
@@ -59,7 +57,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     from .devices import DEVICES
     from .host_kernels import host_kernel_handler
     from .located_warnings import locate_warnings
-    from .method_handlers import group_by_proxied_device
+    from .method_handlers import group_by_proxied_device, move_modules_by_data_setter
     from .mode import DeviceMode, follow_default_device
     from .randomness import RANDOM_OPS, host_random_handler
     from .threads import enter_in_new_threads, enter_in_rpc_functions
@@ -70,7 +68,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     tensor.special_ops.update(TRANSFER_OPS)
     tensor.special_rules.append(host_random_handler)
     tensor.special_rules.append(host_kernel_handler)
-    torch.__future__.set_swap_module_params_on_conversion(True)
+    move_modules_by_data_setter()
     cuda_surface.patch_cuda()
     cuda_surface.patch_accelerator()
     cuda_surface.patch_autocast()

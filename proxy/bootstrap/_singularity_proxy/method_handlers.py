@@ -29,11 +29,14 @@ _Tensor = torch.Tensor
 _KEEPS_ON_HOST = (
     "torch.distributed._state_dict_utils",
     "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.optim",
     "torch.nn.modules.module",
 )
 """torch's own modules whose `.to("cpu")` means host memory, as the program's does: they offload
-state dicts to keep or save them, or move a module where the program asks (`Module.to("cpu")`),
-not group tensors by their C++ device."""
+state dicts to keep or save them (FSDP's `offload_to_cpu`, ZeRO's consolidated state), offload
+gradients and parameters (FSDP's CPU offload), or move a module where the program asks
+(`Module.to("cpu")`), not group tensors by their C++ device."""
 
 
 def _as_device(value: Any) -> Any:
@@ -278,14 +281,71 @@ def _new_tensor(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
 
 def _set_data(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """`tensor.data = value` on stand-ins: the tensor stands for value's server tensor from then on
-    (torch itself changes only the wrapper's C++ metadata, which would leave it naming the old one)."""
+    (torch itself changes only the wrapper's C++ metadata, which would leave it naming the old one).
+    Between the host and a device (`p.data = p.data.to("cuda")`, `Module.to`, FSDP moving a host
+    module), the tensor object is swapped with one of the other kind holding value's data: it keeps
+    its identity (a Parameter stays the optimizer's), as the data setter keeps it on a GPU."""
     self, value = args
-    if type(self) is ProxyTensor and type(value) is ProxyTensor:
+    is_stand_in, value_is_stand_in = type(self) is ProxyTensor, type(value) is ProxyTensor
+    if is_stand_in and value_is_stand_in:
         func(self, value)
         stand_for(self, value)
         return None
+    if is_stand_in != value_is_stand_in and isinstance(value, _Tensor) and value.layout == torch.strided:
+        _swap_in_data(self, value)
+        return None
     check_devices(args)
     return func(*args, **kwargs)
+
+
+def _swap_in_data(tensor: Any, value: Any) -> None:
+    """Make `tensor` hold `value`'s data by swapping it with a tensor of value's kind (its gradient,
+    requires_grad and, for a Parameter, its class kept)."""
+    grad = tensor.grad
+    replacement = value.detach()
+    if isinstance(tensor, torch.nn.Parameter) or getattr(tensor, "_is_param", False):
+        replacement = torch.nn.Parameter(replacement, requires_grad=tensor.requires_grad)
+    else:
+        replacement.requires_grad_(tensor.requires_grad)
+    if grad is not None:
+        tensor.grad = None  # a gradient held raises the tensor's use count, which swapping checks
+    if not _swappable(tensor):
+        tensor.grad = grad
+        raise RuntimeError(
+            "proxy: `tensor.data = other` cannot move a tensor between the host and a proxied device "
+            "while other tensors view it (FSDP1's `offload_to_cpu` of its flat parameters does so): "
+            "the tensor must become another object here; keep it on its device"
+        )
+    torch.utils.swap_tensors(tensor, replacement)
+    if grad is not None:
+        tensor.grad = grad
+
+
+_COMPATIBLE_SHALLOW_COPY_TYPE = torch._has_compatible_shallow_copy_type
+
+
+def _compatible_shallow_copy_type(input: Any, from_: Any) -> bool:
+    """`torch._has_compatible_shallow_copy_type`, which `Module._apply` asks to choose the data
+    setter (keeping each Parameter) over a new Parameter: yes between host and device tensors too,
+    as between a CPU's and a GPU's (the setter swaps those, above), where swapping can be done.
+    Its parameters keep torch's names, which torch.compile checks."""
+    if (type(input) is ProxyTensor) != (type(from_) is ProxyTensor):
+        strided = input.layout == torch.strided and from_.layout == torch.strided
+        return bool(strided and _swappable(input))
+    return _COMPATIBLE_SHALLOW_COPY_TYPE(input, from_)
+
+
+def _swappable(tensor: Any) -> bool:
+    """Whether `torch.utils.swap_tensors` takes the tensor: nothing else holds it, autograd's
+    accumulator aside (the old `weight_norm`'s cached weight holds its parameters; `Module.to`
+    then gives them new Parameters, as torch does for tensors of incompatible kinds)."""
+    return bool(tensor._use_count() <= 2)
+
+
+def move_modules_by_data_setter() -> None:
+    """Let `Module.to` and kin move parameters between host and devices through the data setter,
+    as on a GPU, rather than swapping every parameter (which `load_state_dict` would then do too)."""
+    torch._has_compatible_shallow_copy_type = _compatible_shallow_copy_type  # type: ignore[assignment]
 
 
 FROM_VALUES = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
