@@ -192,7 +192,8 @@ RESET_INIT = ["--meta-init", "--reset-init"]
 def test_programs_run_unmodified_with_1_2_and_4_ranks(daemon: Daemon) -> None:
     """A pytorch/examples-style DDP demo (the accelerator's default backend), a nanoGPT-style
     trainer (nccl because RANK is set), FSDP2 (also built on the meta device, and also given its
-    weights by `reset_parameters()` there and gathered by `get_model_state_dict`) and every raw
+    weights by `reset_parameters()` there and gathered by `get_model_state_dict`), FSDP1 from a host
+    model with DDP reloading saved weights after wrapping, and every raw
     collective run as jobs of 1, 2 and 4 ranks; with 1 and 2 ranks they print what the same
     program prints directly on the CPU. Tensor-parallel attention on 2 ranks prints the losses
     of the unsharded model on the CPU, to rounding."""
@@ -208,6 +209,7 @@ def test_programs_run_unmodified_with_1_2_and_4_ranks(daemon: Daemon) -> None:
         ("fsdp", 4): submit(daemon, "fsdp_train.py", ["--steps", "3"], 4, 4),
         ("fsdp-meta", 2): submit(daemon, "fsdp_train.py", ["--steps", "3", "--meta-init"], 2, 2),
         ("fsdp-reset", 2): submit(daemon, "fsdp_train.py", ["--steps", "3", *RESET_INIT], 2, 2),
+        ("fsdp1", 2): submit(daemon, "fsdp1_train.py", [], 2, 2),
         ("tp", 2): submit(daemon, "tp_attention.py", [], 2, 2),
         ("raw", 2): submit(daemon, "raw_collectives.py", [], 2, 1),
         ("raw", 4): submit(daemon, "raw_collectives.py", ["--backend", "gloo"], 4, 2),
@@ -236,6 +238,9 @@ def test_programs_run_unmodified_with_1_2_and_4_ranks(daemon: Daemon) -> None:
     assert printed(succeeded(daemon, jobs[("fsdp-meta", 2)], 2)) == fsdp_direct  # to_empty of DTensors
     reset_direct = direct_ranks("fsdp_train.py", ["--steps", "3", "--device", "cpu", *RESET_INIT], 2)
     assert printed(succeeded(daemon, jobs[("fsdp-reset", 2)], 2)) == reset_direct  # DTensors' random init
+    fsdp1_direct = direct_ranks("fsdp1_train.py", ["--device", "cpu"], 2)
+    assert "rank 0 reloaded" in fsdp1_direct[0] and "rank 0 full state" in fsdp1_direct[0]
+    assert printed(succeeded(daemon, jobs[("fsdp1", 2)], 2)) == fsdp1_direct  # FSDP1, DDP's reloads
     unsharded = losses(direct_alone("tp_attention.py", ["--plain", "--device", "cpu"]))
     for log in succeeded(daemon, jobs[("tp", 2)], 2):  # attention on DTensors sharded by heads
         assert losses(log) == pytest.approx(unsharded, rel=1e-6, abs=0)

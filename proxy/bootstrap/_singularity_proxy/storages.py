@@ -159,7 +159,7 @@ class ProxyStorage(StandInStorage):
 
 class ProxyTypedStorage(StandInStorage):
     """What the deprecated `storage()` gives for a stand-in: its storage counted in elements of the
-    stand-in's dtype (safetensors falls back to it)."""
+    stand-in's dtype (safetensors falls back to it), and resized so (FSDP1)."""
 
     def __init__(self, stand_in: StandIn) -> None:
         super().__init__(stand_in)
@@ -178,3 +178,11 @@ class ProxyTypedStorage(StandInStorage):
         return self.nbytes() // self.element_size()
 
     __len__ = size
+    _size = size  # FSDP1 asks whether a flat parameter's storage is freed so
+
+    def _resize_(self, size: int) -> None:
+        """Resize the storage to `size` elements (FSDP1 frees and re-allocates its flat parameters'
+        storages so)."""
+        self.untyped().resize_(int(size) * self.element_size())
+
+    resize_ = _resize_
