@@ -545,6 +545,9 @@ def dispatch(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> A
     return route(func, args, kwargs or {})
 
 
+_INFERENCE_MODE = torch.is_inference_mode_enabled
+
+
 def forward(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> Any:
     """Send one aten operation to the server; its outputs as stand-ins.
 
@@ -578,8 +581,11 @@ def forward(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> An
             first = channel.new_handle(known[2])
             channel.push([protocol.OP_RUN, known[0], first, call.values])
             viewed = known[4]
-            if template[0] == protocol.TEMPLATE_TENSOR and viewed is None:
-                return new_stand_in(channel, first, template[1])
+            if template[0] == protocol.TEMPLATE_TENSOR and (viewed is None or not _INFERENCE_MODE()):
+                out = new_stand_in(channel, first, template[1])
+                if viewed is not None:
+                    out._storage = storage_record(args[viewed])
+                return out
             if viewed is not None and _normal_view_in_inference_mode(args[viewed]):
                 with torch.inference_mode(False):
                     return _viewing(_build(template, channel, inputs, [first]), viewed, args)
@@ -618,7 +624,7 @@ def _normal_view_in_inference_mode(base: ProxyTensor) -> bool:
     """Whether a view of `base` is made in inference mode while `base` is a normal tensor: the view
     is a normal tensor then, which torch gives `base`'s version counter, so its stand-in must be
     made outside inference mode (one made inside is an inference tensor, which refuses it)."""
-    return torch.is_inference_mode_enabled() and not base.is_inference()
+    return _INFERENCE_MODE() and not base.is_inference()
 
 
 # -- printing ------------------------------------------------------------------------------------
