@@ -1,7 +1,8 @@
 """Moving modules and loading weights as on a GPU: `Module.to` keeps each Parameter (an optimizer
 made before the move still steps the model; tied weights stay tied), `load_state_dict` copies in
 place (also while a graph or a view holds a parameter; `assign=True` gives new Parameters),
-`p.data = p.data.to(device)` moves a parameter, and the old `weight_norm` moves with its module."""
+`p.data = p.data.to(device)` moves a parameter, the old `weight_norm` moves with its module, and a
+lazy module moved before its first forward makes its parameters on the device."""
 
 import sys
 
@@ -54,5 +55,11 @@ conv = nn.utils.weight_norm(nn.Conv1d(2, 2, 3))
 attempt("old weight_norm to", lambda: conv.to(device).weight_v.device.type == device)
 attempt("old weight_norm forward", lambda: conv(torch.ones(1, 2, 5, device=device)).tolist())
 attempt("old weight_norm load", lambda: conv.load_state_dict(conv.state_dict()) is not None)
+lazy = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.LazyLinear(2)).to(device)
+lazy_out = lazy(torch.ones(3, 5, device=device))  # kept: its graph holds the parameters
+weight = lazy[0].weight
+print("lazy", lazy_out.tolist(), weight.device.type == device, isinstance(weight, nn.Parameter))
+lazy.double()
+print("lazy moved after a forward", lazy[0].weight.dtype, lazy[0].weight.device.type == device)
 back = model.cpu()
 print("back", back.weight is before, back.weight.device.type, back.weight.tolist())

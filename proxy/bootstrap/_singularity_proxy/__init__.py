@@ -57,7 +57,11 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     from .devices import DEVICES
     from .host_kernels import host_kernel_handler
     from .located_warnings import locate_warnings
-    from .method_handlers import group_by_proxied_device, move_modules_by_data_setter
+    from .method_handlers import (
+        group_by_proxied_device,
+        materialize_lazy_modules_on_devices,
+        move_modules_by_data_setter,
+    )
     from .mode import DeviceMode, follow_default_device
     from .randomness import RANDOM_OPS, host_random_handler
     from .threads import enter_in_new_threads, enter_in_rpc_functions
@@ -69,6 +73,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     tensor.special_rules.append(host_random_handler)
     tensor.special_rules.append(host_kernel_handler)
     move_modules_by_data_setter()
+    materialize_lazy_modules_on_devices()
     cuda_surface.patch_cuda()
     cuda_surface.patch_accelerator()
     cuda_surface.patch_autocast()

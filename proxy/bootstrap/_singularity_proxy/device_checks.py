@@ -13,7 +13,7 @@ from .devices import same_device_error
 from .tensor import ProxyTensor
 
 _Tensor = torch.Tensor
-_PACKAGE = __name__.rsplit(".", 1)[0]
+CLIENT_PACKAGE = __name__.rsplit(".", 1)[0]
 
 
 def is_cuda(device: Any) -> bool:
@@ -25,12 +25,17 @@ def is_cuda(device: Any) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)
 
 
+def called_by_client(frame: Any) -> bool:
+    """Whether the code running in `frame` is this client's own."""
+    return str(frame.f_globals.get("__name__")).startswith(CLIENT_PACKAGE)
+
+
 def caller_module() -> str:
     """The module of the torch function's caller: the first frame outside this package."""
     frame: Any = sys._getframe(1)
     while frame is not None:
         name = str(frame.f_globals.get("__name__", ""))
-        if not name.startswith(_PACKAGE) and name != "torch.overrides":
+        if not name.startswith(CLIENT_PACKAGE) and name != "torch.overrides":
             return name
         frame = frame.f_back
     return ""
@@ -56,6 +61,7 @@ MIXING_ALLOWED = {
     torch.index_put,
     _Tensor.__reduce_ex__,
     _Tensor.__deepcopy__,
+    torch._has_compatible_shallow_copy_type,  # compares the kinds of two tensors
 }
 """Calls that legitimately take host and device tensors together (as they do on CUDA)."""
 

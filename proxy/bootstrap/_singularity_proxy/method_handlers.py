@@ -55,6 +55,8 @@ def _to(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     is_stand_in = isinstance(self, ProxyTensor)
     if device is None or device.type not in ("cuda", "cpu"):
         return func(*args, **kwargs)
+    if _IS_LAZY(self):
+        return _lazy_to(func, self, device, dtype)
     if device.type == "cuda":
         index = DEVICES.current if device.index is None else device.index
         already_there = (
@@ -87,6 +89,43 @@ def _to(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     if dtype is not None and dtype != out.dtype:
         out = out.to(dtype)
     return out
+
+
+_IS_LAZY = torch.nn.parameter.is_lazy
+_UNINITIALIZED: Any = torch.nn.parameter.UninitializedTensorMixin  # type: ignore[attr-defined]
+_MATERIALIZE = _UNINITIALIZED.materialize
+
+
+def _lazy_to(func: Any, tensor: Any, device: torch.device, dtype: Any) -> Any:
+    """`.to` of a lazy module's uninitialised parameter or buffer: it has no data to move, so it
+    notes the device it is to be made on (`_proxied_device`, None for the host), as a GPU's
+    uninitialised parameter takes the device of the `.to`."""
+    target = torch.device("cuda", device_index(device)) if device.type == "cuda" else None
+    tensor._proxied_device = target
+    out = tensor if dtype is None else func(tensor, dtype=dtype)
+    out._proxied_device = target
+    return out
+
+
+def _materialize(self: Any, shape: Any, device: Any = None, dtype: Any = None) -> None:
+    """`UninitializedParameter.materialize` (a lazy module's first forward): on the device its
+    module was moved to, the parameter becomes a device tensor in place (swapped, as the data setter
+    swaps), since a host tensor cannot take a stand-in's data."""
+    target = getattr(self, "_proxied_device", None) if device is None else torch.device(device)
+    if target is None or target.type != "cuda":
+        return _MATERIALIZE(self, shape, device, dtype)  # type: ignore[no-any-return]
+    made = to_device(torch.empty(shape, dtype=dtype or self.data.dtype), device_index(target))
+    if self.cls_to_become is torch.nn.Parameter:
+        made = torch.nn.Parameter(made, requires_grad=self.requires_grad)
+    else:
+        made.requires_grad_(self.requires_grad)
+    torch.utils.swap_tensors(self, made)
+    return None
+
+
+def materialize_lazy_modules_on_devices() -> None:
+    """Let lazy modules moved to a proxied device make their parameters there."""
+    _UNINITIALIZED.materialize = _materialize
 
 
 _GROUP_BY_DEVICE_AND_DTYPE = torch._C._group_tensors_by_device_and_dtype
@@ -294,7 +333,8 @@ def _set_data(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     if is_stand_in != value_is_stand_in and isinstance(value, _Tensor) and value.layout == torch.strided:
         _swap_in_data(self, value)
         return None
-    check_devices(args)
+    if is_stand_in or value_is_stand_in:
+        check_devices(args)
     return func(*args, **kwargs)
 
 
@@ -336,10 +376,16 @@ def _compatible_shallow_copy_type(input: Any, from_: Any) -> bool:
 
 
 def _swappable(tensor: Any) -> bool:
-    """Whether `torch.utils.swap_tensors` takes the tensor: nothing else holds it, autograd's
-    accumulator aside (the old `weight_norm`'s cached weight holds its parameters; `Module.to`
+    """Whether `torch.utils.swap_tensors` takes the tensor (its own test): nothing else holds it,
+    autograd's accumulator aside (the old `weight_norm`'s cached weight holds its parameters; `Module.to`
     then gives them new Parameters, as torch does for tensors of incompatible kinds)."""
-    return bool(tensor._use_count() <= 2)
+    count = tensor._use_count()
+    if count <= 1:
+        return True
+    if count > 2 or not tensor.is_leaf or not tensor.requires_grad:
+        return False
+    accumulator = torch.autograd.graph.get_gradient_edge(tensor).node  # made now if it was not there
+    return bool(tensor._use_count() == 2 and accumulator is not None)
 
 
 def move_modules_by_data_setter() -> None:

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import protocol
 from .channel import CLIENT_LOCK
-from .device_checks import MIXING_ALLOWED, check_devices, is_cuda
+from .device_checks import MIXING_ALLOWED, called_by_client, check_devices, is_cuda
 from .devices import DEVICES, device_index
 from .encoding import wire_arguments
 from .method_handlers import (
@@ -45,7 +45,6 @@ _DEFAULT_DEVICE = torch.utils._device
 """Where `torch.set_default_device` and `with torch.device(...)` keep the default device (CURRENT_DEVICE)."""
 _DEFAULT_PLACED = frozenset(torch.utils._device._device_constructors())
 """The factories that make their tensors on the default device when not given one."""
-_PACKAGE = __name__.rsplit(".", 1)[0]
 _DEVICE_CONTEXT_FUNCTION = torch.utils._device.DeviceContext.__torch_function__
 
 
@@ -55,7 +54,7 @@ def _device_context_function(
     """torch's DeviceContext, which gives factories the default device, except a cuda one to the
     host tensors the client itself makes (`torch.set_default_device` puts it beneath every other
     mode, so it sees those too, and they would reach the real CUDA)."""
-    if self.device.type == "cuda" and str(sys._getframe(1).f_globals.get("__name__")).startswith(_PACKAGE):
+    if self.device.type == "cuda" and called_by_client(sys._getframe(1)):
         return func(*args, **(kwargs or {}))
     return _DEVICE_CONTEXT_FUNCTION(self, func, types, args, kwargs)
 
@@ -337,7 +336,7 @@ class DeviceMode(TorchFunctionMode):
             and default.type == "cuda"
             and func in _DEFAULT_PLACED
             and (not kwargs or kwargs.get("device") is None)
-            and not str(sys._getframe(1).f_globals.get("__name__")).startswith(_PACKAGE)
+            and not called_by_client(sys._getframe(1))
         ):
             kwargs = {**(kwargs or {}), "device": default}
         if kwargs:
