@@ -179,10 +179,7 @@ def _detach(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     if source.layout != torch.strided:
         return forward(func, args, kwargs)
     meta = source._meta
-    if _normal_view_in_inference_mode(source):
-        with torch.inference_mode(False):
-            tensor = _make_wrapper(ProxyTensor, meta[0], meta[1], meta[2], None, meta[3], torch.strided, HOST)
-    else:
+    with _view_context(source):
         tensor = _make_wrapper(ProxyTensor, meta[0], meta[1], meta[2], None, meta[3], torch.strided, HOST)
     stand_for(tensor, source)
     return tensor
@@ -586,10 +583,7 @@ def forward(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> An
                 if viewed is not None:
                     out._storage = storage_record(args[viewed])
                 return out
-            if viewed is not None and _normal_view_in_inference_mode(args[viewed]):
-                with torch.inference_mode(False):
-                    return _viewing(_build(template, channel, inputs, [first]), viewed, args)
-            return _viewing(_build(template, channel, inputs, [first]), viewed, args)
+            return _outputs(template, channel, inputs, first, viewed, args)
     first = channel.next_handle
     try:
         reply = channel.request([protocol.REQ_RUN, known[0], first, call.values])
@@ -606,25 +600,32 @@ def forward(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> An
         known.append(viewed if viewing else None)
     if not depends_on_values and not _value_dependent(func, args):
         known[1:4] = [template, count, nbytes]
-    viewed = known[4]
-    if viewed is not None and _normal_view_in_inference_mode(args[viewed]):
-        with torch.inference_mode(False):
-            return _viewing(_build(template, channel, inputs, [first]), viewed, args)
-    return _viewing(_build(template, channel, inputs, [first]), viewed, args)
+    return _outputs(template, channel, inputs, first, known[4], args)
 
 
-def _viewing(outputs: Any, viewed: int | None, args: Sequence[Any]) -> Any:
-    """An operation's outputs, recorded as views of argument `viewed`'s storage (if not None)."""
-    if viewed is not None:
-        share_storage(outputs, args[viewed])
+def _outputs(
+    template: Any, channel: Channel, inputs: list[ProxyTensor], first: int, viewed: int | None, args: Any
+) -> Any:
+    """An operation's outputs built from its template (new handles from `first`), recorded as views
+    of argument `viewed`'s storage if not None, and made as torch makes such views."""
+    if viewed is None:
+        return _build(template, channel, inputs, [first])
+    with _view_context(args[viewed]):
+        outputs = _build(template, channel, inputs, [first])
+    share_storage(outputs, args[viewed])
     return outputs
 
 
-def _normal_view_in_inference_mode(base: ProxyTensor) -> bool:
-    """Whether a view of `base` is made in inference mode while `base` is a normal tensor: the view
-    is a normal tensor then, which torch gives `base`'s version counter, so its stand-in must be
-    made outside inference mode (one made inside is an inference tensor, which refuses it)."""
-    return _INFERENCE_MODE() and not base.is_inference()
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+def _view_context(base: ProxyTensor) -> Any:
+    """Where the stand-in of a view of `base` is made: outside inference mode when in it `base` is
+    a normal tensor. The view is a normal tensor then, which torch gives `base`'s version counter,
+    and a stand-in made inside inference mode is an inference tensor, which refuses it."""
+    if _INFERENCE_MODE() and not base.is_inference():
+        return torch.inference_mode(False)
+    return _NO_CONTEXT
 
 
 # -- printing ------------------------------------------------------------------------------------
