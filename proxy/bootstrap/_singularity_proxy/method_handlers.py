@@ -114,12 +114,7 @@ def _materialize(self: Any, shape: Any, device: Any = None, dtype: Any = None) -
     target = getattr(self, "_proxied_device", None) if device is None else torch.device(device)
     if target is None or target.type != "cuda":
         return _MATERIALIZE(self, shape, device, dtype)  # type: ignore[no-any-return]
-    made = to_device(torch.empty(shape, dtype=dtype or self.data.dtype), device_index(target))
-    if self.cls_to_become is torch.nn.Parameter:
-        made = torch.nn.Parameter(made, requires_grad=self.requires_grad)
-    else:
-        made.requires_grad_(self.requires_grad)
-    torch.utils.swap_tensors(self, made)
+    _swap_in_data(self, to_device(torch.empty(shape, dtype=dtype or self.data.dtype), device_index(target)))
     return None
 
 
