@@ -1,4 +1,5 @@
-"""Which operators the server runs for a job: aten and prims tensor operators, by allowlist.
+"""Which operators the server runs for a job: aten and prims tensor operators, by allowlist, and
+the proxy's own (encoder_operator.py).
 
 A job names the operators it wants (OP_DEFINE); the server resolves a name only through
 `resolve`, which serves an operator when all of these hold:
@@ -26,10 +27,11 @@ from typing import Any
 
 import torch
 
-from singularity.proxy.bootstrap._singularity_proxy import protocol
+from singularity.proxy.bootstrap._singularity_proxy import encoder_operator, protocol
 
 SERVED_NAMESPACES = frozenset(protocol.SERVED_NAMESPACES)
-"""Namespaces of the tensor operators the server runs."""
+"""Namespaces of the tensor operators the server runs: torch's and the proxy's own."""
+encoder_operator.define()
 
 COLLECTIVE_NAMESPACES = frozenset({"c10d"})
 """Namespaces of the collective operators the server carries out (see COLLECTIVES)."""

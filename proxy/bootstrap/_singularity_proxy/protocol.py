@@ -252,8 +252,9 @@ TEMPLATE_VALUE = "V"
 """[TEMPLATE_VALUE, value]: a plain value (number, bool, string; anything else as its repr)."""
 
 # -- operators ----------------------------------------------------------------------------------
-SERVED_NAMESPACES = ("aten", "prims")
-"""Namespaces whose operators a server may run for a job (see the server's operators.py)."""
+SERVED_NAMESPACES = ("aten", "prims", "singularity_proxy")
+"""Namespaces whose operators a server may run for a job (see the server's operators.py); the last
+is the proxy's own (encoder_operator.py)."""
 
 # -- control channel ------------------------------------------------------------------------------
 CONTROL_REQUESTS = (
