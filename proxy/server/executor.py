@@ -63,6 +63,23 @@ def _raw(tensor: torch.Tensor) -> list[Any]:
     return [_NAMES.dtype_names[host.dtype], list(host.shape), list(host.stride()), raw]
 
 
+def _check_within_storages(values: Sequence[Any]) -> None:
+    """RuntimeError unless each strided tensor among `values` lies within its storage's bytes (the
+    kernels read and write without that check, so a view of a storage resized smaller would crash
+    the server)."""
+    for value in values:
+        if type(value) is torch.Tensor and value.layout == torch.strided:
+            shape, stride, offset = value.shape, value.stride(), int(value.storage_offset())
+            needed = protocol.storage_extent(shape, stride, offset) * value.itemsize
+            held = value.untyped_storage().nbytes()
+            if needed > held:
+                raise RuntimeError(
+                    f"proxy: sizes {list(shape)}, strides {list(stride)}, storage offset {offset}, and "
+                    f"itemsize {value.itemsize} requiring a storage size of {needed} are out of bounds "
+                    f"for storage of size {held} (the storage was resized smaller)"
+                )
+
+
 def _layout(tensor: torch.Tensor) -> list[Any]:
     """[shape, stride, storage offset] of a tensor, as templates carry them."""
     return [list(tensor.shape), list(tensor.stride()), tensor.storage_offset()]
@@ -326,6 +343,8 @@ class Executor:
             if operator in _OVERWRITING and leaves and type(leaves[0]) is torch.Tensor:
                 session.swap_in_overwritten(leaves[0], leaves[1:])
             session.swap_in_tensors(leaves)
+        if session.shrunk_storages:
+            _check_within_storages(tree_leaves((args, kwargs)))
         if self.memory.shared:
             output = self._write_apart(session, operator, args, kwargs)
             if output is MISS:
@@ -453,6 +472,8 @@ class Executor:
             _, handle, dtype, shape, stride, index = _operation(op, 6)
             values = protocol.tensor_from_raw(dtype, shape, stride, protocol.buffer_at(buffers, index))
             target = session.tensor(handle)
+            if session.shrunk_storages:
+                _check_within_storages([target])
             session.before_write(target)
             self._forget_value(target)
             target.copy_(values)
@@ -462,6 +483,7 @@ class Executor:
             self._forget_value(session.tensor(handle))
             storage = session.tensor(handle).untyped_storage()
             session.check_room(max(0, protocol.integer(nbytes) - storage.nbytes()))
+            session.shrunk_storages |= protocol.integer(nbytes) < storage.nbytes()
             storage.resize_(nbytes)
             session.recount(handle)
         elif kind == protocol.OP_FACTORY:
@@ -533,6 +555,8 @@ class Executor:
             tensor = session.tensor(_operation(request, 2)[1])
             if session.swapped:
                 session.swap_in_tensors([tensor])
+            if session.shrunk_storages:
+                _check_within_storages([tensor])
             if tensor.layout == torch.strided:
                 return _raw(tensor)
             return {

@@ -198,6 +198,9 @@ class Session:
         self.led = False
         """Whether the session just ran an operation on storages it shares with other ranks here,
         whose result they will be squashed onto (pace.py)."""
+        self.shrunk_storages = False
+        """Whether the job resized a storage smaller: from then on the tensors an operation uses are
+        checked against their storages' bytes first (executor.py)."""
         self.swapped: dict[int, torch.Tensor] = {}
         """Storage identity -> its bytes in host memory, for a storage moved off the device while
         the session waits in a collective (the device storage keeps its identity at no bytes;

@@ -214,6 +214,19 @@ def test_transformer_inference_takes_the_fused_fast_paths_as_directly(server: Pr
     assert proxied == direct
 
 
+def test_views_of_a_storage_resized_smaller_are_refused_not_run(server: ProxyServer) -> None:
+    """An operation on a view of a storage the job resized to 0 crashed the job's proxy server
+    (SIGSEGV: the kernels do not check bounds); it is refused with torch's bounds message."""
+    result = run_program(["probe_shrunk_storage.py"], proxy_env([server.socket], "shrunk"))
+    assert result.returncode == 0, result.stderr
+    needs = "storage offset 4, and itemsize 4 requiring a storage size of 48"
+    bounds = f"{needs} are out of bounds for storage of size 0"
+    for name in ("add", "fill", "copy", "read"):
+        assert f"{name} proxy: sizes [2, 4], strides [4, 1], {bounds}\n" in result.stdout
+    assert "sum proxy: sizes [12], strides [1], storage offset 0," in result.stdout
+    assert result.stdout.endswith("storage 0\nregrown 16.0 torch.Size([12])\n")
+
+
 def test_factories_take_device_scalars_as_values(server: ProxyServer) -> None:
     """`torch.full(..., fill_value=device_scalar, device="cuda")` (Hugging Face beam search) failed:
     the factory was sent to the server with the stand-in among its keywords."""
