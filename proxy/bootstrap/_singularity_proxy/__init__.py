@@ -3,11 +3,11 @@
 It makes torch in a job process see the devices the daemon gave it (SING_PROXY_SOCKETS) as
 cuda:0..n-1; every operation on them runs in the device's proxy server. Modules, bottom up:
 protocol (what both sides agree on), channel (connection, batching, parking), devices (the
-process's devices), tensor (stand-ins and dispatch), transfers, randomness, mode (the
-torch-function mode: placement, factories, device-mix checks), cuda_surface (torch.cuda and
-torch.accelerator), device_comm (nn.DataParallel's copies between devices), serialization
-(torch.save / torch.load), composites (operators run whole),
-compiler (torch.compile runs eagerly), located_warnings (warnings shown at the program's line),
+process's devices), tensor (stand-ins and dispatch), sparse (sparse stand-ins), transfers,
+randomness, mode (the torch-function mode: placement, factories, device-mix checks),
+cuda_surface (torch.cuda and torch.accelerator), device_comm (nn.DataParallel's copies between
+devices), serialization (torch.save / torch.load), composites (operators run whole), compiler
+(torch.compile runs eagerly), located_warnings (warnings shown at the program's line),
 collectives (collectives on stand-ins, run by the servers), process_group (the "nccl" process
 group, DDP's buckets) and dtensors (DTensors of stand-ins). Apart from the client, every job
 process maps multiprocessing's named semaphores so that CRIU can dump them (semaphores). See
@@ -64,12 +64,14 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     )
     from .mode import DeviceMode, follow_default_device
     from .randomness import RANDOM_OPS, host_random_handler
+    from .sparse import SPARSE_OPS
     from .threads import enter_in_new_threads, enter_in_rpc_functions
     from .transfers import TRANSFER_OPS
 
     DEVICES.configure(list(paths), job_id, rank)
     tensor.special_ops.update(RANDOM_OPS)
     tensor.special_ops.update(TRANSFER_OPS)
+    tensor.special_ops.update(SPARSE_OPS)
     tensor.special_rules.append(host_random_handler)
     tensor.special_rules.append(host_kernel_handler)
     move_modules_by_data_setter()

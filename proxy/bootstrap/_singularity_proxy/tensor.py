@@ -27,7 +27,6 @@ _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 SpecialHandler = Callable[[Any, Sequence[Any], dict[str, Any]], Any]
 special_ops: dict[Any, SpecialHandler] = {
-    torch.ops.prim.layout.default: lambda f, a, k: _layout_of(f, a, k),
     torch.ops.aten.detach.default: lambda f, a, k: _detach(f, a, k),
 }
 """Operators the client carries out itself (random numbers, copies across devices); filled by
@@ -212,113 +211,16 @@ def in_place_view_handler(func: Any) -> SpecialHandler | None:
     return _in_place_view if torch.Tag.inplace_view in func.tags else None
 
 
-def new_sparse_stand_in(channel: Channel, handle: int, meta: tuple[Any, ...]) -> ProxyTensor:
-    """The stand-in for sparse server tensor `handle`, with meta (shape, layout, 0, dtype).
-
-    Its layout is answered through dispatch (`prim.layout`): torch keeps a compressed sparse
-    layout (CSR, CSC, BSR, BSC) only in its own sparse tensor class.
-    """
-    tensor = _make_wrapper(
-        ProxyTensor, meta[0], dtype=meta[3], layout=meta[1], device=HOST, dispatch_layout=True
-    )
-    tensor._handle = TensorHandle(channel, handle)
-    tensor._id = handle
-    tensor._meta = meta
-    tensor._channel = channel
-    return tensor  # type: ignore[no-any-return]
-
-
-def _layout_of(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    """`prim.layout` of a sparse stand-in."""
-    return args[0]._meta[1]
-
-
 # -- values between the host and the server ------------------------------------------------------
 def download(stand_in: torch.Tensor) -> Any:
     """A new host tensor with a stand-in's values (waits for the device)."""
     assert isinstance(stand_in, ProxyTensor)
     answer = stand_in._channel.request([protocol.REQ_FETCH, stand_in._handle.id])
     if type(answer) is dict:
-        return _sparse_from_parts(answer)
+        from .sparse import sparse_from_parts
+
+        return sparse_from_parts(answer)
     return protocol.tensor_from_raw(*answer)
-
-
-def _sparse_from_parts(answer: dict[str, Any]) -> torch.Tensor:
-    """A host sparse tensor from the components REQ_FETCH sent."""
-    parts = [protocol.tensor_from_raw(*part) for part in answer["parts"]]
-    layout = _NAMES.layouts[answer["layout"]]
-    if layout == torch.sparse_coo:
-        indices, values = parts
-        return torch.sparse_coo_tensor(indices, values, answer["shape"], is_coalesced=answer["coalesced"])
-    compressed, plain, values = parts
-    return torch.sparse_compressed_tensor(compressed, plain, values, answer["shape"], layout=layout)
-
-
-_SPARSE_FACTORIES = {
-    torch.sparse_coo: torch.ops.aten.sparse_coo_tensor.indices_size,
-    torch.sparse_csr: torch.ops.aten.sparse_compressed_tensor.comp_plain_value_size,
-    torch.sparse_csc: torch.ops.aten.sparse_compressed_tensor.comp_plain_value_size,
-    torch.sparse_bsr: torch.ops.aten.sparse_compressed_tensor.comp_plain_value_size,
-    torch.sparse_bsc: torch.ops.aten.sparse_compressed_tensor.comp_plain_value_size,
-}
-
-
-def _upload_sparse(channel: Channel, tensor: torch.Tensor) -> ProxyTensor:
-    """A sparse stand-in with a host sparse tensor's values: its components are uploaded and
-    the server builds the tensor from them, checking its indices."""
-    layout = tensor.layout
-    if layout == torch.sparse_coo:
-        parts = [tensor._indices(), tensor._values()]
-        options: dict[str, Any] = {"is_coalesced": tensor.is_coalesced()}
-    else:
-        compressed, plain = (
-            (tensor.crow_indices(), tensor.col_indices())
-            if layout in (torch.sparse_csr, torch.sparse_bsr)
-            else (tensor.ccol_indices(), tensor.row_indices())
-        )
-        parts = [compressed, plain, tensor.values()]
-        options = {"layout": layout}
-    stand_ins = [upload_to(channel, part) for part in parts]
-    options.update(dtype=tensor.dtype, device=channel.device)
-    result: ProxyTensor = forward(_SPARSE_FACTORIES[layout], (*stand_ins, list(tensor.shape)), options)
-    return result
-
-
-def _checked_sparse_coo(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    """`_sparse_coo_tensor_with_dims_and_tensors`, which `torch.sparse_coo_tensor` and sparse
-    gradients (`nn.Embedding(sparse=True)`) build with: the server refuses it, since it checks
-    nothing against memory, so the checked constructor makes the tensor from the same parts."""
-    size, indices, values = args[2], args[3], args[4]
-    options = {
-        "dtype": kwargs.get("dtype") or values.dtype,
-        "device": values.device,
-        "is_coalesced": kwargs.get("is_coalesced"),
-    }
-    return forward(_SPARSE_FACTORIES[torch.sparse_coo], (indices, values, list(size)), options)
-
-
-def _checked_sparse_compressed(layout: Any) -> SpecialHandler:
-    """The unchecked constructor of a compressed sparse layout (what `torch.sparse_csr_tensor` and
-    the like build with), run as the checked one, as `_checked_sparse_coo`."""
-
-    def construct(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        compressed, plain, values, size = args[:4]
-        options = {
-            "dtype": kwargs.get("dtype") or values.dtype,
-            "layout": kwargs.get("layout") or layout,
-            "device": values.device,
-        }
-        factory = _SPARSE_FACTORIES[options["layout"]]
-        return forward(factory, (compressed, plain, values, list(size)), options)
-
-    return construct
-
-
-special_ops[torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors.default] = _checked_sparse_coo
-special_ops[torch.ops.aten._sparse_compressed_tensor_unsafe.default] = _checked_sparse_compressed(None)
-for _layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
-    _unsafe = getattr(torch.ops.aten, f"_sparse_{str(_layout).removeprefix('torch.sparse_')}_tensor_unsafe")
-    special_ops[_unsafe.default] = _checked_sparse_compressed(_layout)
 
 
 def upload_to(channel: Channel, tensor: torch.Tensor) -> ProxyTensor:
@@ -329,7 +231,9 @@ def upload_to(channel: Channel, tensor: torch.Tensor) -> ProxyTensor:
     wait for the server, so that running out of device memory shows at the call.
     """
     if tensor.layout != torch.strided:
-        return _upload_sparse(channel, tensor)
+        from .sparse import upload_sparse
+
+        return upload_sparse(channel, tensor)
     with torch.no_grad():
         host, raw = protocol.tensor_to_raw(tensor.detach())
     handle = channel.new_handle()
@@ -449,6 +353,8 @@ def _build(template: Any, channel: Channel, inputs: list[ProxyTensor], next_hand
     if tag == protocol.TEMPLATE_SPARSE:
         handle = next_handle[0]
         next_handle[0] = handle + 1
+        from .sparse import new_sparse_stand_in
+
         return new_sparse_stand_in(channel, handle, template[1])
     if tag == protocol.TEMPLATE_ALIAS:
         return inputs[template[1]]
