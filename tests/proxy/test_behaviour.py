@@ -189,6 +189,14 @@ def test_generators_made_for_the_device_draw_as_the_direct_run_draws(server: Pro
     assert proxied == direct
 
 
+def test_device_default_generators_stand_for_the_generator_the_device_draws_with(server: ProxyServer) -> None:
+    """`torch.cuda.default_generators` was empty (RNG trackers index it); its generators report
+    the CPU generator's state, replay it and draw with it."""
+    direct, proxied = outputs_on_cpu_and_device("probe_default_generators.py", server)
+    assert "device True True 3\nreplay True\n" in direct
+    assert proxied == direct
+
+
 def test_packed_sequences_keep_their_batch_sizes_and_lengths_on_the_host(server: ProxyServer) -> None:
     """RNNs over packed sequences: batch sizes and lengths on the host, as CUDA returns them (the
     LSTM refused batch sizes on the device), values, gradients and errors as directly."""

@@ -19,6 +19,7 @@ import torch
 
 from . import legacy_types, protocol
 from .devices import DEVICES, FORKED_CHILD, device_figure, device_index, synchronize
+from .randomness import DeviceDefaultGenerator, set_device_rng_state
 
 
 class _DeviceProperties:
@@ -315,12 +316,8 @@ def _no_op(*args: Any, **kwargs: Any) -> None:
 
 
 def _set_rng_state(new_state: Any, device: Any = "cuda") -> None:
-    """Set the generator proxied devices draw with (the job's CPU generator) to a state that
-    `get_rng_state` gave, so that saving and restoring it replays the same numbers as on a GPU;
-    a state of another generator (a real GPU's, from a file) is ignored, as seeding is."""
-    ours = type(new_state) is torch.Tensor and new_state.dtype == torch.uint8
-    if ours and new_state.numel() == torch.get_rng_state().numel():
-        torch.set_rng_state(new_state)
+    """`torch.cuda.set_rng_state`: proxied devices draw with the job's CPU generator (randomness.py)."""
+    set_device_rng_state(new_state)
 
 
 def _set_rng_state_all(new_states: Any) -> None:
@@ -395,6 +392,7 @@ def patch_cuda() -> None:
         "get_rng_state_all": lambda: [torch.get_rng_state() for _ in range(count)],
         "set_rng_state": _set_rng_state,
         "set_rng_state_all": _set_rng_state_all,
+        "default_generators": tuple(DeviceDefaultGenerator(index) for index in range(count)),
         "Stream": Stream,
         "Event": Event,
         "current_stream": _stream,

@@ -34,6 +34,7 @@ from .method_handlers import (
     made_on_host,
     made_pinned,
 )
+from .randomness import DeviceDefaultGenerator
 from .tensor import ProxyTensor, new_stand_in
 from .transfers import to_device, upload
 
@@ -340,6 +341,8 @@ class DeviceMode(TorchFunctionMode):
         ):
             kwargs = {**(kwargs or {}), "device": default}
         if kwargs:
+            if type(kwargs.get("generator")) is DeviceDefaultGenerator:
+                kwargs = {**kwargs, "generator": torch.default_generator}
             device = kwargs.get("device")
             if kwargs.get("pin_memory") and (device is None or not is_cuda(device)):
                 return made_pinned(func, args, kwargs)

@@ -47,6 +47,50 @@ _FROM_VALUES = {
 }
 
 
+class DeviceDefaultGenerator(torch._C.Generator):
+    """`torch.cuda.default_generators[i]` of a proxied device. The device draws with the job's CPU
+    generator, so this one stands for it: its state is that generator's, seeding it does nothing
+    (as `torch.cuda.manual_seed`, which seeds it on a GPU), and an operator given it draws with
+    the CPU generator (the device mode puts that in its place: C++ would pass on a plain
+    generator of this one's own state)."""
+
+    _index = 0
+
+    def __new__(cls, index: int) -> DeviceDefaultGenerator:
+        generator = super().__new__(cls, device="cpu")  # type: ignore[call-arg]
+        generator._index = index
+        return generator  # type: ignore[no-any-return]
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", self._index)
+
+    def get_state(self) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_state(self, new_state: Any) -> DeviceDefaultGenerator:  # type: ignore[override]
+        set_device_rng_state(new_state)
+        return self
+
+    def manual_seed(self, seed: Any) -> DeviceDefaultGenerator:  # type: ignore[override]
+        return self
+
+    def seed(self) -> int:
+        return torch.initial_seed()
+
+    def initial_seed(self) -> int:
+        return torch.initial_seed()
+
+
+def set_device_rng_state(new_state: Any) -> None:
+    """Set the generator proxied devices draw with (the job's CPU generator) to a state that
+    `get_rng_state` gave, so that saving and restoring it replays the same numbers as on a GPU;
+    a state of another generator (a real GPU's, from a file) is ignored, as seeding is."""
+    ours = type(new_state) is torch.Tensor and new_state.dtype == torch.uint8
+    if ours and new_state.numel() == torch.get_rng_state().numel():
+        torch.set_rng_state(new_state)
+
+
 def _host_arguments(args: Sequence[Any], kwargs: dict[str, Any], shapes_only: bool) -> tuple[Any, Any]:
     """The arguments with stand-ins brought to the host (as empty tensors when only shapes matter)."""
 
