@@ -44,6 +44,21 @@ with torch.cuda.stream(s):
     end.record()
 torch.cuda.synchronize()
 print("elapsed", end.elapsed_time(start) <= 0 <= start.elapsed_time(end), z[0, 0].item())
+start, end = torch.Event("cuda", enable_timing=True), torch.Event(enable_timing=True)
+start.record()
+end.record()
+end.synchronize()
+print("generic event", type(torch.Stream("cuda")).__name__, start.elapsed_time(end) >= 0, end.query())
+monitor = [torch.cuda.temperature(), torch.cuda.power_draw(), torch.cuda.clock_rate()]
+monitor.append(torch.cuda.memory_usage())
+print("nvml", all(isinstance(figure, int) for figure in monitor), torch.cuda.device_memory_used() > 0)
+print("processes", torch.cuda.list_gpu_processes().startswith("GPU:0\nprocess"))
+print("peer", torch.cuda.can_device_access_peer(0, 0), torch.cuda.get_sync_debug_mode())
+for bad in (lambda: torch.cuda.synchronize(3), lambda: torch.Event("cuda:3")):
+    try:
+        bad()
+    except RuntimeError as e:
+        print("ordinal", str(e).splitlines()[0])
 x = torch.arange(6, dtype=torch.float32, device="cuda").reshape(2, 3)
 print(x)
 print(x.device, x.is_cuda, x.get_device(), x.cpu().device, x.to("cpu").tolist())

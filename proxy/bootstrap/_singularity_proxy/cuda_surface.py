@@ -9,6 +9,7 @@ a no-op; `autocast("cuda")` also casts stand-ins, whose C++ device is the host.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import types
@@ -91,13 +92,23 @@ class Event:
     """A cuda event: recording it waits for the device, so timings are real."""
 
     def __init__(
-        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
+        self,
+        enable_timing: bool = False,
+        blocking: bool = False,
+        interprocess: bool = False,
+        *,
+        device: Any = None,
     ) -> None:
         self._recorded_at: float | None = None
         self._device: int | None = None
+        self._home = None if device is None else DEVICES.channel(device_index(device)).index
+        """The device `torch.Event(device)` names (it must exist), recorded on when no stream is given."""
 
     def record(self, stream: Any = None) -> None:
-        self._device = stream.device.index if stream is not None else DEVICES.current
+        if stream is not None:
+            self._device = stream.device.index
+        else:
+            self._device = DEVICES.current if self._home is None else self._home
         synchronize(self._device)
         self._recorded_at = time.perf_counter()
 
@@ -266,6 +277,46 @@ def patch_stream_class() -> None:
     torch.Stream = AcceleratorStream  # type: ignore[misc,assignment]
 
 
+def patch_event_class() -> None:
+    """`torch.Event("cuda")`, `torch.Event(enable_timing=True)`: a proxied device's event (torch's
+    own asks the C++ accelerator, of which a CPU build has none); a host event stays torch's."""
+    host_event = torch.Event
+
+    class AcceleratorEvent(host_event):  # type: ignore[misc,valid-type]
+        def __new__(cls, device: Any = None, **options: Any) -> Any:
+            if device is None or isinstance(device, int) or torch.device(device).type == "cuda":
+                return Event(**options, device=device)
+            return host_event.__new__(cls, device, **options)
+
+    AcceleratorEvent.__name__ = AcceleratorEvent.__qualname__ = "Event"
+    AcceleratorEvent.__module__ = "torch"
+    torch.Event = AcceleratorEvent  # type: ignore[misc,assignment]
+
+
+def _memory_used(device: Any = None) -> int:
+    """`torch.cuda.device_memory_used`: bytes in use on the device, as nvidia-smi counts them."""
+    free, total = device_figure(protocol.MEMORY_INFO, device)
+    return int(total - free)
+
+
+def _gpu_processes(device: Any = None) -> str:
+    """`torch.cuda.list_gpu_processes`: this process and what the device holds for it."""
+    index = device_index(device)
+    used = _memory_used(index) / (1024 * 1024)
+    return f"GPU:{index}\nprocess {os.getpid():>10d} uses {used:>12.3f} MB GPU memory"
+
+
+def _peer_access(device: Any, peer_device: Any) -> bool:
+    """`torch.cuda.can_device_access_peer`: no proxied device maps another's memory (copies between
+    them go through the host)."""
+    count = len(DEVICES.paths)
+    if not 0 <= device_index(device) < count:
+        raise AssertionError("Invalid device id")
+    if not 0 <= device_index(peer_device) < count:
+        raise AssertionError("Invalid peer device id")
+    return False
+
+
 def patch_record_stream() -> None:
     """`Tensor.record_stream(stream)`: nothing to do for a cuda tensor, whose work runs in order (the
     C++ method would refuse the stream before any dispatch: it is not torch's)."""
@@ -313,6 +364,11 @@ def patch_nvtx() -> None:
 
 def _no_op(*args: Any, **kwargs: Any) -> None:
     return None
+
+
+_NO_SENSOR = 0
+"""What NVML's sensor queries (temperature, power draw, clock rate) answer for a device that has no
+sensor: a virtual device is the server's share of the host's CPUs."""
 
 
 def _set_rng_state(new_state: Any, device: Any = "cuda") -> None:
@@ -378,6 +434,15 @@ def patch_cuda() -> None:
         "utilization": lambda device=None: device_figure(protocol.UTILIZATION, device),
         "set_per_process_memory_fraction": _set_memory_fraction,
         "mem_get_info": lambda device=None: device_figure(protocol.MEMORY_INFO, device),
+        "memory_usage": lambda device=None: device_figure(protocol.UTILIZATION, device),
+        "device_memory_used": _memory_used,
+        "list_gpu_processes": _gpu_processes,
+        "temperature": lambda device=None: _NO_SENSOR,
+        "power_draw": lambda device=None: _NO_SENSOR,
+        "clock_rate": lambda device=None: _NO_SENSOR,
+        "can_device_access_peer": _peer_access,
+        "set_sync_debug_mode": _no_op,
+        "get_sync_debug_mode": lambda: 0,
         "reset_peak_memory_stats": lambda device=None: device_figure(protocol.MEMORY_RESET_PEAK, device),
         "reset_max_memory_allocated": lambda device=None: device_figure(protocol.MEMORY_RESET_PEAK, device),
         "reset_accumulated_memory_stats": _no_op,
@@ -421,6 +486,7 @@ def patch_cuda() -> None:
     patch_nvtx()
     patch_profiler()
     patch_stream_class()
+    patch_event_class()
     patch_record_stream()
     legacy_types.install()
 

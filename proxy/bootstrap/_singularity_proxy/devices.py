@@ -109,6 +109,8 @@ def same_device_error(first: str, second: str) -> RuntimeError:
 
 def synchronize(index: int | None = None) -> None:
     """Wait until every operation queued for a device (or for all devices) has run."""
+    if index is not None and not 0 <= index < len(DEVICES.paths):
+        raise RuntimeError(INVALID_ORDINAL)
     channels = DEVICES.channels if index is None else [DEVICES.channels[index]]
     for channel in channels:
         if channel is not None:
