@@ -66,6 +66,17 @@ def test_ranks_get_every_variable_torchrun_gives_a_worker_of_one_node() -> None:
         )
 
 
+def test_ranks_of_a_job_of_several_get_one_thread_as_torchrun_gives_its_workers() -> None:
+    """torchrun sets OMP_NUM_THREADS=1 for each worker when it starts more than one, unless set;
+    a host reduction's bits depend on it."""
+    assert [env["OMP_NUM_THREADS"] for env in two_ranks({})] == ["1", "1"]
+    assert [env["OMP_NUM_THREADS"] for env in two_ranks({"OMP_NUM_THREADS": "4"})] == ["4", "4"]
+    (alone,) = rank_environments(
+        {}, job_id=3, user="nobody", ranks=1, devices=(0,), device_env={}, master_port=1
+    )
+    assert "OMP_NUM_THREADS" not in alone
+
+
 @pytest.mark.parametrize(("devices", "launched"), [((0, 1), False), ((0,), True), ((), True)])
 def test_one_rank_on_several_devices_is_a_program_of_its_own_not_a_torchrun_worker(
     devices: tuple[int, ...], launched: bool

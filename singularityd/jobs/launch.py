@@ -95,6 +95,8 @@ def rank_environments(
     workstation (nn.DataParallel, mp.spawn, Lightning's own launcher): it gets none of them,
     which would tell such a program that its world is one process.
 
+    Ranks of a job of several get OMP_NUM_THREADS=1 unless the user set it, as torchrun gives its
+    workers when it starts more than one (their host computations' bits depend on it).
     USER and LOGNAME always name the job's real user, whatever the request carried.
     USE_LIBUV defaults to 0: torch's libuv TCPStore creates an io_uring, which CRIU cannot dump.
     ONEDNN_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS default to the best sets without AMX on a CPU
@@ -118,6 +120,8 @@ def rank_environments(
         env = {**defaults, **base, **identity}
         if launched_by_torchrun:
             env.update(torchrun_variables(rank, ranks, master_port, job_id))
+            if ranks > 1:
+                env.setdefault("OMP_NUM_THREADS", "1")
         env.update({"SING_JOB_ID": str(job_id), "SING_DEVICES": listed})
         env.update(device_env)
         environments.append(env)
