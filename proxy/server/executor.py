@@ -10,6 +10,7 @@ past the device's capacity fails that operation only.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import threading
@@ -61,6 +62,13 @@ def _raw(tensor: torch.Tensor) -> list[Any]:
     """[dtype, shape, stride, bytes] of a tensor's values, as REQ_FETCH answers them."""
     host, raw = protocol.tensor_to_raw(tensor)
     return [_NAMES.dtype_names[host.dtype], list(host.shape), list(host.stride()), raw]
+
+
+@functools.cache
+def _uses_data(operator: Any) -> bool:
+    """Whether an operator may read or write its tensors' elements (views and in-place changes of
+    shape or storage do not: FSDP1 views and re-points parameters whose storage it freed)."""
+    return not (operator.is_view or torch.Tag.inplace_view in operator.tags)
 
 
 def _check_within_storages(values: Sequence[Any]) -> None:
@@ -343,7 +351,7 @@ class Executor:
             if operator in _OVERWRITING and leaves and type(leaves[0]) is torch.Tensor:
                 session.swap_in_overwritten(leaves[0], leaves[1:])
             session.swap_in_tensors(leaves)
-        if session.shrunk_storages:
+        if session.shrunk_storages and _uses_data(operator):
             _check_within_storages(tree_leaves((args, kwargs)))
         if self.memory.shared:
             output = self._write_apart(session, operator, args, kwargs)
