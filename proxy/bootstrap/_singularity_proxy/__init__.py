@@ -47,6 +47,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
         composites,
         cuda_surface,
         custom_functions,
+        deterministic_paths,
         device_comm,
         dtensors,
         fast_paths,
@@ -85,6 +86,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     composites.install()
     custom_functions.install()
     fast_paths.install()
+    deterministic_paths.install()
     compiler.patch_compile()
     process_group.install()
     dtensors.install()
