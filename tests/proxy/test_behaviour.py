@@ -240,6 +240,24 @@ def test_views_of_a_storage_resized_smaller_are_refused_not_run(server: ProxySer
     assert result.stdout.endswith("storage 0\nregrown 16.0 torch.Size([12])\n")
 
 
+def test_deterministic_mode_takes_the_cpus_kernels_for_padding_upsampling_and_pooling(
+    server: ProxyServer,
+) -> None:
+    """Under `use_deterministic_algorithms(True)` torch sends CUDA tensors to Python decompositions:
+    replicate padding and 3-d pooling with indices failed on a device, upsampling gave other bits."""
+    direct, proxied = outputs_on_cpu_and_device("probe_deterministic.py", server)
+    assert direct.count("\n") == 11 and "max_pool3d (1, 2, 2, 3, 3)" in direct
+    assert proxied == direct
+
+
+def test_cross_entropy_with_class_weights_and_label_smoothing_as_directly(server: ProxyServer) -> None:
+    """A weighted, label-smoothed mean summed its weights another way for a stand-in weight (a
+    tensor subclass), so the input's gradient differed in the low bits."""
+    direct, proxied = outputs_on_cpu_and_device("probe_cross_entropy.py", server)
+    assert direct.count("\n") == 8 and "host weighted smoothed" in direct
+    assert proxied == direct
+
+
 def test_factories_take_device_scalars_as_values(server: ProxyServer) -> None:
     """`torch.full(..., fill_value=device_scalar, device="cuda")` (Hugging Face beam search) failed:
     the factory was sent to the server with the stand-in among its keywords."""

@@ -8,6 +8,12 @@ result. For a stand-in, which is a subclass, the program would get other values 
 CPU or a GPU. When no gradient is needed these operators are sent to the server whole (the
 server's tensors are plain ones, so it decomposes them as the CPU does); otherwise, and for
 every tensor that is not a stand-in, torch's own decomposition runs, as before.
+
+`cross_entropy_loss` with class weights, label smoothing and the mean reduction divides by the
+weights of the targets it does not ignore, which it sums over another set of elements when the
+weight is a subclass (all targets, the ignored ones' weights zeroed): the loss's gradient then
+differed in the low bits. For a stand-in weight it runs here as torch's C++ runs it for a plain
+one, operation for operation, so autograd records the same graph.
 """
 
 from __future__ import annotations
@@ -42,6 +48,38 @@ def _kernel(op: Any) -> Any:
     return kernel
 
 
+_CROSS_ENTROPY = aten.cross_entropy_loss.default
+_MEAN = 1  # torch's Reduction::Mean
+
+
+def _cross_entropy(
+    input: Any, target: Any, weight: Any = None, reduction: int = _MEAN, ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+) -> Any:  # fmt: skip
+    """`cross_entropy_loss`: the label-smoothed mean over class weights as for a plain weight
+    (LossNLL.cpp's `cross_entropy_loss_label_smoothing`) when the weight is a stand-in."""
+    if (
+        type(weight) is not ProxyTensor
+        or label_smoothing <= 0.0
+        or reduction != _MEAN
+        or input.shape == target.shape
+        or label_smoothing > 1.0
+    ):
+        return _CROSS_ENTROPY.decompose(input, target, weight, reduction, ignore_index, label_smoothing)
+    class_dim = 0 if input.dim() == 1 else 1
+    log_probabilities = torch.log_softmax(input, class_dim, dtype=input.dtype)
+    nll = torch._C._nn.nll_loss_nd(log_probabilities, target, weight, reduction, ignore_index)  # type: ignore[arg-type]
+    classes = log_probabilities.size(class_dim)
+    shape = [1] * log_probabilities.dim()
+    shape[class_dim] = weight.size(0)
+    smooth = -(log_probabilities * weight.view(shape)).sum(class_dim)
+    ignored = target == ignore_index
+    smooth.masked_fill_(ignored, 0.0)
+    kept_weights = weight.gather(0, target.masked_select(~ignored).flatten())
+    smoothed = smooth.sum() / kept_weights.sum()
+    return nll * (1 - label_smoothing) + smoothed * (label_smoothing / classes)
+
+
 def install() -> None:
     """Register the kernels (for tensors whose C++ device is the host, as stand-ins' is)."""
     if _library:
@@ -54,4 +92,5 @@ def install() -> None:
             _kernel(op),
             "AutogradCPU",
         )
+    library.impl("cross_entropy_loss", _cross_entropy, "AutogradCPU")
     _library.append(library)
