@@ -103,8 +103,8 @@ _COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
     "sum": torch.Tensor.add_,
     "avg": torch.Tensor.add_,
     "product": torch.Tensor.mul_,
-    "min": lambda a, b: torch.minimum(a, b, out=a),
-    "max": lambda a, b: torch.maximum(a, b, out=a),
+    "min": lambda a, b: torch.where(b < a, b, a, out=a),  # std::min's, as gloo: a NaN keeps `a`
+    "max": lambda a, b: torch.where(a < b, b, a, out=a),
     "band": torch.Tensor.bitwise_and_,
     "bor": torch.Tensor.bitwise_or_,
     "bxor": torch.Tensor.bitwise_xor_,

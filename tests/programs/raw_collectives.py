@@ -54,6 +54,11 @@ if backend != "gloo":
 largest = base.clone()
 dist.all_reduce(largest, op=dist.ReduceOp.MAX)
 show("all_reduce_max", largest)
+for op in (dist.ReduceOp.MIN, dist.ReduceOp.MAX):  # NaN against a number, both ways round
+    uneven = base[:4].clone()
+    uneven[rank % 2] = float("nan")
+    dist.all_reduce(uneven, op=op)
+    show(f"all_reduce_{op}_nan", uneven)
 
 shared = base.clone() if rank == world - 1 else torch.zeros(1000, device=device)
 dist.broadcast(shared, src=world - 1)
