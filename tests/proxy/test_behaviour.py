@@ -258,6 +258,14 @@ def test_cross_entropy_with_class_weights_and_label_smoothing_as_directly(server
     assert proxied == direct
 
 
+def test_weight_averaging_averages_tensor_by_tensor_as_directly(server: ProxyServer) -> None:
+    """`AveragedModel` averaged cuda tensors with foreach kernels (other bits than the host's
+    tensor-by-tensor average), and with `use_buffers=True` failed on BatchNorm's integer counter."""
+    direct, proxied = outputs_on_cpu_and_device("probe_weight_averaging.py", server)
+    assert direct.count("\n") == 5 and "update_bn" in direct
+    assert proxied == direct
+
+
 def test_factories_take_device_scalars_as_values(server: ProxyServer) -> None:
     """`torch.full(..., fill_value=device_scalar, device="cuda")` (Hugging Face beam search) failed:
     the factory was sent to the server with the stand-in among its keywords."""

@@ -45,9 +45,9 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     from . import (
         compiler,
         composites,
+        cpu_paths,
         cuda_surface,
         custom_functions,
-        deterministic_paths,
         device_comm,
         dtensors,
         fast_paths,
@@ -86,7 +86,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     composites.install()
     custom_functions.install()
     fast_paths.install()
-    deterministic_paths.install()
+    cpu_paths.install()
     compiler.patch_compile()
     process_group.install()
     dtensors.install()

@@ -1,13 +1,21 @@
 # mypy: disable-error-code="no-untyped-call,unused-ignore"
-"""torch's deterministic-mode branches for CUDA tensors, taken for stand-ins as the CPU takes them.
+"""torch's Python branches for CUDA tensors, taken for stand-ins as the CPU takes them.
+
+A proxied device's kernels are the server's CPU kernels, so where torch's Python picks another
+path for a CUDA tensor than for a host one, a stand-in takes the host's: its bits are then a
+direct CPU run's.
 
 Under `torch.use_deterministic_algorithms(True)` (Lightning's `deterministic=True`, Hugging Face's
 `enable_full_determinism`), `F.pad(mode="replicate")`, `F.interpolate` (bilinear, trilinear) and
 `F.max_pool3d(return_indices=True)` hand a CUDA tensor to a Python decomposition whose backward
-avoids CUDA's atomic adds; the CPU runs its kernels, which are deterministic. A proxied device's
-kernels are the server's CPU kernels, so for stand-ins those decompositions give way to the kernels
-a direct CPU run uses, with its bits: the decompositions differed in the low bits, and the two
-that make index tensors with `device=input.device` failed (they ran outside the device mode).
+avoids CUDA's atomic adds; the CPU runs its kernels, which are deterministic. For stand-ins those
+decompositions give way to the CPU's kernels: the decompositions differed in the low bits, and
+the two that make index tensors with `device=input.device` failed (they ran outside the device
+mode).
+
+`AveragedModel.update_parameters` (stochastic weight averaging) averages with foreach kernels on
+devices that have them and tensor by tensor on the host, which rounds differently: for
+stand-ins it averages tensor by tensor.
 """
 
 from __future__ import annotations
@@ -60,11 +68,26 @@ _TAKEN_AS_ON_THE_CPU = {
 (it looks them up in torch._decomp.decompositions at each call)."""
 
 
-def _patch(decompositions: ModuleType) -> None:
+def _patch_decompositions(decompositions: ModuleType) -> None:
     for name, wrap in _TAKEN_AS_ON_THE_CPU.items():
         setattr(decompositions, name, wrap(getattr(decompositions, name)))
 
 
+def _patch_weight_averaging(swa_utils: ModuleType) -> None:
+    supported = swa_utils._get_foreach_kernels_supported_devices
+
+    def foreach_devices() -> list[str]:
+        """Device types averaged by foreach kernels: not the proxied devices."""
+        return [kind for kind in supported() if kind != "cuda"]
+
+    swa_utils._get_foreach_kernels_supported_devices = foreach_devices  # type: ignore[attr-defined]
+
+
 def install() -> None:
-    """Send stand-ins past those decompositions, once torch._decomp.decompositions is imported."""
-    patch_modules({"torch._decomp.decompositions": _patch})
+    """Send stand-ins the host's way, once the modules that choose are imported."""
+    patch_modules(
+        {
+            "torch._decomp.decompositions": _patch_decompositions,
+            "torch.optim.swa_utils": _patch_weight_averaging,
+        }
+    )
