@@ -49,6 +49,12 @@ start.record()
 end.record()
 end.synchronize()
 print("generic event", type(torch.Stream("cuda")).__name__, start.elapsed_time(end) >= 0, end.query())
+untimed = torch.cuda.Event()
+untimed.record()
+try:
+    start.elapsed_time(untimed)
+except RuntimeError as e:
+    print("untimed", e)
 monitor = [torch.cuda.temperature(), torch.cuda.power_draw(), torch.cuda.clock_rate()]
 monitor.append(torch.cuda.memory_usage())
 print("nvml", all(isinstance(figure, int) for figure in monitor), torch.cuda.device_memory_used() > 0)

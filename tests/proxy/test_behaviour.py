@@ -95,6 +95,7 @@ def test_api_surface_and_portable_save(server: ProxyServer, tmp_path: Path) -> N
         "mem_get_info True True",
         "elapsed True 100.0",
         "generic event Stream True True",
+        "untimed Both events must be created with argument 'enable_timing=True'.",
         "nvml True True",
         "processes True",
         "peer False 0",
@@ -263,6 +264,14 @@ def test_weight_averaging_averages_tensor_by_tensor_as_directly(server: ProxySer
     tensor-by-tensor average), and with `use_buffers=True` failed on BatchNorm's integer counter."""
     direct, proxied = outputs_on_cpu_and_device("probe_weight_averaging.py", server)
     assert direct.count("\n") == 5 and "update_bn" in direct
+    assert proxied == direct
+
+
+def test_foreach_updates_take_their_scalars_as_a_host_tensor(server: ProxyServer) -> None:
+    """`_foreach_addcdiv_(..., scalars)` with the scalars on the host, as CUDA's kernels want them,
+    was refused as device mixing; a host tensor among the lists still is."""
+    direct, proxied = outputs_on_cpu_and_device("probe_foreach_scalars.py", server)
+    assert direct.count("\n") == 3
     assert proxied == direct
 
 

@@ -101,6 +101,7 @@ class Event:
     ) -> None:
         self._recorded_at: float | None = None
         self._device: int | None = None
+        self._timing = enable_timing
         self._home = None if device is None else DEVICES.channel(device_index(device)).index
         """The device `torch.Event(device)` names (it must exist), recorded on when no stream is given."""
 
@@ -124,6 +125,8 @@ class Event:
         pass
 
     def elapsed_time(self, end_event: Event) -> float:
+        if not (self._timing and end_event._timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
         if self._recorded_at is None or end_event._recorded_at is None:
             raise RuntimeError(
                 "CUDA error: device not ready\nBoth events must be recorded before calculating elapsed time."

@@ -64,6 +64,11 @@ MIXING_ALLOWED = {
     torch._has_compatible_shallow_copy_type,  # compares the kinds of two tensors
 }
 """Calls that legitimately take host and device tensors together (as they do on CUDA)."""
+HOST_FROM: dict[Any, int] = dict.fromkeys(
+    (torch._foreach_addcdiv, torch._foreach_addcdiv_, torch._foreach_addcmul, torch._foreach_addcmul_), 3
+)
+"""Calls whose arguments from this position on may be host tensors (a `scalars` tensor, which
+CUDA's kernels read on the host); the ones before it are checked."""
 
 
 def check_devices(args: Sequence[Any]) -> None:

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import protocol
 from .channel import CLIENT_LOCK
-from .device_checks import MIXING_ALLOWED, called_by_client, check_devices, is_cuda
+from .device_checks import HOST_FROM, MIXING_ALLOWED, called_by_client, check_devices, is_cuda
 from .devices import DEVICES, device_index
 from .encoding import wire_arguments
 from .method_handlers import (
@@ -353,7 +353,7 @@ class DeviceMode(TorchFunctionMode):
                 with CLIENT_LOCK:
                     return made_on_host(func, args, kwargs)
         if len(args) > 1 and func not in MIXING_ALLOWED:
-            check_devices(args)
+            check_devices(args[: HOST_FROM.get(func, len(args))])
         if type(func) is FunctionType and _needs_mode(func):
             entering = self._entering
             again = entering.func is func
