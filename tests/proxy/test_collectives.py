@@ -107,6 +107,24 @@ def test_a_backend_per_device_type_uses_the_proxy_for_cuda(
     assert results(mixed) == results(nccl) and all(results(nccl))
 
 
+@pytest.mark.timeout(300)
+def test_what_nccl_refuses_before_a_collective_is_refused(
+    linked: dict[int, list[ProxyServer]], tmp_path: Path
+) -> None:
+    """Non-dense tensors NCCL takes as they are, bitwise reductions and averages of booleans are
+    refused as NCCL's process group refuses them (they ran, and wrote views in another order than
+    a GPU or gloo would); dense tensors, channels-last ones included, are carried out."""
+    outputs = stdout_of(run_on(linked, tmp_path, 1, 2, ["nccl_refusals.py"]))
+    for rank, out in enumerate(outputs):
+        lines = out.splitlines()
+        refused = [line for line in lines if ": " in line]
+        assert len(refused) == 8 and all("Tensors must be contiguous" in line for line in refused[:6]), out
+        assert refused[6] == f"rank {rank} all_reduce band ValueError: Cannot use ReduceOp.BAND with NCCL"
+        assert refused[7].endswith("TypeError: Cannot use ReduceOp.AVG with boolean inputs")
+    assert outputs[0].splitlines()[-1] == outputs[1].splitlines()[-1].replace("rank 1", "rank 0")
+    assert "dense [100.0, 102.0, 104.0, 106.0, " in outputs[0]
+
+
 def _figures(output: str) -> dict[str, float]:
     """sync_batchnorm.py's printed figures by what they are ("step 0 rank 1 loss" -> value)."""
     kinds = ("step ", "eval ", "rank ")

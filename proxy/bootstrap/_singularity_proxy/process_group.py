@@ -156,6 +156,7 @@ class ProxyGroup(dist.ProcessGroup):
         tensors = [spec.get(k, []) for k in ("tensors", "inputs", "outputs")]
         check_same_kind(operator, tensors, self)
         if any(isinstance(t, ProxyTensor) for t in stand_ins(tensors)):
+            _check_as_nccl(spec)
             issue(self, operator, wait=wait, **spec)
         elif self._host is not None:
             return host()
@@ -318,6 +319,32 @@ def _each(call: Any, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any) -
     for work in works[:-1]:
         work.wait()
     return works[-1] if works else completed_work([])
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether a tensor is contiguous in the memory format its strides suggest (NCCL's test)."""
+    if tensor.is_contiguous():
+        return True
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    return tensor.dim() in formats and tensor.is_contiguous(memory_format=formats[tensor.dim()])
+
+
+_BITWISE = {"band": "BAND", "bor": "BOR", "bxor": "BXOR"}
+
+
+def _check_as_nccl(spec: dict[str, Any]) -> None:
+    """Refuse what NCCL's process group refuses before it starts a collective on device tensors:
+    a tensor it hands to NCCL as it is (not one it copies through a flat buffer) that is not
+    dense, a bitwise reduction, an average of booleans."""
+    single = [*spec.get("tensors", [])]
+    single += [t for key in ("inputs", "outputs") for t in spec.get(key, []) if isinstance(t, torch.Tensor)]
+    if not all(_dense(tensor) for tensor in single):
+        raise ValueError("Tensors must be contiguous")
+    op = spec.get("op")
+    if op in _BITWISE:
+        raise ValueError(f"Cannot use ReduceOp.{_BITWISE[op]} with NCCL")
+    if op == "avg" and any(tensor.dtype == torch.bool for tensor in single):
+        raise TypeError("Cannot use ReduceOp.AVG with boolean inputs")
 
 
 def _reduction(op: Any) -> dict[str, Any]:
