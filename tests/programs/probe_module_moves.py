@@ -63,3 +63,18 @@ lazy.double()
 print("lazy moved after a forward", lazy[0].weight.dtype, lazy[0].weight.device.type == device)
 back = model.cpu()
 print("back", back.weight is before, back.weight.device.type, back.weight.tolist())
+
+tagged = nn.Linear(3, 1, bias=False)
+with torch.no_grad():
+    tagged.weight.fill_(1.0)
+tagged.weight._no_weight_decay = True  # attributes and hooks the program gave a parameter
+tagged.weight.register_hook(lambda grad: grad * 100)
+accumulated = []
+tagged.weight.register_post_accumulate_grad_hook(lambda p: accumulated.append(p.grad.sum().item()))
+tagged.to(device)
+tagged(torch.ones(2, 3, device=device)).sum().backward()
+print("tagged", getattr(tagged.weight, "_no_weight_decay", None), tagged.weight.grad.tolist(), accumulated)
+tagged.cpu()
+tagged.weight.grad = None
+tagged(torch.ones(1, 3)).sum().backward()
+print("tagged back", tagged.weight._no_weight_decay, tagged.weight.grad.tolist(), accumulated)

@@ -316,6 +316,7 @@ def test_modules_move_and_load_weights_as_on_a_gpu(server: ProxyServer) -> None:
     direct, proxied = outputs_on_cpu_and_device("probe_module_moves.py", server)
     assert "load while held True" in direct and "assign False [[0.0, 0.0, 0.0]" in direct
     assert "old weight_norm load True" in direct
+    assert "tagged back True [[100.0, 100.0, 100.0]] [600.0, 300.0]" in direct
     assert proxied == direct
 
 

@@ -333,9 +333,18 @@ def _set_data(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return func(*args, **kwargs)
 
 
+_STAND_IN_STATE = frozenset({"_handle", "_id", "_meta", "_channel", "_storage", "_is_param"})
+"""Attributes that belong to a tensor's kind (a stand-in's server tensor, a subclass Parameter's
+mark), not to the program: they stay with the data when a tensor is swapped."""
+
+
 def _swap_in_data(tensor: Any, value: Any) -> None:
-    """Make `tensor` hold `value`'s data by swapping it with a tensor of value's kind (its gradient,
-    requires_grad and, for a Parameter, its class kept)."""
+    """Make `tensor` hold `value`'s data by swapping it with a tensor of value's kind. What the
+    program gave the tensor stays with it, as the data setter keeps it on a GPU: its gradient,
+    requires_grad, for a Parameter its class, its Python attributes (`p._no_weight_decay`) and its
+    gradient hooks (registered on the C++ tensor, which the swap exchanges, so registered again)."""
+    attributes = {key: item for key, item in vars(tensor).items() if key not in _STAND_IN_STATE}
+    hooks, accumulated_hooks = tensor._backward_hooks, tensor._post_accumulate_grad_hooks
     grad = tensor.grad
     replacement = value.detach()
     if isinstance(tensor, torch.nn.Parameter) or getattr(tensor, "_is_param", False):
@@ -352,6 +361,11 @@ def _swap_in_data(tensor: Any, value: Any) -> None:
             "the tensor must become another object here; keep it on its device"
         )
     torch.utils.swap_tensors(tensor, replacement)
+    vars(tensor).update(attributes)
+    if hooks:
+        tensor._backward_hooks = hooks
+    if accumulated_hooks:
+        tensor._post_accumulate_grad_hooks = accumulated_hooks
     if grad is not None:
         tensor.grad = grad
 
