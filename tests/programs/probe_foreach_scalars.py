@@ -1,5 +1,6 @@
 """Foreach updates given their per-tensor scalars as a host tensor (CUDA's kernels read them on
-the host, so a GPU takes them so), and a host tensor in a tensor list, which CUDA refuses."""
+the host, so a GPU takes them so), a host tensor in a tensor list, which CUDA refuses, and
+`_foreach_copy_` between host and device lists, which CUDA copies pair by pair."""
 
 import sys
 
@@ -21,3 +22,7 @@ if device == "cuda":
         print("mixed", str(error).split(",")[0])
 else:
     print("mixed Expected all tensors to be on the same device")
+stored = [torch.zeros(3), torch.zeros(5)]
+torch._foreach_copy_(stored, a)
+torch._foreach_copy_(b, stored)
+print("copies", [t.tolist() for t in stored], [t.tolist() for t in b])

@@ -267,11 +267,12 @@ def test_weight_averaging_averages_tensor_by_tensor_as_directly(server: ProxySer
     assert proxied == direct
 
 
-def test_foreach_updates_take_their_scalars_as_a_host_tensor(server: ProxyServer) -> None:
+def test_foreach_operations_take_host_scalars_and_copy_between_host_and_device(server: ProxyServer) -> None:
     """`_foreach_addcdiv_(..., scalars)` with the scalars on the host, as CUDA's kernels want them,
-    was refused as device mixing; a host tensor among the lists still is."""
+    was refused as device mixing; a host tensor among the lists still is. `_foreach_copy_` between
+    host and device lists (diffusers' EMA stored on the host) was refused too."""
     direct, proxied = outputs_on_cpu_and_device("probe_foreach_scalars.py", server)
-    assert direct.count("\n") == 3
+    assert direct.count("\n") == 4
     assert proxied == direct
 
 

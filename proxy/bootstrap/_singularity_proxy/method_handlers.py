@@ -451,6 +451,22 @@ def made_pinned(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return _mark_pinned(func(*args, **{**kwargs, "pin_memory": False}))
 
 
+def _foreach_copy(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`torch._foreach_copy_(destinations, sources)` between host and device tensors: one `copy_`
+    per pair, as CUDA's slow path copies across devices (EMA weights stored on the host)."""
+    destinations, sources = args[0], args[1]
+    mixed = any(
+        (type(destination) is ProxyTensor) != (type(source) is ProxyTensor)
+        for destination, source in zip(destinations, sources, strict=False)
+    )
+    if not mixed:
+        return func(*args, **kwargs)
+    non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+    for destination, source in zip(destinations, sources, strict=True):
+        destination.copy_(source, non_blocking=non_blocking)
+    return None
+
+
 METHOD_HANDLERS: dict[Any, Callable[[Any, Sequence[Any], dict[str, Any]], Any]] = {
     _Tensor.to: _to,
     torch._C._nn._parse_to: _parse_to,
@@ -471,5 +487,6 @@ METHOD_HANDLERS: dict[Any, Callable[[Any, Sequence[Any], dict[str, Any]], Any]] 
     torch._C.TensorBase.data.__set__: _set_data,  # type: ignore[attr-defined]
     _Tensor.type: _type,
     torch.device: _device,
+    torch._foreach_copy_: _foreach_copy,
 }
 """The handlers, by the method or function they take over (the mode calls them holding the client lock)."""
