@@ -276,6 +276,25 @@ def test_foreach_operations_take_host_scalars_and_copy_between_host_and_device(s
     assert proxied == direct
 
 
+def test_torchscript_modules_run_load_onto_devices_and_refuse_saving_device_tensors(
+    server: ProxyServer,
+) -> None:
+    """`torch.jit.save` of a module on a device wrote zeros (TorchScript reads tensor memory
+    itself), and `torch.jit.load(f, map_location="cuda")` failed (its C++ has no CUDA here)."""
+    result = run_program(["probe_torchscript.py"], proxy_env([server.socket], "torchscript"))
+    assert result.returncode == 0, result.stderr
+    refused = "proxy: TorchScript cannot save tensors of a proxied device"
+    assert result.stdout.splitlines() == [
+        "scripted cuda:0 [[6.5], [6.5]]",
+        "traced cuda:0 torch.Size([1, 1])",
+        "loaded cuda:0 cuda:0",
+        f"jit.save {refused} (its serializer reads their memory itself): save a scripted host copy of "
+        "the module, or its state_dict() with torch.save",
+        f"save {refused} (its serializer reads their memory itself): save a scripted host copy of the "
+        "module, or its state_dict() with torch.save",
+    ]
+
+
 def test_factories_take_device_scalars_as_values(server: ProxyServer) -> None:
     """`torch.full(..., fill_value=device_scalar, device="cuda")` (Hugging Face beam search) failed:
     the factory was sent to the server with the stand-in among its keywords."""

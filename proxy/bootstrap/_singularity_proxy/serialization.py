@@ -249,3 +249,56 @@ def install() -> None:
             _saves_under_way -= 1
 
     torch.save = save
+    _patch_torchscript()
+
+
+SCRIPT_SAVE_REFUSED = (
+    "proxy: TorchScript cannot save tensors of a proxied device (its serializer reads their memory "
+    "itself): save a scripted host copy of the module, or its state_dict() with torch.save"
+)
+
+
+def _move_script_tensors(module: Any, device: torch.device) -> None:
+    """Put a loaded TorchScript module's parameters and buffers on `device`, slot by slot (its C++
+    holds them: `Module.to` would make new Parameter objects, which a script module refuses)."""
+    for submodule in module.modules():
+        for slots in (submodule._parameters, submodule._buffers):
+            for name, tensor in list(slots.items()):
+                if tensor is not None:
+                    slots[name] = tensor.detach().to(device).requires_grad_(tensor.requires_grad)
+
+
+def _patch_torchscript() -> None:
+    """`torch.jit.save` of a module holding stand-ins is refused (it wrote zeros: TorchScript's C++
+    reads a tensor's memory, which a stand-in does not have); `torch.jit.load` onto a cuda device
+    loads on the host and moves the module there, as TorchScript's C++ has no CUDA here."""
+    jit: Any = torch.jit
+    original_save, original_load = jit.save, jit.load
+    script_module = jit.RecursiveScriptModule
+    module_save = script_module.save
+
+    def refuse_stand_ins(module: Any) -> None:
+        if isinstance(module, torch.nn.Module):
+            tensors = [*module.parameters(), *module.buffers()]
+            if any(isinstance(tensor, ProxyTensor) for tensor in tensors):
+                raise RuntimeError(SCRIPT_SAVE_REFUSED)
+
+    def save(m: Any, f: Any, _extra_files: Any = None) -> None:
+        refuse_stand_ins(m)
+        original_save(m, f, _extra_files)
+
+    def save_method(self: Any, f: Any, **kwargs: Any) -> Any:
+        refuse_stand_ins(self)
+        return module_save(self, f, **kwargs)
+
+    def load(
+        f: Any, map_location: Any = None, _extra_files: Any = None, _restore_shapes: bool = False
+    ) -> Any:
+        target = map_location if isinstance(map_location, (str, torch.device, int)) else None
+        if target is not None and torch.device(target).type == "cuda":
+            loaded = original_load(f, "cpu", _extra_files, _restore_shapes)
+            _move_script_tensors(loaded, torch.device(target))
+            return loaded
+        return original_load(f, map_location, _extra_files, _restore_shapes)
+
+    jit.save, jit.load, script_module.save = save, load, save_method
