@@ -53,6 +53,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
         fast_paths,
         process_group,
         serialization,
+        sparse,
         tensor,
     )
     from .devices import DEVICES
@@ -65,14 +66,13 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     )
     from .mode import DeviceMode, follow_default_device
     from .randomness import RANDOM_OPS, host_random_handler
-    from .sparse import SPARSE_OPS
     from .threads import enter_in_new_threads, enter_in_rpc_functions
     from .transfers import TRANSFER_OPS
 
     DEVICES.configure(list(paths), job_id, rank)
     tensor.special_ops.update(RANDOM_OPS)
     tensor.special_ops.update(TRANSFER_OPS)
-    tensor.special_ops.update(SPARSE_OPS)
+    sparse.install()
     tensor.special_rules.append(host_random_handler)
     tensor.special_rules.append(host_kernel_handler)
     move_modules_by_data_setter()

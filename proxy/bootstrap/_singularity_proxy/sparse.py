@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from . import protocol
+from . import tensor as stand_ins
 from .channel import Channel
 from .tensor import HOST, ProxyTensor, SpecialHandler, TensorHandle, forward, upload_to
 
@@ -124,3 +125,11 @@ SPARSE_OPS: dict[Any, SpecialHandler] = {
     },
 }
 """The client's handlers of sparse operators: layouts, and constructors run as checked ones."""
+
+
+def install() -> None:
+    """Give tensor.py its sparse stand-ins and the dispatch its sparse handlers."""
+    stand_ins.new_sparse_stand_in = new_sparse_stand_in
+    stand_ins.upload_sparse = upload_sparse
+    stand_ins.sparse_from_parts = sparse_from_parts
+    stand_ins.special_ops.update(SPARSE_OPS)

@@ -46,6 +46,17 @@ _UNROUTED: Any = object()
 """id(operator) -> its handler, or None for forwarded operators (filled on first use)."""
 
 
+def _sparse_not_installed(*args: Any) -> Any:
+    raise RuntimeError("proxy: sparse stand-ins are made by the installed client (sparse.py)")
+
+
+new_sparse_stand_in: Callable[[Channel, int, tuple[Any, ...]], ProxyTensor] = _sparse_not_installed
+upload_sparse: Callable[[Channel, torch.Tensor], ProxyTensor] = _sparse_not_installed
+sparse_from_parts: Callable[[dict[str, Any]], torch.Tensor] = _sparse_not_installed
+"""How this module makes, uploads and downloads sparse stand-ins: set by sparse.py's `install`
+(sparse.py builds on this module, so this one imports nothing of it)."""
+
+
 class TensorHandle:
     """Owns one server-side tensor id; queues its release when the last stand-in using it dies.
 
@@ -217,8 +228,6 @@ def download(stand_in: torch.Tensor) -> Any:
     assert isinstance(stand_in, ProxyTensor)
     answer = stand_in._channel.request([protocol.REQ_FETCH, stand_in._handle.id])
     if type(answer) is dict:
-        from .sparse import sparse_from_parts
-
         return sparse_from_parts(answer)
     return protocol.tensor_from_raw(*answer)
 
@@ -231,8 +240,6 @@ def upload_to(channel: Channel, tensor: torch.Tensor) -> ProxyTensor:
     wait for the server, so that running out of device memory shows at the call.
     """
     if tensor.layout != torch.strided:
-        from .sparse import upload_sparse
-
         return upload_sparse(channel, tensor)
     with torch.no_grad():
         host, raw = protocol.tensor_to_raw(tensor.detach())
@@ -353,8 +360,6 @@ def _build(template: Any, channel: Channel, inputs: list[ProxyTensor], next_hand
     if tag == protocol.TEMPLATE_SPARSE:
         handle = next_handle[0]
         next_handle[0] = handle + 1
-        from .sparse import new_sparse_stand_in
-
         return new_sparse_stand_in(channel, handle, template[1])
     if tag == protocol.TEMPLATE_ALIAS:
         return inputs[template[1]]
