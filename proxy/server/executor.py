@@ -10,7 +10,6 @@ past the device's capacity fails that operation only.
 
 from __future__ import annotations
 
-import functools
 import math
 import re
 import threading
@@ -62,13 +61,6 @@ def _raw(tensor: torch.Tensor) -> list[Any]:
     """[dtype, shape, stride, bytes] of a tensor's values, as REQ_FETCH answers them."""
     host, raw = protocol.tensor_to_raw(tensor)
     return [_NAMES.dtype_names[host.dtype], list(host.shape), list(host.stride()), raw]
-
-
-@functools.cache
-def _uses_data(operator: Any) -> bool:
-    """Whether an operator may read or write its tensors' elements (views and in-place changes of
-    shape or storage do not: FSDP1 views and re-points parameters whose storage it freed)."""
-    return not (operator.is_view or torch.Tag.inplace_view in operator.tags)
 
 
 def _check_within_storages(values: Sequence[Any]) -> None:
@@ -245,7 +237,7 @@ class Executor:
         layouts_before = [_layout(session.tensors[h]) for h in inputs] if served.resizes_outputs else None
         if ran:
             self._note_lead(session, call)
-            output = self._run_operator(session, served.operator, served.operator, args, kwargs)
+            output = self._run_operator(session, served, served.operator, args, kwargs)
         new_handles: list[int] = []
         try:
             template = self._template(session, output, inputs, [protocol.integer(first_handle)], new_handles)
@@ -283,7 +275,7 @@ class Executor:
         ran = output is MISS
         if ran:
             self._note_lead(session, call)
-            output = self._run_operator(session, plan.served.operator, plan.call, args, kwargs)
+            output = self._run_operator(session, plan.served, plan.call, args, kwargs)
         new_handles: list[int] = []
         added = self._keep(session, output, inputs, [protocol.integer(first_handle)], new_handles)
         if added:
@@ -341,18 +333,22 @@ class Executor:
         return call, squash.reuse(session, call)
 
     def _run_operator(
-        self, session: Session, operator: Any, function: Any, args: list[Any], kwargs: dict[str, Any]
+        self, session: Session, served: Any, function: Any, args: list[Any], kwargs: dict[str, Any]
     ) -> Any:
-        """Run an operator (`function`: it or its bare kernel), its written storages the session's
-        own first (their value ids void: squash.py records them anew after a call it follows)."""
+        """Run a served operator (`function`: it or its bare kernel), its written storages the
+        session's own first (their value ids void: squash.py records them anew after a call it
+        follows)."""
+        operator = served.operator
         output = MISS
-        if session.swapped:  # its storages moved to host memory while it waited: the call uses them
+        checked = session.shrunk_storages and served.touches_elements
+        if session.swapped or checked:
             leaves = tree_leaves((args, kwargs))
-            if operator in _OVERWRITING and leaves and type(leaves[0]) is torch.Tensor:
-                session.swap_in_overwritten(leaves[0], leaves[1:])
-            session.swap_in_tensors(leaves)
-        if session.shrunk_storages and _uses_data(operator):
-            _check_within_storages(tree_leaves((args, kwargs)))
+            if session.swapped:  # its storages moved to host memory while it waited: the call uses them
+                if operator in _OVERWRITING and leaves and type(leaves[0]) is torch.Tensor:
+                    session.swap_in_overwritten(leaves[0], leaves[1:])
+                session.swap_in_tensors(leaves)
+            if checked:
+                _check_within_storages(leaves)
         if self.memory.shared:
             output = self._write_apart(session, operator, args, kwargs)
             if output is MISS:

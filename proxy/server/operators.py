@@ -281,6 +281,9 @@ class Served:
     """Whether it may give a tensor it was given another storage (set_)."""
     resizes_outputs: bool
     """Whether it writes `out=` arguments, which it resizes when their shape is not the result's."""
+    touches_elements: bool
+    """Whether it may read or write its tensors' elements (views and in-place view changes do not:
+    FSDP1 views and re-points parameters whose storage it freed)."""
 
 
 def serve(namespace: str, name: str, overload: str) -> Served:
@@ -294,4 +297,5 @@ def serve(namespace: str, name: str, overload: str) -> Served:
     grows = bool(written) and (name in ("resize_", "resize_as_", "set_") or any(a.is_out for a in written))
     reshapes = torch.Tag.inplace_view in operator.tags
     resizes_outputs = any(a.is_out for a in written)
-    return Served(operator, size_argument, grows, reshapes, name == "set_", resizes_outputs)
+    touches_elements = not (operator.is_view or reshapes)
+    return Served(operator, size_argument, grows, reshapes, name == "set_", resizes_outputs, touches_elements)
