@@ -329,7 +329,7 @@ def _dense(tensor: torch.Tensor) -> bool:
     return tensor.dim() in formats and tensor.is_contiguous(memory_format=formats[tensor.dim()])
 
 
-_BITWISE = {"band": "BAND", "bor": "BOR", "bxor": "BXOR"}
+_BITWISE = ("band", "bor", "bxor")
 
 
 def _check_as_nccl(spec: dict[str, Any]) -> None:
@@ -342,7 +342,7 @@ def _check_as_nccl(spec: dict[str, Any]) -> None:
         raise ValueError("Tensors must be contiguous")
     op = spec.get("op")
     if op in _BITWISE:
-        raise ValueError(f"Cannot use ReduceOp.{_BITWISE[op]} with NCCL")
+        raise ValueError(f"Cannot use ReduceOp.{op.upper()} with NCCL")
     if op == "avg" and any(tensor.dtype == torch.bool for tensor in single):
         raise TypeError("Cannot use ReduceOp.AVG with boolean inputs")
 
