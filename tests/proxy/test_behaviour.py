@@ -267,6 +267,14 @@ def test_weight_averaging_averages_tensor_by_tensor_as_directly(server: ProxySer
     assert proxied == direct
 
 
+def test_attention_with_only_gpu_kernels_allowed_runs_the_hosts_kernel(server: ProxyServer) -> None:
+    """`sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION)` (or flash and math switched off) failed with
+    "No viable backend" on a device, where a GPU runs it: the host's default kernel runs instead."""
+    direct, proxied = outputs_on_cpu_and_device("probe_attention_backends.py", server)
+    assert direct.count("\n") == 5 and direct.endswith("flags back True True\n")
+    assert proxied == direct
+
+
 def test_foreach_operations_take_host_scalars_and_copy_between_host_and_device(server: ProxyServer) -> None:
     """`_foreach_addcdiv_(..., scalars)` with the scalars on the host, as CUDA's kernels want them,
     was refused as device mixing; a host tensor among the lists still is. `_foreach_copy_` between

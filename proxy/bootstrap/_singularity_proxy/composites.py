@@ -14,6 +14,11 @@ weights of the targets it does not ignore, which it sums over another set of ele
 weight is a subclass (all targets, the ignored ones' weights zeroed): the loss's gradient then
 differed in the low bits. For a stand-in weight it runs here as torch's C++ runs it for a plain
 one, operation for operation, so autograd records the same graph.
+
+`scaled_dot_product_attention` chooses its kernel among the host's (flash, math) for stand-ins.
+A program that allows only GPU kernels (`sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION)`, or flash
+and math switched off, leaving memory-efficient attention on) found "No viable backend" where a GPU
+runs it; there the host's default choice runs instead, as it would with every backend allowed.
 """
 
 from __future__ import annotations
@@ -80,6 +85,28 @@ def _cross_entropy(
     return nll * (1 - label_smoothing) + smoothed * (label_smoothing / classes)
 
 
+_ATTENTION = aten.scaled_dot_product_attention.default
+
+
+def _attention(*args: Any, **kwargs: Any) -> Any:
+    """`scaled_dot_product_attention` by the host's default kernel for stand-ins when the program
+    allows only backends a GPU has and the host lacks (memory-efficient, cuDNN)."""
+    if (
+        type(args[0]) is not ProxyTensor
+        or torch._C._get_flash_sdp_enabled()
+        or torch._C._get_math_sdp_enabled()
+        or not (torch._C._get_mem_efficient_sdp_enabled() or torch._C._get_cudnn_sdp_enabled())
+    ):
+        return _ATTENTION.decompose(*args, **kwargs)
+    try:
+        torch._C._set_sdp_use_flash(True)
+        torch._C._set_sdp_use_math(True)
+        return _ATTENTION.decompose(*args, **kwargs)
+    finally:
+        torch._C._set_sdp_use_flash(False)
+        torch._C._set_sdp_use_math(False)
+
+
 def install() -> None:
     """Register the kernels (for tensors whose C++ device is the host, as stand-ins' is)."""
     if _library:
@@ -93,4 +120,5 @@ def install() -> None:
             "AutogradCPU",
         )
     library.impl("cross_entropy_loss", _cross_entropy, "AutogradCPU")
+    library.impl("scaled_dot_product_attention", _attention, "AutogradCPU")
     _library.append(library)
