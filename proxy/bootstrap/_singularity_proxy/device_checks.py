@@ -13,6 +13,8 @@ from .devices import same_device_error
 from .tensor import ProxyTensor
 
 _Tensor = torch.Tensor
+_IS_FUNCTORCH_WRAPPED = torch._C._functorch.is_functorch_wrapped_tensor
+_UNWRAPPED = torch._C._functorch.get_unwrapped
 CLIENT_PACKAGE = __name__.rsplit(".", 1)[0]
 
 
@@ -71,6 +73,15 @@ HOST_FROM: dict[Any, int] = dict.fromkeys(
 CUDA's kernels read on the host); the ones before it are checked."""
 
 
+def stand_in_of(tensor: torch.Tensor) -> ProxyTensor | None:
+    """The stand-in a tensor is, or that torch.func's transforms wrap (`vmap`'s batched tensors,
+    `grad`'s gradient-tracking ones, whose C++ device is the host's like the stand-in's); None
+    for a host tensor."""
+    while _IS_FUNCTORCH_WRAPPED(tensor):
+        tensor = _UNWRAPPED(tensor)
+    return tensor if isinstance(tensor, ProxyTensor) else None
+
+
 def check_devices(args: Sequence[Any]) -> None:
     """Raise what CUDA raises when one call mixes cuda tensors and (non-scalar) host tensors."""
     device = host = None
@@ -84,19 +95,23 @@ def check_devices(args: Sequence[Any]) -> None:
                 channels_differ = True
         elif kind is list or kind is tuple:
             for item in arg:
-                if isinstance(item, ProxyTensor):
-                    device = item if device is None else device
-                elif isinstance(item, torch.Tensor) and item.dim() > 0:
-                    host = item if host is None else host
+                if isinstance(item, torch.Tensor) and (item.dim() > 0 or isinstance(item, ProxyTensor)):
+                    stand_in = stand_in_of(item)
+                    if stand_in is not None:
+                        device = stand_in if device is None else device
+                    else:
+                        host = item if host is None else host
         elif isinstance(arg, torch.Tensor) and arg.dim() > 0:
-            if isinstance(arg, ProxyTensor):
-                device = arg if device is None else device
+            stand_in = stand_in_of(arg)
+            if stand_in is not None:
+                device = stand_in if device is None else device
             else:
                 host = arg if host is None else host
     if device is None or (host is None and not channels_differ) or from_torch_internals():
         return
     for arg in args:
-        if isinstance(arg, ProxyTensor) and arg._channel is not device._channel:
-            raise same_device_error(str(device.device), str(arg.device))
+        stand_in = stand_in_of(arg) if isinstance(arg, torch.Tensor) else None
+        if stand_in is not None and stand_in._channel is not device._channel:
+            raise same_device_error(str(device.device), str(stand_in.device))
     if host is not None:
         raise same_device_error(str(device.device), str(host.device))
