@@ -32,7 +32,7 @@ from .writes import covers_its_storage, note_writes, out_of_place, written_tenso
 _FACTORIES = frozenset(protocol.SERVER_FACTORIES)
 _NOT_READING = frozenset(
     (protocol.OP_RUN, protocol.OP_CALL, protocol.OP_FREE, protocol.OP_PLAN, protocol.OP_DEFINE,
-     protocol.OP_ALLOCATE, protocol.OP_UPLOAD)
+     protocol.OP_ALLOCATE, protocol.OP_UPLOAD, protocol.OP_DEFAULT_DTYPE)
 )  # fmt: skip
 """Operations that touch no stored bytes outside an operator call (which brings back its own)."""
 _OVERWRITING = frozenset(
@@ -121,6 +121,19 @@ def _meta_growth(operator: Any, args: list[Any], kwargs: dict[str, Any]) -> int:
             storage = tensor.untyped_storage()
             growth += max(0, storage.nbytes() - real_bytes.get(storage._cdata, 0))
     return growth
+
+
+def _use_default_dtype(session: Session) -> None:
+    """Make the session's default floating dtype torch's while its operations run (torch's is the
+    process's: each job process may have set its own)."""
+    if session.default_dtype is not torch.float32:
+        torch.set_default_dtype(session.default_dtype)
+
+
+def _restore_default_dtype() -> None:
+    """Back to torch's own default floating dtype, the server's between sessions' operations."""
+    if torch.get_default_dtype() is not torch.float32:
+        torch.set_default_dtype(torch.float32)
 
 
 def _operation(op: Any, length: int) -> list[Any]:
@@ -490,6 +503,10 @@ class Executor:
             session.shrunk_storages |= protocol.integer(nbytes) < storage.nbytes()
             storage.resize_(nbytes)
             session.recount(handle)
+        elif kind == protocol.OP_DEFAULT_DTYPE:
+            dtype = _NAMES.dtype(_operation(op, 2)[1])
+            torch.set_default_dtype(dtype)
+            session.default_dtype = dtype
         elif kind == protocol.OP_FACTORY:
             _, handle, name, args, kwargs = _operation(op, 5)
             if name not in _FACTORIES:
@@ -590,6 +607,7 @@ class Executor:
         with self.lock:
             self.busy.begin(time.perf_counter())
             position = start
+            _use_default_dtype(session)
             try:
                 while position < end:
                     try:
@@ -603,6 +621,7 @@ class Executor:
                             break
             finally:
                 self.operations += position - start
+                _restore_default_dtype()
                 self.busy.end(time.perf_counter())
             return position
 
@@ -610,8 +629,10 @@ class Executor:
         """The answer to a request, after raising what failed first since the last answer."""
         with self.lock:
             self.busy.begin(time.perf_counter())
+            _use_default_dtype(session)
             try:
                 session.raise_pending()
                 return self._answer(session, request, buffers)
             finally:
+                _restore_default_dtype()
                 self.busy.end(time.perf_counter())

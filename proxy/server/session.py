@@ -177,6 +177,8 @@ class Session:
         self.plan_leaves = 0
         self.held_bytes = 0
         self.peak_bytes = 0
+        self.default_dtype = torch.float32
+        """The process's default floating dtype (protocol.OP_DEFAULT_DTYPE): its operations run with it."""
         self.pending_error: list[str] | None = None
         """The first failure of an operation since the last answer, reported at the next request."""
         self.connection: Connection | None = None

@@ -275,6 +275,24 @@ def test_attention_with_only_gpu_kernels_allowed_runs_the_hosts_kernel(server: P
     assert proxied == direct
 
 
+def test_the_default_dtype_is_the_programs_on_the_device(server: ProxyServer) -> None:
+    """After `torch.set_default_dtype(torch.float64)` integers divided, factories and layers on a
+    device gave float32 (the server ran with its own default), `torch.full` float32 values in a
+    float64 tensor; switching back reused results planned under the other default."""
+    direct, proxied = outputs_on_cpu_and_device("probe_default_dtype.py", server)
+    assert direct.count("\n") == 48 and "int / 3 torch.float64 ['0.3333333333333333'" in direct
+    assert proxied == direct
+
+
+def test_torch_func_transforms_mix_their_inputs_with_other_device_tensors(server: ProxyServer) -> None:
+    """`vmap` with `in_dims=None`, `grad` over a function using a captured device tensor,
+    per-sample gradients of a module with a buffer and a MAML step failed with "cuda:0 and cpu":
+    the device check took the transforms' wrappers of stand-ins for host tensors."""
+    direct, proxied = outputs_on_cpu_and_device("probe_functorch_closures.py", server)
+    assert direct.count("\n") == 8 and direct.startswith("vmap captured ['0.0', '2.0', '6.0'")
+    assert proxied == direct
+
+
 def test_foreach_operations_take_host_scalars_and_copy_between_host_and_device(server: ProxyServer) -> None:
     """`_foreach_addcdiv_(..., scalars)` with the scalars on the host, as CUDA's kernels want them,
     was refused as device mixing; a host tensor among the lists still is. `_foreach_copy_` between

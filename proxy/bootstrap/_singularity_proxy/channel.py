@@ -70,6 +70,8 @@ class Channel:
         """Per operation signature: [plan id, output template (None until known), new tensor
         count, new bytes] (see encoding.py)."""
         self.next_plan = 0
+        self.default_dtype = torch.float32
+        """The default floating dtype the server runs this process's operations with."""
         self.plan_leaves = 0
         """Values (list items, dict entries) the plans since the last restart hold, as the server counts."""
         self._answer: protocol.Frame | None = None
@@ -235,6 +237,13 @@ class Channel:
         entry = [plan_id, None, 0, 0]
         self.calls[key] = entry
         return entry
+
+    def use_default_dtype(self, dtype: torch.dtype) -> None:
+        """Have the operations sent from now on run with this default floating dtype, the
+        process's (`torch.set_default_dtype`), which decides the dtype of factories and of
+        integer operands promoted to floats."""
+        self.push([protocol.OP_DEFAULT_DTYPE, protocol.torch_names().dtype_names[dtype]])
+        self.default_dtype = dtype
 
     def new_handle(self, count: int = 1) -> int:
         """The first of `count` fresh tensor handles."""

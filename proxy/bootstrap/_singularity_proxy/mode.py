@@ -96,6 +96,8 @@ def _factory(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         options["device"] = "meta"
         meta = func(*args, **options)
         channel = DEVICES.channel(index)
+        if torch.get_default_dtype() is not channel.default_dtype:
+            channel.use_default_dtype(torch.get_default_dtype())
         handle = channel.new_handle()
         wire_args, wire_kwargs = wire_arguments(args, {**options, "device": channel.device})  # the server's
         op = [protocol.OP_FACTORY, handle, func.__name__, wire_args, wire_kwargs]

@@ -454,6 +454,7 @@ def dispatch(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> A
 
 
 _INFERENCE_MODE = torch.is_inference_mode_enabled
+_DEFAULT_DTYPE = torch.get_default_dtype
 
 
 def forward(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> Any:
@@ -479,7 +480,13 @@ def forward(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> An
         first = channel.attach([raw for _, raw in call.host_tensors])
         for position, (payload, _raw) in enumerate(call.host_tensors):
             payload[3] = first + position
-    key = (id(func), tuple(call.signature))
+    default_dtype = _DEFAULT_DTYPE()
+    if default_dtype is not channel.default_dtype:
+        channel.use_default_dtype(default_dtype)
+    if default_dtype is torch.float32:
+        key: tuple[Any, ...] = (id(func), tuple(call.signature))
+    else:
+        key = (id(func), tuple(call.signature), default_dtype)
     known = channel.calls.get(key)
     if known is None:
         known = channel.plan(key, func, *encoding.plan_arguments(args, kwargs))
