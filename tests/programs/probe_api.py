@@ -118,3 +118,10 @@ again = torch.rand(4, device="cuda")
 torch.cuda.set_rng_state_all(torch.cuda.get_rng_state_all())
 torch.cuda.set_rng_state_all([state])
 print("rng state restored", torch.equal(first, again), torch.equal(torch.rand(4, device="cuda"), first))
+libraries = torch.backends.cuda
+print("linalg library", libraries.preferred_linalg_library("cusolver"), libraries.preferred_linalg_library())
+print("blas library", libraries.preferred_blas_library("cublaslt"), libraries.preferred_blas_library())
+libraries.preferred_linalg_library("default")
+plans = libraries.cufft_plan_cache
+plans.max_size = 32
+print("cufft plans", plans.size, plans.max_size, plans[0].max_size, plans.clear())

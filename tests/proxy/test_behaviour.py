@@ -120,6 +120,9 @@ def test_api_surface_and_portable_save(server: ProxyServer, tmp_path: Path) -> N
         "load cuda:0 True True",
         "load cpu cpu cpu",
         "rng state restored True True",
+        "linalg library _LinalgBackend.Cusolver _LinalgBackend.Cusolver",
+        "blas library _BlasBackend.Cublaslt _BlasBackend.Cublaslt",
+        "cufft plans 0 32 32 None",
     ]:
         assert line in out, (line, out)
     assert "Parameter containing:\ntensor([" in out and "device='cuda:0', requires_grad=True)" in out

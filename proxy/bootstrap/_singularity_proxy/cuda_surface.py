@@ -486,12 +486,45 @@ def patch_cuda() -> None:
     if hasattr(torch._C, "_cuda_getDeviceCount"):
         torch._C._cuda_getDeviceCount = lambda: count
     torch.backends.cudnn.is_acceptable = lambda tensor: False
+    patch_library_choices()
     patch_nvtx()
     patch_profiler()
     patch_stream_class()
     patch_event_class()
     patch_record_stream()
     legacy_types.install()
+
+
+CUFFT_PLAN_CACHE_MAX_SIZE = 4096
+"""What `torch.backends.cuda.cufft_plan_cache.max_size` starts at on a GPU (CUDA 10 and later)."""
+
+
+def patch_library_choices() -> None:
+    """`torch.backends.cuda`'s choices of GPU libraries are taken and read back, as on a GPU (a CPU
+    build of torch refuses them): the preferred linear-algebra and BLAS libraries, and the cuFFT
+    plan cache's capacity (a device's operators run the host's kernels whatever is chosen)."""
+    preferred = {
+        "linalg": torch._C._get_linalg_preferred_backend(),
+        "blas": torch._C._get_blas_preferred_backend(),
+    }
+    native: Any = torch._C
+    native._set_linalg_preferred_backend = lambda backend: preferred.__setitem__("linalg", backend)
+    native._get_linalg_preferred_backend = lambda: preferred["linalg"]
+    native._set_blas_preferred_backend = lambda backend: preferred.__setitem__("blas", backend)
+    native._get_blas_preferred_backend = lambda: preferred["blas"]
+    capacities: dict[int, int] = {}
+
+    def set_capacity(cache: Any, value: int) -> None:
+        if int(value) < 0:
+            raise RuntimeError(f"cuFFT plan cache size must be non-negative, but got {value}")
+        capacities[cache.device_index] = int(value)
+
+    plan_cache: Any = torch.backends.cuda.cuFFTPlanCache
+    plan_cache.size = property(lambda cache: 0)
+    plan_cache.max_size = property(
+        lambda cache: capacities.get(cache.device_index, CUFFT_PLAN_CACHE_MAX_SIZE), set_capacity
+    )
+    plan_cache.clear = lambda cache: None
 
 
 def patch_accelerator() -> None:
