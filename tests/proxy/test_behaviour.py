@@ -296,6 +296,14 @@ def test_torch_func_transforms_mix_their_inputs_with_other_device_tensors(server
     assert proxied == direct
 
 
+def test_histc_counts_integers_on_a_device_as_cuda_does(server: ProxyServer) -> None:
+    """`torch.histc` of an int32 tensor (transformers' mixture-of-experts routing on a GPU) failed
+    on a device: the host's kernel counts floating-point values only."""
+    direct, proxied = outputs_on_cpu_and_device("probe_integer_histc.py", server)
+    assert direct.count("\n") == 12 and "torch.int32 4 0 3 torch.int32 [2, 3, 1, 2]" in direct
+    assert proxied == direct
+
+
 def test_foreach_operations_take_host_scalars_and_copy_between_host_and_device(server: ProxyServer) -> None:
     """`_foreach_addcdiv_(..., scalars)` with the scalars on the host, as CUDA's kernels want them,
     was refused as device mixing; a host tensor among the lists still is. `_foreach_copy_` between

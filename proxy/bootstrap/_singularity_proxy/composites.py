@@ -19,14 +19,21 @@ one, operation for operation, so autograd records the same graph.
 A program that allows only GPU kernels (`sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION)`, or flash
 and math switched off, leaving memory-efficient attention on) found "No viable backend" where a GPU
 runs it; there the host's default choice runs instead, as it would with every backend allowed.
+
+`histc` of integers, which CUDA counts and the host's kernel refuses (transformers' mixtures of
+experts count tokens per expert so on any device but the CPU), counts the values as float64
+and gives the counts in the input's dtype, as CUDA does: float64 holds every integer that fits
+in a bin's arithmetic exactly, so the bins are CUDA's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from . import tensor
 from .tensor import ProxyTensor, forward
 
 aten = torch.ops.aten
@@ -107,6 +114,15 @@ def _attention(*args: Any, **kwargs: Any) -> Any:
         torch._C._set_sdp_use_math(False)
 
 
+def _histc(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`histc` of a stand-in: counted in float64 for integers (as CUDA counts them), else as is."""
+    values = args[0]
+    if values.dtype.is_floating_point or values.dtype.is_complex:
+        return forward(func, args, kwargs)
+    counts = forward(func, (values.to(torch.float64), *args[1:]), kwargs)
+    return counts.to(values.dtype)
+
+
 def install() -> None:
     """Register the kernels (for tensors whose C++ device is the host, as stand-ins' is)."""
     if _library:
@@ -122,3 +138,4 @@ def install() -> None:
     library.impl("cross_entropy_loss", _cross_entropy, "AutogradCPU")
     library.impl("scaled_dot_product_attention", _attention, "AutogradCPU")
     _library.append(library)
+    tensor.special_ops[aten.histc.default] = _histc
