@@ -304,6 +304,15 @@ def test_histc_counts_integers_on_a_device_as_cuda_does(server: ProxyServer) -> 
     assert proxied == direct
 
 
+def test_tensors_move_to_meta_and_parameters_rewrap_by_their_type(server: ProxyServer) -> None:
+    """`x.to("meta")` of a device tensor gave a device tensor (accelerate's offload hooks never
+    freed the weights they offloaded), and `type(param)(value, requires_grad=...)` (accelerate's
+    `set_module_tensor_to_device`, behind `device_map` loading) raised TypeError."""
+    direct, proxied = outputs_on_cpu_and_device("probe_meta_moves.py", server)
+    assert direct.count("\n") == 8 and "loaded True True [[3.5, 2.5], [12.5, 11.5]]" in direct
+    assert proxied == direct
+
+
 def test_foreach_operations_take_host_scalars_and_copy_between_host_and_device(server: ProxyServer) -> None:
     """`_foreach_addcdiv_(..., scalars)` with the scalars on the host, as CUDA's kernels want them,
     was refused as device mixing; a host tensor among the lists still is. `_foreach_copy_` between

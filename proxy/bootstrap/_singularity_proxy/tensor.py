@@ -90,6 +90,14 @@ class ProxyTensor(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
+    def __new__(cls, data: Any = None, requires_grad: bool = True) -> Any:
+        """`type(parameter)(tensor, requires_grad=...)`: a device parameter's type is this class
+        (`isinstance(p, nn.Parameter)` holds by its `_is_param`), and libraries that re-wrap a
+        parameter by its type (accelerate's `set_module_tensor_to_device`, behind `device_map`
+        and offloading) get `nn.Parameter(data, requires_grad)`, as on a GPU. Stand-ins themselves
+        are made by `new_stand_in`, not by calling the class."""
+        return torch.nn.Parameter(data, requires_grad)
+
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None

@@ -91,8 +91,26 @@ def _sizes_on_host(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> An
     return sequences, sizes
 
 
+_META = torch.device("meta")
+
+
+def _to_copy(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`_to_copy` (`.to(...)`): to the meta device (accelerate's offloading and
+    `init_empty_weights`, `Module.to("meta")`) a meta tensor of the stand-in's layout, as a GPU's
+    tensor gives; any other copy runs on the server."""
+    device = kwargs.get("device")
+    if device is None or torch.device(device) != _META:
+        return forward(func, args, kwargs)
+    source = args[0]
+    layout = torch.empty_strided(source.shape, source.stride(), dtype=source.dtype, device=_META)
+    return torch.empty_like(
+        layout, dtype=kwargs.get("dtype"), memory_format=kwargs.get("memory_format") or torch.preserve_format
+    )
+
+
 TRANSFER_OPS: dict[Any, SpecialHandler] = {
     torch.ops.aten.copy_.default: _copy_,
+    torch.ops.aten._to_copy.default: _to_copy,
     torch.ops.aten._pack_padded_sequence.default: _sizes_on_host,
     torch.ops.aten._pad_packed_sequence.default: _sizes_on_host,
 }
