@@ -196,7 +196,7 @@ def test_programs_run_unmodified_with_1_2_and_4_ranks(daemon: Daemon) -> None:
     model with DDP reloading saved weights after wrapping, and every raw
     collective run as jobs of 1, 2 and 4 ranks; with 1 and 2 ranks they print what the same
     program prints directly on the CPU. Tensor-parallel attention on 2 ranks prints the losses
-    of the unsharded model on the CPU, to rounding."""
+    of the unsharded model on the CPU, to rounding, after moving its DTensors with `.cuda()`."""
     nano = ["--max_iters=6", "--eval_interval=3"]
     jobs = {
         ("example", 1): submit(daemon, "ddp_example.py", [], 1, 1),
@@ -242,8 +242,12 @@ def test_programs_run_unmodified_with_1_2_and_4_ranks(daemon: Daemon) -> None:
     assert "rank 0 reloaded" in fsdp1_direct[0] and "rank 0 full state" in fsdp1_direct[0]
     assert printed(succeeded(daemon, jobs[("fsdp1", 2)], 2)) == fsdp1_direct  # FSDP1, DDP's reloads
     unsharded = losses(direct_alone("tp_attention.py", ["--plain", "--device", "cpu"]))
-    for log in succeeded(daemon, jobs[("tp", 2)], 2):  # attention on DTensors sharded by heads
+    halves = [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
+    for rank, log in enumerate(
+        succeeded(daemon, jobs[("tp", 2)], 2)
+    ):  # attention on DTensors sharded by heads
         assert losses(log) == pytest.approx(unsharded, rel=1e-6, abs=0)
+        assert f"rank {rank} moved {halves[rank]} cuda:{rank}" in log
     fsdp = printed(succeeded(daemon, jobs[("fsdp", 4)], 4))
     assert len({log.splitlines()[-1].split()[-1] for log in fsdp}) == 1
 

@@ -2,8 +2,10 @@
 
 q, k and v are split by heads over the ranks (`ColwiseParallel`), the output projection joins them
 (`RowwiseParallel`), and `scaled_dot_product_attention(is_causal=True)` runs on DTensors sharded on
-the heads. Every rank prints its loss per step. `--plain` runs the same model unsharded in one
-process (on the CPU with `--device cpu`), for comparison: the losses agree to rounding.
+the heads; `.cuda()` moves the parallelized model (already there) and a DTensor whose parts are on
+the host (as FSDP2's CPU offloading keeps them) to the device. Every rank prints its loss per
+step. `--plain` runs the same model unsharded in one process (on the CPU with `--device cpu`), for
+comparison: the losses agree to rounding.
 """
 
 import argparse
@@ -47,6 +49,7 @@ if args.plain:
     device = torch.device(args.device)
 else:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -59,7 +62,10 @@ else:
         "wv": ColwiseParallel(),
         "wo": RowwiseParallel(),
     }
-    model = parallelize_module(model.to(device), mesh, plan)
+    model = parallelize_module(model.to(device), mesh, plan).cuda()  # DTensors already there
+    host_mesh = init_device_mesh("cpu", (world,))
+    offloaded = distribute_tensor(torch.arange(8.0), host_mesh, [Shard(0)])  # as FSDP2's CPU offload keeps it
+    print(f"rank {rank} moved {offloaded.cuda().to_local().tolist()} {offloaded.to(device).device}")
 model = model.to(device)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
 for step in range(args.steps):

@@ -73,6 +73,8 @@ def _to(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
                 copy=copy,
                 memory_format=memory_format or torch.preserve_format,
             )
+        if not is_stand_in and is_traceable_wrapper_subclass(self):
+            return _parts_to(self, torch.device("cuda", index), dtype, copy)
         source = to_host(self) if is_stand_in else self
         if dtype is not None and dtype != source.dtype:
             source = source.to(dtype)
@@ -89,6 +91,19 @@ def _to(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     if dtype is not None and dtype != out.dtype:
         out = out.to(dtype)
     return out
+
+
+def _parts_to(outer: Any, device: torch.device, dtype: Any, copy: bool) -> Any:
+    """`.to("cuda")` of a subclass made of tensors (a DTensor whose local part is on the host, as
+    FSDP2's CPU offloading keeps it): each part moved, wrapped again as the subclass wraps its own.
+    A DTensor's own `.to` would copy its host part with the host's kernel, which has no CUDA."""
+    names, context = outer.__tensor_flatten__()
+    parts = {name: getattr(outer, name) for name in names}
+    for name, part in parts.items():
+        if isinstance(part, torch.Tensor):
+            parts[name] = _to(_Tensor.to, (part,), {"device": device, "dtype": dtype, "copy": copy})
+    moved = type(outer).__tensor_unflatten__(parts, context, outer.size(), outer.stride())
+    return moved.requires_grad_(True) if outer.requires_grad and moved.is_leaf else moved
 
 
 _IS_LAZY = torch.nn.parameter.is_lazy
@@ -176,6 +191,8 @@ def _cuda(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     index = device_index(device)
     if isinstance(self, ProxyTensor) and self._channel.index == index:
         return self
+    if not isinstance(self, ProxyTensor) and is_traceable_wrapper_subclass(self):
+        return _to(_Tensor.to, (self,), {"device": torch.device("cuda", index)})
     source = to_host(self) if isinstance(self, ProxyTensor) else self
     return to_device(source, index)
 
