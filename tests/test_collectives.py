@@ -212,6 +212,7 @@ def test_programs_run_unmodified_with_1_2_and_4_ranks(daemon: Daemon) -> None:
         ("fsdp1", 2): submit(daemon, "fsdp1_train.py", [], 2, 2),
         ("tp", 2): submit(daemon, "tp_attention.py", [], 2, 2),
         ("raw", 2): submit(daemon, "raw_collectives.py", [], 2, 1),
+        ("raw-gloo", 2): submit(daemon, "raw_collectives.py", ["--backend", "gloo"], 2, 2),
         ("raw", 4): submit(daemon, "raw_collectives.py", ["--backend", "gloo"], 4, 2),
     }
     example_ranks = tuple(f"rank {r} " for r in range(4))
@@ -257,6 +258,8 @@ def test_programs_run_unmodified_with_1_2_and_4_ranks(daemon: Daemon) -> None:
         without(log, "backend=") for log in direct
     ]
     assert all(f"rank {r} done backend=nccl" in log for r, log in enumerate(proxied))
+    proxied = printed(succeeded(daemon, jobs[("raw-gloo", 2)], 2))  # gloo's path for device tensors
+    assert proxied == direct
     four = printed(succeeded(daemon, jobs[("raw", 4)], 4))
     assert all(f"rank {r} done backend=gloo" in log for r, log in enumerate(four))
 

@@ -2,7 +2,7 @@
 
 Each rank prints what it got, so that runs can be compared line by line: all_reduce (sum, avg
 and max), broadcast, all_gather, all_gather_into_tensor, reduce_scatter_tensor, reduce, gather,
-scatter, all_to_all_single, the object collectives, a subgroup made with new_group, functional
+scatter, all_to_all (single and list), the object collectives, a subgroup made with new_group, functional
 collectives and barrier. `--backend` picks what the program asks for (default: the
 accelerator's default backend; "gloo" with cuda tensors also works on a CUDA machine).
 """
@@ -92,6 +92,9 @@ show("scatter", part)
 swapped = torch.empty(2 * world, device=device)
 dist.all_to_all_single(swapped, torch.arange(2 * world, dtype=torch.float32, device=device) + 100 * rank)
 show("all_to_all_single", swapped)
+received = [torch.empty(2, device=device) for _ in range(world)]
+dist.all_to_all(received, [torch.full((2,), 10.0 * rank + peer, device=device) for peer in range(world)])
+show("all_to_all", torch.stack(received))
 
 objects: list[object] = [None] * world
 dist.all_gather_object(objects, {"rank": rank, "word": "x" * (rank + 1)})

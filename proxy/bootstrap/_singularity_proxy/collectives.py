@@ -370,7 +370,7 @@ C10D_OPS: dict[Any, SpecialHandler] = {
         "c10d::scatter_", lambda a: (a[2], {"outputs": a[0], "inputs": a[1], "root": a[3]}, a[0])
     ),
     torch.ops.c10d.alltoall_.default: _c10d(
-        "c10d::alltoall_", lambda a: (a[2], {"outputs": a[0], "inputs": a[1]}, a[0])
+        "c10d::alltoall_", lambda a: (a[2], {"outputs": [a[0]], "inputs": [a[1]]}, a[0])
     ),
     torch.ops.c10d.alltoall_base_.default: _c10d(
         "c10d::alltoall_base_",
