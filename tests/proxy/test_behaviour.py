@@ -313,6 +313,14 @@ def test_tensors_move_to_meta_and_parameters_rewrap_by_their_type(server: ProxyS
     assert proxied == direct
 
 
+def test_higher_order_operators_run_by_their_dense_implementation(server: ProxyServer) -> None:
+    """flex_attention, `torch.cond`, `while_loop` and `map` on stand-ins failed with "There was no
+    rule registered for HOP ... and subclass ProxyTensor"."""
+    direct, proxied = outputs_on_cpu_and_device("probe_higher_order.py", server)
+    assert direct.count("\n") == 6 and "while_loop 3 [0.0, 8.0, 16.0" in direct
+    assert proxied == direct
+
+
 def test_foreach_operations_take_host_scalars_and_copy_between_host_and_device(server: ProxyServer) -> None:
     """`_foreach_addcdiv_(..., scalars)` with the scalars on the host, as CUDA's kernels want them,
     was refused as device mixing; a host tensor among the lists still is. `_foreach_copy_` between

@@ -4,13 +4,14 @@ It makes torch in a job process see the devices the daemon gave it (SING_PROXY_S
 cuda:0..n-1; every operation on them runs in the device's proxy server. Modules, bottom up:
 protocol (what both sides agree on), channel (connection, batching, parking), devices (the
 process's devices), tensor (stand-ins and dispatch), sparse (sparse stand-ins), transfers,
-randomness, mode (the torch-function mode: placement, factories, device-mix checks),
-cuda_surface (torch.cuda and torch.accelerator), device_comm (nn.DataParallel's copies between
-devices), serialization (torch.save / torch.load), composites (operators run whole), compiler
-(torch.compile runs eagerly), located_warnings (warnings shown at the program's line),
-collectives (collectives on stand-ins, run by the servers), process_group (the "nccl" process
-group, DDP's buckets) and dtensors (DTensors of stand-ins). Apart from the client, every job
-process maps multiprocessing's named semaphores so that CRIU can dump them (semaphores). See
+randomness, mode (the torch-function mode: placement, factories, device-mix checks), cuda_surface
+(torch.cuda and torch.accelerator), device_comm (nn.DataParallel's copies between devices),
+serialization (torch.save / torch.load), composites (operators run whole), compiler (torch.compile
+runs eagerly), higher_order (flex_attention and control flow by their dense implementation),
+located_warnings (warnings shown at the program's line), collectives (collectives on stand-ins, run
+by the servers), process_group (the "nccl" process group, DDP's buckets) and dtensors (DTensors of
+stand-ins). Apart from the client, every job process maps multiprocessing's named semaphores so
+that CRIU can dump them (semaphores). See
 docs/proxy.md.
 """
 
@@ -51,6 +52,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
         device_comm,
         dtensors,
         fast_paths,
+        higher_order,
         process_group,
         serialization,
         sparse,
@@ -87,6 +89,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     custom_functions.install()
     fast_paths.install()
     cpu_paths.install()
+    higher_order.install()
     compiler.patch_compile()
     process_group.install()
     dtensors.install()

@@ -6,7 +6,8 @@ which a job without CUDA cannot build, and fails with "PyTorch is not linked wit
 cuda devices"), and operations on stand-ins are carried out by the proxy server anyway. So
 `torch.compile(model)` returns what it returns when compilation is disabled for a module,
 an `OptimizedModule` around it (same `_orig_mod.` state-dict keys as a compiled model) that
-calls it eagerly, and a function unchanged; the program is told once, on stderr.
+calls it eagerly, and a function unchanged; the program is told once, on stderr, when it compiles
+something itself (torch compiles its own helpers too: `torch.cond` run eagerly, for one).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def compile(model: Any = None, **options: Any) -> Any:
         return lambda function: compile(function, **options)
     if options.get("disable"):
         return model
-    _tell_once()
+    if not str(sys._getframe(1).f_globals.get("__name__", "")).startswith("torch."):
+        _tell_once()
     if isinstance(model, torch.nn.Module):
         from torch._dynamo.eval_frame import DisableContext, OptimizedModule
 
