@@ -143,7 +143,7 @@ class ControlHandler:
                         handles.append(handle)
                     session.peak_bytes = max(session.held_bytes, state.peak)
                     session.pending_error = state.pending_error
-                    session.default_dtype = state.default_dtype
+                    session.settings = state.settings
                     server.add_session(session, state.queue, state.groups)  # held until resume
                     try:
                         session.check_capacity(handles, session.held_bytes)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from singularity.proxy.bootstrap._singularity_proxy import protocol
+from singularity.proxy.bootstrap._singularity_proxy import numerics, protocol
 from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolError
 
 from .busy import BusyTime
@@ -32,7 +32,7 @@ from .writes import covers_its_storage, note_writes, out_of_place, written_tenso
 _FACTORIES = frozenset(protocol.SERVER_FACTORIES)
 _NOT_READING = frozenset(
     (protocol.OP_RUN, protocol.OP_CALL, protocol.OP_FREE, protocol.OP_PLAN, protocol.OP_DEFINE,
-     protocol.OP_ALLOCATE, protocol.OP_UPLOAD, protocol.OP_DEFAULT_DTYPE)
+     protocol.OP_ALLOCATE, protocol.OP_UPLOAD, protocol.OP_SETTINGS)
 )  # fmt: skip
 """Operations that touch no stored bytes outside an operator call (which brings back its own)."""
 _OVERWRITING = frozenset(
@@ -123,17 +123,27 @@ def _meta_growth(operator: Any, args: list[Any], kwargs: dict[str, Any]) -> int:
     return growth
 
 
-def _use_default_dtype(session: Session) -> None:
-    """Make the session's default floating dtype torch's while its operations run (torch's is the
+_SERVER_SETTINGS: list[dict[str, Any]] = []
+"""The server's own numeric settings (torch's defaults), read once."""
+
+
+def _server_settings() -> dict[str, Any]:
+    if not _SERVER_SETTINGS:
+        _SERVER_SETTINGS.append(numerics.current())
+    return _SERVER_SETTINGS[0]
+
+
+def _use_settings(session: Session) -> None:
+    """Run the session's operations with its process's numeric settings (torch's are the server
     process's: each job process may have set its own)."""
-    if session.default_dtype is not torch.float32:
-        torch.set_default_dtype(session.default_dtype)
+    if session.settings is not None:
+        numerics.apply(session.settings)
 
 
-def _restore_default_dtype() -> None:
-    """Back to torch's own default floating dtype, the server's between sessions' operations."""
-    if torch.get_default_dtype() is not torch.float32:
-        torch.set_default_dtype(torch.float32)
+def _restore_settings(session: Session) -> None:
+    """Back to the server's own numeric settings after the session's operations."""
+    if session.settings is not None:
+        numerics.apply(_server_settings())
 
 
 def _operation(op: Any, length: int) -> list[Any]:
@@ -503,10 +513,10 @@ class Executor:
             session.shrunk_storages |= protocol.integer(nbytes) < storage.nbytes()
             storage.resize_(nbytes)
             session.recount(handle)
-        elif kind == protocol.OP_DEFAULT_DTYPE:
-            dtype = _NAMES.dtype(_operation(op, 2)[1])
-            torch.set_default_dtype(dtype)
-            session.default_dtype = dtype
+        elif kind == protocol.OP_SETTINGS:
+            settings = _operation(op, 2)[1]
+            numerics.apply(settings)
+            session.settings = None if settings == _server_settings() else settings
         elif kind == protocol.OP_FACTORY:
             _, handle, name, args, kwargs = _operation(op, 5)
             if name not in _FACTORIES:
@@ -607,7 +617,7 @@ class Executor:
         with self.lock:
             self.busy.begin(time.perf_counter())
             position = start
-            _use_default_dtype(session)
+            _use_settings(session)
             try:
                 while position < end:
                     try:
@@ -621,7 +631,7 @@ class Executor:
                             break
             finally:
                 self.operations += position - start
-                _restore_default_dtype()
+                _restore_settings(session)
                 self.busy.end(time.perf_counter())
             return position
 
@@ -629,10 +639,10 @@ class Executor:
         """The answer to a request, after raising what failed first since the last answer."""
         with self.lock:
             self.busy.begin(time.perf_counter())
-            _use_default_dtype(session)
+            _use_settings(session)
             try:
                 session.raise_pending()
                 return self._answer(session, request, buffers)
             finally:
-                _restore_default_dtype()
+                _restore_settings(session)
                 self.busy.end(time.perf_counter())

@@ -177,8 +177,9 @@ class Session:
         self.plan_leaves = 0
         self.held_bytes = 0
         self.peak_bytes = 0
-        self.default_dtype = torch.float32
-        """The process's default floating dtype (protocol.OP_DEFAULT_DTYPE): its operations run with it."""
+        self.settings: dict[str, Any] | None = None
+        """The process's numeric settings (protocol.OP_SETTINGS), its operations run with; None:
+        torch's own, the server's."""
         self.pending_error: list[str] | None = None
         """The first failure of an operation since the last answer, reported at the next request."""
         self.connection: Connection | None = None

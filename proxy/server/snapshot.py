@@ -41,8 +41,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from singularity.proxy.bootstrap._singularity_proxy import protocol
-
 from .session import JobNotHere
 from .statefile import FORMAT, StateFileWriter, blob_of, is_plain, storage_bytes, tensor_entry
 
@@ -390,7 +388,7 @@ class JobSave:
             "ops": {str(k): list(v) for k, v in session.operator_names.items()},
             "peak": session.peak_bytes,
             "pending_error": session.pending_error,
-            "default_dtype": protocol.torch_names().dtype_names[session.default_dtype],
+            "settings": session.settings,
             "tensors": tensors,
         }
 

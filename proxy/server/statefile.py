@@ -76,8 +76,9 @@ class SavedSession:
     than the field (then the rank's only session on the device)."""
     process: int = 0
     """The pid of the process that held it (0 in files older than the field)."""
-    default_dtype: torch.dtype = torch.float32
-    """The process's default floating dtype (float32 in files older than the field)."""
+    settings: dict[str, Any] | None = None
+    """The process's numeric settings (protocol.OP_SETTINGS; None: torch's own, and in files older
+    than the field)."""
     connected: bool = True
     """Whether its process was connected when the job parked (files older than the field: yes).
     A process that had ended its connection (exiting) holds a dead one, which CRIU restores
@@ -302,7 +303,7 @@ def read_state(
                 _groups(state.get("groups")),
                 protocol.integer(state["index"]) if state.get("index") is not None else None,
                 protocol.integer(state.get("process", 0)),
-                protocol.torch_names().dtype(state.get("default_dtype", "float32")),
+                state.get("settings"),
                 state.get("connected", True) is not False,
             )
         )

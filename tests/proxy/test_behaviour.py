@@ -321,6 +321,16 @@ def test_higher_order_operators_run_by_their_dense_implementation(server: ProxyS
     assert proxied == direct
 
 
+def test_onednn_settings_are_the_programs_on_the_device(server: ProxyServer) -> None:
+    """`torch.set_float32_matmul_precision("medium")` (bfloat16 products on the host), the
+    precisions of `torch.backends.mkldnn` and `mkldnn.flags(enabled=False)` did not reach the
+    server: a device computed every product and convolution in full float32 with oneDNN."""
+    direct, proxied = outputs_on_cpu_and_device("probe_numeric_settings.py", server)
+    lines = direct.splitlines()
+    assert len(lines) == 6 and lines[0].split()[1:] != lines[1].split()[1:] != lines[4].split()[1:]
+    assert proxied == direct
+
+
 def test_foreach_operations_take_host_scalars_and_copy_between_host_and_device(server: ProxyServer) -> None:
     """`_foreach_addcdiv_(..., scalars)` with the scalars on the host, as CUDA's kernels want them,
     was refused as device mixing; a host tensor among the lists still is. `_foreach_copy_` between

@@ -268,15 +268,19 @@ def test_a_save_without_precopy_copies_everything_in_the_pause(device: ProxyServ
 
 
 def test_the_work_a_session_received_and_its_groups_are_saved_and_restored(tmp_path: Path) -> None:
-    """A parked session's queue of received-not-run frames, its collective groups and its default
-    dtype go into the device-state file (pre-copied or not) and come back, held until resume,
-    after a load."""
+    """A parked session's queue of received-not-run frames, its collective groups and its numeric
+    settings (default dtype, oneDNN's precisions) go into the device-state file (pre-copied or
+    not) and come back, held until resume, after a load."""
     queue = [[[[protocol.OP_FREE, [7]]], [protocol.REQ_SYNC], True, [b"\x01\x02"]]]
     groups = {"world": (1, [0, 1])}
     source = Server(0, 1 << 30, None)
     session = Session("q-job", 1, os.getuid(), source.memory)
     session.add(1, torch.arange(16, dtype=torch.float32))
-    session.default_dtype = torch.float64
+    session.settings = {
+        "default_dtype": "float64",
+        "mkldnn": True,
+        "fp32_precision": ["none", "bf16", "none", "none"],
+    }
     session.parked = True
     source.add_session(session, queue, groups)
     control = ControlHandler(source)
@@ -290,14 +294,14 @@ def test_the_work_a_session_received_and_its_groups_are_saved_and_restored(tmp_p
             control.save("q-job", file.fileno())
         for path in (precopied, full):
             (saved,) = state_of(path)
-            assert (saved.queue, saved.groups, saved.default_dtype) == (queue, groups, torch.float64)
+            assert (saved.queue, saved.groups, saved.settings) == (queue, groups, session.settings)
             target = Server(0, 1 << 30, None)
             try:
                 with path.open("rb") as file:
                     ControlHandler(target).load("q-job", file.fileno())
                 (runner,) = target.job_runners("q-job")
                 assert runner.held and runner.groups == groups and runner.saved_queue() == queue
-                assert target.job_sessions("q-job")[0].default_dtype is torch.float64
+                assert target.job_sessions("q-job")[0].settings == session.settings
                 assert torch.equal(target.job_sessions("q-job")[0].tensor(1), torch.arange(16.0))
             finally:
                 for restored in target.job_sessions("q-job"):

@@ -53,6 +53,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
         dtensors,
         fast_paths,
         higher_order,
+        numerics,
         process_group,
         serialization,
         sparse,
@@ -72,6 +73,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     from .transfers import TRANSFER_OPS
 
     DEVICES.configure(list(paths), job_id, rank)
+    numerics.watch()
     tensor.special_ops.update(RANDOM_OPS)
     tensor.special_ops.update(TRANSFER_OPS)
     sparse.install()

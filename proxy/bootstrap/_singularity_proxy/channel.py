@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import protocol
+from . import numerics, protocol
 
 BATCH_OPS = 128
 """Queued operations are sent once this many are waiting (or at the next request)."""
@@ -72,6 +72,10 @@ class Channel:
         self.next_plan = 0
         self.default_dtype = torch.float32
         """The default floating dtype the server runs this process's operations with."""
+        self.settings_version = 0
+        """numerics.VERSION when the settings were last looked at."""
+        self.settings: dict[str, Any] | None = None
+        """The numeric settings last sent (None: none yet, the server runs with torch's own)."""
         self.plan_leaves = 0
         """Values (list items, dict entries) the plans since the last restart hold, as the server counts."""
         self._answer: protocol.Frame | None = None
@@ -238,12 +242,15 @@ class Channel:
         self.calls[key] = entry
         return entry
 
-    def use_default_dtype(self, dtype: torch.dtype) -> None:
-        """Have the operations sent from now on run with this default floating dtype, the
-        process's (`torch.set_default_dtype`), which decides the dtype of factories and of
-        integer operands promoted to floats."""
-        self.push([protocol.OP_DEFAULT_DTYPE, protocol.torch_names().dtype_names[dtype]])
-        self.default_dtype = dtype
+    def use_settings(self) -> None:
+        """Have the operations sent from now on run with the process's numeric settings (its
+        default dtype, oneDNN's precisions: numerics.py), which may have changed."""
+        settings = numerics.current()
+        if settings != self.settings:
+            self.push([protocol.OP_SETTINGS, settings])
+            self.settings = settings
+        self.default_dtype = torch.get_default_dtype()
+        self.settings_version = numerics.VERSION[0]
 
     def new_handle(self, count: int = 1) -> int:
         """The first of `count` fresh tensor handles."""

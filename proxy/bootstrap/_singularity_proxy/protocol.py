@@ -169,9 +169,9 @@ tensors get consecutive handles from first_output_handle on, as with OP_CALL."""
 OP_RESIZE_STORAGE = 12
 """[OP_RESIZE_STORAGE, handle, bytes]: resize the storage under the tensor (its views see it), as
 FSDP frees and re-allocates its unsharded parameters (`untyped_storage().resize_(n)`)."""
-OP_DEFAULT_DTYPE = 13
-"""[OP_DEFAULT_DTYPE, dtype]: the process's default floating dtype (`torch.set_default_dtype`)
-from now on: the operations after it run with it, as the process's own would."""
+OP_SETTINGS = 13
+"""[OP_SETTINGS, settings]: the process's numeric settings from now on (its default dtype, oneDNN's
+float32 precisions; see numerics.py): the operations after it run with them, as its own would."""
 OP_GROUP = 10
 """[OP_GROUP, group, rank, members]: the process takes part, as global rank `rank`, in the
 process group named `group`, whose members are these global ranks in group-rank order."""
