@@ -123,14 +123,8 @@ def _meta_growth(operator: Any, args: list[Any], kwargs: dict[str, Any]) -> int:
     return growth
 
 
-_SERVER_SETTINGS: list[dict[str, Any]] = []
-"""The server's own numeric settings (torch's defaults), read once."""
-
-
-def _server_settings() -> dict[str, Any]:
-    if not _SERVER_SETTINGS:
-        _SERVER_SETTINGS.append(numerics.current())
-    return _SERVER_SETTINGS[0]
+_SERVER_SETTINGS = numerics.current()
+"""The server's own numeric settings (torch's defaults), read before any session's are applied."""
 
 
 def _use_settings(session: Session) -> None:
@@ -143,7 +137,7 @@ def _use_settings(session: Session) -> None:
 def _restore_settings(session: Session) -> None:
     """Back to the server's own numeric settings after the session's operations."""
     if session.settings is not None:
-        numerics.apply(_server_settings())
+        numerics.apply(_SERVER_SETTINGS)
 
 
 def _operation(op: Any, length: int) -> list[Any]:
@@ -516,7 +510,7 @@ class Executor:
         elif kind == protocol.OP_SETTINGS:
             settings = _operation(op, 2)[1]
             numerics.apply(settings)
-            session.settings = None if settings == _server_settings() else settings
+            session.settings = None if settings == _SERVER_SETTINGS else settings
         elif kind == protocol.OP_FACTORY:
             _, handle, name, args, kwargs = _operation(op, 5)
             if name not in _FACTORIES:

@@ -285,6 +285,10 @@ def test_the_default_dtype_is_the_programs_on_the_device(server: ProxyServer) ->
     direct, proxied = outputs_on_cpu_and_device("probe_default_dtype.py", server)
     assert direct.count("\n") == 48 and "int / 3 torch.float64 ['0.3333333333333333'" in direct
     assert proxied == direct
+    # the server went back to its own default: another process's operations are float32 ones
+    check = "import torch; x = torch.arange(3, device='cuda') / 3; print(x.dtype, x.sum().item())"
+    after = run_program(["-c", check], proxy_env([server.socket], "after-float64"))
+    assert after.stdout == "torch.float32 1.0\n", after.stderr
 
 
 def test_torch_func_transforms_mix_their_inputs_with_other_device_tensors(server: ProxyServer) -> None:
