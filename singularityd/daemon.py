@@ -276,8 +276,16 @@ class Daemon:
         if decision.activity is not None:
             self.records.setdefault(job_id, JobRuntime(job_id)).update(decision.activity)
         self.feed.report(JobDecided(job_id, job.spec.user, job.state, facts.activity, stimulus, decision))
-        for action in decision.actions:
-            self._carry_out(job, state, action)
+        try:
+            for action in decision.actions:
+                self._carry_out(job, state, action)
+        except Exception as error:
+            # what was not carried out is not under way: a checkpoint refused by a full state
+            # database must not leave the job "already being checkpointed" for good
+            if decision.activity is not None and job_id in self.records:
+                self.records[job_id].update(facts.activity)
+            log.warning("job %d: %s not carried out: %s", job_id, type(stimulus).__name__, error)
+            raise
         self.feed.publish(job_id)
         return decision
 

@@ -6,6 +6,7 @@ import os
 import socket
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -142,5 +143,33 @@ def test_full_disk_under_the_state_directory(daemon_root: Path) -> None:
             jobs = daemon.sing("ps", "-a", "-o", "json").json()
             assert [j["id"] for j in jobs] == [first, again] and {j["state"] for j in jobs} == {"COMPLETED"}
             assert stat.S_IMODE((state / "singularity.db").stat().st_mode) == 0o600, "specs hold users' env"
+    finally:
+        subprocess.run(["umount", "-l", str(state)], check=False)
+
+
+@requires_root
+def test_a_checkpoint_refused_by_a_full_state_database_is_taken_once_there_is_room(daemon_root: Path) -> None:
+    """A checkpoint whose start the state database could not record (a full disk) is refused with
+    a clear error and is not left under way: once there is room, the job checkpoints (it said
+    "already being checkpointed" until the daemon restarted)."""
+    state, images = daemon_root / "state", daemon_root / "images"
+    state.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(state)], check=True)
+    try:
+        config = {"device_proxy": False, "checkpoint_dir": str(images), "checkpoint_pre_copy": 0}
+        with running_daemon(daemon_root, config=config) as daemon:
+            job = daemon.submit(sys.executable, "-c", "import time\nwhile True: time.sleep(0.1)")
+            daemon.wait_state(job, "RUNNING")
+            filler = state / "filler"
+            subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=64k", "count=200"], capture_output=True)
+            refused = daemon.sing("checkpoint", str(job))
+            assert refused.code == 6 and "cannot write its state database" in refused.err, refused.err
+            assert "Traceback" not in refused.err and len(refused.err.strip().splitlines()) == 1
+            filler.unlink()
+            taken = daemon.sing("checkpoint", str(job))
+            assert taken.code == 0, taken.err
+            assert daemon.job(job)["state"] == "RUNNING"
+            daemon.sing("cancel", str(job))
+            daemon.wait_state(job, "CANCELLED")
     finally:
         subprocess.run(["umount", "-l", str(state)], check=False)
