@@ -275,7 +275,7 @@ class Running:
 
 async def serve(source: ConfigSource, config: Config) -> None:
     """Run the daemon until SIGTERM or SIGINT; SIGHUP reads the config file again."""
-    lock = prepare_state(config)
+    locks = prepare_state(config)
     try:
         daemon = await build_daemon(config)
         federation = Federation(daemon, config)
@@ -302,7 +302,8 @@ async def serve(source: ConfigSource, config: Config) -> None:
         await federation.stop()
         await daemon.stop()
     finally:
-        lock.close()
+        for lock in locks:
+            lock.close()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -1,4 +1,5 @@
-"""The daemon's folders, and the lock that keeps a second daemon off the same state."""
+"""The daemon's folders, and the locks that keep a second daemon off the same state and off the
+same socket folder (whose private sockets and proxy folders are per folder, not per socket)."""
 
 from __future__ import annotations
 
@@ -26,11 +27,23 @@ def socket_answers(path: Path) -> bool:
     return True
 
 
-def prepare_state(config: Config) -> IO[str]:
-    """Create the state, jobs and socket folders with their modes and take the daemon's lock.
+def _locked(path: Path, refusal: str) -> IO[str]:
+    """The open file at `path`, locked for this process's life; ConfigError(refusal) when another
+    process holds its lock."""
+    lock = open(path, "w")  # noqa: SIM115
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise ConfigError(refusal) from None
+    return lock
 
-    Returns the open lock file, held for the daemon's life; ConfigError when another daemon
-    already uses this state directory or listens on the socket.
+
+def prepare_state(config: Config) -> list[IO[str]]:
+    """Create the state, jobs and socket folders with their modes and take the daemon's locks.
+
+    Returns the open lock files, held for the daemon's life; ConfigError when another daemon
+    already uses this state directory or this socket folder, or listens on the socket.
     """
     config.state_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(config.state_dir, 0o755 if not config.user_mode else 0o700)
@@ -41,15 +54,25 @@ def prepare_state(config: Config) -> IO[str]:
         os.chmod(config.socket.parent, 0o700)
     config.internal_socket_dir.mkdir(exist_ok=True)
     os.chmod(config.internal_socket_dir, 0o700)
-    lock = open(config.state_dir / "daemon.lock", "w")  # noqa: SIM115
+    locks = [
+        _locked(
+            config.state_dir / "daemon.lock",
+            f"another singularityd is already running with state directory {config.state_dir}",
+        )
+    ]
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.close()
-        raise ConfigError(
-            f"another singularityd is already running with state directory {config.state_dir}"
-        ) from None
-    if socket_answers(config.socket):
-        lock.close()
-        raise ConfigError(f"another singularityd is already listening on {config.socket}")
-    return lock
+        if socket_answers(config.socket):
+            raise ConfigError(f"another singularityd is already listening on {config.socket}")
+        locks.append(
+            _locked(
+                config.internal_socket_dir / "daemon.lock",
+                f"another singularityd already has its socket in {config.socket.parent} (its "
+                "private sockets and proxy folders are kept there): give each daemon a socket "
+                "folder of its own",
+            )
+        )
+    except ConfigError:
+        for lock in locks:
+            lock.close()
+        raise
+    return locks

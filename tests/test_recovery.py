@@ -89,3 +89,19 @@ def test_second_daemon_on_same_state_is_refused(daemon: Daemon) -> None:
     )  # fmt: skip
     assert result.returncode == 2
     assert "another singularityd is already running" in result.stderr
+
+
+def test_second_daemon_with_its_socket_in_the_same_folder_is_refused(daemon: Daemon, tmp_path: Path) -> None:
+    """Daemons whose sockets share a folder would share its private per-user sockets and proxy
+    folders (the last started took the first's connections, and removed them when it stopped):
+    the second is refused, and the first goes on answering."""
+    first = daemon.submit("true")
+    neighbour = daemon.socket.parent / "other.sock"
+    result = subprocess.run(
+        [SINGULARITYD, "--socket", str(neighbour), "--state-dir", str(tmp_path / "s")],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "already has its socket in" in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert [job["id"] for job in daemon.sing("ps", "-a", "-o", "json").json()] == [first]
