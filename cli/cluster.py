@@ -16,6 +16,7 @@ import typer
 from singularity.cli import output
 from singularity.cli.client import connect
 from singularity.cli.errors import EXIT_CONFLICT, EXIT_FAILURE, EXIT_OK, CliError, warn
+from singularity.cli.params import JobIdArgument
 from singularityd.api.v1 import singularity_pb2 as pb
 from singularityd.units import human_bytes
 
@@ -159,7 +160,7 @@ def _follow(messages: Iterable[pb.MoveProgress]) -> list[pb.MoveProgress]:
 
 
 def migrate(
-    job_id: int = typer.Argument(..., metavar="ID"),
+    job_id: int = JobIdArgument,
     to: str = typer.Option(..., "--to", help="The peer's node name (sing peers lists them)."),
     socket: str = SocketOption,
 ) -> None:

@@ -26,6 +26,8 @@ EXIT_UNAVAILABLE = 3
 EXIT_NOT_FOUND = 4
 EXIT_PERMISSION = 5
 EXIT_CONFLICT = 6
+EXIT_INTERRUPTED = 130
+"""Ctrl-C of a command that follows something (`logs -f`, `ps -w`), as a shell reports SIGINT."""
 
 STATUS_EXIT_CODES: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.INVALID_ARGUMENT: EXIT_USAGE,

@@ -19,6 +19,7 @@ from singularity.cli.client import connect, resolve_socket, rpc_error, unreachab
 from singularity.cli.config import settings
 from singularity.cli.errors import (
     EXIT_FAILURE,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
@@ -27,6 +28,7 @@ from singularity.cli.errors import (
     fail,
     warn,
 )
+from singularity.cli.params import COUNT_MAX, COUNT_MIN, JobIdArgument, JobIdsArgument
 from singularity.cli.progress import Progress
 from singularity.cli.source import LogFollower
 from singularityd import __version__
@@ -123,17 +125,26 @@ def _wait_for(stub: Any, job_id: int) -> pb.Job:
 def submit(
     command: list[str] = typer.Argument(None, help="The program and its arguments, after --."),
     gpus: int = typer.Option(
-        None, "--gpus", "-g", help="Devices the job needs, all at once (default 1; elastic: --max-gpus)."
+        None,
+        "--gpus",
+        "-g",
+        help="Devices the job needs, all at once (default 1; elastic: --max-gpus).",
+        min=COUNT_MIN,
+        max=COUNT_MAX,
     ),
     name: str = typer.Option("", "--name", "-n", help="Job name (default: the program's name)."),
-    priority: int = typer.Option(0, "--priority", "-p", help="Higher runs first, within its tier."),
+    priority: int = typer.Option(
+        0, "--priority", "-p", help="Higher runs first, within its tier.", min=COUNT_MIN, max=COUNT_MAX
+    ),
     tier: str = typer.Option(
         DEFAULT_TIER,
         "--tier",
         "-t",
         help=f"Service tier: {' > '.join(reversed(TIERS))}; a higher one runs first, may preempt lower ones.",
     ),
-    ranks: int = typer.Option(1, "--ranks", help="Processes to start (torchrun-style ranks)."),
+    ranks: int = typer.Option(
+        1, "--ranks", help="Processes to start (torchrun-style ranks).", min=COUNT_MIN, max=COUNT_MAX
+    ),
     env: list[str] = typer.Option([], "--env", "-e", help="Extra KEY=VALUE for the job."),
     cwd: str = typer.Option(None, "--cwd", help="Working directory (default: the current one)."),
     wait: bool = typer.Option(False, "--wait", "-W", help="Wait for the job; exit with its status."),
@@ -141,13 +152,25 @@ def submit(
         None, "--checkpoint-every", help="Seconds between periodic checkpoints (0: none; default: daemon's)."
     ),
     max_restarts: int = typer.Option(
-        0, "--max-restarts", help="Failures after which the job resumes from its last checkpoint (0-100)."
+        0,
+        "--max-restarts",
+        help="Failures after which the job resumes from its last checkpoint (0-100).",
+        min=COUNT_MIN,
+        max=COUNT_MAX,
     ),
     min_gpus: int = typer.Option(
-        0, "--min-gpus", help="Elastic: fewest devices the job runs on (default 1 with --max-gpus)."
+        0,
+        "--min-gpus",
+        help="Elastic: fewest devices the job runs on (default 1 with --max-gpus).",
+        min=COUNT_MIN,
+        max=COUNT_MAX,
     ),
     max_gpus: int = typer.Option(
-        0, "--max-gpus", help="Elastic: most devices the job grows to (default --ranks with --min-gpus)."
+        0,
+        "--max-gpus",
+        help="Elastic: most devices the job grows to (default --ranks with --min-gpus).",
+        min=COUNT_MIN,
+        max=COUNT_MAX,
     ),
     output_format: str = typer.Option(None, "--output", "-o", help="id (default) or json: the job queued."),
     anywhere: bool = typer.Option(
@@ -245,12 +268,12 @@ def ps(
                 if text:
                     print(text, flush=True)
         except KeyboardInterrupt:
-            return
+            raise SystemExit(EXIT_INTERRUPTED) from None
 
 
 @app.command()
 def show(
-    job_id: int = typer.Argument(..., metavar="ID"),
+    job_id: int = JobIdArgument,
     output_format: str = OutputOption,
     header: bool = HeaderOption,
     socket: str = SocketOption,
@@ -267,12 +290,12 @@ def show(
 
 @app.command()
 def logs(
-    job_id: int = typer.Argument(..., metavar="ID"),
+    job_id: int = JobIdArgument,
     follow: bool = typer.Option(
         False, "--follow", "-f", help="Keep printing until the job ends (through preemptions and restarts)."
     ),
-    tail: int = typer.Option(0, "--tail", help="Start with the last N lines."),
-    rank: int = typer.Option(0, "--rank", help="Which rank's output."),
+    tail: int = typer.Option(0, "--tail", help="Start with the last N lines.", min=COUNT_MIN, max=COUNT_MAX),
+    rank: int = typer.Option(0, "--rank", help="Which rank's output.", min=COUNT_MIN, max=COUNT_MAX),
     socket: str = SocketOption,
 ) -> None:
     """Print a job's output (stdout and stderr of one rank), as the job wrote it."""
@@ -289,11 +312,12 @@ def logs(
             out.flush()
     except KeyboardInterrupt:
         follower.cancel()
+        raise SystemExit(EXIT_INTERRUPTED) from None
 
 
 @app.command()
 def cancel(
-    job_ids: list[int] = typer.Argument(..., metavar="ID..."),
+    job_ids: list[int] = JobIdsArgument,
     socket: str = SocketOption,
 ) -> None:
     """Cancel jobs: queued ones at once, running ones with SIGTERM then SIGKILL."""
@@ -309,7 +333,7 @@ def cancel(
 
 
 @app.command()
-def preempt(job_id: int = typer.Argument(..., metavar="ID"), socket: str = SocketOption) -> None:
+def preempt(job_id: int = JobIdArgument, socket: str = SocketOption) -> None:
     """Checkpoint a running job and stop it; it resumes when the scheduler gives it devices."""
     with connect(socket) as stub, Progress(f"preempting job {job_id} (checkpointing)"):
         job = stub.Preempt(pb.JobRef(id=job_id))
@@ -317,7 +341,7 @@ def preempt(job_id: int = typer.Argument(..., metavar="ID"), socket: str = Socke
 
 
 @app.command()
-def suspend(job_id: int = typer.Argument(..., metavar="ID"), socket: str = SocketOption) -> None:
+def suspend(job_id: int = JobIdArgument, socket: str = SocketOption) -> None:
     """Checkpoint a running job and stop it (or hold a queued one) until `sing resume`."""
     with connect(socket) as stub, Progress(f"suspending job {job_id} (checkpointing)"):
         job = stub.Suspend(pb.JobRef(id=job_id))
@@ -326,8 +350,10 @@ def suspend(job_id: int = typer.Argument(..., metavar="ID"), socket: str = Socke
 
 @app.command()
 def resize(
-    job_id: int = typer.Argument(..., metavar="ID"),
-    gpus: int = typer.Option(..., "--gpus", "-g", help="Devices to run on (1 up to the job's ranks)."),
+    job_id: int = JobIdArgument,
+    gpus: int = typer.Option(
+        ..., "--gpus", "-g", help="Devices to run on (1 up to the job's ranks).", min=COUNT_MIN, max=COUNT_MAX
+    ),
     socket: str = SocketOption,
 ) -> None:
     """Move a running job to another number of devices: checkpoint, stop, restore (its ranks see
@@ -345,7 +371,7 @@ def resize(
 
 @app.command()
 def resume(
-    job_id: int = typer.Argument(..., metavar="ID"),
+    job_id: int = JobIdArgument,
     wait: bool = typer.Option(
         False, "--wait", "-W", help="Return once the job runs again (restored from its checkpoint)."
     ),
@@ -381,7 +407,7 @@ def _wait_running(stub: Any, job_id: int) -> pb.Job:
 
 @app.command()
 def checkpoint(
-    job_id: int = typer.Argument(..., metavar="ID"),
+    job_id: int = JobIdArgument,
     output_format: str = typer.Option(None, "--output", "-o", help="json: the checkpoint as JSON."),
     socket: str = SocketOption,
 ) -> None:
@@ -398,7 +424,7 @@ def checkpoint(
 
 @app.command()
 def wait(
-    job_id: int = typer.Argument(..., metavar="ID"),
+    job_id: int = JobIdArgument,
     output_format: str = typer.Option(None, "--output", "-o", help="json: print the ended job."),
     socket: str = SocketOption,
 ) -> None:

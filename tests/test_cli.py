@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -69,6 +70,41 @@ def test_logs_follow_streams_until_the_job_ends(daemon: Daemon) -> None:
     release.touch()
     assert follower.stdout.read() == "line 2\nline 3\nline 4\n"
     assert follower.wait(30) == 0
+
+
+def test_ctrl_c_of_a_follower_exits_130_without_a_traceback(daemon: Daemon) -> None:
+    """`sing logs -f` and `sing ps -w` stopped with Ctrl-C exit as a shell reports SIGINT (130, as
+    `tail -f` and `kubectl logs -f` do), not 0 as if the job had ended."""
+    job_id = daemon.submit("sh", "-c", "echo started; sleep 300")
+    daemon.wait_state(job_id, "RUNNING")
+    for command in (["logs", "-f", str(job_id)], ["ps", "-w"]):
+        follower = subprocess.Popen(
+            [SING, *command],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=daemon_env(daemon),
+        )
+        assert follower.stdout is not None and follower.stdout.readline()
+        follower.send_signal(signal.SIGINT)
+        _, err = follower.communicate(timeout=30)
+        assert follower.returncode == 130, (command, follower.returncode, err)
+        assert "Traceback" not in err
+    daemon.sing("cancel", str(job_id))
+
+
+def test_numbers_beyond_what_the_api_carries_are_usage_errors(daemon: Daemon) -> None:
+    """A job id or a count too large for the wire (int64, int32) was a traceback from the encoder."""
+    huge = "99999999999999999999"
+    for command in (
+        ["show", huge],
+        ["cancel", "1", huge],
+        ["logs", "--tail", huge, "1"],
+        ["submit", "--gpus", huge, "--", "true"],
+    ):
+        result = daemon.sing(*command)
+        assert result.code == 2 and "is not in the range" in result.err, (command, result.err)
+        assert "Traceback" not in result.err
 
 
 def daemon_env(daemon: Daemon) -> dict[str, str]:
