@@ -195,6 +195,8 @@ def submit(
         directory = os.path.abspath(cwd) if cwd else os.getcwd()
     except FileNotFoundError:
         raise CliError("the current directory no longer exists; give --cwd", EXIT_USAGE) from None
+    if os.path.isdir(directory) and not os.access(directory, os.X_OK):
+        raise CliError(f"cannot enter working directory {directory}: permission denied", EXIT_USAGE)
     request = pb.SubmitRequest(
         command=command,
         name=name,

@@ -45,10 +45,21 @@ def test_more_gpus_than_the_machine_has(daemon: Daemon) -> None:
         (["--ranks", "4097"], "--ranks must be at most 4096, not 4097"),
         (["--env", "NOEQUALS"], "--env takes KEY=VALUE"),
         (["--cwd", "/no/such/dir"], "working directory /no/such/dir does not exist"),
+        (["--cwd", "/etc/hostname"], "working directory /etc/hostname is not a directory"),
     ],
 )
 def test_bad_counts_and_options(daemon: Daemon, options: list[str], text: str) -> None:
     assert_one_line_error(daemon.sing("submit", *options, "--", "true"), 2, text)
+
+
+@requires_root
+def test_a_working_directory_the_user_cannot_enter_is_refused_at_submission(daemon: Daemon) -> None:
+    """It was queued, and the job then failed as it started."""
+    ensure_user("sing-alice")
+    private = daemon.root / "private"
+    private.mkdir(mode=0o700)
+    refused = daemon.sing("submit", "--cwd", str(private), "--", "true", user="sing-alice")
+    assert_one_line_error(refused, 2, f"cannot enter working directory {private}: permission denied")
 
 
 @pytest.mark.parametrize("args", [["submit"], ["submit", "--"], ["submit", "--gpus", "1", "--"]])

@@ -95,7 +95,8 @@ def validated_spec(caller: Caller, args: SubmitArgs, total_devices: int) -> JobS
     if not os.path.isabs(args.cwd):
         raise InvalidRequest(f"working directory must be absolute: {args.cwd!r}")
     if not os.path.isdir(args.cwd):
-        raise InvalidRequest(f"working directory {args.cwd} does not exist")
+        problem = "is not a directory" if os.path.exists(args.cwd) else "does not exist"
+        raise InvalidRequest(f"working directory {args.cwd} {problem}")
     interval = args.checkpoint_interval
     if interval is not None and not (math.isfinite(interval) and interval >= 0):
         raise InvalidRequest(f"--checkpoint-every must be 0 or more seconds, not {interval:g}")
