@@ -95,11 +95,13 @@ def check_devices(args: Sequence[Any]) -> None:
                 channels_differ = True
         elif kind is list or kind is tuple:
             for item in arg:
-                if isinstance(item, torch.Tensor) and (item.dim() > 0 or isinstance(item, ProxyTensor)):
+                if type(item) is ProxyTensor:
+                    device = item if device is None else device
+                elif isinstance(item, torch.Tensor):
                     stand_in = stand_in_of(item)
                     if stand_in is not None:
                         device = stand_in if device is None else device
-                    else:
+                    elif item.dim() > 0:
                         host = item if host is None else host
         elif isinstance(arg, torch.Tensor) and arg.dim() > 0:
             stand_in = stand_in_of(arg)
