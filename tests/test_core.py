@@ -310,8 +310,13 @@ def test_a_failed_checkpoint_is_noted_and_the_job_keeps_running() -> None:
             ResumeRequested("a"),
             "only a SUSPENDED job can be resumed",
         ),
+        (
+            JobFacts(1, JobState.SUSPENDED, has_checkpoint=True),
+            PreemptRequested("a", hold=True),
+            "is SUSPENDED; only a RUNNING or queued job can be suspended",
+        ),
     ],
-    ids=["queued", "checkpointing", "no-criu", "cancelling", "resume-not-suspended"],
+    ids=["queued", "checkpointing", "no-criu", "cancelling", "resume-not-suspended", "suspend-suspended"],
 )
 def test_requests_the_state_does_not_allow_are_refused(
     job: JobFacts, request_: PreemptRequested | CheckpointRequested | ResumeRequested, message: str

@@ -386,6 +386,10 @@ def _decide(job: JobFacts, stimulus: Stimulus, now: float) -> Decision:
         case PreemptRequested(by=by, hold=hold):
             if hold and state in (JobState.PENDING, JobState.PREEMPTED):
                 return Decision(check_transition(job.job_id, state, JobState.SUSPENDED, f"held by {by}", now))
+            if hold and state is not JobState.RUNNING:
+                raise InvalidTransition(
+                    f"job {job.job_id} is {state}; only a RUNNING or queued job can be suspended"
+                )
             _require_idle_running(job, "suspended" if hold else "preempted")
             verb = "suspend" if hold else "preempt"
             take = TakeCheckpoint(True, hold, f"{'suspended' if hold else 'preempted'} by {by}")
