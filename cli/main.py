@@ -158,15 +158,15 @@ def submit(
         min=COUNT_MIN,
         max=COUNT_MAX,
     ),
-    min_gpus: int = typer.Option(
-        0,
+    min_gpus: int | None = typer.Option(
+        None,
         "--min-gpus",
         help="Elastic: fewest devices the job runs on (default 1 with --max-gpus).",
         min=COUNT_MIN,
         max=COUNT_MAX,
     ),
-    max_gpus: int = typer.Option(
-        0,
+    max_gpus: int | None = typer.Option(
+        None,
         "--max-gpus",
         help="Elastic: most devices the job grows to (default --ranks with --min-gpus).",
         min=COUNT_MIN,
@@ -197,6 +197,9 @@ def submit(
         raise CliError("the current directory no longer exists; give --cwd", EXIT_USAGE) from None
     if os.path.isdir(directory) and not os.access(directory, os.X_OK):
         raise CliError(f"cannot enter working directory {directory}: permission denied", EXIT_USAGE)
+    for flag, given in (("--min-gpus", min_gpus), ("--max-gpus", max_gpus)):
+        if given is not None and given < 1:
+            raise CliError(f"{flag} must be at least 1, not {given}", EXIT_USAGE)
     request = pb.SubmitRequest(
         command=command,
         name=name,
@@ -205,8 +208,8 @@ def submit(
         cwd=directory,
         env=job_env,
         max_restarts=max_restarts,
-        min_gpus=min_gpus,
-        max_gpus=max_gpus,
+        min_gpus=min_gpus or 0,
+        max_gpus=max_gpus or 0,
         tier=tier,
     )
     if gpus is not None:

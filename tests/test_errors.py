@@ -46,6 +46,8 @@ def test_more_gpus_than_the_machine_has(daemon: Daemon) -> None:
         (["--env", "NOEQUALS"], "--env takes KEY=VALUE"),
         (["--cwd", "/no/such/dir"], "working directory /no/such/dir does not exist"),
         (["--cwd", "/etc/hostname"], "working directory /etc/hostname is not a directory"),
+        (["--min-gpus", "0", "--max-gpus", "2", "--ranks", "2"], "--min-gpus must be at least 1, not 0"),
+        (["--max-gpus", "-1", "--ranks", "2"], "--max-gpus must be at least 1, not -1"),
     ],
 )
 def test_bad_counts_and_options(daemon: Daemon, options: list[str], text: str) -> None:
