@@ -141,10 +141,15 @@ def to_json(data: Any) -> str:
     return json.dumps(data, indent=2, sort_keys=False)
 
 
+_CONTROL = {code: f"\\x{code:02x}" for code in [*range(32), 127]} | {9: "\\t", 10: "\\n", 13: "\\r"}
+"""Control characters as a table cell shows them (a job name holding a newline broke its row)."""
+
+
 def table(rows: Sequence[Sequence[str]], header: Sequence[str] | None) -> str:
-    """Left-aligned columns separated by two spaces; the last column is not padded."""
+    """Left-aligned columns separated by two spaces; the last column is not padded; control
+    characters in a cell are shown escaped, so every row is one line."""
     all_rows = [list(header)] if header else []
-    all_rows += [list(r) for r in rows]
+    all_rows += [[cell.translate(_CONTROL) for cell in r] for r in rows]
     if not all_rows:
         return ""
     widths = [max(len(r[i]) for r in all_rows) for i in range(len(all_rows[0]))]

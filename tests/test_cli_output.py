@@ -30,6 +30,18 @@ def sing_env(daemon: Daemon, **extra: str) -> dict[str, str]:
     return {**os.environ, "SING_SOCKET": str(daemon.socket), **extra}
 
 
+def test_a_table_row_stays_one_line_whatever_its_cells_hold() -> None:
+    """A job name with a newline broke the `ps` table; a terminal escape in one would reach the
+    user's terminal."""
+    rows = [["1", "two\nlines\tand a tab", "x"], ["2", "red\x1b[31m", "y"]]
+    text = output.table(rows, ["ID", "NAME", "CMD"])
+    assert text.splitlines() == [
+        "ID  NAME                   CMD",
+        "1   two\\nlines\\tand a tab  x",
+        "2   red\\x1b[31m            y",
+    ]
+
+
 def test_version() -> None:
     for flag in ("--version", "-V"):
         result = run_sing([flag], socket_path=None)
