@@ -478,13 +478,16 @@ def top(
         raise CliError(f"--interval must be at least 0.1 seconds, not {refresh:g}", EXIT_USAGE)
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise CliError("sing top needs a terminal (for scripts: sing ps -o json, sing ps -w)", EXIT_USAGE)
+    path = resolve_socket(socket)
+    if not path.exists():
+        raise CliError(unreachable_message(path), EXIT_UNAVAILABLE)
     try:
         from singularity.cli.top.app import TopApp
     except ImportError as error:
         raise CliError(f"sing top needs textual ({error}): pip install 'singularityd[tui]'") from None
     from singularity.cli.source import DaemonSource
 
-    source = DaemonSource(resolve_socket(socket))
+    source = DaemonSource(path)
     try:
         TopApp(source, refresh_seconds=refresh, all_jobs=all_jobs).run()
     finally:

@@ -221,6 +221,20 @@ def test_top_needs_a_terminal(daemon: Daemon) -> None:
     assert result.code == 2 and "needs a terminal" in result.err
 
 
+def test_top_without_a_daemon_says_so_and_exits_3(tmp_path: Path) -> None:
+    """On a terminal with no daemon it opened its full-screen view and waited; every other command
+    says the daemon cannot be reached and exits 3."""
+    main, terminal = pty.openpty()
+    env = {**os.environ, "SING_SOCKET": str(tmp_path / "absent.sock")}
+    top = subprocess.Popen([SING, "top"], stdin=terminal, stdout=terminal, stderr=subprocess.PIPE, env=env)
+    os.close(terminal)
+    try:
+        _, err = top.communicate(timeout=30)
+    finally:
+        os.close(main)
+    assert top.returncode == 3 and b"cannot reach singularityd" in err, err
+
+
 def read_until(fd: int, wanted: bytes, timeout: float = 30.0) -> bytes:
     """Read a pty until `wanted` shows up (or it closes); everything read."""
     seen = b""
