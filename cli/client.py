@@ -96,12 +96,22 @@ class Connection:
         self.channel.close()
 
 
+LOST_CONNECTION = ("Socket closed", "Connection reset", "GOAWAY", "Broken pipe")
+"""What gRPC says when a connection it had ends during a call (a refused one says otherwise)."""
+
+
 def rpc_error(error: grpc.RpcError, socket_path: Path) -> CliError:
     """A CliError for a failed call, with the daemon's message and the matching exit code."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return CliError(unreachable_message(socket_path), EXIT_UNAVAILABLE)
     details = error.details() if hasattr(error, "details") else str(error)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        if any(sign in (details or "") for sign in LOST_CONNECTION):
+            return CliError(
+                f"the connection to singularityd at {socket_path} was lost during the request (the "
+                "daemon stopped?); it may have been carried out: see `sing ps -a` or `sing show ID`",
+                EXIT_UNAVAILABLE,
+            )
+        return CliError(unreachable_message(socket_path), EXIT_UNAVAILABLE)
     return CliError(details or str(code), exit_code_for_status(code))
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
-from tests.helpers import SINGULARITYD, Daemon, running_daemon, wait_until
+from tests.helpers import SING, SINGULARITYD, Daemon, running_daemon, wait_until
 
 
 def gated_job(release: Path, code: int) -> tuple[str, ...]:
@@ -105,3 +106,21 @@ def test_second_daemon_with_its_socket_in_the_same_folder_is_refused(daemon: Dae
     assert "already has its socket in" in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert [job["id"] for job in daemon.sing("ps", "-a", "-o", "json").json()] == [first]
+
+
+def test_a_request_cut_off_by_the_daemons_death_says_so(daemon_root: Path) -> None:
+    """`sing checkpoint` waiting on a checkpoint when the daemon is killed said "nothing is
+    listening", as if it had never been reached; what it asked may have been done."""
+    with running_daemon(daemon_root, config={"device_proxy": False, "checkpoint_pre_copy": 0}) as daemon:
+        script = "import time\nx = bytearray(400 * 2**20)\nwhile True: time.sleep(0.1)"
+        job = daemon.submit(sys.executable, "-c", script)
+        daemon.wait_state(job, "RUNNING")
+        env = {**os.environ, "SING_SOCKET": str(daemon.socket)}
+        asking = subprocess.Popen(
+            [SING, "checkpoint", str(job)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        wait_until(lambda: "checkpoint requested" in str(daemon.job(job)["events"]))
+        daemon.stop(signal.SIGKILL)
+        _, err = asking.communicate(timeout=60)
+        assert asking.returncode == 3, err
+        assert "was lost during the request" in err and "Traceback" not in err
