@@ -14,6 +14,8 @@ Exit codes (documented in the README):
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from typing import NoReturn
 
@@ -62,6 +64,16 @@ def exit_code_for_status(code: grpc.StatusCode | int) -> int:
 def warn(message: str) -> None:
     """One line on stderr, prefixed with the program name."""
     print(f"sing: {message}", file=sys.stderr, flush=True)
+
+
+def exit_interrupted() -> NoReturn:
+    """End a follower stopped by Ctrl-C with 130 at once: what it printed is flushed, and the
+    interpreter's own exit, which would close a gRPC stream cut mid-read, is skipped (it could hang
+    there, and the follower with it)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(EXIT_INTERRUPTED)
 
 
 def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:

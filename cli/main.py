@@ -5,9 +5,12 @@ from __future__ import annotations
 import math
 import os
 import pwd
+import signal
 import stat
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -19,12 +22,12 @@ from singularity.cli.client import connect, resolve_socket, rpc_error, unreachab
 from singularity.cli.config import settings
 from singularity.cli.errors import (
     EXIT_FAILURE,
-    EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
     CliError,
     exit_code_for_status,
+    exit_interrupted,
     fail,
     warn,
 )
@@ -53,6 +56,24 @@ OutputOption = typer.Option(
 HeaderOption = typer.Option(
     None, "--header/--no-header", help="Print or omit the header line (default from sing.toml, else print)."
 )
+
+
+@contextmanager
+def stopped_by_ctrl_c(stop: Callable[[], Any]) -> Iterator[list[bool]]:
+    """While inside, Ctrl-C calls `stop` (which ends a stream being read) and is noted in the list
+    yielded, instead of raising KeyboardInterrupt in the middle of gRPC's reading, whose cut
+    stream could then hang the exit."""
+    interrupted: list[bool] = []
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        interrupted.append(True)
+        stop()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _output_format(value: str | None, allowed: tuple[str, ...]) -> str:
@@ -263,17 +284,22 @@ def ps(
                 if text:
                     print(text)
             return
-        try:
-            for update in stub.WatchJobs(request):
-                if fmt == "json":
-                    for job in update.jobs:
-                        print(output.to_json(output.job_dict(job)).replace("\n", " "), flush=True)
-                    continue
-                text = output.jobs_table(update.jobs, fmt == "wide", with_header and not update.is_change)
-                if text:
-                    print(text, flush=True)
-        except KeyboardInterrupt:
-            raise SystemExit(EXIT_INTERRUPTED) from None
+        updates = stub.WatchJobs(request)
+        with stopped_by_ctrl_c(updates.cancel) as interrupted:
+            try:
+                for update in updates:
+                    if fmt == "json":
+                        for job in update.jobs:
+                            print(output.to_json(output.job_dict(job)).replace("\n", " "), flush=True)
+                        continue
+                    text = output.jobs_table(update.jobs, fmt == "wide", with_header and not update.is_change)
+                    if text:
+                        print(text, flush=True)
+            except grpc.RpcError:
+                if not interrupted:
+                    raise
+        if interrupted:
+            exit_interrupted()
 
 
 @app.command()
@@ -311,13 +337,12 @@ def logs(
         raise CliError(unreachable_message(path), EXIT_UNAVAILABLE)
     out = sys.stdout.buffer
     follower = LogFollower(path, job_id, rank, follow=follow, tail=tail)
-    try:
+    with stopped_by_ctrl_c(follower.cancel) as interrupted:
         for data in follower:
             out.write(data)
             out.flush()
-    except KeyboardInterrupt:
-        follower.cancel()
-        raise SystemExit(EXIT_INTERRUPTED) from None
+    if interrupted:
+        exit_interrupted()
 
 
 @app.command()
