@@ -242,14 +242,17 @@ class Channel:
         self.calls[key] = entry
         return entry
 
-    def use_settings(self) -> None:
-        """Have the operations sent from now on run with the process's numeric settings (its
-        default dtype, oneDNN's precisions: numerics.py), which may have changed."""
+    def follow_settings(self, default_dtype: torch.dtype) -> None:
+        """Before an operation is sent: have it and those after it run with the process's numeric
+        settings (its default dtype, given as the current one, and oneDNN's precisions:
+        numerics.py), sent again when they may have changed and did."""
+        if default_dtype is self.default_dtype and self.settings_version == numerics.VERSION[0]:
+            return
         settings = numerics.current()
         if settings != self.settings:
             self.push([protocol.OP_SETTINGS, settings])
             self.settings = settings
-        self.default_dtype = torch.get_default_dtype()
+        self.default_dtype = default_dtype
         self.settings_version = numerics.VERSION[0]
 
     def new_handle(self, count: int = 1) -> int:

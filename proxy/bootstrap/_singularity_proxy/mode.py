@@ -20,7 +20,7 @@ import torch.utils._device
 from torch.overrides import TorchFunctionMode, handle_torch_function
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from . import numerics, protocol
+from . import protocol
 from .channel import CLIENT_LOCK
 from .device_checks import HOST_FROM, MIXING_ALLOWED, called_by_client, check_devices, is_cuda
 from .devices import DEVICES, device_index
@@ -96,11 +96,7 @@ def _factory(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         options["device"] = "meta"
         meta = func(*args, **options)
         channel = DEVICES.channel(index)
-        if (
-            torch.get_default_dtype() is not channel.default_dtype
-            or channel.settings_version != numerics.VERSION[0]
-        ):
-            channel.use_settings()
+        channel.follow_settings(torch.get_default_dtype())
         handle = channel.new_handle()
         wire_args, wire_kwargs = wire_arguments(args, {**options, "device": channel.device})  # the server's
         op = [protocol.OP_FACTORY, handle, func.__name__, wire_args, wire_kwargs]

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import numerics, protocol
+from . import protocol
 from .channel import CLIENT_LOCK, Channel
 from .devices import same_device_error
 from .storages import ProxyStorage, ProxyTypedStorage, StorageRecord, storage_record, viewed_argument
@@ -463,7 +463,6 @@ def dispatch(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> A
 
 _INFERENCE_MODE = torch.is_inference_mode_enabled
 _DEFAULT_DTYPE = torch.get_default_dtype
-_SETTINGS_VERSION = numerics.VERSION
 
 
 def forward(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> Any:
@@ -490,8 +489,7 @@ def forward(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> An
         for position, (payload, _raw) in enumerate(call.host_tensors):
             payload[3] = first + position
     default_dtype = _DEFAULT_DTYPE()
-    if default_dtype is not channel.default_dtype or channel.settings_version != _SETTINGS_VERSION[0]:
-        channel.use_settings()
+    channel.follow_settings(default_dtype)
     if default_dtype is torch.float32:
         key: tuple[Any, ...] = (id(func), tuple(call.signature))
     else:
