@@ -101,6 +101,6 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     mode = DeviceMode()
     mode.__enter__()  # type: ignore[no-untyped-call,unused-ignore]
     enter_in_new_threads(mode)
-    enter_in_rpc_functions(mode)
+    enter_in_rpc_functions()
     tensor.device_mode.append(mode)
     _installed.append(mode)

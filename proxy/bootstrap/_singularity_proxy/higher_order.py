@@ -16,11 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch._C import DispatchKey
 from torch._ops import HigherOrderOperator
 
-from .tensor import ProxyTensor, device_mode
+from .tensor import ProxyTensor, under_device_mode
 
 _DENSE = DispatchKey.CompositeExplicitAutograd
 
@@ -32,11 +31,7 @@ def _register(operator: HigherOrderOperator) -> None:
         return
 
     def rule(*args: Any, **kwargs: Any) -> Any:
-        mode = device_mode[0] if device_mode else None
-        if mode is None or mode in torch.overrides._get_current_function_mode_stack():
-            return kernel(*args, **kwargs)
-        with mode:
-            return kernel(*args, **kwargs)
+        return under_device_mode(kernel, *args, **kwargs)
 
     operator.py_impl(ProxyTensor)(rule)
 

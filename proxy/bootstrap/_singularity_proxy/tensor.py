@@ -438,6 +438,16 @@ device_mode: list[Any] = []
 """The torch-function mode placing tensors on the proxied devices, once installed (mode.py)."""
 
 
+def under_device_mode(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`function(*args, **kwargs)` with the device mode on this thread's mode stack: torch leaves
+    function modes while it dispatches, and threads started in C++ never had it."""
+    mode = device_mode[0] if device_mode else None
+    if mode is None or mode in torch.overrides._get_current_function_mode_stack():
+        return function(*args, **kwargs)
+    with mode:
+        return function(*args, **kwargs)
+
+
 def device_mode_active() -> Any:
     """A context in which the device mode is active (entered unless it is on the mode stack)."""
     from torch.overrides import _get_current_function_mode_stack

@@ -7,11 +7,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import torch
-
 from .channel import ReaderThread
 from .mode import DeviceMode
 from .on_import import patch_modules
+from .tensor import under_device_mode
 
 
 def enter_in_new_threads(mode: DeviceMode) -> None:
@@ -28,19 +27,16 @@ def enter_in_new_threads(mode: DeviceMode) -> None:
     threading.Thread._bootstrap_inner = bootstrap_inner  # type: ignore[attr-defined]
 
 
-def enter_in_rpc_functions(mode: DeviceMode) -> None:
-    """Run the functions torch.distributed.rpc calls for other processes under `mode` too: RPC runs
-    them on threads of its own, started in C++, where enter_in_new_threads cannot reach, and
-    `.to("cuda")` in a remote function failed as on a host without CUDA."""
+def enter_in_rpc_functions() -> None:
+    """Run the functions torch.distributed.rpc calls for other processes under the device mode too:
+    RPC runs them on threads of its own, started in C++, where enter_in_new_threads cannot reach,
+    and `.to("cuda")` in a remote function failed as on a host without CUDA."""
 
     def patch(internal: Any) -> None:
         run = internal._run_function
 
         def run_function(python_udf: Any) -> Any:
-            if mode in torch.overrides._get_current_function_mode_stack():
-                return run(python_udf)
-            with mode:
-                return run(python_udf)
+            return under_device_mode(run, python_udf)
 
         internal._run_function = run_function
 
