@@ -93,16 +93,23 @@ def _to(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return out
 
 
-def _parts_to(outer: Any, device: torch.device, dtype: Any, copy: bool) -> Any:
-    """`.to("cuda")` of a subclass made of tensors (a DTensor whose local part is on the host, as
-    FSDP2's CPU offloading keeps it): each part moved, wrapped again as the subclass wraps its own.
-    A DTensor's own `.to` would copy its host part with the host's kernel, which has no CUDA."""
+def with_parts_changed(outer: Any, change: Callable[[torch.Tensor], Any]) -> Any:
+    """A subclass made of tensors (a DTensor) with `change` applied to each of its tensor parts,
+    wrapped again as it wraps its own (what describes the parts, a device mesh, kept)."""
     names, context = outer.__tensor_flatten__()
     parts = {name: getattr(outer, name) for name in names}
     for name, part in parts.items():
         if isinstance(part, torch.Tensor):
-            parts[name] = _to(_Tensor.to, (part,), {"device": device, "dtype": dtype, "copy": copy})
-    moved = type(outer).__tensor_unflatten__(parts, context, outer.size(), outer.stride())
+            parts[name] = change(part)
+    return type(outer).__tensor_unflatten__(parts, context, outer.size(), outer.stride())
+
+
+def _parts_to(outer: Any, device: torch.device, dtype: Any, copy: bool) -> Any:
+    """`.to("cuda")` of a subclass made of tensors (a DTensor whose local part is on the host, as
+    FSDP2's CPU offloading keeps it): each part moved, wrapped again as the subclass wraps its own.
+    A DTensor's own `.to` would copy its host part with the host's kernel, which has no CUDA."""
+    options = {"device": device, "dtype": dtype, "copy": copy}
+    moved = with_parts_changed(outer, lambda part: _to(_Tensor.to, (part,), options))
     return moved.requires_grad_(True) if outer.requires_grad and moved.is_leaf else moved
 
 

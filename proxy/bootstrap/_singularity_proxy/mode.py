@@ -33,6 +33,7 @@ from .method_handlers import (
     host_values,
     made_on_host,
     made_pinned,
+    with_parts_changed,
 )
 from .randomness import DeviceDefaultGenerator
 from .tensor import ProxyTensor, new_stand_in
@@ -69,15 +70,9 @@ def follow_default_device() -> None:
 def _factory_of_parts(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """`torch.empty_like(x, device="cuda")` and kin of a subclass made of tensors (a meta DTensor
     moved by `module.to_empty`): each part made on the device, wrapped again as x wraps its own."""
-    outer = args[0]
     options = dict(kwargs)
     requires_grad = bool(options.pop("requires_grad", False))
-    names, context = outer.__tensor_flatten__()
-    parts = {name: getattr(outer, name) for name in names}
-    for name, part in parts.items():
-        if isinstance(part, torch.Tensor):  # beside them: what describes the parts (a device mesh)
-            parts[name] = _factory(func, [part, *args[1:]], options)
-    made = type(outer).__tensor_unflatten__(parts, context, outer.size(), outer.stride()).detach()
+    made = with_parts_changed(args[0], lambda part: _factory(func, [part, *args[1:]], options)).detach()
     return made.requires_grad_(True) if requires_grad else made
 
 
