@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
-from typing import NoReturn
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 
 import grpc
 
@@ -74,6 +76,24 @@ def exit_interrupted() -> NoReturn:
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
     os._exit(EXIT_INTERRUPTED)
+
+
+@contextlib.contextmanager
+def stopped_by_ctrl_c(stop: Callable[[], Any]) -> Iterator[list[bool]]:
+    """While inside, Ctrl-C calls `stop` (which ends a stream being read) and is noted in the list
+    yielded, instead of raising KeyboardInterrupt in the middle of gRPC's reading, whose cut
+    stream could then hang the exit."""
+    interrupted: list[bool] = []
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        interrupted.append(True)
+        stop()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:

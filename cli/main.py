@@ -5,12 +5,9 @@ from __future__ import annotations
 import math
 import os
 import pwd
-import signal
 import stat
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -29,6 +26,7 @@ from singularity.cli.errors import (
     exit_code_for_status,
     exit_interrupted,
     fail,
+    stopped_by_ctrl_c,
     warn,
 )
 from singularity.cli.params import COUNT_MAX, COUNT_MIN, JobIdArgument, JobIdsArgument
@@ -56,24 +54,6 @@ OutputOption = typer.Option(
 HeaderOption = typer.Option(
     None, "--header/--no-header", help="Print or omit the header line (default from sing.toml, else print)."
 )
-
-
-@contextmanager
-def stopped_by_ctrl_c(stop: Callable[[], Any]) -> Iterator[list[bool]]:
-    """While inside, Ctrl-C calls `stop` (which ends a stream being read) and is noted in the list
-    yielded, instead of raising KeyboardInterrupt in the middle of gRPC's reading, whose cut
-    stream could then hang the exit."""
-    interrupted: list[bool] = []
-
-    def on_sigint(signum: int, frame: Any) -> None:
-        interrupted.append(True)
-        stop()
-
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    try:
-        yield interrupted
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _output_format(value: str | None, allowed: tuple[str, ...]) -> str:
