@@ -305,12 +305,18 @@ def logs(
     follow: bool = typer.Option(
         False, "--follow", "-f", help="Keep printing until the job ends (through preemptions and restarts)."
     ),
-    tail: int = typer.Option(0, "--tail", help="Start with the last N lines.", min=COUNT_MIN, max=COUNT_MAX),
+    tail: int | None = typer.Option(
+        None,
+        "--tail",
+        help="Start with the last N lines (0: none, only new output with -f).",
+        min=COUNT_MIN,
+        max=COUNT_MAX,
+    ),
     rank: int = typer.Option(0, "--rank", help="Which rank's output.", min=COUNT_MIN, max=COUNT_MAX),
     socket: str = SocketOption,
 ) -> None:
     """Print a job's output (stdout and stderr of one rank), as the job wrote it."""
-    if tail < 0:
+    if tail is not None and tail < 0:
         raise CliError(f"--tail must not be negative, not {tail}", EXIT_USAGE)
     path = resolve_socket(socket)
     if not path.exists():

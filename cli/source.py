@@ -101,11 +101,13 @@ class LogFollower:
         rank: int = 0,
         *,
         follow: bool = True,
-        tail: int = 0,
+        tail: int | None = None,
         retry_seconds: float = 1.0,
     ) -> None:
         self.socket_path = socket_path
-        self.request = pb.LogsRequest(id=job_id, rank=rank, follow=follow, tail=tail)
+        self.request = pb.LogsRequest(id=job_id, rank=rank, follow=follow)
+        if tail is not None:
+            self.request.tail = tail
         self.offset: int | None = None
         self.retry_seconds = retry_seconds
         self._cancelled = threading.Event()

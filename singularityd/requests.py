@@ -111,7 +111,7 @@ class Requests:
         return self.daemon.processes.paths(job_id).rank_log(rank)
 
     def read_log(
-        self, caller: Caller, job_id: int, rank: int, follow: bool, tail: int, offset: int
+        self, caller: Caller, job_id: int, rank: int, follow: bool, tail: int | None, offset: int
     ) -> AsyncIterator[tuple[int, bytes]]:
         """A rank's log from byte `offset` (else its last `tail` lines), then new output while
         following; each chunk with its offset. The caller and rank are checked first."""

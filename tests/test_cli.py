@@ -45,6 +45,7 @@ def test_submit_ps_show_logs_wait(daemon: Daemon) -> None:
     logs = daemon.sing("logs", str(job_id))  # one rank on two devices: no torchrun variables
     assert logs.out == "rank= world= devices=0,1 x=42\ndone\n"
     assert daemon.sing("logs", "--tail", "1", str(job_id)).out == "done\n"
+    assert daemon.sing("logs", "--tail", "0", str(job_id)).out == ""
 
     shown = daemon.sing("show", str(job_id))
     assert shown.code == 0

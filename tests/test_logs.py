@@ -10,7 +10,7 @@ from singularityd.jobs.logs import CHUNK, read_log
 LINES = b"".join(f"line {n}\n".encode() for n in range(20_000))
 
 
-async def chunks(path: Path, *, tail: int = 0, offset: int = 0) -> list[tuple[int, bytes]]:
+async def chunks(path: Path, *, tail: int | None = None, offset: int = 0) -> list[tuple[int, bytes]]:
     """Everything read_log yields without following."""
     return [c async for c in read_log(path, follow=False, tail=tail, offset=offset, ended=lambda: True)]
 
@@ -33,3 +33,4 @@ async def test_from_an_offset_or_the_last_lines(tmp_path: Path) -> None:
     last = LINES.index(b"line 19998\n")
     assert await chunks(log, tail=2) == [(last, LINES[last:])]
     assert await chunks(tmp_path / "missing.log", tail=2) == []
+    assert await chunks(log, tail=0) == [], "a tail of 0 lines is none, as `tail -n 0`"

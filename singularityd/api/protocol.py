@@ -90,7 +90,7 @@ class JobService(Protocol):
         """Where a rank's output is written."""
 
     def read_log(
-        self, caller: Caller, job_id: int, rank: int, follow: bool, tail: int, offset: int
+        self, caller: Caller, job_id: int, rank: int, follow: bool, tail: int | None, offset: int
     ) -> AsyncIterator[tuple[int, bytes]]:
         """A rank's log from byte `offset` (else its last `tail` lines), then new output while
         following; each chunk with the offset it starts at (checked before the first chunk)."""

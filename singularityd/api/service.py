@@ -267,7 +267,12 @@ class SingularityService(pb_grpc.SingularityServicer):  # type: ignore[misc]
     async def StreamLogs(self, request: pb.LogsRequest, context: Any) -> AsyncIterator[pb.LogChunk]:
         try:
             chunks = self.jobs.read_log(
-                self.caller, request.id, request.rank, request.follow, request.tail, request.offset
+                self.caller,
+                request.id,
+                request.rank,
+                request.follow,
+                request.tail if request.HasField("tail") else None,
+                request.offset,
             )
         except RequestError as error:
             await context.abort(status_of(error), error.message)

@@ -14,12 +14,13 @@ CHUNK = 64 * 1024
 
 
 async def read_log(
-    path: Path, *, follow: bool, tail: int, offset: int, ended: Callable[[], bool]
+    path: Path, *, follow: bool, tail: int | None, offset: int, ended: Callable[[], bool]
 ) -> AsyncIterator[tuple[int, bytes]]:
-    """The log from byte `offset` when it is positive, else its last `tail` lines, else the start;
-    if following, new output until `ended()`. Yields (offset of the chunk, chunk)."""
+    """The log from byte `offset` when it is positive, else its last `tail` lines (none for 0)
+    when a tail is given, else the start; if following, new output until `ended()`. Yields
+    (offset of the chunk, chunk)."""
     offset = max(offset, 0)
-    if offset == 0 and tail > 0 and path.exists():
+    if offset == 0 and tail is not None and path.exists():
         offset = await asyncio.to_thread(offset_of_last_lines, path, tail)
     while True:
         finished = ended() or not follow
@@ -38,6 +39,8 @@ def offset_of_last_lines(path: Path, lines: int) -> int:
     with path.open("rb") as handle:
         handle.seek(0, os.SEEK_END)
         end = position = handle.tell()
+        if lines <= 0:
+            return end
         found = 0
         while position > 0:
             step = min(CHUNK, position)
