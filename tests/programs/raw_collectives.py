@@ -2,9 +2,11 @@
 
 Each rank prints what it got, so that runs can be compared line by line: all_reduce (sum, avg
 and max), broadcast, all_gather, all_gather_into_tensor, reduce_scatter_tensor, reduce, gather,
-scatter, all_to_all (single and list), the object collectives, a subgroup made with new_group, functional
-collectives and barrier. `--backend` picks what the program asks for (default: the
-accelerator's default backend; "gloo" with cuda tensors also works on a CUDA machine).
+scatter, all_to_all (single and list), isend/irecv in a ring and a blocking send/recv, the object
+collectives, a subgroup made with new_group, functional collectives, a host group's barrier while
+another rank waits for a collective on the device, and barrier. `--backend` picks what the program
+asks for (default: the accelerator's default backend; "gloo" with cuda tensors also works on a CUDA
+machine).
 """
 
 import argparse
@@ -113,6 +115,28 @@ functional = funcol.all_reduce(base[:8], "sum", dist.group.WORLD)
 show("funcol_all_reduce", funcol.wait_tensor(functional))
 functional_gather = funcol.all_gather_tensor(base[:2].contiguous(), 0, dist.group.WORLD)
 show("funcol_all_gather", funcol.wait_tensor(functional_gather))
+
+outgoing = base[:5] * (rank + 1)
+incoming = torch.empty(5, device=device)
+ring = [dist.isend(outgoing, dst=(rank + 1) % world), dist.irecv(incoming, src=(rank - 1) % world)]
+for request in ring:
+    request.wait()
+show("isend_irecv_ring", incoming)
+if rank == 0:
+    dist.send(base[:3].contiguous(), dst=world - 1)
+elif rank == world - 1:
+    message = torch.empty(3, device=device)
+    dist.recv(message, src=0)
+    show("send_recv", message)
+
+host_group = dist.new_group(backend="gloo")  # device work is sent before a rank blocks on the host
+pending = base[:2].clone()
+dist.all_reduce(pending)
+if rank == 0:
+    dist.barrier(group=host_group)
+show("all_reduce_then_host_barrier", pending)
+if rank != 0:
+    dist.barrier(group=host_group)
 
 dist.barrier()
 print(f"rank {rank} done backend={dist.get_backend()}", flush=True)

@@ -16,6 +16,7 @@ DTensor, torch.compile).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -110,7 +111,7 @@ def reduce_name(op: Any) -> tuple[str, float]:
 def issue(
     group: Any, operator: str, *, wait: bool = False, pair: tuple[int, int] | None = None, **spec: Any
 ) -> None:
-    """Queue a collective on stand-ins (all on one device) for the group's servers to carry out.
+    """Send a collective on stand-ins (all on one device) to the group's servers to carry out.
 
     `spec` holds `tensors`, `inputs`, `outputs` (stand-ins, or lists of them) and options
     (protocol.COLLECTIVE_SPEC); with `wait`, return only once the collective has completed.
@@ -146,6 +147,7 @@ def issue(
         channel.request([protocol.REQ_COLLECTIVE, key, seq, operator, body])
     else:
         channel.push([protocol.OP_COLLECTIVE, key, seq, operator, body])
+        channel.flush()  # the other ranks wait for it: sent now, whatever this rank blocks in next
 
 
 # -- point-to-point messages -----------------------------------------------------------------------
@@ -221,7 +223,11 @@ class _PostedWork(dist.Work):
         return None
 
     def result(self) -> list[Any]:
-        return self._tensors
+        return [t() if isinstance(t, weakref.ref) else t for t in self._tensors]
+
+    def hold_tensors_weakly(self) -> None:
+        """Let the tensors go when the program drops them (this Work is kept for C++: _BOXED_WORKS)."""
+        self._tensors = [weakref.ref(t) for t in self._tensors]
 
     def _source_rank(self) -> int:
         return self._peer
@@ -232,7 +238,7 @@ class _PostedWork(dist.Work):
     def get_future(self) -> Any:
         flush_point_to_point()
         future: torch.futures.Future[Any] = torch.futures.Future()
-        future.set_result(self._tensors)
+        future.set_result(self.result())
         return future
 
 
@@ -316,6 +322,39 @@ def _c10d(operator: str, unpack: Any, *, work_only: bool = False) -> SpecialHand
     return handle
 
 
+def _message(sending: bool) -> SpecialHandler:
+    """A dispatch handler for `c10d::send` / `c10d::recv_` of a stand-in on a host group (gloo):
+    posted as on a proxied NCCL group (`post`)."""
+
+    def handle(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        tensors, group, peer = args[0], _pg(args[1]), args[2]
+        check_same_kind("send" if sending else "recv", tensors, group)
+        work = post(group, list(tensors), peer, sending)
+        work.hold_tensors_weakly()
+        _BOXED_WORKS.append(work)
+        return work.boxed()
+
+    return handle
+
+
+_BOXED_WORKS: list[_PostedWork] = []
+"""Posted works handed to torch's C++ (a host group's send and receive). C++ reaches their `wait`
+only while the Python object lives (else it blocks in the base Work's), and it may call it any
+time; they are kept, holding no tensors, until the process groups are destroyed."""
+
+
+def release_boxed_works() -> None:
+    """Forget the posted works handed to C++ (every process group is gone)."""
+    _BOXED_WORKS.clear()
+
+
+def _receive_from_any_source(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    raise RuntimeError(RECEIVE_FROM_ANY_SOURCE)
+
+
+RECEIVE_FROM_ANY_SOURCE = "proxy: a receive from any source is not served on proxied devices (nor by NCCL)"
+
+
 def _reduce(op: Any) -> dict[str, Any]:
     name, factor = reduce_name(op)
     return {"op": name, "factor": factor} if name == "premul_sum" else {"op": name}
@@ -381,6 +420,9 @@ C10D_OPS: dict[Any, SpecialHandler] = {
         ),
         work_only=True,
     ),
+    torch.ops.c10d.send.default: _message(sending=True),
+    torch.ops.c10d.recv_.default: _message(sending=False),
+    torch.ops.c10d.recv_any_source_.default: _receive_from_any_source,
 }
 """c10d operators on stand-ins, as they reach `__torch_dispatch__`."""
 

@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import collectives
 from .collectives import (
     GROUPS,
+    RECEIVE_FROM_ANY_SOURCE,
     check_same_kind,
     completed_work,
     flush_point_to_point,
@@ -37,6 +38,7 @@ from .collectives import (
     on_host,
     post,
     reduce_name,
+    release_boxed_works,
     stand_ins,
 )
 from .devices import DEVICES
@@ -310,7 +312,7 @@ class ProxyGroup(dist.ProcessGroup):
         return (self._host.send if sending else self._host.recv)(tensors, peer, tag)
 
     def recv_anysource(self, tensors, tag=0):
-        raise RuntimeError("proxy: a receive from any source is not served on proxied devices (nor by NCCL)")
+        raise RuntimeError(RECEIVE_FROM_ANY_SOURCE)
 
 
 def _each(call: Any, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any) -> Any:
@@ -461,6 +463,8 @@ def install() -> None:
         flush_point_to_point()
         destroy(group)
         GROUPS.destroyed(names)
+        if group is None or group == c10d.GroupMember.WORLD:
+            release_boxed_works()
 
     c10d.destroy_process_group = dist.destroy_process_group = destroy_process_group
 
