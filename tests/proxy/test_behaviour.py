@@ -557,3 +557,18 @@ def test_other_processes_meet_the_device_as_on_a_gpu(server: ProxyServer) -> Non
         "pickled: cuda:0 12.0",
         "pickled layer: a parameter on cuda:0, torch.bfloat16, True, True",
     ]
+
+
+def test_torch_moves_device_tensors_to_the_host_where_the_program_keeps_state(server: ProxyServer) -> None:
+    """`.to("cpu")` called by torch's own code kept the stand-in: gradients of host parameters were
+    left unclipped and unscaled, an average kept on the host never moved, `PackedSequence.cpu()`
+    stayed on the device; RNN lengths on the device ended in a RecursionError, not CUDA's refusal."""
+    direct, proxied = outputs_on_cpu_and_device("probe_host_moves_by_torch.py", server)
+    *direct_lines, direct_last = direct.splitlines()
+    *proxied_lines, proxied_last = proxied.splitlines()
+    assert len(direct_lines) == 8 and "average 2 [1.8286256790161133, " in direct
+    assert "packed cpu False" in direct
+    assert proxied_lines == direct_lines
+    assert direct_last == "lengths on cpu accepted"
+    refusal = "'lengths' argument should be a 1D CPU int64 tensor, but got 1D cuda:0 Long tensor"
+    assert proxied_last == f"lengths on cuda refused: {refusal}"

@@ -17,26 +17,13 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import legacy_types
-from .device_checks import caller_module, check_devices, is_cuda
+from .device_checks import check_devices, is_cuda
 from .devices import DEVICES, device_index
 from .serialization import EXPORT_REFUSED, refuse_export
 from .tensor import ProxyTensor, download, stand_for
 from .transfers import to_device, to_host, upload
 
 _Tensor = torch.Tensor
-
-
-_KEEPS_ON_HOST = (
-    "torch.distributed._state_dict_utils",
-    "torch.distributed.checkpoint",
-    "torch.distributed.fsdp",
-    "torch.distributed.optim",
-    "torch.nn.modules.module",
-)
-"""torch's own modules whose `.to("cpu")` means host memory, as the program's does: they offload
-state dicts to keep or save them (FSDP's `offload_to_cpu`, ZeRO's consolidated state), offload
-gradients and parameters (FSDP's CPU offload), or move a module where the program asks
-(`Module.to("cpu")`), not group tensors by their C++ device."""
 
 
 def _as_device(value: Any) -> Any:
@@ -47,7 +34,9 @@ def _as_device(value: Any) -> Any:
 
 
 def _to(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    """`Tensor.to`: stand-ins for cuda targets, host copies for the program's cpu targets."""
+    """`Tensor.to`: stand-ins for cuda targets, host copies for cpu targets (whoever asks: torch
+    groups tensors by their proxied device, `_grouped_by_device_and_dtype`, so its own `.to("cpu")`
+    means the host too)."""
     self: Any = args[0]
     options = dict(kwargs)
     copy = bool(options.pop("copy", False))
@@ -81,12 +70,6 @@ def _to(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         return to_device(source, index)
     if not is_stand_in:
         return func(*args, **kwargs)
-    caller = caller_module()
-    if caller.startswith("torch.") and not caller.startswith(_KEEPS_ON_HOST):
-        # torch groups tensors by their C++ device, which is the host for stand-ins
-        if dtype is None or dtype == self.dtype:
-            return self.clone() if copy else self
-        return func(self, dtype=dtype, copy=copy)
     out = to_host(self)
     if dtype is not None and dtype != out.dtype:
         out = out.to(dtype)
@@ -429,6 +412,14 @@ def move_modules_by_data_setter() -> None:
 
 FROM_VALUES = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
 """Functions making a tensor from nested sequences of values, which may hold device scalars."""
+
+
+def from_stand_in_to_host(func: Any, data: Any, kwargs: dict[str, Any]) -> Any:
+    """`torch.as_tensor(x, device="cpu")` (`torch.asarray`, `torch.tensor`) of a stand-in x: x moved
+    to the host as `x.to(...)` moves it (`torch.tensor` copies a detached x), as of a GPU tensor
+    (RNNs' `pack_padded_sequence` takes its lengths so)."""
+    options = {name: kwargs[name] for name in ("device", "dtype") if kwargs.get(name) is not None}
+    return _to(_Tensor.to, (data.detach() if func is torch.tensor else data,), options)
 
 
 def host_values(data: Any) -> Any:

@@ -30,6 +30,7 @@ from .method_handlers import (
     FROM_VALUES,
     HOST_PLACEABLE,
     METHOD_HANDLERS,
+    from_stand_in_to_host,
     host_values,
     made_on_host,
     made_pinned,
@@ -286,6 +287,11 @@ def _tensor_arguments(args: Sequence[Any]) -> list[Any]:
     return found
 
 
+def _names_host(device: Any) -> bool:
+    """Whether a device argument is given and names the host."""
+    return device is not None and not is_cuda(device)
+
+
 class DeviceMode(TorchFunctionMode):
     """Routes device placement (factories, .to, .cuda, .cpu) to the proxied devices."""
 
@@ -316,9 +322,13 @@ class DeviceMode(TorchFunctionMode):
             self._entering.checker_tried = False
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
-        if func in FROM_VALUES and args and type(args[0]) in (list, tuple):
-            with CLIENT_LOCK:
-                args = (host_values(args[0]), *args[1:])
+        if func in FROM_VALUES and args:
+            if type(args[0]) in (list, tuple):
+                with CLIENT_LOCK:
+                    args = (host_values(args[0]), *args[1:])
+            elif type(args[0]) is ProxyTensor and kwargs and _names_host(kwargs.get("device")):
+                with CLIENT_LOCK:
+                    return from_stand_in_to_host(func, args[0], kwargs)
         inside = _IN_MODE.get(func)
         if inside is not None:
             with CLIENT_LOCK, self:

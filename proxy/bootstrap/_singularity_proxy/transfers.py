@@ -83,6 +83,11 @@ def _sizes_on_host(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> An
     sequences are made on the device and the batch sizes or lengths returned beside them on the
     host. Those depend only on the host lengths or batch sizes given, so the host works them out
     on one-feature zeros in place of the sequences, with the same checks and errors."""
+    sizes = args[1]
+    if isinstance(sizes, ProxyTensor):  # CUDA's own check
+        kind = sizes.type().rsplit(".", 1)[-1].removesuffix("Tensor")  # torch.cuda.LongTensor: Long
+        found = f"{sizes.dim()}D {sizes.device} {kind} tensor"
+        raise RuntimeError(f"'lengths' argument should be a 1D CPU int64 tensor, but got {found}")
     sequences, _ = forward(func, args, kwargs)
     first = args[0]
     leading = 2 if func is torch.ops.aten._pack_padded_sequence.default else 1
