@@ -353,10 +353,20 @@ def test_lost_processes_of_a_checkpointed_job_queue_it_to_resume() -> None:
     assert lost.transition is not None and lost.transition.to_state is JobState.PREEMPTED
 
 
-def test_a_restore_that_fails_fails_the_job() -> None:
+def test_a_job_without_a_good_checkpoint_fails_when_its_restore_fails() -> None:
     broken = decide(running(Activity(launching=True)), RestoreFailed("all corrupt"), 0)
     assert broken.transition is not None and broken.transition.reason == "cannot resume: all corrupt"
     assert broken.actions == (ReleaseDevices(), Reschedule(), DiscardCheckpoints(without_processes=True))
+
+
+def test_a_good_checkpoint_that_cannot_be_restored_now_is_held_with_the_job() -> None:
+    """CRIU refusing a verified checkpoint (an address the job had bound now taken) holds the job
+    with its checkpoints, to be resumed when the cause is gone, rather than failing it for good."""
+    held = decide(running(Activity(launching=True)), RestoreFailed("port taken", checkpoint_good=True), 0)
+    assert held.transition is not None and held.transition.to_state is JobState.SUSPENDED
+    assert held.transition.reason.startswith("cannot resume: port taken; held with its checkpoints")
+    assert held.actions == (ReleaseDevices(), Reschedule())
+    assert held.activity == Activity()
 
 
 # An exit during a checkpoint

@@ -12,6 +12,7 @@ import functools
 import os
 import random
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -259,6 +260,48 @@ def process_gone(pid: int) -> bool:
 def newest_checkpoint(daemon: Daemon, job_id: int) -> Path:
     folders = [p for p in (daemon.state_dir / "checkpoints" / str(job_id)).iterdir() if p.name[0].isdigit()]
     return max(folders, key=lambda p: int(p.name.split("-")[0]))
+
+
+def test_a_restore_refused_for_a_cause_outside_the_job_holds_it_with_its_checkpoints(
+    cr_daemon: Daemon,
+) -> None:
+    """A job listening on a port was suspended and the port taken meanwhile: CRIU refuses the
+    restore. The job failed and its checkpoints were deleted; it is held with them, and resumes
+    exactly once the port is free again."""
+    release = release_file(cr_daemon)
+    script = (
+        "import os, socket, time\n"
+        "listener = socket.socket()\n"
+        "listener.bind(('127.0.0.1', 0))\n"
+        "listener.listen(1)\n"
+        "print('port', listener.getsockname()[1], flush=True)\n"
+        "i = 0\n"
+        f"while not os.path.exists({str(release)!r}):\n"
+        "    print(i, flush=True)\n"
+        "    i += 1\n"
+        "    time.sleep(0.02)\n"
+        "print('end', flush=True)\n"
+    )
+    job = cr_daemon.submit(sys.executable, "-c", script)
+    printed = wait_until(lambda: (out := cr_daemon.sing("logs", str(job)).out).count("\n") > 5 and out)
+    port = int(printed.splitlines()[0].split()[1])
+    assert cr_daemon.sing("suspend", str(job)).code == 0
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen(1)
+        assert cr_daemon.sing("resume", str(job)).code == 0
+        held = wait_until(lambda: (j := cr_daemon.job(job))["reason"].startswith("cannot resume") and j)
+    assert held["state"] == "SUSPENDED" and held["devices"] == [], held
+    assert "held with its checkpoints" in held["reason"], held["reason"]
+    assert held["checkpoint_list"], "the checkpoint is kept"
+    again = cr_daemon.sing("resume", str(job))
+    assert again.code == 0, again.err
+    wait_until(lambda: cr_daemon.sing("logs", str(job)).out.count("\n") > len(printed.splitlines()) + 5)
+    release.touch()
+    cr_daemon.wait_ok(job, timeout=300)
+    lines = cr_daemon.sing("logs", str(job)).out.splitlines()
+    assert lines[0] == f"port {port}" and lines[-1] == "end"
+    assert lines[1:-1] == [str(i) for i in range(len(lines) - 2)], "every count printed once, in order"
 
 
 def test_corrupt_newest_image_falls_back_to_previous(cr_daemon: Daemon) -> None:

@@ -363,6 +363,13 @@ def _decide(job: JobFacts, stimulus: Stimulus, now: float) -> Decision:
                 (ReleaseDevices(), Reschedule()),
                 Activity(),
             )
+        case RestoreFailed(error=error, checkpoint_good=True):
+            held = f"cannot resume: {error}; held with its checkpoints (`sing resume` tries again)"
+            return Decision(
+                check_transition(job.job_id, state, JobState.SUSPENDED, held, now),
+                (ReleaseDevices(), Reschedule()),
+                Activity(),
+            )
         case RestoreFailed(error=error):
             return Decision(
                 check_transition(job.job_id, state, JobState.FAILED, f"cannot resume: {error}", now),

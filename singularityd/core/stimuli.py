@@ -146,6 +146,9 @@ class RestoreFailed:
     """No checkpoint of the job could be restored."""
 
     error: str
+    checkpoint_good: bool = False
+    """A checkpoint verified and only bringing its processes back failed (CRIU, the devices):
+    something outside the job may be in the way (an address taken, a file moved) for a while."""
 
 
 @dataclass(frozen=True)

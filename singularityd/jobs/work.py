@@ -7,7 +7,7 @@ finished tasks back to their state machine).
 
 from __future__ import annotations
 
-from singularityd.checkpoint.errors import CheckpointError, JobEnded
+from singularityd.checkpoint.errors import CheckpointError, JobEnded, NoValidCheckpoint
 from singularityd.checkpoint.interface import Checkpoints, CheckpointTaken, CheckpointTarget, PauseHooks
 from singularityd.core.actions import TakeCheckpoint
 from singularityd.core.lost_processes import StopPurpose
@@ -56,8 +56,10 @@ async def restore(
         await devices.admit(job.id, identity(job), job.devices, logical)
         processes.forget_outcome(job.id)
         restored = await checkpoints.restore(job.id, job.devices, logical)
-    except (CheckpointError, DeviceError, OSError) as error:
+    except NoValidCheckpoint as error:
         return RestoreFailed(str(error))
+    except (CheckpointError, DeviceError, OSError) as error:
+        return RestoreFailed(str(error), checkpoint_good=True)
     process = processes.adopt_restored(job.id, restored.pid)
     down = restored.downtime.summary() if restored.downtime else ""
     return Restored(process.pid, process.start_ticks, restored.seq, restored.skipped, restored.problem, down)
