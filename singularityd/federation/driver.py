@@ -150,7 +150,8 @@ class Handoffs:
     _replies: dict[tuple[str, h.Step, int], list[asyncio.Future[h.Reply]]] = field(
         default_factory=lambda: defaultdict(list)
     )
-    _moves: dict[str, asyncio.Future[h.MoveFinished]] = field(default_factory=dict)
+    _moves: dict[str, list[asyncio.Future[h.MoveFinished]]] = field(default_factory=lambda: defaultdict(list))
+    """The callers of `move` waiting for each job's move to end (a refused caller leaves at once)."""
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
     @property
@@ -161,11 +162,15 @@ class Handoffs:
     async def move(self, job_id: str, target: str) -> h.MoveFinished:
         """Move a job owned here to `target`; return how it ended (InvalidRequest when not allowed)."""
         finished: asyncio.Future[h.MoveFinished] = asyncio.get_running_loop().create_future()
-        self._moves[job_id] = finished
+        self._moves[job_id].append(finished)
         try:
             await self.feed(job_id, h.MoveRequested(target))
         except h.InvalidRequest:
-            del self._moves[job_id]
+            waiting = self._moves.get(job_id, [])
+            if finished in waiting:
+                waiting.remove(finished)
+            if not waiting:
+                self._moves.pop(job_id, None)
             raise
         return await finished
 
@@ -250,9 +255,9 @@ class Handoffs:
             case h.Note(text=text):
                 work.note(job_id, text)
             case h.MoveFinished():
-                finished = self._moves.pop(job_id, None)
-                if finished is not None and not finished.done():
-                    finished.set_result(action)
+                for finished in self._moves.pop(job_id, []):
+                    if not finished.done():
+                        finished.set_result(action)
 
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.ensure_future(coroutine)

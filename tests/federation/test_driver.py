@@ -126,6 +126,20 @@ async def test_a_move_runs_every_step_in_order_on_both_daemons(pair: dict[str, D
     assert back.ok and returned is not None and returned.phase is h.Phase.OWNED and returned.epoch == 3
 
 
+async def test_a_second_move_of_a_moving_job_is_refused_and_the_first_still_learns_its_end(
+    pair: dict[str, Daemon],
+) -> None:
+    """The refused second `move` took the first caller's place: `sing migrate` never returned."""
+    a, b = pair["node-a"], pair["node-b"]
+    first = asyncio.ensure_future(a.driver.move("j", "node-b"))
+    while not a.work.calls:
+        await asyncio.sleep(0.001)
+    with pytest.raises(h.InvalidRequest, match="already moving"):
+        await a.driver.move("j", "node-b")
+    assert await asyncio.wait_for(first, 30) == h.MoveFinished(True, "node-b")
+    await settle(a, b)
+
+
 async def test_a_target_that_cannot_host_refuses_before_the_job_stops(pair: dict[str, Daemon]) -> None:
     a, b = pair["node-a"], pair["node-b"]
     b.work.problem = "/srv/run does not exist on this node (it must be shared)"
