@@ -217,10 +217,11 @@ class Daemon:
         return int(result.out.strip())
 
 
-def submit_counter(daemon: Daemon, release: Path, *options: str) -> int:
-    """Submit a job printing 0, 1, 2... (one line every 20 ms) until `release` exists, then 'end'."""
+def submit_counter(daemon: Daemon, release: Path, *options: str, first: str = "") -> int:
+    """Submit a job printing 0, 1, 2... (one line every 20 ms) until `release` exists, then 'end';
+    `first`: Python lines it runs before."""
     script = (
-        "import os, time\n"
+        first + "import os, time\n"
         "i = 0\n"
         f"while not os.path.exists({str(release)!r}):\n"
         "    print(i, flush=True)\n"

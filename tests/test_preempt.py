@@ -269,20 +269,14 @@ def test_a_restore_refused_for_a_cause_outside_the_job_holds_it_with_its_checkpo
     restore. The job failed and its checkpoints were deleted; it is held with them, and resumes
     exactly once the port is free again."""
     release = release_file(cr_daemon)
-    script = (
-        "import os, socket, time\n"
+    listen = (
+        "import socket\n"
         "listener = socket.socket()\n"
         "listener.bind(('127.0.0.1', 0))\n"
         "listener.listen(1)\n"
         "print('port', listener.getsockname()[1], flush=True)\n"
-        "i = 0\n"
-        f"while not os.path.exists({str(release)!r}):\n"
-        "    print(i, flush=True)\n"
-        "    i += 1\n"
-        "    time.sleep(0.02)\n"
-        "print('end', flush=True)\n"
     )
-    job = cr_daemon.submit(sys.executable, "-c", script)
+    job = submit_counter(cr_daemon, release, first=listen)
     printed = wait_until(lambda: (out := cr_daemon.sing("logs", str(job)).out).count("\n") > 5 and out)
     port = int(printed.splitlines()[0].split()[1])
     assert cr_daemon.sing("suspend", str(job)).code == 0
