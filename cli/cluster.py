@@ -15,7 +15,7 @@ import typer
 
 from singularity.cli import output
 from singularity.cli.client import connect
-from singularity.cli.errors import EXIT_CONFLICT, EXIT_FAILURE, EXIT_OK, CliError, warn
+from singularity.cli.errors import EXIT_CONFLICT, EXIT_OK, CliError, warn
 from singularity.cli.params import JobIdArgument
 from singularityd.api.v1 import singularity_pb2 as pb
 from singularityd.units import human_bytes
@@ -182,7 +182,7 @@ def drain(socket: str = SocketOption) -> None:
         else:
             where = f" to {message.peer}" if message.peer else ""
             warn(f"job {message.id} did not move{where}: {message.detail}")
-            status = EXIT_FAILURE
+            status = EXIT_CONFLICT
     raise SystemExit(status)
 
 

@@ -18,6 +18,7 @@ from singularity.cli import cluster, output
 from singularity.cli.client import connect, resolve_socket, rpc_error, unreachable_message
 from singularity.cli.config import settings
 from singularity.cli.errors import (
+    EXIT_CONFLICT,
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_UNAVAILABLE,
@@ -329,6 +330,11 @@ def logs(
             out.flush()
     if interrupted:
         exit_interrupted()
+    if follow:
+        with connect(socket) as stub:
+            job = stub.GetJob(pb.JobRef(id=job_id)).job
+        if job.state == output.MOVED:  # the output goes on there
+            raise CliError(f"job {job_id} {job.reason}: its output goes on there", EXIT_CONFLICT)
 
 
 @app.command()
@@ -449,6 +455,8 @@ def wait(
         raise CliError(f"-o must be json, not {output_format!r}", EXIT_USAGE)
     with connect(socket) as stub:
         job = _wait_for(stub, job_id)
+    if job.state == output.MOVED:
+        raise CliError(f"job {job_id} {job.reason}: wait for it there", EXIT_CONFLICT)
     if output_format == "json":
         print(output.to_json(output.job_dict(job)))
     raise SystemExit(_job_status(job))

@@ -193,7 +193,9 @@ def exit_text(job: pb.Job) -> str:
     return "-"
 
 
-ENDED_STATES = ("COMPLETED", "FAILED", "CANCELLED", "MOVED")
+MOVED = "MOVED"
+"""The state of a job on the node it left for a peer."""
+ENDED_STATES = ("COMPLETED", "FAILED", "CANCELLED", MOVED)
 """States of a job that will hold no device again here."""
 
 

@@ -19,7 +19,7 @@ from singularityd.api.protocol import DaemonFacts, DeviceFacts, LiveFacts
 from singularityd.checkpoint.interface import CheckpointTaken, StoredCheckpoint
 from singularityd.core.actions import TakeCheckpoint
 from singularityd.core.decisions import CheckpointUnderway, Decision, StillLaunching
-from singularityd.core.states import InvalidTransition
+from singularityd.core.states import InvalidTransition, JobState
 from singularityd.core.stimuli import (
     CancelRequested,
     CheckpointRequested,
@@ -118,9 +118,11 @@ class Requests:
         job = self.owned_job(caller, job_id)
         if not 0 <= rank < job.spec.ranks:
             raise InvalidRequest(f"job {job.id} has ranks 0 to {job.spec.ranks - 1}, not {rank}")
+        if job.state is JobState.MOVED:
+            raise StateConflict(f"job {job.id} {job.reason}: its output is there")
 
         def ended() -> bool:
-            return self.daemon.get_job(job_id).state.is_terminal
+            return _ended_here(self.daemon.get_job(job_id).state)
 
         return read_log(self.log_path(job_id, rank), follow=follow, tail=tail, offset=offset, ended=ended)
 
@@ -148,11 +150,11 @@ class Requests:
         return self.daemon.feed.subscribe()
 
     async def wait_for_end(self, job_id: int) -> JobRecord:
-        """Return the job once it has reached a terminal state."""
+        """Return the job once it has reached a terminal state, or moved to a peer."""
         with self.daemon.feed.subscribe() as changes:
             while True:
                 job = self.daemon.get_job(job_id)
-                if job.state.is_terminal:
+                if _ended_here(job.state):
                     return job
                 while await changes.get() != job_id:
                     pass
@@ -326,3 +328,8 @@ class Requests:
     async def cluster_jobs(self, include_finished: bool) -> ClusterJobs:
         """The jobs of this node and of every peer that answers."""
         return await self.federation.cluster_jobs(include_finished)
+
+
+def _ended_here(state: JobState) -> bool:
+    """Whether the job has ended, or lives on a peer now: nothing more of it happens here."""
+    return state.is_terminal or state is JobState.MOVED

@@ -102,7 +102,7 @@ class JobService(Protocol):
         """A queue of the ids of jobs that change while open."""
 
     async def wait_for_end(self, job_id: int) -> JobRecord:
-        """The job once it has ended."""
+        """The job once it has ended, or moved to a peer."""
 
     def info(self) -> DaemonFacts:
         """The daemon's own facts."""

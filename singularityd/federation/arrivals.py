@@ -45,6 +45,7 @@ from singularityd.checkpoint.store import ImageStore
 from singularityd.core.states import JobState
 from singularityd.core.stimuli import Arrived, MoveAbandoned, MovedAway
 from singularityd.daemon import Daemon
+from singularityd.devices.splicing import logical_devices
 from singularityd.federation import bases, jobfiles
 from singularityd.federation.handoff import INCOMING, Holding, Phase, transfer_refusal
 from singularityd.federation.holdings import StoredHoldings
@@ -286,12 +287,13 @@ class Arrivals:
         if arrival.seq is None:
             return  # a queued job: nothing runs until it is released
         job = daemon.get_job(job_number)
-        if preloaded is None or identity(job) != preloaded.identity:
-            await daemon.devices.admit(job_number, identity(job), devices)  # a preload's servers go
+        logical = logical_devices(job.spec.ranks, job.spec.gpus)  # more than it holds when spliced
+        if preloaded is None or identity(job) != preloaded.identity or logical != len(devices):
+            await daemon.devices.admit(job_number, identity(job), devices, logical)  # a preload's servers go
         daemon.processes.forget_outcome(job_number)
         restore_began = time.monotonic()
         try:
-            restored = await self.frozen.restore(job_number, devices, known_digests=known)
+            restored = await self.frozen.restore(job_number, devices, logical, known_digests=known)
         except CheckpointError:
             # Wrong memory can make CRIU itself fail (its restorer runs inside the restored
             # processes): then the wrong image, not CRIU's symptom, is the reason given.

@@ -22,7 +22,7 @@ from singularityd import __version__
 from singularityd.config import Config
 from singularityd.core.states import JobState
 from singularityd.daemon import Daemon
-from singularityd.errors import InvalidRequest, NotFound, StateConflict, Unsatisfiable
+from singularityd.errors import InvalidRequest, StateConflict, Unsatisfiable
 from singularityd.federation import handoff as h
 from singularityd.federation import tls
 from singularityd.federation.arrivals import Arrivals
@@ -304,8 +304,10 @@ class Federation:
         identity, membership, _, _ = self._require_active()
         if peer == identity.node_name:
             raise InvalidRequest(f"job {job.id} is already on {peer}")
+        if not peer:
+            raise InvalidRequest("a move needs the name of a peer (sing peers lists them)")
         if peer not in membership.members:
-            raise NotFound(f"no peer named {peer} (sing peers lists them)")
+            raise InvalidRequest(f"no peer named {peer} (sing peers lists them)")
         if membership.state(peer, time.time()) is PeerState.DEAD:
             error = membership.members[peer].last_error
             raise StateConflict(f"peer {peer} is down" + (f": {error}" if error else ""))

@@ -7,6 +7,7 @@ line and a non-zero exit, and nothing is lost.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import shutil
@@ -30,6 +31,7 @@ from tests.federation import netns
 from tests.federation.lab import Lab, Node, joined_lab
 from tests.helpers import OWNER, ensure_user, wait_until
 from tests.proxy.conftest import PYTHON
+from tests.test_collectives import printed
 from tests.test_daemon_proxy import JOB_OPTIONS, direct_output
 from tests.test_preempt import DDP_SCRIPT, JOB_ENV, direct_ddp_outputs, without_name_lookup_warnings
 
@@ -166,7 +168,14 @@ def test_a_job_moved_around_the_lab_at_random_moments_is_exact(lab: Lab) -> None
         wait_until(progressed(source, job, min(beyond, STEPS - 1)), timeout=240)
         time.sleep(rng.uniform(0.0, 0.5))
         watcher = MoveWatcher(source, job)
+        waiting = Background(functools.partial(source.sing, "wait", str(job), timeout=300))
+        following = Background(functools.partial(source.sing, "logs", "-f", str(job), timeout=300))
         migrate(source, job, target.name)
+        for ended, says in ((waiting.result(), "wait for it there"), (following.result(), "goes on there")):
+            assert ended.code == 6 and f"moved to {target.name}" in ended.err and says in ended.err, ended
+        assert expected.startswith(following.result().out)  # what it printed here, no more
+        moved_away = source.sing("logs", str(job))
+        assert moved_away.code == 6 and "its output is there" in moved_away.err, moved_away
         phases = watcher.stop()
         assert {p["peer"] for p in phases} <= {target.name}
         assert any(p["phase"] == "sending" and p["total"] > 0 for p in phases) or not phases
@@ -214,6 +223,30 @@ def test_a_two_rank_job_moved_around_the_lab_is_exact(lab: Lab) -> None:
     assert [without_name_lookup_warnings(output) for output in outputs] == expected
 
 
+def test_a_job_whose_ranks_share_a_device_moves_and_resumes_exactly(lab: Lab) -> None:
+    """Two DDP ranks spliced on one virtual device: the target restored them seeing one device
+    ("restore failed: list index out of range") and the move was refused; they see two there too,
+    and print what the same job prints unmoved on another node."""
+    a, b, c = (lab.node(name) for name in NODES)
+    release = lab.paths.root / "release-spliced"
+    args = [PYTHON, "ddp_train.py", "--steps", "40", "--hook", "allreduce", "--hold", str(release)]
+    options = [*JOB_OPTIONS, "--ranks", "2", "--gpus", "1"]
+    moved, unmoved = (int(node.sing("submit", *options, "--", *args).out) for node in (a, c))
+    wait_until(progressed(a, moved, 5), timeout=240)
+    migrate(a, moved, b.name)
+    assert wait_state(b, moved, "RUNNING")["devices"] != []
+    release.touch()
+    assert b.sing("wait", str(moved), timeout=600).code == 0
+    assert c.sing("wait", str(unmoved), timeout=600).code == 0
+    logs = [rank_logs(node, job) for node, job in ((b, moved), (c, unmoved))]
+    assert printed(logs[0]) == printed(logs[1]) and "rank 1 final" in logs[0][1]
+
+
+def rank_logs(node: Node, job: int, ranks: int = 2) -> list[str]:
+    """What each rank of the job printed, as `sing logs` on `node` gives it."""
+    return [node.sing("logs", "--rank", str(rank), str(job)).out for rank in range(ranks)]
+
+
 def expect_refusal(node: Node, args: list[str], code: int, text: str) -> str:
     """A command that must fail with one line containing `text` and exit `code`."""
     result = node.sing(*args, timeout=300)
@@ -254,7 +287,8 @@ def test_bad_moves_are_refused_with_one_line_and_the_job_keeps_running(lab: Lab)
     wait_state(a, job, "RUNNING")
     wait_until(lambda: steps_done(a, job) > 3, timeout=120)
     expect_refusal(a, ["migrate", "999999999", "--to", "node-b"], 4, "not found")
-    expect_refusal(a, ["migrate", str(job), "--to", "node-z"], 4, "no peer named node-z")
+    expect_refusal(a, ["migrate", str(job), "--to", "node-z"], 2, "no peer named node-z")
+    expect_refusal(a, ["migrate", str(job), "--to", ""], 2, "needs the name of a peer")
     expect_refusal(a, ["migrate", str(job), "--to", "node-a"], 2, "already on node-a")
     expect_refusal(b, ["migrate", str(job), "--to", "node-c"], 4, "not found")
 
