@@ -572,3 +572,10 @@ def test_torch_moves_device_tensors_to_the_host_where_the_program_keeps_state(se
     assert direct_last == "lengths on cpu accepted"
     refusal = "'lengths' argument should be a 1D CPU int64 tensor, but got 1D cuda:0 Long tensor"
     assert proxied_last == f"lengths on cuda refused: {refusal}"
+
+
+def test_a_program_sees_only_its_own_threads(server: ProxyServer) -> None:
+    """The channel's reader thread showed in `threading.enumerate()` and `active_count()`."""
+    direct, proxied = outputs_on_cpu_and_device("probe_own_threads.py", server)
+    assert "before 1 [('MainThread', False)]" in direct and "worker sum 2.0" in direct
+    assert proxied == direct

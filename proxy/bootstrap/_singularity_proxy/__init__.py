@@ -69,7 +69,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     )
     from .mode import DeviceMode, follow_default_device
     from .randomness import RANDOM_OPS, host_random_handler
-    from .threads import enter_in_new_threads, enter_in_rpc_functions
+    from .threads import enter_in_new_threads, enter_in_rpc_functions, hide_reader_threads
     from .transfers import TRANSFER_OPS
 
     DEVICES.configure(list(paths), job_id, rank)
@@ -101,6 +101,7 @@ def install(paths: Sequence[str], job_id: str, rank: int) -> None:
     mode = DeviceMode()
     mode.__enter__()  # type: ignore[no-untyped-call,unused-ignore]
     enter_in_new_threads(mode)
+    hide_reader_threads()
     enter_in_rpc_functions()
     tensor.device_mode.append(mode)
     _installed.append(mode)

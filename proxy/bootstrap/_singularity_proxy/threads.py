@@ -27,6 +27,22 @@ def enter_in_new_threads(mode: DeviceMode) -> None:
     threading.Thread._bootstrap_inner = bootstrap_inner  # type: ignore[attr-defined]
 
 
+def hide_reader_threads() -> None:
+    """Leave the channels' reader threads out of `threading.enumerate()` and `active_count()`, as
+    a GPU's driver threads are not Python threads: a program listing its threads (to find strays,
+    or to wait for its own) sees only its own."""
+    everything = threading.enumerate
+
+    def enumerate_own() -> list[threading.Thread]:
+        return [thread for thread in everything() if not isinstance(thread, ReaderThread)]
+
+    def active_count() -> int:
+        return len(enumerate_own())
+
+    threading.enumerate = enumerate_own
+    threading.active_count = active_count
+
+
 def enter_in_rpc_functions() -> None:
     """Run the functions torch.distributed.rpc calls for other processes under the device mode too:
     RPC runs them on threads of its own, started in C++, where enter_in_new_threads cannot reach,
