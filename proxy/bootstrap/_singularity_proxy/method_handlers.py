@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import legacy_types
-from .device_checks import check_devices, is_cuda, stand_in_of
+from .device_checks import check_devices, is_cuda
 from .devices import DEVICES, device_index
 from .serialization import EXPORT_REFUSED, refuse_export
 from .tensor import ProxyTensor, download, stand_for
@@ -482,22 +482,7 @@ def _foreach_copy(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any
     return None
 
 
-_DEVICE = _Tensor.device.__get__  # type: ignore[attr-defined]
-
-
-def _device_inside_transforms(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    """`.device` / `.is_cuda` of the wrapper torch.func's transforms (`vmap`, `grad`, `jacrev`) put
-    around a stand-in: the stand-in's, as a GPU tensor's wrapper says cuda (their C++ device is
-    the host's, so `torch.ones(n, device=t.device)` inside made a host tensor)."""
-    stand_in = stand_in_of(args[0])
-    if stand_in is None or stand_in is args[0]:
-        return func(*args)
-    return stand_in.device if func == _DEVICE else stand_in.is_cuda
-
-
 METHOD_HANDLERS: dict[Any, Callable[[Any, Sequence[Any], dict[str, Any]], Any]] = {
-    _DEVICE: _device_inside_transforms,
-    _Tensor.is_cuda.__get__: _device_inside_transforms,  # type: ignore[attr-defined]
     _Tensor.to: _to,
     torch._C._nn._parse_to: _parse_to,
     _Tensor.cuda: _cuda,
