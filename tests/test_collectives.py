@@ -14,11 +14,12 @@ import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import pytest
 
 from tests.conftest import requires_root
-from tests.helpers import Daemon, preempt_while_training, running_daemon, wait_until
+from tests.helpers import Daemon, Result, preempt_while_training, running_daemon, wait_until
 from tests.proxy.conftest import PROGRAMS, PYTHON, base_env, direct_ranks
 
 JOB_OPTIONS = ["--env", "OMP_NUM_THREADS=1", "--env", "PYTHONFAULTHANDLER=1", "--cwd", str(PROGRAMS)]
@@ -30,7 +31,13 @@ LOG_END_CHARS = 6000
 """How much of the end of each rank's log a failed job's test shows."""
 
 
-def rank_logs(daemon: Daemon, job: int, ranks: int) -> list[str]:
+class RunsSing(Protocol):
+    """A daemon the tests reach with `sing` (a test's Daemon, or a lab's Node)."""
+
+    def sing(self, *args: str, timeout: float = ..., user: str | None = ...) -> Result: ...
+
+
+def rank_logs(daemon: RunsSing, job: int, ranks: int) -> list[str]:
     """What each rank of the job printed (stdout and stderr)."""
     return [daemon.sing("logs", "--rank", str(rank), str(job)).out for rank in range(ranks)]
 

@@ -31,7 +31,7 @@ from tests.federation import netns
 from tests.federation.lab import Lab, Node, joined_lab
 from tests.helpers import OWNER, ensure_user, wait_until
 from tests.proxy.conftest import PYTHON
-from tests.test_collectives import printed
+from tests.test_collectives import printed, rank_logs
 from tests.test_daemon_proxy import JOB_OPTIONS, direct_output
 from tests.test_preempt import DDP_SCRIPT, JOB_ENV, direct_ddp_outputs, without_name_lookup_warnings
 
@@ -238,13 +238,8 @@ def test_a_job_whose_ranks_share_a_device_moves_and_resumes_exactly(lab: Lab) ->
     release.touch()
     assert b.sing("wait", str(moved), timeout=600).code == 0
     assert c.sing("wait", str(unmoved), timeout=600).code == 0
-    logs = [rank_logs(node, job) for node, job in ((b, moved), (c, unmoved))]
+    logs = [rank_logs(node, job, 2) for node, job in ((b, moved), (c, unmoved))]
     assert printed(logs[0]) == printed(logs[1]) and "rank 1 final" in logs[0][1]
-
-
-def rank_logs(node: Node, job: int, ranks: int = 2) -> list[str]:
-    """What each rank of the job printed, as `sing logs` on `node` gives it."""
-    return [node.sing("logs", "--rank", str(rank), str(job)).out for rank in range(ranks)]
 
 
 def expect_refusal(node: Node, args: list[str], code: int, text: str) -> str:
