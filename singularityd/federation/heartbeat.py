@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -69,6 +70,7 @@ class Heartbeats:
     clock: Callable[[], float] = time.time
     timeout_s: float = 5.0
     _refusals_logged: set[str] = field(default_factory=set)
+    _exchanges: dict[str, asyncio.Task[bool]] = field(default_factory=dict)
 
     async def heartbeat(self, node: str, request: pb.HeartbeatRequest) -> pb.HeartbeatReply:
         """A peer called us: record it (its claimed name must be its certificate's), answer with ours."""
@@ -107,14 +109,35 @@ class Heartbeats:
         self.membership.learn((Seed(p.node, p.address) for p in reply.known if p.node and p.address), now)
         return True
 
+    def launch_due(self) -> list[asyncio.Task[bool]]:
+        """Start an exchange with every due peer not still in one, without waiting for any: a peer
+        slow to answer (hung, behind a dropped link) holds back no other peer's heartbeat."""
+        started = []
+        for peer in self.membership.due(self.clock()):
+            if peer.node in self._exchanges:
+                continue
+            task = asyncio.create_task(self.contact(peer))
+            self._exchanges[peer.node] = task
+            task.add_done_callback(functools.partial(self._ended, peer.node))
+            started.append(task)
+        return started
+
+    def _ended(self, node: str, _: asyncio.Task[bool]) -> None:
+        self._exchanges.pop(node, None)
+
     async def round(self) -> list[bool]:
-        """Contact every peer that is due, all at once."""
-        due = self.membership.due(self.clock())
-        return list(await asyncio.gather(*(self.contact(peer) for peer in due)))
+        """Contact every peer that is due, all at once, and wait for their answers."""
+        return list(await asyncio.gather(*self.launch_due()))
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Run rounds every heartbeat interval until `stop` is set."""
-        while not stop.is_set():
-            await self.round()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=self.membership.timing.interval_s)
+        """Start the due exchanges every heartbeat interval until `stop` is set."""
+        try:
+            while not stop.is_set():
+                self.launch_due()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=self.membership.timing.interval_s)
+        finally:
+            pending = list(self._exchanges.values())
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 
@@ -127,3 +128,48 @@ async def test_a_heartbeat_claiming_another_nodes_name_is_refused() -> None:
     with pytest.raises(Refused, match="certificate names 'node-c'"):
         await beats.heartbeat("node-c", pb.HeartbeatRequest(sender=pb.NodeStatus(node="node-b")))
     assert beats.membership.members == {}
+
+
+async def test_a_peer_that_never_answers_holds_back_no_other_peers_heartbeat(lab: Lab) -> None:
+    """node-z accepts connections and never answers: node-a's heartbeats to node-b go on every
+    interval meanwhile, so node-b stays alive (they waited for node-z's timeout, and node-b turned
+    suspect)."""
+    quick = Timing(interval_s=0.2, suspect_after_s=1.0, dead_after_s=10.0)
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    silent = await asyncio.start_server(hold, "127.0.0.1", 0)
+    silent_port = silent.sockets[0].getsockname()[1]
+    b_server = PeerServer(lab.identity("node-b"), "127.0.0.1:0", PeerService())
+    await b_server.start()
+    b_status = PeerStatus("node-b", f"127.0.0.1:{b_server.port}", "0.1.0", (GPU,), 1)
+    b = Heartbeats(Membership("node-b", quick), PeerChannels(lab.identity("node-b")), lambda: b_status)
+    b_server.service.heartbeats = b
+    seeds = [Seed("node-b", b_status.address), Seed("node-z", f"127.0.0.1:{silent_port}")]
+    a = Heartbeats(
+        Membership.from_seeds("node-a", seeds, time.time(), quick),
+        PeerChannels(lab.identity("node-a")),
+        lambda: status("node-a"),
+        timeout_s=3.0,
+    )
+    stop = asyncio.Event()
+    beating = asyncio.create_task(a.run(stop))
+    try:
+        states = []
+        for _ in range(30):
+            await asyncio.sleep(0.1)
+            if a.membership.members["node-b"].last_contact is not None:
+                states.append(a.membership.state("node-b", time.time()))
+        assert len(states) >= 20 and set(states) == {PeerState.ALIVE}, states
+        assert a.membership.state("node-z", time.time()) is PeerState.DEAD
+    finally:
+        stop.set()
+        await beating
+        await a.channels.close()
+        await b.channels.close()
+        await b_server.stop()
+        for writer in held:
+            writer.close()
+        silent.close()
