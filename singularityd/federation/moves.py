@@ -45,6 +45,10 @@ from singularityd.units import human_bytes
 CHUNK_BYTES = 4 * MiB
 SEND_ATTEMPTS = 30
 SEND_PAUSE_S = 1.0
+PEER_CHECK_S = 5.0
+"""How long the target has to answer a health check before a job stops for a move to it."""
+SEND_PATIENCE_S = 10.0
+"""A target silent this long after the job stopped is given up on, and the job runs here again."""
 LAUNCH_WAIT_S = 120.0
 
 log = logging.getLogger(__name__)
@@ -185,13 +189,22 @@ class DaemonMoves:
             return
 
     async def _pre_send(self, job_id: str, peer: str, epoch: int, images: Path) -> None:
+        """Right before the job pauses for the move: pre-copy to `peer`; where nothing reached it,
+        ask whether it answers at all, and if not, fail the checkpoint, so that the job never stops
+        for a peer that is gone (it would wait out the sending's patience stopped)."""
+        if await self._pre_copy(job_id, peer, epoch, images):
+            return
+        if not await self.channels.healthy(peer, self.address_of(peer), timeout_s=PEER_CHECK_S):
+            raise CheckpointError(f"{peer} does not answer; the job was not stopped")
+
+    async def _pre_copy(self, job_id: str, peer: str, epoch: int, images: Path) -> bool:
         """While the job still runs, send the device state its proxies pre-copied into `images`
         (files that are only appended to from now on) and a base of its process images (see
-        bases), so that after the stop only the rest goes."""
+        bases), so that after the stop only the rest goes. Whether any of it was sent."""
         seq = parse_seq_dir_name(images.parent.name)
         staging = self.outgoing(job_id, epoch).with_name(f"{job_id}@{epoch}.pre")
         if seq is None:
-            return
+            return False
         began = time.monotonic()
         base = await self._take_base(job_id, peer, epoch)
         try:
@@ -202,7 +215,7 @@ class DaemonMoves:
                 await asyncio.to_thread(bases.stage_base, staging, base)
             source = await asyncio.to_thread(Source, staging, self.chunk_bytes)
             if source.total < MiB:  # nothing was pre-copied: the files hold their headers alone
-                return
+                return False
             stub = self.channels.stub(peer, self.address_of(peer))
             sending = Sending(
                 stub, source, f"{job_id}@{epoch}", job_id, epoch, partial(self._progress, job_id)
@@ -213,7 +226,7 @@ class DaemonMoves:
             self.transfers.pop(int(job_id), None)
             await asyncio.to_thread(self._drop_base, int(job_id))
             self.note(job_id, f"pre-copy to {peer} failed ({error}); all is sent after the stop")
-            return
+            return False
         finally:
             await asyncio.to_thread(jobfiles.remove, staging)
         self.pre_sent[int(job_id)] = source
@@ -226,6 +239,7 @@ class DaemonMoves:
             job_id,
             f"sent {device_bytes} of pre-copied device state{with_base} to {peer} in {took:.1f}s{froze}",
         )
+        return True
 
     async def _take_base(self, job_id: str, peer: str, epoch: int) -> bases.ProcessBase | None:
         """An in-place dump of the job's processes to send as a base (None, noted, when there is none)."""
@@ -307,7 +321,7 @@ class DaemonMoves:
                 stub, source, f"{job_id}@{epoch}", job_id, epoch, partial(self._progress, job_id)
             )
             sending_began = time.monotonic()
-            await sending.run(attempts=SEND_ATTEMPTS, pause_s=SEND_PAUSE_S)
+            await sending.run(attempts=SEND_ATTEMPTS, pause_s=SEND_PAUSE_S, patience_s=SEND_PATIENCE_S)
             ended = time.monotonic()
             sent_s = ended - sending_began - sending.finish_s
             there = human_bytes(source.total - sending.sent)

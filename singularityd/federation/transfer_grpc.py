@@ -77,6 +77,8 @@ class Sending:
     sent: int = 0
     finish_s: float = 0.0
     """Seconds the sender waited for the receiver's verdict (FinishTransfer), all attempts."""
+    answered_at: float | None = None
+    """When the receiver last answered (opened the transfer, or took a chunk), by time.monotonic."""
 
     def _report(self, phase: str, moved: int) -> None:
         if self.progress is not None:
@@ -93,6 +95,7 @@ class Sending:
             files=entries_to_pb(self.source.entries),
         )
         state = await self.stub.BeginTransfer(request, timeout=call_timeout_s)
+        self.answered_at = time.monotonic()
         self._report("comparing", 0)
         todo = await asyncio.to_thread(missing, self.source, held_from_pb(state))
         moved = self.source.total - sum(self.source.chunks[key][1] for key in todo)
@@ -142,6 +145,7 @@ class Sending:
             key, future = pending.popleft()
             chunk_digest, data = await future
             read_next()
+            self.answered_at = time.monotonic()  # the stream took the chunk before
             self.sent += len(data)
             moved += len(data)
             self._report("sending", moved)
@@ -149,8 +153,17 @@ class Sending:
                 transfer_id=self.transfer_id, file=key[0], index=key[1], sha256=chunk_digest, data=data
             )
 
-    async def run(self, *, attempts: int = 10, pause_s: float = 1.0, reread: bool = False) -> None:
-        """Attempt until it works, resuming after broken links; refusals and bad verdicts raise at once."""
+    async def run(
+        self,
+        *,
+        attempts: int = 10,
+        pause_s: float = 1.0,
+        reread: bool = False,
+        patience_s: float | None = None,
+    ) -> None:
+        """Attempt until it works, resuming after broken links; refusals and bad verdicts raise at
+        once, and so does a receiver that has not answered for `patience_s` (gone, not blipped)."""
+        began = time.monotonic()
         for attempt in range(1, attempts + 1):
             try:
                 await self.attempt(reread=reread)
@@ -159,6 +172,12 @@ class Sending:
                 if e.code() not in RETRIABLE or attempt == attempts:
                     raise TransferError(
                         f"transfer {self.transfer_id} failed: {e.code().name}: {e.details()}"
+                    ) from e
+                silent_s = time.monotonic() - max(began, self.answered_at or began)
+                if patience_s is not None and silent_s >= patience_s:
+                    raise TransferError(
+                        f"transfer {self.transfer_id} failed: the receiver has not answered for "
+                        f"{silent_s:.0f}s ({e.code().name}: {e.details()})"
                     ) from e
                 log.info("transfer %s interrupted (%s); resuming", self.transfer_id, e.code().name)
                 self._report("waiting", 0)

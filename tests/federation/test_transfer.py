@@ -6,6 +6,8 @@ import asyncio
 import hashlib
 import os
 import shutil
+import socket
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -384,3 +386,23 @@ def test_a_received_file_unlike_its_manifest_fails_the_restore_check_without_bei
             assert target_store.verify("5", pending.seq).ok
         else:
             assert verdict.ok and verdict.hashed_bytes == 0, verdict
+
+
+async def test_a_sender_gives_up_on_a_receiver_silent_longer_than_its_patience(
+    lab: Lab, tmp_path: Path
+) -> None:
+    """Nothing listens where the receiver was: with patience, the sender stops retrying after it
+    (a move then lets its job run at home again instead of waiting out every attempt)."""
+    src = make_checkpoint(tmp_path / "src", {"images/pages-1.img": MiB})
+    with socket.socket() as placeholder:
+        placeholder.bind(("127.0.0.1", 0))
+        port = placeholder.getsockname()[1]
+    channels = PeerChannels(lab.identity("node-a"))
+    sending = Sending(channels.stub("node-b", f"127.0.0.1:{port}"), Source(src, MiB), "job-7@3", "job-7", 3)
+    began = time.monotonic()
+    try:
+        with pytest.raises(TransferError, match=r"the receiver has not answered for 1s \(UNAVAILABLE"):
+            await sending.run(attempts=1000, pause_s=0.1, patience_s=1.0)
+    finally:
+        await channels.close()
+    assert time.monotonic() - began < 10
