@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -224,3 +225,26 @@ def delete_local_copy(images: ImageStore, job_root: Path, job_id: int) -> None:
     remove(job_root)
     for staged in (images.root / OUTGOING_DIR).glob(f"{job_id}@*"):
         remove(staged)
+
+
+def remove_leftovers(root: Path, arriving: Callable[[str, int], bool]) -> list[tuple[Path, int]]:
+    """At start, delete what moves cut short by the daemon's end left under the image store's
+    `root`: every folder staged to send (what it was staged for ended with the daemon) and every
+    received folder but those of epochs still `arriving(job_id, epoch)`. What went, with its bytes."""
+    removed = []
+    staged = sorted((root / OUTGOING_DIR).glob("*"))
+    received = [
+        folder
+        for folder in sorted((root / INCOMING_DIR).glob("*"))
+        if not _is_arriving(folder.name, arriving)
+    ]
+    for leftover in (*staged, *received):
+        size = sum(f.stat().st_size for f in leftover.rglob("*") if f.is_file() and not f.is_symlink())
+        remove(leftover)
+        removed.append((leftover, size))
+    return removed
+
+
+def _is_arriving(name: str, arriving: Callable[[str, int], bool]) -> bool:
+    job_id, _, epoch = name.partition("@")
+    return epoch.isdigit() and arriving(job_id, int(epoch))

@@ -24,7 +24,7 @@ from singularityd.core.states import JobState
 from singularityd.daemon import Daemon
 from singularityd.errors import InvalidRequest, StateConflict, Unsatisfiable
 from singularityd.federation import handoff as h
-from singularityd.federation import tls
+from singularityd.federation import jobfiles, tls
 from singularityd.federation.arrivals import Arrivals
 from singularityd.federation.driver import Handoffs
 from singularityd.federation.facts import (
@@ -44,6 +44,7 @@ from singularityd.federation.peer import PeerChannels, PeerServer, PeerService
 from singularityd.federation.pki import NodeIdentity, Pki, PkiError, check_node_name, node_of_job
 from singularityd.federation.v1 import peer_pb2 as pb
 from singularityd.store import JobRecord
+from singularityd.units import human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -140,10 +141,21 @@ class Federation:
                 self.pki, identity, join_bind, config.advertised_address
             )
         log.info("in the lab as %s (node number %d)", identity.node_name, identity.number)
+        await asyncio.to_thread(self._remove_leftovers, holdings)
         await handoffs.recover()
         self._stop.clear()
         self._spawn(heartbeats.run(self._stop))
         self._spawn(self._tick())
+
+    def _remove_leftovers(self, holdings: StoredHoldings) -> None:
+        """Delete the staged and received folders of moves that ended with the daemon's last run."""
+
+        def arriving(job_id: str, epoch: int) -> bool:
+            holding = holdings.load(job_id)
+            return holding is not None and holding.epoch == epoch and holding.phase in h.INCOMING
+
+        for folder, size in jobfiles.remove_leftovers(self.config.checkpoints, arriving):
+            log.info("deleted %s (%s), left by a move cut short", folder, human_bytes(size))
 
     def _seeds(self) -> list[Seed]:
         """The configured peers, and those learnt when joining."""

@@ -329,6 +329,13 @@ def test_a_peer_down_or_vanishing_mid_move_leaves_the_job_running_here(lab: Lab)
     c.kill(signal.SIGTERM)
     wait_until(lambda: peer_state(a, "node-c") == "dead", timeout=60)
     expect_refusal(a, ["migrate", str(job), "--to", "node-c"], 6, "peer node-c is down")
+    leftovers = [
+        c.state_dir / "checkpoints" / ".outgoing" / "77@3.pre",
+        c.state_dir / "checkpoints" / ".incoming" / "78@2",
+    ]
+    for folder in leftovers:  # as a daemon killed mid-move leaves them
+        (folder / "images").mkdir(parents=True)
+        (folder / "images" / "pages-1.img").write_bytes(bytes(1 << 20))
     c.start()
 
     mover = Background(lambda: a.sing("migrate", str(job), "--to", "node-b", timeout=300))
@@ -348,6 +355,7 @@ def test_a_peer_down_or_vanishing_mid_move_leaves_the_job_running_here(lab: Lab)
     lab.wait_all_alive()
     wait_until(lambda: steps_done(a, job) > before, timeout=120)
     assert [j["node"] for j in cluster_listing(c) if j["id"] == job] == ["node-a"]
+    assert not any(folder.exists() for folder in leftovers)
     wait_until(lambda: not (a.holding(job) or {}).get("abort_pending"), timeout=60)
     assert (b.holding(job) or {}).get("phase") == "discarded"
     assert a.sing("cancel", str(job)).code == 0
