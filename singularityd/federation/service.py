@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 TICK_S = 1.0
 LIST_TIMEOUT_S = 5.0
 MOVE_POLL_S = 0.1
+PLACE_RETRY_S = 2.0
+"""How often a job submitted with --anywhere that waits here looks for a peer with room."""
+PLACE_REFUSED_S = 30.0
+"""How long such a job leaves alone a peer that refused it."""
 
 
 def peer_job(job: JobRecord) -> pb.PeerJob:
@@ -413,26 +417,34 @@ class Federation:
         self._set_draining(False)
 
     def place_elsewhere(self, job_id: int) -> None:
-        """A job submitted with --anywhere: if it did not start here, move it to a peer with room."""
+        """A job submitted with --anywhere: while it waits here, move it to a peer with room (one
+        may have room only later: it is looked for again every PLACE_RETRY_S)."""
         if self.active:
             self._spawn(self._place(job_id))
 
     async def _place(self, job_id: int) -> None:
         _, membership, _, moves = self._require_active()
         await asyncio.sleep(0)  # the scheduling round asked for at submission runs first
-        job = self.daemon.store.get(job_id)
-        if job is None or job.state is not JobState.PENDING or node_of_job(job_id) == 0:
-            return
-        moves.placing.add(job_id)
-        try:
-            for peer in membership.with_room(job.spec.gpus, time.time()):
-                final = None
-                async for report in self._move(job_id, peer):
-                    final = report
-                if final is not None and final.ok:
-                    return
-        finally:
-            moves.placing.discard(job_id)
+        refused: dict[str, float] = {}
+        while node_of_job(job_id) != 0 and not self._stop.is_set():
+            job = self.daemon.store.get(job_id)
+            if job is None or job.state is not JobState.PENDING:
+                return
+            moves.placing.add(job_id)
+            try:
+                for peer in membership.with_room(job.spec.gpus, time.time()):
+                    if time.monotonic() - refused.get(peer, -PLACE_REFUSED_S) < PLACE_REFUSED_S:
+                        continue
+                    final = None
+                    async for report in self._move(job_id, peer):
+                        final = report
+                    if final is not None and final.ok:
+                        return
+                    refused[peer] = time.monotonic()
+            finally:
+                moves.placing.discard(job_id)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), PLACE_RETRY_S)
 
     async def cluster_jobs(self, include_finished: bool) -> ClusterJobs:
         """The jobs of this node and of every peer that answers."""

@@ -429,6 +429,23 @@ def test_submit_anywhere_starts_a_job_that_cannot_start_here_on_a_peer(lab: Lab)
     assert wait_state(a, int(here.out), "PENDING")["pending_reason"]
     assert 1_000_000 < job < 2_000_000, "its id comes from node-a's block, wherever it runs"
     assert owner.sing("cancel", str(job)).code == 0
+
+    # With no room anywhere, such a job waits here until a peer has some, then goes there.
+    b, c = lab.node("node-b"), lab.node("node-c")
+    fill_b, fill_c = (
+        [node.sing("submit", "--", "sleep", "600").out.strip() for _ in range(2)] for node in (b, c)
+    )
+    for node, jobs in ((b, fill_b), (c, fill_c)):
+        for each in jobs:
+            wait_state(node, int(each), "RUNNING")
+    waiting = int(a.sing("submit", "--anywhere", "--", "sleep", "600").out)
+    time.sleep(3)  # a few heartbeats and placement rounds
+    assert a.job(waiting)["state"] == "PENDING"  # type: ignore[index]
+    assert b.sing("cancel", fill_b.pop()).code == 0
+    wait_state(b, waiting, "RUNNING", timeout=60)
+    assert a.job(waiting)["state"] == "MOVED"  # type: ignore[index]
+    assert b.sing("cancel", str(waiting), *fill_b).code == 0
+    assert c.sing("cancel", *fill_c).code == 0
     assert a.sing("cancel", here.out.strip(), *blockers).code == 0
 
 
