@@ -98,6 +98,10 @@ def peers(
     """List this node's peers: state, devices, free capacity, version, last contact."""
     with connect(socket) as stub:
         response = stub.ListPeers(pb.ListPeersRequest())
+    if not response.node:
+        raise CliError(
+            "this node is in no lab cluster: run `sing cluster init` or `sing cluster join`", EXIT_CONFLICT
+        )
     if output_format == "json":
         peers_data = [
             {
@@ -107,13 +111,9 @@ def peers(
             }
             for p in response.peers
         ]  # fmt: skip
-        data = {"node": response.node or None, "node_number": response.node_number}
+        data = {"node": response.node, "node_number": response.node_number}
         print(output.to_json({**data, "draining": response.draining, "peers": peers_data}))
         return
-    if not response.node:
-        raise CliError(
-            "this node is in no lab cluster: run `sing cluster init` or `sing cluster join`", EXIT_CONFLICT
-        )
     text = peers_table(response, header)
     if text:
         print(text)

@@ -69,7 +69,17 @@ def test_empty_command(daemon: Daemon, args: list[str]) -> None:
     assert_one_line_error(daemon.sing(*args), 2, "empty command")
 
 
-@pytest.mark.parametrize("command", [["peers"], ["drain"], ["migrate", "1", "--to", "node-b"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["peers"],
+        ["peers", "-o", "json"],
+        ["drain"],
+        ["undrain"],
+        ["cluster", "token"],
+        ["migrate", "1", "--to", "node-b"],
+    ],
+)
 def test_cluster_verbs_outside_a_cluster(daemon: Daemon, command: list[str]) -> None:
     """Every verb that needs a lab cluster says the same thing, with the same exit, on a lone node."""
     daemon.submit("sleep", "30")

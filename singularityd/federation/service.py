@@ -413,7 +413,9 @@ class Federation:
                 yield failed
 
     def undrain(self) -> None:
-        """Take jobs again."""
+        """Take jobs again (outside a lab, only a node drained while in one has anything to undo)."""
+        if not self.draining:
+            self._require_active()
         self._set_draining(False)
 
     def place_elsewhere(self, job_id: int) -> None:
