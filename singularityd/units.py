@@ -10,3 +10,8 @@ def human_bytes(count: float) -> str:
             return f"{count:.0f}{unit}" if unit == "B" else f"{count:.1f}{unit}"
         count /= 1024
     return f"{count:.1f}T"
+
+
+def counted(count: int, noun: str) -> str:
+    """(1, 'device') -> '1 device', (2, 'device') -> '2 devices'."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"

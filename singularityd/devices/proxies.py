@@ -31,6 +31,7 @@ from singularityd.checkpoint.precheck import read_proc_facts
 from singularityd.devices.proxy_servers import PROXY_DIR, ProxyError, ProxyServers
 from singularityd.devices.regroup import RegroupError, regroup
 from singularityd.devices.splicing import SavedLayout, device_slots
+from singularityd.units import counted
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +256,7 @@ class JobProxies(ProxyServers):
                     images / PROXY_DIR / f"on-{len(devices)}",
                 )
             except (RegroupError, OSError, ValueError) as error:
-                why = f"cannot move the job's device state to {len(devices)} devices: {error}"
+                why = f"cannot move the job's device state to {counted(len(devices), 'device')}: {error}"
                 raise ProxyError(why) from error
         file_bytes = preloaded_bytes = 0
         connected: set[tuple[int, int, int]] | None = set()

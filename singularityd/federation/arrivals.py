@@ -56,6 +56,7 @@ from singularityd.federation.preloading import Preloads
 from singularityd.federation.transfer_grpc import Receivers
 from singularityd.jobs.processes import ProcessId
 from singularityd.jobs.work import identity
+from singularityd.units import counted
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +271,7 @@ class Arrivals:
         needed = arrival.gpus if arrival.seq is not None else 0
         free = self._free_devices(arriving=job_number)
         if len(free) < needed:
-            raise RuntimeError(f"no room: the job needs {needed} devices; {len(free)} are free")
+            raise RuntimeError(f"no room: the job needs {counted(needed, 'device')}; {len(free)} free")
         preloaded = self.preloads.take(job_number, epoch, needed)
         devices = preloaded.devices if preloaded is not None else tuple(free[:needed])
         reason = f"arriving from {holding.peer} (epoch {epoch})"

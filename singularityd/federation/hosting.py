@@ -16,7 +16,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from singularityd.units import human_bytes
+from singularityd.units import counted, human_bytes
 
 PROBE_ENTRIES = 64
 DISK_MARGIN_BYTES = 256 << 20
@@ -132,9 +132,10 @@ def hosting_problem(spec: MoveSpec, facts: HostFacts) -> str:
             "them at the same path (the same state_dir)"
         )
     if spec.gpus > facts.devices:
-        return f"the job needs {spec.gpus} devices; this node has {facts.devices}"
+        return f"the job needs {counted(spec.gpus, 'device')}; this node has {facts.devices}"
     if facts.free_devices is not None and spec.gpus > facts.free_devices:
-        return f"no room: the job needs {spec.gpus} devices; {facts.free_devices} of {facts.devices} are free"
+        needs = counted(spec.gpus, "device")
+        return f"no room: the job needs {needs}; {facts.free_devices} of {facts.devices} free"
     if facts.free_disk_bytes < spec.checkpoint_bytes + DISK_MARGIN_BYTES:
         need, free = human_bytes(spec.checkpoint_bytes), human_bytes(facts.free_disk_bytes)
         return f"not enough disk for the checkpoint ({need}; {free} free)"

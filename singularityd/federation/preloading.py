@@ -34,7 +34,7 @@ from singularityd.federation import jobfiles
 from singularityd.federation.handoff import Phase
 from singularityd.federation.holdings import StoredHoldings
 from singularityd.jobs.launch import user_groups
-from singularityd.units import human_bytes
+from singularityd.units import counted, human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,9 @@ class Preloads:
             await self._drop(number)
             free = self.free_devices(number)
             if len(free) < found.devices:
-                self.note(job_id, f"pre-copied device state not preloaded: {len(free)} devices free")
+                self.note(
+                    job_id, f"pre-copied device state not preloaded: {counted(len(free), 'device')} free"
+                )
                 return
             devices = tuple(free[: found.devices])
             identity = JobIdentity(found.uid, found.gid, tuple(user_groups(found.user, found.gid)))

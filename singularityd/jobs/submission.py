@@ -12,6 +12,7 @@ from singularityd.identity import Caller
 from singularityd.scheduling.replicas import device_range, resize_refusal
 from singularityd.store import JobRecord, JobSpec
 from singularityd.tiers import DEFAULT_TIER, TIERS
+from singularityd.units import counted
 
 MAX_PRIORITY = 1_000_000
 MAX_RANKS = 4096
@@ -91,7 +92,7 @@ def validated_spec(caller: Caller, args: SubmitArgs, total_devices: int) -> JobS
     if tier not in TIERS:
         raise InvalidRequest(f"--tier must be one of {', '.join(TIERS)}, not {tier!r}")
     if args.gpus > total_devices:
-        raise Unsatisfiable(f"requested {args.gpus} devices but this machine has {total_devices}")
+        raise Unsatisfiable(f"requested {counted(args.gpus, 'device')} but this machine has {total_devices}")
     if not os.path.isabs(args.cwd):
         raise InvalidRequest(f"working directory must be absolute: {args.cwd!r}")
     if not os.path.isdir(args.cwd):
@@ -137,7 +138,7 @@ def check_resize(job: JobRecord, gpus: int, total_devices: int) -> None:
     if job.spec.elastic and not low <= gpus <= high:
         raise InvalidRequest(f"--gpus {gpus} is outside job {job.id}'s elastic range {low}-{high}")
     if gpus > total_devices:
-        raise Unsatisfiable(f"requested {gpus} devices but this machine has {total_devices}")
+        raise Unsatisfiable(f"requested {counted(gpus, 'device')} but this machine has {total_devices}")
     if job.state is not JobState.RUNNING:
         raise StateConflict(f"job {job.id} is {job.state.value}; only a RUNNING job can be resized")
 
@@ -146,7 +147,7 @@ def grow_refusal(job: JobRecord, gpus: int, free: int) -> str:
     """Why a running job cannot grow to `gpus` devices now: it holds fewer and not enough are free
     (stopping it would only bring it back on the devices it has)."""
     text = (
-        f"job {job.id} cannot grow to {gpus} devices now: it runs on {len(job.devices)} and "
+        f"job {job.id} cannot grow to {counted(gpus, 'device')} now: it runs on {len(job.devices)} and "
         f"{free} more {'is' if free == 1 else 'are'} free"
     )
     if not job.spec.elastic:

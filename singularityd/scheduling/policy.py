@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from singularityd.tiers import DEFAULT_TIER, Ranked
+from singularityd.units import counted
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,8 @@ def plan_starts(
     for job in sorted(queue, key=queue_order):
         if job.devices_wanted > total_devices:
             reasons[job.job_id] = (
-                f"Unsatisfiable: needs {job.devices_wanted} devices, the machine has {total_devices}"
+                f"Unsatisfiable: needs {counted(job.devices_wanted, 'device')}, "
+                f"the machine has {total_devices}"
             )
             continue
         if blocker is not None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from singularityd.units import counted
+
 
 @dataclass(frozen=True)
 class Unsplice:
@@ -26,9 +28,9 @@ class Unsplice:
     def describe(self, refusal: str) -> str:
         """The event that says what is done and why."""
         if self.now:
-            plan = f"resizing it to {self.devices} devices, one per rank"
+            plan = f"resizing it to {counted(self.devices, 'device')}, one per rank"
         else:
-            plan = f"checkpointing it until {self.devices} devices, one per rank, are free"
+            plan = f"checkpointing it until {counted(self.devices, 'device')}, one per rank, are free"
         return f"splicing refused: {refusal}; {plan}"
 
 

@@ -63,3 +63,10 @@ def test_a_directory_with_the_same_path_but_other_files_is_not_the_working_direc
         replace(spec, user="no-such-user-here"), tmp_path, devices=1, checkpoints_available=True
     )
     assert facts.user_uid is None
+
+
+def test_a_count_of_one_is_said_in_the_singular() -> None:
+    one = replace(SPEC, gpus=1, ranks=1)
+    full, one_free = replace(FINE, free_devices=0), replace(FINE, free_devices=1)
+    assert hosting_problem(one, full) == "no room: the job needs 1 device; 0 of 4 free"
+    assert hosting_problem(SPEC, one_free) == "no room: the job needs 2 devices; 1 of 4 free"
