@@ -30,7 +30,13 @@ from singularityd.core.decisions import (
     StillLaunching,
     decide,
 )
-from singularityd.core.states import ALLOWED_TRANSITIONS, InvalidTransition, JobState, check_transition
+from singularityd.core.states import (
+    ALLOWED_TRANSITIONS,
+    InvalidTransition,
+    JobState,
+    check_transition,
+    was_suspended_when_set_aside,
+)
 from singularityd.core.stimuli import (
     CancelRequested,
     Checkpointed,
@@ -38,6 +44,8 @@ from singularityd.core.stimuli import (
     CheckpointRequested,
     Exited,
     LaunchFailed,
+    MoveAbandoned,
+    MoveStopRequested,
     PeriodicCheckpointDue,
     PreemptionWanted,
     PreemptRequested,
@@ -490,3 +498,38 @@ def test_a_scheduler_preemption_the_job_cannot_take_backs_off() -> None:
     assert decision.activity == Activity(
         launching=True, preemption_backoff_until=10.0 + PREEMPTION_BACKOFF_SECONDS
     )
+
+
+# Moves between peers
+
+
+@pytest.mark.parametrize(
+    ("before", "has_checkpoint", "after"),
+    [
+        (JobState.SUSPENDED, True, JobState.SUSPENDED),
+        (JobState.SUSPENDED, False, JobState.SUSPENDED),
+        (JobState.PREEMPTED, True, JobState.PREEMPTED),
+        (JobState.PENDING, False, JobState.PENDING),
+    ],
+)
+def test_a_job_set_aside_for_a_move_that_stays_is_held_as_it_was(
+    before: JobState, has_checkpoint: bool, after: JobState
+) -> None:
+    """A suspended job set aside for a move and kept (the move failed, or it arrived) stays
+    suspended until resumed; queued ones are queued again."""
+    set_aside = decide(JobFacts(7, before, has_checkpoint=has_checkpoint), MoveStopRequested("node-b"), 0)
+    assert set_aside.transition is not None and set_aside.transition.to_state is JobState.MIGRATING
+    held = before is JobState.SUSPENDED
+    kept = decide(JobFacts(7, JobState.MIGRATING, has_checkpoint=has_checkpoint), MoveAbandoned("x", held), 1)
+    assert kept.transition is not None and kept.transition.to_state is after
+
+
+def test_a_history_says_whether_the_job_was_suspended_when_last_set_aside() -> None:
+    set_aside_suspended = [(None, "PENDING"), ("PENDING", "RUNNING"), ("RUNNING", "SUSPENDED"),
+                           ("SUSPENDED", "MIGRATING"), ("MIGRATING", "MIGRATING"),
+                           (None, "MIGRATING")]  # fmt: skip
+    assert was_suspended_when_set_aside(set_aside_suspended)
+    came_back = [*set_aside_suspended, ("MIGRATING", "SUSPENDED"), ("SUSPENDED", "PREEMPTED"),
+                 ("PREEMPTED", "RUNNING"), ("RUNNING", "MIGRATING"), ("MOVED", "MIGRATING")]  # fmt: skip
+    assert not was_suspended_when_set_aside(came_back)
+    assert not was_suspended_when_set_aside([(None, "PENDING")])

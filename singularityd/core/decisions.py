@@ -286,10 +286,13 @@ def _moving(
                 return Decision()
             transition = check_transition(job.job_id, state, JobState.RUNNING, reason, now)
             return Decision(transition, _running(job, pid, ticks), Activity())
-        case MoveAbandoned(reason=reason):
+        case MoveAbandoned(reason=reason, held=held):
             if state is not JobState.MIGRATING:
                 return Decision()
-            target = JobState.PREEMPTED if job.has_checkpoint else JobState.PENDING
+            if held:
+                target = JobState.SUSPENDED
+            else:
+                target = JobState.PREEMPTED if job.has_checkpoint else JobState.PENDING
             return Decision(
                 check_transition(job.job_id, state, target, reason, now),
                 (ReleaseDevices(), Reschedule()),

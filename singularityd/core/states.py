@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -76,6 +77,7 @@ ALLOWED_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
             JobState.RUNNING,
             JobState.PENDING,
             JobState.PREEMPTED,
+            JobState.SUSPENDED,
             JobState.MOVED,
             JobState.COMPLETED,
             JobState.FAILED,
@@ -111,3 +113,14 @@ def check_transition(job_id: int, current: JobState, target: JobState, reason: s
     if not reason:
         raise ValueError("every transition needs a reason")
     return Transition(job_id, current, target, reason, at)
+
+
+def was_suspended_when_set_aside(history: Iterable[tuple[str | None, str]]) -> bool:
+    """Whether a job's history ((from state, to state) per event, oldest first) shows it suspended
+    when it was last set aside for a move: it stays suspended wherever it lands. Arrivals (from no
+    state, or from MOVED where it lived before) and notes are not set-asides."""
+    skipped = (None, JobState.MIGRATING.value, JobState.MOVED.value)
+    for from_state, to_state in reversed(list(history)):
+        if to_state == JobState.MIGRATING.value and from_state not in skipped:
+            return bool(from_state == JobState.SUSPENDED.value)
+    return False

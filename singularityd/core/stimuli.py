@@ -171,9 +171,11 @@ class Arrived:
 
 @dataclass(frozen=True)
 class MoveAbandoned:
-    """The job, set aside for a move, stays here: queued to resume from its checkpoint (or start)."""
+    """The job, set aside for a move, stays here: queued to resume from its checkpoint (or start),
+    or, `held` (it was suspended when set aside), suspended until `sing resume`."""
 
     reason: str
+    held: bool = False
 
 
 @dataclass(frozen=True)

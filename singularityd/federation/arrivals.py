@@ -42,7 +42,7 @@ from singularityd.checkpoint.precheck import tree_pids
 from singularityd.checkpoint.restoring import KnownDigests
 from singularityd.checkpoint.service import Checkpointer
 from singularityd.checkpoint.store import ImageStore
-from singularityd.core.states import JobState
+from singularityd.core.states import JobState, was_suspended_when_set_aside
 from singularityd.core.stimuli import Arrived, MoveAbandoned, MovedAway
 from singularityd.daemon import Daemon
 from singularityd.devices.splicing import logical_devices
@@ -268,7 +268,9 @@ class Arrivals:
         job_number = int(job_id)
         daemon = self.daemon
         await self._kill_frozen(job_number)
-        needed = arrival.gpus if arrival.seq is not None else 0
+        brought = [(event["from_state"], event["to_state"]) for event in arrival.exported.get("events", [])]
+        held = was_suspended_when_set_aside(brought)
+        needed = arrival.gpus if arrival.seq is not None and not held else 0
         free = self._free_devices(arriving=job_number)
         if len(free) < needed:
             raise RuntimeError(f"no room: the job needs {counted(needed, 'device')}; {len(free)} free")
@@ -285,8 +287,8 @@ class Arrivals:
         paths = daemon.processes.paths(job_number)
         incoming = self.incoming(job_id, epoch)
         await asyncio.to_thread(jobfiles.place_arrival, incoming, arrival, self.images, paths)
-        if arrival.seq is None:
-            return  # a queued job: nothing runs until it is released
+        if arrival.seq is None or held:
+            return  # a queued or suspended job: nothing runs until it is released
         job = daemon.get_job(job_number)
         logical = logical_devices(job.spec.ranks, job.spec.gpus)  # more than it holds when spliced
         if preloaded is None or identity(job) != preloaded.identity or logical != len(devices):
@@ -347,7 +349,14 @@ class Arrivals:
             reason = f"{why}: running here"
             daemon.apply(job_id, Arrived(process.pid, process.start_ticks, job.devices, reason))
             return
-        daemon.apply(job_id, MoveAbandoned(f"{why}: queued to resume here"))
+        history = [
+            (e.from_state.value if e.from_state else None, e.to_state.value)
+            for e in daemon.store.events(job_id)
+        ]
+        if was_suspended_when_set_aside(history):
+            daemon.apply(job_id, MoveAbandoned(f"{why}: suspended here until `sing resume`", held=True))
+        else:
+            daemon.apply(job_id, MoveAbandoned(f"{why}: queued to resume here"))
 
     async def discard_incoming(self, job_id: str, epoch: int) -> None:
         """Kill what was restored for `epoch` and delete what was received for it (after a restore

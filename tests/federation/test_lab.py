@@ -453,6 +453,10 @@ def test_drain_moves_every_job_away_and_undrain_takes_jobs_again(lab: Lab) -> No
     c = lab.node("node-c")
     expected = direct_output("long_train.py", ["--steps", "80"])
     release = lab.paths.root / "release-drain"
+    suspended = int(c.sing("submit", "--", "sleep", "600").out)
+    wait_state(c, suspended, "RUNNING")
+    assert c.sing("suspend", str(suspended), timeout=300).code == 0
+    wait_state(c, suspended, "SUSPENDED")
     training = submit_train(c, release, 80)
     sleeper = int(c.sing("submit", "--", "sleep", "600").out)
     wait_state(c, training, "RUNNING")
@@ -461,7 +465,11 @@ def test_drain_moves_every_job_away_and_undrain_takes_jobs_again(lab: Lab) -> No
     drained = c.sing("drain", timeout=600)
     assert drained.code == 0, drained.err
     moved = sorted(line.split()[1] for line in drained.out.splitlines())
-    assert moved == sorted([str(training), str(sleeper)]), drained.out
+    assert moved == sorted([str(training), str(sleeper), str(suspended)]), drained.out
+    held = owner_of(lab, suspended)  # it stays suspended there until resumed
+    assert wait_state(held, suspended, "SUSPENDED")["reason"].endswith("suspended here until `sing resume`")
+    assert held.sing("resume", str(suspended), "--wait", timeout=300).code == 0
+    wait_state(held, suspended, "RUNNING")
     assert c.sing("ps", "-o", "json").json() == []
     peers = lab.node("node-a").sing("peers", "-o", "json").json()["peers"]
     wait_until(lambda: any(p["node"] == "node-c" and p["draining"] for p in peers) or None, timeout=1)
@@ -476,7 +484,7 @@ def test_drain_moves_every_job_away_and_undrain_takes_jobs_again(lab: Lab) -> No
     release.touch()
     assert owner.sing("wait", str(training), timeout=300).code == 0
     assert owner.sing("logs", str(training)).out == expected
-    for job in (sleeper, int(placed.out), int(local.out)):
+    for job in (sleeper, suspended, int(placed.out), int(local.out)):
         assert owner_of(lab, job).sing("cancel", str(job)).code == 0
 
 
