@@ -81,3 +81,21 @@ def test_a_database_from_before_a_column_gets_it_and_keeps_its_jobs(tmp_path: Pa
     assert job is not None and job.spec == spec() and job.spec.tier == "standard"
     added = reopened.create_job(replace(spec("next"), tier="basic", max_gpus=2, min_gpus=1), 11.0, "again")
     assert (added.spec.tier, added.spec.min_gpus, added.spec.max_gpus) == ("basic", 1, 2)
+
+
+def test_a_job_that_left_for_a_peer_ended_here_and_takes_no_time_on_when_it_comes_back(
+    tmp_path: Path,
+) -> None:
+    """`sing ps -a` on the node a job left showed its TIME growing for ever (no end time)."""
+    store = Store(tmp_path / "s.db")
+    store.create_job(spec(), at=10.0, reason="submitted by alice")
+    for source, target, at in [(JobState.PENDING, JobState.RUNNING, 11.0),
+                               (JobState.RUNNING, JobState.MIGRATING, 20.0),
+                               (JobState.MIGRATING, JobState.MOVED, 21.0)]:  # fmt: skip
+        store.record_transition(check_transition(1, source, target, "x", at))
+    moved = store.get(1)
+    assert moved is not None and moved.ended_at == 21.0
+    exported = store.export_job(1)
+    exported["job"]["ended_at"] = None  # as the peer it runs on holds it
+    back = store.import_job(exported, "arriving from node-b", 30.0)
+    assert back.state is JobState.MIGRATING and back.ended_at is None

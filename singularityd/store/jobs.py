@@ -165,7 +165,7 @@ class JobTable(Database):
                     "UPDATE jobs SET init_pid = NULL, init_start_ticks = NULL WHERE id = ?",
                     (transition.job_id,),
                 )
-            if target.is_terminal:
+            if target.is_terminal or target is JobState.MOVED:  # MOVED: its time here ended
                 db.execute(
                     """UPDATE jobs SET ended_at = ?, exit_code = ?, signal = ?,
                        cpu_seconds = COALESCE(?, cpu_seconds), max_rss_bytes = COALESCE(?, max_rss_bytes)
