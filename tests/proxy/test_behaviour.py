@@ -579,3 +579,24 @@ def test_a_program_sees_only_its_own_threads(server: ProxyServer) -> None:
     direct, proxied = outputs_on_cpu_and_device("probe_own_threads.py", server)
     assert "before 1 [('MainThread', False)]" in direct and "worker sum 2.0" in direct
     assert proxied == direct
+
+
+def test_a_host_tensor_mixed_into_a_modules_call_is_refused_as_cuda_refuses_it(server: ProxyServer) -> None:
+    """A host input to a device module, or a host target to a loss, ran silently (the check left
+    out every call torch's own code makes), and `torch.cat`/`stack` of a list mixing the two were
+    never checked (tests/programs/probe_mixed_devices.py)."""
+    r = run_program(["probe_mixed_devices.py"], proxy_env([server.socket], "mixed"))
+    assert r.returncode == 0, r.stderr
+    refused = [
+        "linear",
+        "conv",
+        "embedding",
+        "layer_norm",
+        "batch_norm",
+        "cross_entropy",
+        "mse_loss",
+        "cat",
+        "stack",
+    ]
+    taken = ["index with host indices", "0-dim host scalar", "copy_ from the host", "module on its device"]
+    assert r.stdout.splitlines() == [f"{n} refused" for n in refused] + [f"{n} taken" for n in taken]

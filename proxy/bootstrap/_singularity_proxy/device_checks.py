@@ -13,6 +13,7 @@ from .devices import same_device_error
 from .tensor import ProxyTensor
 
 _Tensor = torch.Tensor
+_F = torch.nn.functional
 _IS_FUNCTORCH_WRAPPED = torch._C._functorch.is_functorch_wrapped_tensor
 _UNWRAPPED = torch._C._functorch.get_unwrapped
 CLIENT_PACKAGE = __name__.rsplit(".", 1)[0]
@@ -66,6 +67,28 @@ MIXING_ALLOWED = {
     torch._has_compatible_shallow_copy_type,  # compares the kinds of two tensors
 }
 """Calls that legitimately take host and device tensors together (as they do on CUDA)."""
+CHECKED_INSIDE_TORCH = frozenset(
+    {
+        torch._C._nn.linear, torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d,
+        torch.conv_transpose2d, torch.conv_transpose3d, torch.embedding, torch.layer_norm,
+        torch.group_norm, torch.batch_norm, torch.instance_norm, torch.bilinear,
+        torch._C._nn.cross_entropy_loss, torch._C._nn.nll_loss_nd, torch._C._nn.mse_loss,
+        torch._C._nn.l1_loss, torch._C._nn.smooth_l1_loss, torch._C._nn.huber_loss,
+        torch._C._nn.binary_cross_entropy, torch.binary_cross_entropy_with_logits,
+        torch.kl_div, torch.cosine_similarity, torch.pairwise_distance,
+        _F.embedding, _F.layer_norm, _F.group_norm, _F.batch_norm, _F.instance_norm,
+        _F.cross_entropy, _F.nll_loss, _F.mse_loss, _F.l1_loss, _F.smooth_l1_loss, _F.huber_loss,
+        _F.binary_cross_entropy, _F.binary_cross_entropy_with_logits, _F.kl_div,
+    }
+)  # fmt: skip
+"""Calls checked even where torch's own Python code makes them (a module's forward, a loss):
+their tensors are the program's (its input, its target against its parameters), which CUDA
+refuses to mix, while other calls of torch's internals may take host tensors by design."""
+LISTS_OF_TENSORS = frozenset(
+    {torch.cat, torch.concat, torch.concatenate, torch.stack, torch.hstack, torch.vstack,
+     torch.dstack, torch.column_stack, torch.row_stack}
+)  # fmt: skip
+"""Calls given their tensors as one list, checked as calls of several tensors are."""
 HOST_FROM: dict[Any, int] = dict.fromkeys(
     (torch._foreach_addcdiv, torch._foreach_addcdiv_, torch._foreach_addcmul, torch._foreach_addcmul_), 3
 )
@@ -82,8 +105,9 @@ def stand_in_of(tensor: torch.Tensor) -> ProxyTensor | None:
     return tensor if isinstance(tensor, ProxyTensor) else None
 
 
-def check_devices(args: Sequence[Any]) -> None:
-    """Raise what CUDA raises when one call mixes cuda tensors and (non-scalar) host tensors."""
+def check_devices(args: Sequence[Any], inside_torch_too: bool = False) -> None:
+    """Raise what CUDA raises when one call mixes cuda tensors and (non-scalar) host tensors (a
+    call from torch's own code only where `inside_torch_too`)."""
     device = host = None
     channels_differ = False
     for arg in args:
@@ -109,7 +133,9 @@ def check_devices(args: Sequence[Any]) -> None:
                 device = stand_in if device is None else device
             else:
                 host = arg if host is None else host
-    if device is None or (host is None and not channels_differ) or from_torch_internals():
+    if device is None or (host is None and not channels_differ):
+        return
+    if not inside_torch_too and from_torch_internals():
         return
     for arg in args:
         stand_in = stand_in_of(arg) if isinstance(arg, torch.Tensor) else None

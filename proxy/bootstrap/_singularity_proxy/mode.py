@@ -22,7 +22,15 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import protocol
 from .channel import CLIENT_LOCK
-from .device_checks import HOST_FROM, MIXING_ALLOWED, called_by_client, check_devices, is_cuda
+from .device_checks import (
+    CHECKED_INSIDE_TORCH,
+    HOST_FROM,
+    LISTS_OF_TENSORS,
+    MIXING_ALLOWED,
+    called_by_client,
+    check_devices,
+    is_cuda,
+)
 from .devices import DEVICES, device_index
 from .encoding import wire_arguments
 from .method_handlers import (
@@ -358,7 +366,9 @@ class DeviceMode(TorchFunctionMode):
             if device is not None and func in HOST_PLACEABLE and isinstance(args[0], ProxyTensor):
                 with CLIENT_LOCK:
                     return made_on_host(func, args, kwargs)
-        if len(args) > 1 and func not in MIXING_ALLOWED:
+        if func in CHECKED_INSIDE_TORCH:  # torch passes some of their tensors by keyword
+            check_devices((*args, *kwargs.values()) if kwargs else args, inside_torch_too=True)
+        elif (len(args) > 1 or func in LISTS_OF_TENSORS) and func not in MIXING_ALLOWED:
             check_devices(args[: HOST_FROM.get(func, len(args))])
         if type(func) is FunctionType and _needs_mode(func):
             entering = self._entering
