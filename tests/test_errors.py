@@ -87,6 +87,16 @@ def test_cluster_verbs_outside_a_cluster(daemon: Daemon, command: list[str]) -> 
     assert_one_line_error(daemon.sing(*command), 6, text)
 
 
+def test_a_join_with_a_malformed_token_or_ca_hash_is_a_usage_error(daemon: Daemon) -> None:
+    """They were sent to the CA node, which refused them (exit 6), or to no one when unreachable."""
+    join = ("cluster", "join", "127.0.0.1:1")
+    good_hash = "sha256:" + "ab" * 32
+    refused = daemon.sing(*join, "--token", "secret", "--ca-hash", good_hash)
+    assert_one_line_error(refused, 2, "--token: a join token looks like abcdef.0123456789abcdef")
+    refused = daemon.sing(*join, "--token", "abcdef.0123456789abcdef", "--ca-hash", "sha256:abc")
+    assert_one_line_error(refused, 2, "--ca-hash: a CA fingerprint looks like sha256:<64 hex digits>")
+
+
 def test_bad_output_format(daemon: Daemon) -> None:
     assert_one_line_error(daemon.sing("ps", "-o", "yaml"), 2, "-o must be one of table, wide, json")
 

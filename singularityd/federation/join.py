@@ -122,7 +122,9 @@ def discover_ca(address: str, expected_fingerprint: str, timeout_s: float = 10.0
     matching = [c for c in chain if same_fingerprint(fingerprint(cert_to_pem(c)), expected_fingerprint)]
     if not matching:
         raise JoinError(
-            f"{address} does not present a CA with fingerprint {expected_fingerprint}: refusing to join"
+            f"{address} does not present a CA with fingerprint {expected_fingerprint}: refusing to join "
+            "(the address must be the CA node's join port, its join_port, 7071 unless configured; "
+            "`sing cluster token` there prints the whole join line)"
         )
     ca = matching[0]
     try:

@@ -135,13 +135,20 @@ def fingerprint(cert_pem: bytes) -> str:
     return "sha256:" + hashlib.sha256(der).hexdigest()
 
 
+def _fingerprint_digits(text: str) -> str:
+    return text.strip().lower().removeprefix("sha256:").replace(":", "")
+
+
 def same_fingerprint(a: str, b: str) -> bool:
     """Whether two fingerprints are equal, ignoring case, colons and the `sha256:` prefix."""
+    return hmac.compare_digest(_fingerprint_digits(a), _fingerprint_digits(b))
 
-    def norm(f: str) -> str:
-        return f.lower().removeprefix("sha256:").replace(":", "")
 
-    return hmac.compare_digest(norm(a), norm(b))
+def is_fingerprint(text: str) -> bool:
+    """Whether `text` can be a SHA-256 fingerprint as `fingerprint` writes it (case, colons and the
+    prefix aside)."""
+    digits = _fingerprint_digits(text)
+    return len(digits) == 64 and all(c in "0123456789abcdef" for c in digits)
 
 
 def generate_key() -> PrivateKey:
@@ -408,8 +415,9 @@ class Pki:
             previous = self._read_json("issued.json").get(node_name)
             if previous is not None and previous["key_sha256"] != public_key_fingerprint(public_key):
                 raise PkiError(
-                    f"node name {node_name!r} is already certified with another key; "
-                    f"choose another name or forget the node on the CA node first"
+                    f"node name {node_name!r} is already certified with another key; choose another "
+                    f"name (--name), or, for the same machine with a new key, remove {node_name!r} "
+                    f"from {self.root / 'issued.json'} on the CA node first"
                 )
             cert = self._issue(ca_key, ca_cert, public_key, node_name, now, node_days)
         return cert, cert_to_pem(ca_cert)

@@ -41,7 +41,15 @@ from singularityd.federation.join import JoinError, join, start_join_server
 from singularityd.federation.membership import DeviceInfo, Membership, PeerState, PeerStatus, Seed, Timing
 from singularityd.federation.moves import DaemonMoves, is_owned_here
 from singularityd.federation.peer import PeerChannels, PeerServer, PeerService
-from singularityd.federation.pki import NodeIdentity, Pki, PkiError, check_node_name, node_of_job
+from singularityd.federation.pki import (
+    JoinToken,
+    NodeIdentity,
+    Pki,
+    PkiError,
+    check_node_name,
+    is_fingerprint,
+    node_of_job,
+)
 from singularityd.federation.v1 import peer_pb2 as pb
 from singularityd.store import JobRecord
 from singularityd.units import human_bytes
@@ -292,6 +300,12 @@ class Federation:
 
     async def join(self, address: str, token: str, fingerprint: str, node_name: str) -> tuple[str, int, str]:
         """Get this node certified by the CA node at `address`, then serve peers; (name, number, CA node)."""
+        try:
+            JoinToken.parse(token)
+        except PkiError as error:
+            raise InvalidRequest(f"--token: {error}") from None
+        if not is_fingerprint(fingerprint):
+            raise InvalidRequest("--ca-hash: a CA fingerprint looks like sha256:<64 hex digits>")
         async with self._lock:
             name = self._new_name(node_name)
             try:
