@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Iterable
 from typing import Any
 
 import grpc.aio
@@ -52,6 +52,7 @@ from singularityd.federation.pki import (
 )
 from singularityd.federation.v1 import peer_pb2 as pb
 from singularityd.store import JobRecord
+from singularityd.tiers import standing
 from singularityd.units import human_bytes
 
 log = logging.getLogger(__name__)
@@ -397,7 +398,7 @@ class Federation:
         """Take no new jobs and move every job owned here to a peer with room."""
         _, membership, _, _ = self._require_active()
         self._set_draining(True)
-        jobs = [job for job in self.daemon.store.list_jobs() if self.owns(job)]
+        jobs = drain_order(job for job in self.daemon.store.list_jobs() if self.owns(job))
         for job in jobs:
             current = self.daemon.store.get(job.id)
             if current is None or not current.state.is_listed or not self.owns(current):
@@ -488,3 +489,14 @@ class Federation:
             else:
                 remote += [(node, job) for job in answer.jobs]
         return ClusterJobs(local, remote, sorted(unreachable))
+
+
+def drain_order(jobs: Iterable[JobRecord]) -> list[JobRecord]:
+    """The order a drain moves jobs in, while the peers have the most room: running jobs first,
+    then queued ones, each by standing (tier, then priority), highest first."""
+
+    def key(job: JobRecord) -> tuple[bool, int, int, int]:
+        tier, priority = standing(job.spec.tier, job.spec.priority)
+        return job.state is not JobState.RUNNING, -tier, -priority, job.id
+
+    return sorted(jobs, key=key)
