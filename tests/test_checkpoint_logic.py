@@ -7,6 +7,7 @@ killed daemon, and the sizes a post-dump script records.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import threading
@@ -50,6 +51,8 @@ from singularityd.checkpoint.manifest import (
     structural_problems,
 )
 from singularityd.checkpoint.precheck import DaemonFacts, ProcFacts, tree_problems
+from singularityd.checkpoint.staging import staged_folder
+from tests.conftest import requires_root
 
 
 def _manifest(seq: int = 2, **files: int) -> Manifest:
@@ -269,6 +272,41 @@ def test_a_daemon_killed_while_recording_a_stopping_dump_leaves_it_recordable(
     assert not (pending.path / ".intent.json").exists()
     store.record_intent(pending, {"criu_version": "4.2"})  # as if killed just after the manifest
     assert store.interrupted("7") is None and not (pending.path / ".intent.json").exists()
+
+
+@requires_root
+def test_files_in_a_checkpoint_the_user_owns_are_read_only_as_the_daemon_wrote_them(tmp_path: Path) -> None:
+    """A finished checkpoint's folder is its user's: a FIFO put in place of its manifest blocked
+    every reader (the daemon's event loop), and markers the user wrote in place of the daemon's
+    (`.staged.json`, `.intent.json`) made the daemon delete or hash folders they named. Only
+    regular files the daemon (its uid) owns are read; the daemon's temporary file is never a link."""
+    store = ImageStore(tmp_path / "store", trusted_uid=os.getuid())
+    pending = store.begin("7", owner_uid=os.getuid(), owner_gid=os.getgid())
+    (pending.path / "images" / "core-1.img").write_bytes(b"image")
+    store.finish(pending, leave_running=False, criu_version="4.2")
+    manifest = pending.path / "manifest.json"
+    manifest.rename(pending.path / "kept.json")
+    os.mkfifo(manifest)
+    began = time.monotonic()
+    with pytest.raises(ManifestError, match="not a regular file owned by uid"):
+        store.read_manifest("7", pending.seq)
+    assert time.monotonic() - began < 1
+    manifest.unlink()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    for marker, forged in (
+        (".staged.json", {"staging_folder": str(victim)}),
+        (".intent.json", {"owner_uid": 0}),
+    ):
+        (pending.path / marker).write_text(json.dumps(forged))
+        os.chown(pending.path / marker, os.getuid() + 1, -1)  # another user's file
+    assert store.cut_short_staged("7") is None and store.interrupted("7") is None
+    assert staged_folder(pending.path, os.getuid()) is None
+    target = tmp_path / "target"
+    target.write_text("kept")
+    (pending.path / ".intent.json.tmp").symlink_to(target)
+    store.record_intent(pending, {"criu_version": "4.2"})
+    assert target.read_text() == "kept" and store.interrupted("7") is not None
 
 
 def test_files_hashed_as_they_arrived_are_checked_against_the_manifest_without_a_read(tmp_path: Path) -> None:

@@ -71,7 +71,7 @@ async def settle_interrupted(checkpointer: Checkpointer, job_id: str, wait_s: fl
     with store.locked(job_id):
         staged = await asyncio.to_thread(store.cut_short_staged, job_id)
         if staged is not None:
-            return await _remove_staged(staged, wait_s)
+            return await _remove_staged(staged, store.trusted_uid, wait_s)
         found = await asyncio.to_thread(store.interrupted, job_id)
         if found is None:
             return ""
@@ -91,10 +91,10 @@ async def settle_interrupted(checkpointer: Checkpointer, job_id: str, wait_s: fl
                     leftover.unlink()
 
 
-async def _remove_staged(pending: PendingCheckpoint, wait_s: float) -> str:
+async def _remove_staged(pending: PendingCheckpoint, trusted_uid: int, wait_s: float) -> str:
     """Remove a checkpoint in place whose images were still in memory or on their way to disk when
     its daemon died (the job ran on through it), once no CRIU dumps into its staging folder."""
-    folder = await asyncio.to_thread(staged_folder, pending.path)
+    folder = await asyncio.to_thread(staged_folder, pending.path, trusted_uid)
     if folder is not None:
         if not await criu_done_with(folder, wait_s):
             return f"checkpoint {pending.seq} is still dumped by CRIU after {wait_s:.0f}s; left alone"

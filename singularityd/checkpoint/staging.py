@@ -25,7 +25,7 @@ from pathlib import Path
 
 from singularityd import faults
 from singularityd.checkpoint.hashing import HASH_CHUNK, PrefixHash
-from singularityd.checkpoint.store import STAGED_MARK, write_durably
+from singularityd.checkpoint.store import STAGED_MARK, read_trusted, write_durably
 from singularityd.units import human_bytes
 
 RECORD_NAME = ".staging"
@@ -118,10 +118,11 @@ def mark_staged(checkpoint: Path, folder: Path) -> None:
     write_durably(checkpoint / STAGED_MARK, json.dumps({"staging_folder": str(folder)}))
 
 
-def staged_folder(checkpoint: Path) -> Path | None:
-    """The staging folder a checkpoint folder's marker names (None without a marker)."""
+def staged_folder(checkpoint: Path, trusted_uid: int) -> Path | None:
+    """The staging folder a checkpoint folder's marker names (None without a marker this daemon,
+    as `trusted_uid`, wrote)."""
     try:
-        return Path(json.loads((checkpoint / STAGED_MARK).read_text())["staging_folder"])
+        return Path(json.loads(read_trusted(checkpoint / STAGED_MARK, trusted_uid))["staging_folder"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -76,12 +76,30 @@ def _fact(path: Path) -> FileFact:
     return FileFact("other", st.st_uid, 0)
 
 
+def read_trusted(path: Path, trusted_uid: int) -> str:
+    """The text of a file this daemon wrote into a folder the job's user may own, refused
+    (OSError) unless it is a regular file owned by `trusted_uid`: the user's FIFO would block the
+    reader, a file of theirs would forge what the daemon wrote, a link would lead elsewhere."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != trusted_uid:
+            raise PermissionError(errno.EPERM, f"not a regular file owned by uid {trusted_uid}", str(path))
+        with os.fdopen(os.dup(fd), "r") as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
 def write_durably(target: Path, text: str) -> None:
-    """Replace `target` with `text` atomically and flushed to disk (a temporary file renamed over
-    it); raises OSError, leaving no temporary file behind."""
+    """Replace `target` with `text` atomically and flushed to disk (a temporary file, made afresh
+    and never through a link, renamed over it); raises OSError, leaving no temporary file behind."""
     tmp = target.with_name(target.name + ".tmp")
     try:
-        with open(tmp, "w") as f:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -229,7 +247,7 @@ class ImageStore:
                 (path / INTENT_NAME).unlink()
             return None
         try:
-            intent = json.loads((path / INTENT_NAME).read_text())
+            intent = json.loads(read_trusted(path / INTENT_NAME, self.trusted_uid))
         except (OSError, ValueError):
             return None
         if not isinstance(intent, dict):
@@ -244,7 +262,11 @@ class ImageStore:
         if not seqs:
             return None
         path = self.checkpoint_dir(job_id, seqs[-1])
-        if (path / MANIFEST_NAME).exists() or not (path / STAGED_MARK).exists():
+        if (path / MANIFEST_NAME).exists():
+            return None
+        try:
+            read_trusted(path / STAGED_MARK, self.trusted_uid)
+        except OSError:
             return None
         st = os.lstat(path)
         return PendingCheckpoint(job_id, seqs[-1], path, st.st_uid, st.st_gid)
@@ -325,19 +347,13 @@ class ImageStore:
         """Load a checkpoint's manifest; raise ManifestError saying why it cannot be used."""
         p = self.checkpoint_dir(job_id, seq) / MANIFEST_NAME
         try:
-            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
+            text = read_trusted(p, self.trusted_uid)
         except FileNotFoundError as e:
             raise ManifestError("incomplete: no manifest (the dump did not finish)") from e
+        except PermissionError as e:
+            raise ManifestError(f"the manifest is not a regular file owned by uid {self.trusted_uid}") from e
         except OSError as e:
             raise ManifestError(f"cannot open the manifest: {e.strerror}") from e
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != self.trusted_uid:
-                raise ManifestError(f"the manifest is not a regular file owned by uid {self.trusted_uid}")
-            with os.fdopen(os.dup(fd), "r") as f:
-                text = f.read()
-        finally:
-            os.close(fd)
         return Manifest.from_json(text)
 
     def gather_facts(self, job_id: str, seq: int, manifest: Manifest) -> dict[str, FileFact]:
