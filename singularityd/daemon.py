@@ -60,7 +60,7 @@ from singularityd.core.stimuli import (
 )
 from singularityd.devices.access import DeviceAccess, DeviceError
 from singularityd.devices.inventory import Device, Inventory, refresh
-from singularityd.errors import StateConflict, not_found
+from singularityd.errors import StateConflict, StoreUnwritable, not_found
 from singularityd.jobs import work
 from singularityd.jobs.processes import Processes, ProcessId
 from singularityd.jobs.record import JobRuntime
@@ -72,6 +72,8 @@ from singularityd.units import human_bytes
 log = logging.getLogger("singularityd")
 
 KILL_BACKSTOP_SECONDS = 2.0
+STORE_RETRY_SECONDS = 2.0
+"""How soon an event the state database could not record is fed to the state machine again."""
 GROW_ROUND_MARGIN_SECONDS = 0.5
 """While an elastic job could grow into idle devices, a round comes this much after they have been
 idle long enough (clocks differ slightly), and again after as long while the job is busy."""
@@ -333,8 +335,11 @@ class Daemon:
             case RescheduleAfter(seconds=seconds):
                 self._later(seconds, self.request_schedule)
             case Note(reason=reason):
-                self.store.add_note(job.id, state, reason, self.clock())
                 log.info("job %d: %s", job.id, reason)
+                try:
+                    self.store.add_note(job.id, state, reason, self.clock())
+                except StoreUnwritable as error:  # a lost note must not stop the actions after it
+                    log.warning("job %d: note not recorded (%s): %s", job.id, error.message, reason)
             case LaunchProcesses():
                 current = self.get_job(job.id)  # with the devices just granted
                 self._report(job.id, work.launch(current, self.processes, self.devices), LaunchFailed)
@@ -387,9 +392,26 @@ class Daemon:
         status = self.processes.exit_status(job_id)
         if status is None:
             detail = "the job's supervisor was killed before it recorded an exit status"
-            self.apply(job_id, ProcessesLost(detail))
+            self.report_event(job_id, ProcessesLost(detail))
         else:
-            self.apply(job_id, status.as_stimulus())
+            self.report_event(job_id, status.as_stimulus())
+
+    def report_event(self, job_id: int, stimulus: Stimulus) -> None:
+        """Feed the state machine something that happened to the job (its processes ended, a
+        checkpoint or restore came out): when the state database cannot record it now (a full
+        disk, a lock held), it is fed again every STORE_RETRY_SECONDS until it can, so that the
+        job does not stay in a state its processes have left."""
+        before = self.get_job(job_id).state
+        try:
+            self.apply(job_id, stimulus)
+        except StoreUnwritable as error:
+            if self.get_job(job_id).state is not before:
+                return  # recorded; an action after it was not carried out (logged by apply)
+            log.warning(
+                "job %d: %s not recorded yet (%s); trying again in %.0fs",
+                job_id, type(stimulus).__name__, error.message, STORE_RETRY_SECONDS,
+            )  # fmt: skip
+            self._later(STORE_RETRY_SECONDS, lambda: self.report_event(job_id, stimulus))
 
     def _periodic_due(self, job_id: int) -> None:
         """The job's periodic checkpoint interval has passed."""
@@ -415,7 +437,7 @@ class Daemon:
             except Exception as error:
                 log.exception("job %d: internal error", job_id)
                 stimulus = failed(f"internal error: {type(error).__name__}: {error}")
-            self.apply(job_id, stimulus)
+            self.report_event(job_id, stimulus)
 
         self.spawn(report())
 
@@ -426,7 +448,7 @@ class Daemon:
         try:
             hooks = self.move_pause_hooks.get(job.id) if take.for_move else None
             stimulus, result = await work.checkpoint(job, take, self.processes, self.checkpoints, hooks)
-            self.apply(job.id, stimulus)
+            self.report_event(job.id, stimulus)
             if isinstance(result, StateConflict):
                 outcome.set_exception(result)
             else:

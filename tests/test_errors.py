@@ -4,15 +4,26 @@ from __future__ import annotations
 
 import os
 import socket
+import sqlite3
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import requires_root
-from tests.helpers import SINGULARITYD, Daemon, Result, ensure_user, python_for_user, run_sing, running_daemon
+from tests.helpers import (
+    SINGULARITYD,
+    Daemon,
+    Result,
+    ensure_user,
+    python_for_user,
+    run_sing,
+    running_daemon,
+    wait_until,
+)
 
 
 def assert_one_line_error(result: Result, code: int, text: str) -> None:
@@ -178,6 +189,30 @@ def test_full_disk_under_the_state_directory(daemon_root: Path) -> None:
             assert stat.S_IMODE((state / "singularity.db").stat().st_mode) == 0o600, "specs hold users' env"
     finally:
         subprocess.run(["umount", "-l", str(state)], check=False)
+
+
+def test_a_job_that_ends_while_the_state_database_is_locked_is_recorded_once_it_is_free(
+    daemon: Daemon,
+) -> None:
+    """A job's end that the state database could not record (locked by another process here; a
+    full disk does the same) was dropped: the job stayed RUNNING with its device, `sing wait`
+    never returned and `cancel` did nothing. Its end is recorded, exit code included, after."""
+    release = daemon.root / "release"
+    job = daemon.submit("sh", "-c", f"while [ ! -e {release} ]; do sleep 0.1; done; exit 3")
+    daemon.wait_state(job, "RUNNING")
+    holder = sqlite3.connect(daemon.state_dir / "singularity.db", isolation_level=None)
+    try:
+        holder.execute("BEGIN EXCLUSIVE")
+        release.touch()
+        wait_until(lambda: (daemon.state_dir / "jobs" / str(job) / "status.json").exists(), timeout=60)
+        time.sleep(7)  # past the daemon's 5 s wait for the lock
+    finally:
+        holder.rollback()
+        holder.close()
+    waited = daemon.sing("wait", str(job), timeout=60)
+    assert waited.code == 3, waited
+    shown = daemon.job(job)
+    assert shown["state"] == "FAILED" and shown["exit_code"] == 3 and shown["devices"] == []
 
 
 @requires_root
