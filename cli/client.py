@@ -17,6 +17,8 @@ from singularity.cli.errors import EXIT_UNAVAILABLE, CliError, exit_code_for_sta
 from singularityd.api.v1 import singularity_pb2_grpc as pb_grpc
 
 SYSTEM_SOCKET = Path("/run/singularity/sing.sock")
+MAX_REPLY_BYTES = 1 << 30
+"""Largest answer taken from the daemon (gRPC's 4 MiB default failed `sing ps` of many long commands)."""
 SYSTEM_CONFIG = Path("/etc/singularity/singularityd.toml")
 START_HINT = (
     "start it with `sudo systemctl start singularityd`, or `scripts/daemon` from a checkout "
@@ -88,7 +90,8 @@ class Connection:
 
     def __init__(self, socket_path: Path) -> None:
         self.socket_path = socket_path
-        self.channel = grpc.insecure_channel(f"unix:{socket_path}", options=[("grpc.enable_retries", 0)])
+        options = [("grpc.enable_retries", 0), ("grpc.max_receive_message_length", MAX_REPLY_BYTES)]
+        self.channel = grpc.insecure_channel(f"unix:{socket_path}", options=options)
         self.stub = pb_grpc.SingularityStub(self.channel)
 
     def close(self) -> None:

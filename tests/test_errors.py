@@ -108,6 +108,24 @@ def test_a_join_with_a_malformed_token_or_ca_hash_is_a_usage_error(daemon: Daemo
     assert_one_line_error(refused, 2, "--ca-hash: a CA fingerprint looks like sha256:<64 hex digits>")
 
 
+def test_job_names_and_commands_are_bounded_and_long_listings_still_arrive(daemon: Daemon) -> None:
+    """Names of megabytes (a listing over gRPC's 4 MiB broke `sing ps` for every user) and control
+    characters in names (they forged lines of `sing show`) are refused; listings of many long
+    commands arrive whole."""
+    too_long = daemon.sing("submit", "--name", "n" * 201, "--", "true")
+    assert_one_line_error(too_long, 2, "at most 200 characters")
+    refused = daemon.sing("submit", "--name", "a\nUser: sing-alice", "--", "true")
+    assert_one_line_error(refused, 2, "must not hold control characters")
+    too_big = daemon.sing("submit", "--", "true", *(["x" * 110_000] * 10))
+    assert_one_line_error(too_big, 2, "at most 1048576 are kept")
+    jobs = [daemon.submit("true", *(["y" * 110_000] * 9)) for _ in range(5)]  # about 5 MB in all
+    for job in jobs:
+        daemon.sing("wait", str(job))
+    listed = daemon.sing("ps", "-a", "-o", "json")
+    assert listed.code == 0, listed.err[-500:]
+    assert [job["id"] for job in listed.json()] == jobs
+
+
 def test_bad_output_format(daemon: Daemon) -> None:
     assert_one_line_error(daemon.sing("ps", "-o", "yaml"), 2, "-o must be one of table, wide, json")
 

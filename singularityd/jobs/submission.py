@@ -19,6 +19,10 @@ MAX_RANKS = 4096
 """Most processes one job may start (a process group's limit on the proxies, proxy/server/collectives.py)."""
 MAX_RESTARTS = 100
 """Most restarts after failures one job may ask for (`--max-restarts`)."""
+MAX_NAME_CHARS = 200
+"""Longest job name: every listing carries it, to every user."""
+MAX_COMMAND_BYTES = 1 << 20
+"""Most bytes of command line and environment one job keeps (Linux takes at most 2 MiB in all)."""
 
 
 @dataclass(frozen=True)
@@ -104,8 +108,20 @@ def validated_spec(caller: Caller, args: SubmitArgs, total_devices: int) -> JobS
     bad = [key for key in args.env if not key or "=" in key or "\0" in key]
     if bad:
         raise InvalidRequest(f"invalid environment variable name {bad[0]!r}")
+    name = args.name or os.path.basename(args.command[0])
+    if len(name) > MAX_NAME_CHARS:
+        raise InvalidRequest(f"a job's name must be at most {MAX_NAME_CHARS} characters, not {len(name)}")
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise InvalidRequest(f"a job's name must not hold control characters (newlines, escapes): {name!r}")
+    size = sum(len(word.encode()) for word in args.command) + sum(
+        len(key.encode()) + len(value.encode()) for key, value in args.env.items()
+    )
+    if size > MAX_COMMAND_BYTES:
+        raise InvalidRequest(
+            f"the command and environment take {size} bytes; at most {MAX_COMMAND_BYTES} are kept per job"
+        )
     return JobSpec(
-        name=args.name or os.path.basename(args.command[0]),
+        name=name,
         uid=caller.uid,
         gid=caller.gid,
         user=caller.user,
