@@ -297,7 +297,7 @@ def job_detail_text(detail: pb.JobDetail, wide: bool = False, header: bool = Tru
     lines += [
         "  " + line for line in table(rows, ("TIME", "STATE", "EVENT") if header else None).splitlines()
     ]
-    return "\n".join(lines)
+    return "\n".join(line.translate(_CONTROL) for line in lines)  # a command's escapes stay inert
 
 
 def checkpoints_table(

@@ -42,6 +42,16 @@ def test_a_table_row_stays_one_line_whatever_its_cells_hold() -> None:
     ]
 
 
+def test_show_prints_a_jobs_command_and_folder_with_their_escapes_inert() -> None:
+    """`sing show` of another user's job passed its terminal escapes (window title, colours,
+    clearing the screen) to the admin's terminal, and a newline in its command forged lines."""
+    job = pb.Job(id=7, name="x", command=["printf", "\x1b]0;owned\x07", "a\nUser: root"], cwd="/tmp/\x1b[2J")
+    text = output.job_detail_text(pb.JobDetail(job=job))
+    assert "\x1b" not in text and "\x07" not in text
+    assert "Command:    printf \\x1b]0;owned\\x07 a\\nUser: root" in text.splitlines()
+    assert "Directory:  /tmp/\\x1b[2J" in text.splitlines()
+
+
 def test_version() -> None:
     for flag in ("--version", "-V"):
         result = run_sing([flag], socket_path=None)
