@@ -273,6 +273,7 @@ def test_a_good_file_becomes_a_job_of_its_owner(spool_daemon: Daemon) -> None:
     done = spool(daemon) / DONE_DIR / f"hello.{job['id']}.toml"
     wait_until(done.exists)
     assert done.stat().st_uid == alice.pw_uid
+    assert stat.S_IMODE(done.stat().st_mode) == 0o600, "it may hold the job's environment"
     assert not (spool(daemon) / "hello.toml").exists()
     assert not (spool(daemon) / "hello.toml.error").exists()
 
@@ -345,3 +346,23 @@ def test_files_dropped_while_the_daemon_was_down_are_submitted_at_start(daemon_r
         daemon.start()
         found = wait_until(lambda: [j for j in jobs(daemon) if j["name"] == "overnight"])
         assert found[0]["user"] == ALICE
+
+
+@requires_root
+def test_a_file_with_the_longest_name_is_submitted_once(daemon_root: Path) -> None:
+    """NAME.toml of 255 bytes: its error file's name and its done name were too long, so it
+    stayed in the spool and was submitted again at every start (and the spool went off)."""
+    ensure_user(ALICE)
+    stem = "x" * (255 - len(".toml"))
+    with running_daemon(daemon_root, config={"metrics": False}) as daemon:
+        drop_as(ALICE, spool(daemon) / ".short", "command = 'true'\ncwd = '/tmp'\n")
+        alice = pwd.getpwnam(ALICE)
+        subprocess.run(["mv", ".short", f"{stem}.toml"], cwd=spool(daemon), user=alice.pw_uid, check=True)
+        found = wait_until(lambda: jobs(daemon))
+        assert [j["name"] for j in found] == [stem[:200]]
+        wait_until(lambda: not (spool(daemon) / f"{stem}.toml").exists())
+        daemon.stop()
+        daemon.start()
+        drop_as(ALICE, spool(daemon) / "later.toml", "command = 'true'\ncwd = '/tmp'\n")
+        wait_until(lambda: len(jobs(daemon)) == 2)
+        assert [j["name"] for j in jobs(daemon)] == [stem[:200], "later"]

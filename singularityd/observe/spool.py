@@ -32,10 +32,13 @@ from typing import Any
 
 from singularityd.errors import RequestError
 from singularityd.identity import Caller
-from singularityd.jobs.submission import SubmitArgs, default_gpus
+from singularityd.jobs.submission import MAX_NAME_CHARS, SubmitArgs, default_gpus
 from singularityd.observe.feed import SpoolFileHandled
 from singularityd.observe.watch import FolderWatch
 from singularityd.store import JobRecord
+
+NAME_MAX_BYTES = 255
+"""Longest file name Linux file systems take."""
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +236,7 @@ def read_job_file(folder_fd: int, name: str, daemon_uid: int) -> JobFile:
         text = data.decode()
     except UnicodeDecodeError:
         raise SpoolRefusal("the file is not UTF-8 text") from None
-    args = job_arguments(text, owner, name[: -len(SUFFIX)])
+    args = job_arguments(text, owner, name[: -len(SUFFIX)][:MAX_NAME_CHARS])
     return JobFile(owner.pw_uid, owner.pw_gid, owner.pw_name, args)
 
 
@@ -326,13 +329,19 @@ class Spool:
         """Move a submitted file to done/NAME.<id>.toml (unless its owner replaced it meanwhile)."""
         fd, done = self._folder_fd, self._done_fd
         assert fd is not None and done is not None
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # absent, or a name too long to have one
             os.unlink(name + ERROR_SUFFIX, dir_fd=fd)
         try:
             now = os.stat(name, dir_fd=fd, follow_symlinks=False)
             if (now.st_dev, now.st_ino) != (before.st_dev, before.st_ino):
                 return  # a new file under the same name: it gets its own turn
-            os.rename(name, f"{name[: -len(SUFFIX)]}.{job_id}{SUFFIX}", src_dir_fd=fd, dst_dir_fd=done)
+            moved = done_name(name, job_id)
+            os.rename(name, moved, src_dir_fd=fd, dst_dir_fd=done)
+            kept = os.open(moved, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=done)
+            try:
+                os.fchmod(kept, 0o600)  # it may hold the job's environment: its owner's alone
+            finally:
+                os.close(kept)
         except OSError as error:
             log.error("spool: job %d submitted, but %s could not be moved aside: %s", job_id, name, error)
 
@@ -359,3 +368,11 @@ class Spool:
             log.error("spool: cannot write the error file of %s: %s", name, error)
             with contextlib.suppress(OSError):
                 os.unlink(temporary, dir_fd=fd)
+
+
+def done_name(name: str, job_id: int) -> str:
+    """NAME.<id>.toml for a submitted NAME.toml, NAME shortened to keep within a file name's
+    255 bytes (a name that did not fit stayed behind and was submitted again at every start)."""
+    stem, tail = name[: -len(SUFFIX)], f".{job_id}{SUFFIX}"
+    room = NAME_MAX_BYTES - len(tail.encode())
+    return stem.encode()[:room].decode(errors="ignore") + tail
