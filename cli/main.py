@@ -15,7 +15,7 @@ import grpc
 import typer
 
 from singularity.cli import cluster, output
-from singularity.cli.client import connect, resolve_socket, rpc_error, unreachable_message
+from singularity.cli.client import LOST_CONNECTION, connect, resolve_socket, rpc_error, unreachable_message
 from singularity.cli.config import settings
 from singularity.cli.errors import (
     EXIT_CONFLICT,
@@ -110,7 +110,9 @@ def _parse_env(pairs: list[str]) -> dict[str, str]:
 
 
 def _wait_for(stub: Any, job_id: int) -> pb.Job:
-    """Block until the job ends, riding out daemon restarts (the job survives them)."""
+    """Block until the job ends, riding out daemon restarts (the job survives them) once the
+    daemon has been reached (a socket no daemon listens on is refused at once, as other verbs are)."""
+    reached = False
     with Progress(f"waiting for job {job_id}") as progress:
         while True:
             try:
@@ -118,6 +120,9 @@ def _wait_for(stub: Any, job_id: int) -> pb.Job:
                 return job
             except grpc.RpcError as error:
                 if error.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                reached = reached or any(sign in (error.details() or "") for sign in LOST_CONNECTION)
+                if not reached:
                     raise
                 progress.update(f"waiting for job {job_id} (the daemon is restarting)")
                 time.sleep(1.0)

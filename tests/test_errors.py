@@ -141,6 +141,8 @@ def test_daemon_not_running(tmp_path: Path) -> None:
     listener.bind(str(stale))
     listener.close()
     assert_one_line_error(run_sing(["ps"], socket_path=stale), 3, "cannot reach singularityd")
+    waited = run_sing(["wait", "1"], socket_path=stale, timeout=20)  # it waited for ever, silently
+    assert_one_line_error(waited, 3, "cannot reach singularityd")
     doctor = run_sing(["doctor"], socket_path=missing)
     assert doctor.code == 3 and "start it with" in doctor.out
 
