@@ -390,7 +390,7 @@ def resize(
             stub.Resize(pb.ResizeRequest(id=job_id, gpus=gpus))
         job = _wait_running(stub, job_id)
         if job.state != "RUNNING":
-            raise CliError(f"job {job_id} ended ({job.state}: {job.reason}) before it ran again")
+            raise CliError(_not_running_again(job))
         count = len(job.devices)
         listed = ",".join(str(d) for d in job.devices)
         print(f"job {job_id} runs on {count} device{'s' if count != 1 else ''} ({listed})")
@@ -410,7 +410,14 @@ def resume(
         if wait:
             job = _wait_running(stub, job_id)
             if job.state != "RUNNING":
-                raise CliError(f"job {job_id} ended ({job.state}: {job.reason}) before it ran again")
+                raise CliError(_not_running_again(job))
+
+
+def _not_running_again(job: pb.Job) -> str:
+    """Why a job waited for did not run again: held again after a failed restore, or ended."""
+    if job.state == "SUSPENDED":
+        return f"job {job.id} did not run again: {job.reason}"
+    return f"job {job.id} ended ({job.state}: {job.reason}) before it ran again"
 
 
 def _wait_running(stub: Any, job_id: int) -> pb.Job:
@@ -420,8 +427,8 @@ def _wait_running(stub: Any, job_id: int) -> pb.Job:
             for job in update.jobs:
                 if job.id != job_id:
                     continue
-                if (job.state == "RUNNING" and not job.starting) or job.ended_at:
-                    running: pb.Job = job
+                if (job.state == "RUNNING" and not job.starting) or job.ended_at or job.state == "SUSPENDED":
+                    running: pb.Job = job  # SUSPENDED: held again, its restore failed
                     return running
                 if job.starting:
                     progress.update(

@@ -283,7 +283,8 @@ def test_a_restore_refused_for_a_cause_outside_the_job_holds_it_with_its_checkpo
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", port))
         squatter.listen(1)
-        assert cr_daemon.sing("resume", str(job)).code == 0
+        waited = cr_daemon.sing("resume", "--wait", str(job), timeout=120)  # it waited for ever
+        assert waited.code != 0 and waited.err.startswith(f"sing: job {job} did not run again: cannot resume")
         held = wait_until(lambda: (j := cr_daemon.job(job))["reason"].startswith("cannot resume") and j)
     assert held["state"] == "SUSPENDED" and held["devices"] == [], held
     assert "held with its checkpoints" in held["reason"], held["reason"]
