@@ -366,10 +366,11 @@ class DeviceMode(TorchFunctionMode):
             if device is not None and func in HOST_PLACEABLE and isinstance(args[0], ProxyTensor):
                 with CLIENT_LOCK:
                     return made_on_host(func, args, kwargs)
-        if func in CHECKED_INSIDE_TORCH:  # torch passes some of their tensors by keyword
-            check_devices((*args, *kwargs.values()) if kwargs else args, inside_torch_too=True)
-        elif (len(args) > 1 or func in LISTS_OF_TENSORS) and func not in MIXING_ALLOWED:
-            check_devices(args[: HOST_FROM.get(func, len(args))])
+        if len(args) > 1 or func in LISTS_OF_TENSORS:
+            if func in CHECKED_INSIDE_TORCH:  # torch passes some of their tensors by keyword
+                check_devices((*args, *kwargs.values()) if kwargs else args, inside_torch_too=True)
+            elif func not in MIXING_ALLOWED:
+                check_devices(args[: HOST_FROM.get(func, len(args))])
         if type(func) is FunctionType and _needs_mode(func):
             entering = self._entering
             again = entering.func is func
