@@ -251,8 +251,10 @@ class Daemon:
         record = self.records.get(job_id)
         return record.activity if record is not None else Activity()
 
-    def apply(self, job_id: int, stimulus: Stimulus) -> Decision:
-        """Feed one stimulus to the state machine, record the result, carry out its actions.
+    def apply(self, job_id: int, stimulus: Stimulus, happened: bool = False) -> Decision:
+        """Feed one stimulus to the state machine, record the result, carry out its actions
+        (`happened`: it reports something that happened to the job, which a note the state
+        database cannot take does not stop; a request is refused whole).
 
         Raises NotFound for an unknown job, and the state machine's InvalidTransition when the
         job's state does not allow the stimulus (nothing is changed then).
@@ -280,7 +282,7 @@ class Daemon:
         self.feed.report(JobDecided(job_id, job.spec.user, job.state, facts.activity, stimulus, decision))
         try:
             for action in decision.actions:
-                self._carry_out(job, state, action)
+                self._carry_out(job, state, action, happened)
         except Exception as error:
             # what was not carried out is not under way: a checkpoint refused by a full state
             # database must not leave the job "already being checkpointed" for good
@@ -312,8 +314,9 @@ class Daemon:
         job_id, before, after = transition.job_id, transition.from_state, transition.to_state
         log.info("job %d: %s -> %s (%s)", job_id, before, after, transition.reason)
 
-    def _carry_out(self, job: JobRecord, state: JobState, action: Action) -> None:
-        """Carry out one decided action for the job (now in `state`)."""
+    def _carry_out(self, job: JobRecord, state: JobState, action: Action, happened: bool) -> None:
+        """Carry out one decided action for the job (now in `state`; `happened`: for something
+        that happened to it, not a request)."""
         record = self.records.get(job.id)
         match action:
             case MarkCancelRequested():
@@ -338,7 +341,10 @@ class Daemon:
                 log.info("job %d: %s", job.id, reason)
                 try:
                     self.store.add_note(job.id, state, reason, self.clock())
-                except StoreUnwritable as error:  # a lost note must not stop the actions after it
+                except StoreUnwritable as error:
+                    if not happened:
+                        raise  # a request is refused whole
+                    # what happened goes on: a lost note must not stop the actions after it
                     log.warning("job %d: note not recorded (%s): %s", job.id, error.message, reason)
             case LaunchProcesses():
                 current = self.get_job(job.id)  # with the devices just granted
@@ -403,7 +409,7 @@ class Daemon:
         job does not stay in a state its processes have left."""
         before = self.get_job(job_id).state
         try:
-            self.apply(job_id, stimulus)
+            self.apply(job_id, stimulus, happened=True)
         except StoreUnwritable as error:
             if self.get_job(job_id).state is not before:
                 return  # recorded; an action after it was not carried out (logged by apply)

@@ -98,7 +98,7 @@ def write_durably(target: Path, text: str) -> None:
     try:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
