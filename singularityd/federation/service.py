@@ -450,7 +450,7 @@ class Federation:
             moves.placing.add(job_id)
             try:
                 for peer in membership.with_room(job.spec.gpus, time.time()):
-                    if time.monotonic() - refused.get(peer, -PLACE_REFUSED_S) < PLACE_REFUSED_S:
+                    if peer in refused and time.monotonic() - refused[peer] < PLACE_REFUSED_S:
                         continue
                     final = None
                     async for report in self._move(job_id, peer):
