@@ -117,16 +117,22 @@ def test_proxied_job_preempted_and_moved_is_exact(daemon_root: Path) -> None:
 
 
 def preempted_job_prints_the_direct_output(
-    daemon_root: Path, program: str, args: list[str], beyond: Sequence[int], step_timeout: float
+    daemon_root: Path,
+    program: str,
+    args: list[str],
+    beyond: Sequence[int],
+    step_timeout: float,
+    gpus: int = 1,
 ) -> None:
-    """Run `program` (with `args` and a --hold file) on one virtual device, preempt it once it
+    """Run `program` (with `args` and a --hold file) on `gpus` virtual devices, preempt it once it
     printed more than each of `beyond` steps, then let it end: it must print what a direct run
     prints (less the lines it writes to stderr), restored once per preemption."""
     direct = direct_run(program, args)
     total = int(args[args.index("--steps") + 1])
     release = daemon_root / "release"
-    with running_daemon(daemon_root, virtual_devices=1) as daemon:
-        job = daemon.submit(PYTHON, program, *args, "--hold", str(release), options=JOB_OPTIONS)
+    with running_daemon(daemon_root, virtual_devices=gpus) as daemon:
+        options = [*JOB_OPTIONS, "--gpus", str(gpus)]
+        job = daemon.submit(PYTHON, program, *args, "--hold", str(release), options=options)
         daemon.wait_state(job, "RUNNING")
         for steps_done in beyond:
             wait_until(functools.partial(progressed, daemon, job, steps_done, total), timeout=step_timeout)
@@ -148,6 +154,15 @@ def test_a_job_fed_by_dataloader_workers_is_preempted_exactly(daemon_root: Path)
     shared memory files, which CRIU carries only up to its ghost file limit (1 MiB unless told)."""
     args = ["--steps", "150", "--width", "16384"]
     preempted_job_prints_the_direct_output(daemon_root, "loader_train.py", args, (10, 50, 100), 120)
+
+
+@requires_root
+def test_a_job_that_uses_one_of_its_devices_is_preempted_exactly(daemon_root: Path) -> None:
+    """A program given two devices that uses only its first (as most single-process scripts do):
+    the other device's server never saw it, which has nothing to save there (the checkpoint said
+    the job had ended); preempted twice, it prints what a direct run prints."""
+    args = ["--steps", "120", "--workers", "1"]
+    preempted_job_prints_the_direct_output(daemon_root, "loader_train.py", args, (10, 60), 120, gpus=2)
 
 
 @requires_root

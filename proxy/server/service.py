@@ -97,6 +97,9 @@ class Server:
         (`job_sessions` is asked at every spliced operation and collective)."""
         self.runners: dict[SessionKey, Runner] = {}
         """The queue and thread of each session."""
+        self.served_jobs: set[str] = set()
+        """Jobs that ever had a session here: one that has none now ended; another never came (its
+        process may use other devices alone), and its device state here is nothing."""
         self.state_lock = threading.RLock()
         """Held while sessions are added, removed or looked up."""
 
@@ -110,6 +113,7 @@ class Server:
             runner = Runner(session, self.executor, self.collectives, saved_queue, groups, self.pace)
             self.sessions[key] = session
             self.runners[key] = runner
+            self.served_jobs.add(session.job_id)
             self.by_job.clear()
             self.squash.sessions_changed()
             with self.collectives.cond:
@@ -176,6 +180,10 @@ class Server:
                 of_job = (s for (job, *_), s in self.sessions.items() if job == job_id)
                 found = self.by_job[job_id] = sorted(of_job, key=lambda s: (s.rank, s.index, s.process))
             return list(found)
+
+    def job_gone(self, job_id: str) -> bool:
+        """Whether the job had sessions here and has none left (its processes ended)."""
+        return job_id in self.served_jobs and not self.job_sessions(job_id)
 
     def admission_problem(self, job_id: str, uid: int) -> str:
         """Why a process of this uid may not open a session for this job ('' when it may).

@@ -41,8 +41,8 @@ class ReportedFailure(Exception):
 
 
 class JobNotHere(LookupError):
-    """A control request names a job with nothing on this device: its processes ended (or it never
-    came here)."""
+    """A control request names a job that had sessions on this device and has none left: its
+    processes ended."""
 
 
 def error_message(error: BaseException) -> str:

@@ -162,7 +162,7 @@ class JobSave:
 
     def _sessions(self) -> list[Session]:
         sessions = self.server.job_sessions(self.job_id)
-        if not sessions:
+        if not sessions and self.server.job_gone(self.job_id):
             raise JobNotHere(f"proxy: job {self.job_id} has nothing on device {self.server.index}")
         return sessions
 
@@ -468,7 +468,7 @@ class Snapshots:
     def _save(self, job_id: str) -> JobSave:
         with self.lock:
             save = self.saves.get(job_id)
-        if save is None and not self.server.job_sessions(job_id):
+        if save is None and self.server.job_gone(job_id):
             raise JobNotHere(f"proxy: job {job_id} has nothing on device {self.server.index}")
         if save is None:
             raise RuntimeError(f"proxy: no save of job {job_id} is under way")

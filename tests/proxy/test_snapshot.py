@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from singularity.proxy.bootstrap._singularity_proxy import protocol
-from singularity.proxy.control import JobNotOnServer, ProxyControl
+from singularity.proxy.control import ControlError, JobNotOnServer, ProxyControl
 from singularity.proxy.server.control import ControlHandler, control_failure
 from singularity.proxy.server.service import Server
 from singularity.proxy.server.session import Session
@@ -310,17 +310,43 @@ def test_the_work_a_session_received_and_its_groups_are_saved_and_restored(tmp_p
         source.drop(session)
 
 
-def test_a_save_of_a_job_with_nothing_here_says_so_plainly(server: ProxyServer, tmp_path: Path) -> None:
-    """A job whose processes ended has nothing on the device: the failure has its own kind, and its
-    message is the server's plain text (no Python class name, no quoting) the daemon can show."""
-    requests: list[Callable[[ProxyControl], object]] = [
-        lambda control: control.prepare("5", tmp_path / "gone.state", 1, 10.0),
-        lambda control: control.capture("5", copy=True),
+def test_a_save_of_a_job_whose_processes_ended_here_says_so_plainly(
+    server: ProxyServer, tmp_path: Path
+) -> None:
+    """A job whose processes ended has nothing left on the device: the failure has its own kind,
+    and its message is the server's plain text (no Python class name, no quoting) the daemon shows."""
+    device = Server(0, 1 << 30, None)
+    session = Session("5", 0, os.getuid(), device.memory)
+    device.add_session(session)
+    device.drop(session)
+    control = ControlHandler(device)
+    with (tmp_path / "gone.state").open("wb") as file, pytest.raises(LookupError) as failure:
+        control.snapshots.prepare("5", file.fileno(), rounds=1, budget_s=10.0, stage=True)
+    assert control_failure(failure.value) == [
+        protocol.CONTROL_JOB_NOT_HERE,
+        "proxy: job 5 has nothing on device 0",
     ]
-    for request in requests:
-        with ProxyControl(server.control) as control, pytest.raises(JobNotOnServer) as failure:
-            request(control)
-        assert str(failure.value) == "proxy: job 5 has nothing on device 0", str(failure.value)
+    requests: list[Callable[[ProxyControl], object]] = [
+        lambda control: control.capture("5", copy=True),
+        lambda control: control.finish("5"),
+    ]
+    for request in requests:  # through a server's socket, of a job that had no session there
+        with ProxyControl(server.control) as remote, pytest.raises(ControlError) as refused:
+            request(remote)
+        assert not isinstance(refused.value, JobNotOnServer)
+
+
+def test_a_job_that_never_used_a_device_saves_nothing_there(tmp_path: Path) -> None:
+    """A job given a device it never used (a program that uses the first of two) has nothing to
+    save there: its save goes through, an empty device state, and the checkpoint with it."""
+    control = ControlHandler(Server(1, 1 << 30, None))
+    path = tmp_path / "unused.state"
+    with path.open("wb") as file:
+        control.snapshots.prepare("7", file.fileno(), rounds=1, budget_s=10.0, stage=True)
+    assert control.quiesce("7", timeout=5.0) == []
+    control.snapshots.capture("7", copy=True)
+    control.snapshots.finish("7", timeout=30.0)
+    assert state_of(path) == []
 
 
 def test_control_failures_carry_the_errors_own_text() -> None:
