@@ -504,6 +504,8 @@ class Criu:
         for key, fd in inherit_fds.items():
             argv += ["--inherit-fd", f"fd[{fd}]:{key}"]
         argv += list(self.options.extra_restore_args)
+        if LEAVE_STOPPED not in argv:
+            argv.append(LEAVE_STOPPED)
         if external_mounts is None:
             return argv
         if mount_yard is None:
@@ -520,7 +522,8 @@ class Criu:
         external_mounts: ExternalMounts | None = None,
         mount_yard: Path | None = None,
     ) -> RestoreOutcome:
-        """Restore the tree in `image_dir` detached from CRIU; return its root's host PID.
+        """Restore the tree in `image_dir` detached from CRIU, its processes left stopped (SIGSTOP:
+        see checkpoint.reopened for why); return its root's host PID.
 
         `inherit_fds` maps a resource as CRIU names it in the images (e.g. "socket:[12345]", an
         external Unix socket of the dump) to an fd open in this process that replaces it. A job

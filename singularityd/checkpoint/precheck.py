@@ -141,6 +141,13 @@ def tree_pids(root: int) -> list[int]:
     return out
 
 
+def signal_tree(pid: int, sig: int) -> None:
+    """Send a signal to a process and all its descendants."""
+    for each in tree_pids(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(each, sig)
+
+
 TCP_LISTEN = 0x0A
 TCP_CLOSE = 0x07
 

@@ -3,20 +3,24 @@ adds the dumping half).
 
 On restore it takes the job's newest checkpoint that verifies against its manifest, saying why
 each newer one was passed over, cuts the files recorded at the dump back to their sizes then, and
-has CRIU restore the tree with the replacement fds of its external sockets. All methods are
+has CRIU restore the tree with the replacement fds of its external sockets, stopped until the
+files CRIU reopened for it are found to be its user's to hold (checkpoint.reopened). All methods are
 coroutines; file hashing and other blocking work run in threads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from singularityd.checkpoint.criu import LEAVE_STOPPED, Criu, RestoreOutcome, run_to_completion
-from singularityd.checkpoint.errors import NoValidCheckpoint
+from singularityd.checkpoint.errors import CheckpointError, NoValidCheckpoint
 from singularityd.checkpoint.manifest import IMAGES_DIR, Manifest, Skipped, Verdict
+from singularityd.checkpoint.precheck import signal_tree
+from singularityd.checkpoint.reopened import reopened_problems, summary
 from singularityd.checkpoint.shm import write_back
 from singularityd.checkpoint.store import ImageStore, rewind_files
 
@@ -156,6 +160,7 @@ class Restorer:
                 external_mounts=manifest.external_mounts,
                 mount_yard=None if manifest.external_mounts is None else logs / "mount-yard",
             )
+            await self._let_run_if_allowed(outcome.pid)
         return RestoreResult(
             job_id=job_id,
             seq=seq,
@@ -167,6 +172,21 @@ class Restorer:
             verify_s=verify_s,
             hashed_bytes=verdict.hashed_bytes,
         )
+
+    async def _let_run_if_allowed(self, pid: int) -> None:
+        """Check what CRIU reopened for the stopped tree under `pid` (see checkpoint.reopened); kill
+        the tree and raise CheckpointError if a process may not keep it, else let it run (unless the
+        caller asked for it stopped)."""
+        problems = await asyncio.to_thread(reopened_problems, pid)
+        if problems:
+            await asyncio.to_thread(signal_tree, pid, signal.SIGKILL)
+            raise CheckpointError(
+                "restore refused, the checkpoint is kept: CRIU reopened by path files that the job's "
+                f"user may not open now ({summary(problems)}); put back what was moved or replaced on "
+                "those paths since the checkpoint, then resume again"
+            )
+        if not self.restores_stopped:
+            await asyncio.to_thread(signal_tree, pid, signal.SIGCONT)
 
     async def latest_valid(self, job_id: str) -> tuple[Manifest | None, tuple[Skipped, ...]]:
         """The newest checkpoint that verifies (checksums included) and the newer ones skipped."""

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
-import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
@@ -38,7 +36,7 @@ from singularityd.checkpoint.errors import CheckpointError
 from singularityd.checkpoint.hashing import hash_open_files, open_for_hashing
 from singularityd.checkpoint.interface import Checkpoints
 from singularityd.checkpoint.manifest import ManifestError, digest_problems
-from singularityd.checkpoint.precheck import tree_pids
+from singularityd.checkpoint.precheck import signal_tree
 from singularityd.checkpoint.restoring import KnownDigests
 from singularityd.checkpoint.service import Checkpointer
 from singularityd.checkpoint.store import ImageStore
@@ -73,13 +71,6 @@ def frozen_restorer(checkpoints: Checkpoints) -> Checkpoints:
     frozen = Checkpointer(criu, base.store, keep=base.keep, pre_copy=0)
     frozen.userns_problem = base.userns_problem
     return JobCheckpoints(frozen, checkpoints.devices, checkpoints.status)
-
-
-def signal_tree(pid: int, sig: int) -> None:
-    """Send a signal to a process and all its descendants."""
-    for each in tree_pids(pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(each, sig)
 
 
 def arrived_digests(seq: int, digests: Mapping[str, str], hashing: Collection[str] = ()) -> KnownDigests:

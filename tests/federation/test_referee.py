@@ -15,9 +15,9 @@ import pytest
 
 from singularityd.checkpoint import CriuInfo
 from singularityd.checkpoint.criu import Criu
+from singularityd.checkpoint.precheck import signal_tree
 from singularityd.checkpoint.service import Checkpointer
 from singularityd.checkpoint.store import ImageStore
-from singularityd.federation.arrivals import signal_tree
 from tests.checkpoint_helpers import start_job, wait_for_line
 from tests.federation.referee import copies_by_pid
 from tests.helpers import wait_until

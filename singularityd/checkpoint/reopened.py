@@ -1,0 +1,217 @@
+"""Whether a restored job may keep the files CRIU reopened for it, checked before it runs.
+
+CRIU restores as root and reopens every file, folder and mapped file of the dumped processes by
+its path. By then a path may lead elsewhere: the job's user can swap a folder on it for a link
+between the checkpoint and the restore, and root would hand their process a file they may not
+open. So CRIU leaves the restored processes stopped, and each process not running as root has
+what it holds opened again by path as its own user, in its mount namespace and root (see
+reopen_probe.py): every path must lead to the same file, which that user may access as the
+process does. `held_files` reads what a process holds from /proc (pure parsers beside it);
+`reopened_problems` runs the probe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from singularityd.checkpoint import reopen_probe
+from singularityd.checkpoint.precheck import tree_pids
+
+PROBE = Path(reopen_probe.__file__)
+PROBE_TIMEOUT_S = 60.0
+O_PATH = 0o10000000
+DELETED = " (deleted)"
+
+
+@dataclass(frozen=True)
+class HeldFile:
+    """A file a process holds by a path: how it may use it, and which file it is."""
+
+    path: str
+    access: int
+    dev: int
+    ino: int
+    what: str
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A restored process that runs as a user, and the files it holds."""
+
+    pid: int
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    namespace: int
+    files: tuple[HeldFile, ...]
+
+    def same_user_and_view(self, other: Holder) -> bool:
+        """Whether the two processes check their files alike (one probe serves both)."""
+        return (self.uid, self.gid, self.groups, self.namespace) == (
+            other.uid,
+            other.gid,
+            other.groups,
+            other.namespace,
+        )
+
+
+def fd_access(flags: int) -> int:
+    """The access an open file's flags (octal in fdinfo) give: R_OK, W_OK or both (0 for O_PATH)."""
+    if flags & O_PATH:
+        return 0
+    mode = flags & os.O_ACCMODE
+    if mode == os.O_WRONLY:
+        return os.W_OK
+    if mode == os.O_RDWR:
+        return os.R_OK | os.W_OK
+    return os.R_OK
+
+
+def mapping_access(perms: str) -> int:
+    """The access a file mapping needs ("rw-s" and the like): reading, and writing for a shared
+    writable one (a private one copies on write)."""
+    return os.R_OK | (os.W_OK if perms[1:2] == "w" and perms[3:4] == "s" else 0)
+
+
+def by_path(target: str) -> bool:
+    """Whether a /proc link target is a path CRIU reopens (not a socket, pipe, anonymous or
+    deleted file, which it rebuilds from the images)."""
+    return target.startswith("/") and not target.endswith(DELETED)
+
+
+def mapped_files(maps: str) -> list[tuple[str, str, str]]:
+    """(address range, permissions, path) of each mapping of a file by path in /proc/PID/maps."""
+    found = []
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and by_path(fields[5]):
+            found.append((fields[0], fields[1], fields[5]))
+    return found
+
+
+def file_ids(status: str) -> tuple[int, int, tuple[int, ...]] | None:
+    """The filesystem uid and gid and the groups in /proc/PID/status (None if unreadable)."""
+    lines = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    try:
+        uid = int(lines["Uid"].split()[3])
+        gid = int(lines["Gid"].split()[3])
+        groups = tuple(sorted(int(g) for g in lines.get("Groups", "").split()))
+    except (KeyError, IndexError, ValueError):
+        return None
+    return uid, gid, groups
+
+
+def _held(path: str, at: str, access: int, what: str) -> HeldFile | None:
+    """The file at /proc link `at`, by path, if CRIU reopens it by path."""
+    try:
+        target = os.readlink(at)
+        if not by_path(target):
+            return None
+        st = os.stat(at)
+    except OSError:
+        return None
+    return HeldFile(path or target, access, st.st_dev, st.st_ino, what)
+
+
+def held_files(pid: int) -> Holder | None:
+    """What process `pid` holds by path and whom it runs as (None for root or a process gone)."""
+    base = f"/proc/{pid}"
+    try:
+        ids = file_ids(Path(f"{base}/status").read_text())
+        namespace = os.stat(f"{base}/ns/mnt").st_ino
+    except OSError:
+        return None
+    if ids is None or ids[0] == 0:
+        return None
+    found: list[HeldFile | None] = [
+        _held("", f"{base}/cwd", os.X_OK, "the working directory"),
+        _held("", f"{base}/exe", os.X_OK, "the program"),
+    ]
+    try:
+        fds = os.listdir(f"{base}/fd")
+    except OSError:
+        fds = []
+    for fd in fds:
+        try:
+            flags = next(
+                int(line.split()[1], 8)
+                for line in Path(f"{base}/fdinfo/{fd}").read_text().splitlines()
+                if line.startswith("flags:")
+            )
+        except (OSError, StopIteration, ValueError, IndexError):
+            continue
+        found.append(_held("", f"{base}/fd/{fd}", fd_access(flags), f"fd {fd}"))
+    try:
+        maps = Path(f"{base}/maps").read_text()
+    except OSError:
+        maps = ""
+    for span, perms, path in mapped_files(maps):
+        found.append(_held(path, f"{base}/map_files/{span}", mapping_access(perms), "a mapped file"))
+    files = tuple(dict.fromkeys(f for f in found if f is not None))
+    return Holder(pid, ids[0], ids[1], ids[2], namespace, files)
+
+
+def probe_requests(holders: Iterable[Holder]) -> list[dict[str, object]]:
+    """One probe request for each user and view of the files, each file once (pure)."""
+    groups: list[tuple[Holder, dict[tuple[str, int, int, int], str]]] = []
+    for holder in holders:
+        group = next((g for g in groups if g[0].same_user_and_view(holder)), None)
+        if group is None:
+            group = (holder, {})
+            groups.append(group)
+        for each in holder.files:
+            key = (each.path, each.access, each.dev, each.ino)
+            group[1].setdefault(key, each.what)
+    return [
+        {
+            "pid": first.pid,
+            "uid": first.uid,
+            "gid": first.gid,
+            "groups": list(first.groups),
+            "files": [[*key, what] for key, what in files.items()],
+        }
+        for first, files in groups
+    ]
+
+
+def reopened_problems(root: int) -> list[str]:
+    """Why the processes restored under `root` may not keep what CRIU reopened for them; a blocking
+    function (call it through asyncio.to_thread). A probe that cannot check counts as a problem."""
+    holders = [h for h in (held_files(pid) for pid in tree_pids(root)) if h is not None]
+    problems: list[str] = []
+    for request in probe_requests(holders):
+        problems += _run_probe(request)
+    return problems
+
+
+def _run_probe(request: dict[str, object]) -> list[str]:
+    """Run the probe on one request; its problems, or why it could not check."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-S", str(PROBE)],
+            input=json.dumps(request),
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+            check=False,
+        )
+        problems = json.loads(done.stdout) if done.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError) as error:
+        return [f"the files of pid {request['pid']} could not be checked: {error}"]
+    if not isinstance(problems, list):
+        last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        return [f"the files of pid {request['pid']} could not be checked: {last}"]
+    return [str(p) for p in problems]
+
+
+def summary(problems: Sequence[str], most: int = 3) -> str:
+    """The first few problems on one line, and how many more."""
+    shown = "; ".join(problems[:most])
+    more = len(problems) - most
+    return shown + (f"; and {more} more" if more > 0 else "")
