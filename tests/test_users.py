@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import shutil
 import stat
 import subprocess
 from collections.abc import Iterator
@@ -85,6 +86,23 @@ def test_users_act_only_on_their_own_jobs(lab_daemon: Daemon, users: dict[str, p
 
     own = lab_daemon.submit("sleep", "300", user="sing-bob")
     assert lab_daemon.sing("cancel", str(own), user="sing-bob").code == 0
+
+
+def test_a_setuid_program_in_a_job_gains_nothing(
+    lab_daemon: Daemon, users: dict[str, pwd.struct_passwd]
+) -> None:
+    """A job's ranks run with no_new_privs: a setuid-root program they run stays their user (it
+    would be root, and its memory would go into the user's checkpoint images)."""
+    escalate = lab_daemon.root / "id-as-root"
+    shutil.copy2("/usr/bin/id", escalate)
+    os.chown(escalate, 0, 0)
+    os.chmod(escalate, 0o4755)
+    job = lab_daemon.submit(
+        "sh", "-c", f"{escalate} -u; grep NoNewPrivs /proc/self/status", user="sing-alice"
+    )
+    assert lab_daemon.sing("wait", str(job), user="sing-alice").code == 0
+    out = lab_daemon.sing("logs", str(job), user="sing-alice").out.split()
+    assert out == [str(users["alice"].pw_uid), "NoNewPrivs:", "1"], out
 
 
 def test_user_mode_daemon(users: dict[str, pwd.struct_passwd], daemon_root: Path) -> None:

@@ -52,6 +52,7 @@ SIOCSIFFLAGS = 0x8914
 IFF_UP = 0x1
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NO_NEW_PRIVS = 38
 EXIT_LAUNCH_ERROR = 127
 IDENTITY_MAP = "0 0 4294967295\n"
 SUPERVISE_FLAG = "--supervise"
@@ -106,11 +107,15 @@ def _rank_setup(cwd: str) -> Any:
     """What each rank runs after dropping to the user and before exec.
 
     The kernel kills the rank if its supervisor dies (set after the uid change, which would
-    clear it), and the working directory is entered with the user's own permissions.
+    clear it), no program the rank runs gains privileges (setuid and file capabilities are
+    ignored, so nothing of the job runs as more than its user, nor leaves another user's memory
+    in the user's checkpoint images), and the working directory is entered with the user's own
+    permissions.
     """
 
     def setup() -> None:
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "PR_SET_NO_NEW_PRIVS")
         os.chdir(cwd)
 
     return setup
