@@ -25,6 +25,14 @@ from singularity.proxy.bootstrap._singularity_proxy.protocol import ProtocolErro
 
 from .busy import BusyTime
 from .device_memory import DeviceMemory
+from .outputs import (
+    check_within_storages,
+    layout_of,
+    meta_growth,
+    raw_values,
+    resized_outputs,
+    template_new_bytes,
+)
 from .session import Session, sparse_parts
 from .squash import MISS, Call, Squash
 from .writes import covers_its_storage, note_writes, out_of_place, written_tensors
@@ -40,89 +48,10 @@ _OVERWRITING = frozenset(
      torch.ops.aten.zero_.default)
 )  # fmt: skip
 """In-place operators whose result never depends on the bytes their first argument held."""
+_NAMES = protocol.torch_names()
 _HOST_ALLOCATION_FAILED = re.compile(
     r"DefaultCPUAllocator: can't allocate memory: you tried to allocate (\d+) bytes"
 )
-_NAMES = protocol.torch_names()
-
-
-def template_new_bytes(template: Any) -> list[int]:
-    """Bytes of new storage of each new tensor in an output template."""
-    if template[0] == protocol.TEMPLATE_TENSOR:
-        return [template[5]]
-    if template[0] == protocol.TEMPLATE_SPARSE:
-        return [template[4]]
-    if template[0] in (protocol.TEMPLATE_LIST, protocol.TEMPLATE_TUPLE):
-        return [nbytes for item in template[1] for nbytes in template_new_bytes(item)]
-    return []
-
-
-def _raw(tensor: torch.Tensor) -> list[Any]:
-    """[dtype, shape, stride, bytes] of a tensor's values, as REQ_FETCH answers them."""
-    host, raw = protocol.tensor_to_raw(tensor)
-    return [_NAMES.dtype_names[host.dtype], list(host.shape), list(host.stride()), raw]
-
-
-def _check_within_storages(values: Sequence[Any]) -> None:
-    """RuntimeError unless each strided tensor among `values` lies within its storage's bytes (the
-    kernels read and write without that check, so a view of a storage resized smaller would crash
-    the server)."""
-    for value in values:
-        if type(value) is torch.Tensor and value.layout == torch.strided:
-            shape, stride, offset = value.shape, value.stride(), int(value.storage_offset())
-            needed = protocol.storage_extent(shape, stride, offset) * value.itemsize
-            held = value.untyped_storage().nbytes()
-            if needed > held:
-                raise RuntimeError(
-                    f"proxy: sizes {list(shape)}, strides {list(stride)}, storage offset {offset}, and "
-                    f"itemsize {value.itemsize} requiring a storage size of {needed} are out of bounds "
-                    f"for storage of size {held} (the storage was resized smaller)"
-                )
-
-
-def _layout(tensor: torch.Tensor) -> list[Any]:
-    """[shape, stride, storage offset] of a tensor, as templates carry them."""
-    return [list(tensor.shape), list(tensor.stride()), tensor.storage_offset()]
-
-
-def _resized_outputs(template: Any, layouts_before: list[Any], inputs: list[torch.Tensor]) -> Any:
-    """An output template in which each returned input whose layout the operation changed (an
-    `out=` argument it resized) is reported as reshaped, so the job's stand-in takes the layout."""
-    tag = template[0]
-    if tag == protocol.TEMPLATE_ALIAS:
-        layout = _layout(inputs[template[1]])
-        if layout != layouts_before[template[1]]:
-            return [protocol.TEMPLATE_RESHAPED, template[1], *layout]
-    elif tag in (protocol.TEMPLATE_LIST, protocol.TEMPLATE_TUPLE):
-        return [tag, [_resized_outputs(item, layouts_before, inputs) for item in template[1]]]
-    return template
-
-
-def _meta_growth(operator: Any, args: list[Any], kwargs: dict[str, Any]) -> int:
-    """Bytes an operator would allocate, found by running it on meta tensors shaped like the inputs."""
-    real_bytes: dict[int, int] = {}
-
-    def to_meta(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-            real_bytes[meta.untyped_storage()._cdata] = value.untyped_storage().nbytes()
-            return meta
-        if isinstance(value, torch.device):
-            return torch.device("meta")
-        if type(value) is list:
-            return [to_meta(item) for item in value]
-        return value
-
-    output = operator(*[to_meta(a) for a in args], **{k: to_meta(v) for k, v in kwargs.items()})
-    outputs = output if isinstance(output, (list, tuple)) else [output]
-    growth = 0
-    for tensor in outputs:
-        if isinstance(tensor, torch.Tensor):
-            storage = tensor.untyped_storage()
-            growth += max(0, storage.nbytes() - real_bytes.get(storage._cdata, 0))
-    return growth
-
-
 _SERVER_SETTINGS = numerics.current()
 """The server's own numeric settings (torch's defaults), read before any session's are applied."""
 
@@ -220,7 +149,7 @@ class Executor:
             if output.layout != torch.strided:
                 layout = str(output.layout).removeprefix("torch.")
                 return [protocol.TEMPLATE_SPARSE, layout, list(output.shape), dtype, nbytes]
-            return [protocol.TEMPLATE_TENSOR, *_layout(output), dtype, nbytes]
+            return [protocol.TEMPLATE_TENSOR, *layout_of(output), dtype, nbytes]
         if isinstance(output, list):
             items = [self._template(session, o, inputs, next_handle, new_handles) for o in output]
             return [protocol.TEMPLATE_LIST, items]
@@ -251,7 +180,7 @@ class Executor:
             self._check_planned(session, served, args, kwargs)
         call, output = self._reused(session, served.operator, args, kwargs)
         ran = output is MISS
-        layouts_before = [_layout(session.tensors[h]) for h in inputs] if served.resizes_outputs else None
+        layouts_before = [layout_of(session.tensors[h]) for h in inputs] if served.resizes_outputs else None
         if ran:
             self._note_lead(session, call)
             output = self._run_operator(session, served, served.operator, args, kwargs)
@@ -265,9 +194,9 @@ class Executor:
         if new_handles:
             session.check_capacity(new_handles, sum(template_new_bytes(template)))
         if served.reshapes_input and template[0] == protocol.TEMPLATE_ALIAS:
-            template = [protocol.TEMPLATE_RESHAPED, template[1], *_layout(output)]
+            template = [protocol.TEMPLATE_RESHAPED, template[1], *layout_of(output)]
         if layouts_before is not None:
-            template = _resized_outputs(template, layouts_before, [session.tensors[h] for h in inputs])
+            template = resized_outputs(template, layouts_before, [session.tensors[h] for h in inputs])
         if served.rebinds_input:
             for handle in set(inputs):
                 session.rebind(handle)
@@ -365,7 +294,7 @@ class Executor:
                     session.swap_in_overwritten(leaves[0], leaves[1:])
                 session.swap_in_tensors(leaves)
             if checked:
-                _check_within_storages(leaves)
+                check_within_storages(leaves)
         if self.memory.shared:
             output = self._write_apart(session, operator, args, kwargs)
             if output is MISS:
@@ -435,7 +364,7 @@ class Executor:
         if math.prod(size) * 16 <= self.memory.free_bytes():  # 16: the widest element
             return
         try:
-            planned = _meta_growth(served.operator, args, kwargs)
+            planned = meta_growth(served.operator, args, kwargs)
         except Exception:  # no meta kernel: the check after running it will do
             return
         session.check_room(planned)
@@ -494,7 +423,7 @@ class Executor:
             values = protocol.tensor_from_raw(dtype, shape, stride, protocol.buffer_at(buffers, index))
             target = session.tensor(handle)
             if session.shrunk_storages:
-                _check_within_storages([target])
+                check_within_storages([target])
             session.before_write(target)
             self._forget_value(target)
             target.copy_(values)
@@ -581,14 +510,14 @@ class Executor:
             if session.swapped:
                 session.swap_in_tensors([tensor])
             if session.shrunk_storages:
-                _check_within_storages([tensor])
+                check_within_storages([tensor])
             if tensor.layout == torch.strided:
-                return _raw(tensor)
+                return raw_values(tensor)
             return {
                 "layout": str(tensor.layout).removeprefix("torch."),
                 "shape": list(tensor.shape),
                 "coalesced": tensor.layout == torch.sparse_coo and tensor.is_coalesced(),
-                "parts": [_raw(part) for part in sparse_parts(tensor)],
+                "parts": [raw_values(part) for part in sparse_parts(tensor)],
             }
         if kind == protocol.REQ_SYNC:
             if self.device.type == "cuda":
