@@ -1,8 +1,8 @@
 # mypy: disable-error-code="no-untyped-call,unused-ignore"
 """What `torch.cuda` and `torch.accelerator` answer in a job on proxied devices.
 
-Device count, properties, memory figures, streams, events and synchronisation are answered
-from the proxy servers. Random numbers are drawn on the host with the job's CPU generator
+Device count, properties, memory figures and synchronisation are answered from the proxy
+servers (streams and events: streams.py). Random numbers are drawn on the host with the job's CPU generator
 (randomness.py), so the RNG state `torch.cuda` reads and sets is that generator's, and seeding is
 a no-op; `autocast("cuda")` also casts stand-ins, whose C++ device is the host.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import types
 import warnings
 from typing import Any
@@ -21,6 +20,15 @@ import torch
 from . import legacy_types, protocol
 from .devices import DEVICES, FORKED_CHILD, device_figure, device_index, synchronize
 from .randomness import DeviceDefaultGenerator, set_device_rng_state
+from .streams import (
+    Event,
+    Stream,
+    StreamContext,
+    device_stream,
+    patch_event_class,
+    patch_record_stream,
+    patch_stream_class,
+)
 
 
 class _DeviceProperties:
@@ -47,116 +55,6 @@ class _DeviceProperties:
             f"multi_processor_count={self.multi_processor_count}, uuid={self.uuid}, "
             f"L2_cache_size={self.L2_cache_size // (1 << 20)}MB)"
         )
-
-
-class Stream:
-    """A cuda stream as far as a program can observe it: work on it runs in order."""
-
-    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
-        self.device = torch.device("cuda", device_index(device))
-        self.device_index = self.device.index
-        self.device_type = 1
-        self.priority = priority
-        self.cuda_stream = 0
-        self.stream_id = 0
-
-    def synchronize(self) -> None:
-        synchronize(self.device.index)
-
-    def query(self) -> bool:
-        synchronize(self.device.index)
-        return True
-
-    def is_capturing(self) -> bool:
-        return False
-
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def record_event(self, event: Any = None) -> Event:
-        recorded = event if event is not None else Event()
-        recorded.record(self)
-        return recorded
-
-    def __enter__(self) -> Stream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
-class Event:
-    """A cuda event: recording it waits for the device, so timings are real."""
-
-    def __init__(
-        self,
-        enable_timing: bool = False,
-        blocking: bool = False,
-        interprocess: bool = False,
-        *,
-        device: Any = None,
-    ) -> None:
-        self._recorded_at: float | None = None
-        self._device: int | None = None
-        self._timing = enable_timing
-        self._home = None if device is None else DEVICES.channel(device_index(device)).index
-        """The device `torch.Event(device)` names (it must exist), recorded on when no stream is given."""
-
-    def record(self, stream: Any = None) -> None:
-        if stream is not None:
-            self._device = stream.device.index
-        else:
-            self._device = DEVICES.current if self._home is None else self._home
-        synchronize(self._device)
-        self._recorded_at = time.perf_counter()
-
-    def synchronize(self) -> None:
-        if self._device is not None:
-            synchronize(self._device)
-
-    def query(self) -> bool:
-        self.synchronize()
-        return True
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def elapsed_time(self, end_event: Event) -> float:
-        if not (self._timing and end_event._timing):
-            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
-        if self._recorded_at is None or end_event._recorded_at is None:
-            raise RuntimeError(
-                "CUDA error: device not ready\nBoth events must be recorded before calculating elapsed time."
-            )
-        return (end_event._recorded_at - self._recorded_at) * 1000.0
-
-
-_STREAMS: dict[int, Stream] = {}
-
-
-def _stream(device: Any = None) -> Stream:
-    """The one stream of a device (current and default alike)."""
-    index = device_index(device)
-    stream = _STREAMS.get(index)
-    if stream is None:
-        stream = _STREAMS[index] = Stream(index)
-    return stream
-
-
-class _StreamContext:
-    """`with torch.cuda.stream(s)`: work runs in order whatever the stream."""
-
-    def __init__(self, stream: Any) -> None:
-        self.stream = stream
-
-    def __enter__(self) -> Any:
-        return self.stream
-
-    def __exit__(self, *exc: object) -> None:
-        pass
 
 
 class _DeviceContext:
@@ -264,38 +162,6 @@ class _Nvtx:
         pass
 
 
-def patch_stream_class() -> None:
-    """`torch.Stream(0)`, `torch.Stream("cuda")`: a proxied device's stream (torch's own asks the
-    C++ accelerator, of which a CPU build has none); a host stream stays torch's."""
-    host_stream = torch.Stream
-
-    class AcceleratorStream(host_stream):  # type: ignore[misc,valid-type]
-        def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> Any:
-            if device is None or isinstance(device, int) or torch.device(device).type == "cuda":
-                return Stream(device, priority)
-            return host_stream.__new__(cls, device, priority, **kwargs)
-
-    AcceleratorStream.__name__ = AcceleratorStream.__qualname__ = "Stream"
-    AcceleratorStream.__module__ = "torch"
-    torch.Stream = AcceleratorStream  # type: ignore[misc,assignment]
-
-
-def patch_event_class() -> None:
-    """`torch.Event("cuda")`, `torch.Event(enable_timing=True)`: a proxied device's event (torch's
-    own asks the C++ accelerator, of which a CPU build has none); a host event stays torch's."""
-    host_event = torch.Event
-
-    class AcceleratorEvent(host_event):  # type: ignore[misc,valid-type]
-        def __new__(cls, device: Any = None, **options: Any) -> Any:
-            if device is None or isinstance(device, int) or torch.device(device).type == "cuda":
-                return Event(**options, device=device)
-            return host_event.__new__(cls, device, **options)
-
-    AcceleratorEvent.__name__ = AcceleratorEvent.__qualname__ = "Event"
-    AcceleratorEvent.__module__ = "torch"
-    torch.Event = AcceleratorEvent  # type: ignore[misc,assignment]
-
-
 def _memory_used(device: Any = None) -> int:
     """`torch.cuda.device_memory_used`: bytes in use on the device, as nvidia-smi counts them."""
     free, total = device_figure(protocol.MEMORY_INFO, device)
@@ -318,19 +184,6 @@ def _peer_access(device: Any, peer_device: Any) -> bool:
     if not 0 <= device_index(peer_device) < count:
         raise AssertionError("Invalid peer device id")
     return False
-
-
-def patch_record_stream() -> None:
-    """`Tensor.record_stream(stream)`: nothing to do for a cuda tensor, whose work runs in order (the
-    C++ method would refuse the stream before any dispatch: it is not torch's)."""
-    record_stream = torch.Tensor.record_stream
-
-    def recorded(self: torch.Tensor, stream: Any) -> None:
-        if self.is_cuda:
-            return None
-        return record_stream(self, stream)  # type: ignore[no-any-return]
-
-    torch.Tensor.record_stream = recorded  # type: ignore[method-assign,assignment]
 
 
 def patch_profiler() -> None:
@@ -463,9 +316,9 @@ def patch_cuda() -> None:
         "default_generators": tuple(DeviceDefaultGenerator(index) for index in range(count)),
         "Stream": Stream,
         "Event": Event,
-        "current_stream": _stream,
-        "default_stream": _stream,
-        "stream": _StreamContext,
+        "current_stream": device_stream,
+        "default_stream": device_stream,
+        "stream": StreamContext,
         "set_stream": _no_op,
         "device": _DeviceContext,
         "device_of": lambda obj: _DeviceContext(obj.device if obj.is_cuda else -1),
@@ -540,7 +393,7 @@ def patch_accelerator() -> None:
         "set_device_idx": _set_device,
         "device_index": _DeviceContext,
         "synchronize": lambda device=None: synchronize(None if device is None else device_index(device)),
-        "current_stream": _stream,
+        "current_stream": device_stream,
         "set_stream": _no_op,
         "get_device_capability": lambda device=None: {"major": 8, "minor": 0},
         "empty_cache": _no_op,
