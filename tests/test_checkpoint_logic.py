@@ -44,6 +44,7 @@ from singularityd.checkpoint.hashing import (
 )
 from singularityd.checkpoint.manifest import (
     FileFact,
+    FileKind,
     ManifestError,
     choose_latest,
     digest_problems,
@@ -112,6 +113,26 @@ def test_structural_problems() -> None:
     assert any(
         "unsafe" in p for p in structural_problems(m2, {}, expected_job="j1", expected_seq=2, trusted_uid=0)
     )
+
+
+@pytest.mark.parametrize(
+    ("kind", "words"),
+    [
+        ("dir", "is a directory"),
+        ("symlink", "is a symbolic link"),
+        ("other", "is a special file (a device, socket or pipe)"),
+    ],
+)
+def test_structural_problems_name_a_wrong_kind_of_file_in_plain_words(kind: FileKind, words: str) -> None:
+    m = _manifest(core=10, pages=90)
+    facts = {
+        "images/core.img": FileFact(kind, 0, 0, "x" if kind == "symlink" else None),
+        "images/pages.img": FileFact("file", 0, 90),
+        "images/parent": FileFact("symlink", 0, 0, "../pre-1"),
+        "images": FileFact("dir", 0),
+    }
+    problems = structural_problems(m, facts, expected_job="j1", expected_seq=2, trusted_uid=0)
+    assert problems == [f"images/core.img {words}, not a regular file"]
 
 
 def test_digest_choice_and_prune() -> None:

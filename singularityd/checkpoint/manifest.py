@@ -18,6 +18,14 @@ IMAGES_DIR = "images"
 
 FileKind = Literal["file", "dir", "symlink", "other", "missing"]
 
+_KIND_WORDS: dict[FileKind, str] = {
+    "file": "a regular file",
+    "dir": "a directory",
+    "symlink": "a symbolic link",
+    "other": "a special file (a device, socket or pipe)",
+    "missing": "missing",
+}
+
 
 class ManifestError(ValueError):
     """A manifest that cannot be parsed or does not have the expected shape."""
@@ -179,7 +187,7 @@ def structural_problems(
         if fact.kind == "missing":
             problems.append(f"{rel} is missing")
         elif fact.kind != "file":
-            problems.append(f"{rel} is a {fact.kind}, not a regular file")
+            problems.append(f"{rel} is {_KIND_WORDS[fact.kind]}, not a regular file")
         elif fact.uid != trusted_uid:
             problems.append(f"{rel} is owned by uid {fact.uid}, not {trusted_uid}")
         elif fact.size != rec.size:
