@@ -16,12 +16,14 @@ import typer
 from singularity.cli import output
 from singularity.cli.client import connect
 from singularity.cli.errors import EXIT_CONFLICT, EXIT_OK, CliError, warn
-from singularity.cli.params import JobIdArgument
+from singularity.cli.params import JobIdArgument, SocketOption, not_empty
 from singularityd.api.v1 import singularity_pb2 as pb
 from singularityd.units import human_bytes
 
-SocketOption = typer.Option(None, "--socket", envvar="SING_SOCKET", help="Daemon socket.")
 BAR_WIDTH = 30
+NodeNameOption = typer.Option(
+    None, "--name", help="This node's name (default: node_name, else the host name).", callback=not_empty
+)
 
 cluster_app = typer.Typer(
     name="cluster",
@@ -43,13 +45,15 @@ def _join_text(info: pb.ClusterJoinInfo) -> str:
 
 @cluster_app.command("init")
 def cluster_init(
-    name: str = typer.Option("", "--name", help="This node's name (default: node_name, else the host name)."),
-    cluster: str = typer.Option("lab", "--cluster", help="The lab's name (in its CA certificate)."),
+    name: str | None = NodeNameOption,
+    cluster: str = typer.Option(
+        "lab", "--cluster", help="The lab's name (in its CA certificate).", callback=not_empty
+    ),
     socket: str = SocketOption,
 ) -> None:
     """Make the lab's CA on this machine and certify it; prints how other machines join."""
     with connect(socket) as stub:
-        info = stub.ClusterInit(pb.ClusterInitRequest(node_name=name, cluster_name=cluster))
+        info = stub.ClusterInit(pb.ClusterInitRequest(node_name=name or "", cluster_name=cluster))
     print(_join_text(info))
 
 
@@ -63,14 +67,20 @@ def cluster_token(socket: str = SocketOption) -> None:
 
 @cluster_app.command("join")
 def cluster_join(
-    address: str = typer.Argument(..., help="The CA node's join service, host:port."),
-    token: str = typer.Option(..., "--token", help="A join token from `sing cluster init` or `token`."),
-    ca_hash: str = typer.Option(..., "--ca-hash", help="The lab CA's fingerprint (sha256:...)."),
-    name: str = typer.Option("", "--name", help="This node's name (default: node_name, else the host name)."),
+    address: str = typer.Argument(..., help="The CA node's join service, host:port.", callback=not_empty),
+    token: str = typer.Option(
+        ..., "--token", help="A join token from `sing cluster init` or `token`.", callback=not_empty
+    ),
+    ca_hash: str = typer.Option(
+        ..., "--ca-hash", help="The lab CA's fingerprint (sha256:...).", callback=not_empty
+    ),
+    name: str | None = NodeNameOption,
     socket: str = SocketOption,
 ) -> None:
     """Join a lab: the daemon checks the CA's fingerprint, then gets this node's certificate."""
-    request = pb.ClusterJoinRequest(address=address, token=token, ca_fingerprint=ca_hash, node_name=name)
+    request = pb.ClusterJoinRequest(
+        address=address, token=token, ca_fingerprint=ca_hash, node_name=name or ""
+    )
     with connect(socket) as stub:
         reply = stub.ClusterJoin(request)
     print(f"joined as {reply.node_name} (number {reply.node_number}); first peer: {reply.ca_node or '-'}")
@@ -161,7 +171,9 @@ def _follow(messages: Iterable[pb.MoveProgress]) -> list[pb.MoveProgress]:
 
 def migrate(
     job_id: int = JobIdArgument,
-    to: str = typer.Option(..., "--to", help="The peer's node name (sing peers lists them)."),
+    to: str = typer.Option(
+        ..., "--to", help="The peer's node name (sing peers lists them).", callback=not_empty
+    ),
     socket: str = SocketOption,
 ) -> None:
     """Move a running job to a peer; it resumes there exactly where it stopped."""

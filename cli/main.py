@@ -30,7 +30,14 @@ from singularity.cli.errors import (
     stopped_by_ctrl_c,
     warn,
 )
-from singularity.cli.params import COUNT_MAX, COUNT_MIN, JobIdArgument, JobIdsArgument
+from singularity.cli.params import (
+    COUNT_MAX,
+    COUNT_MIN,
+    JobIdArgument,
+    JobIdsArgument,
+    SocketOption,
+    not_empty,
+)
 from singularity.cli.progress import Progress
 from singularity.cli.source import LogFollower
 from singularityd import __version__
@@ -45,9 +52,6 @@ app = typer.Typer(
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-
-SocketOption = typer.Option(None, "--socket", envvar="SING_SOCKET", help="Daemon socket.")
-
 
 OutputOption = typer.Option(
     None, "--output", "-o", help="table (default), wide or json; default from sing.toml's `output`."
@@ -139,7 +143,9 @@ def submit(
         min=COUNT_MIN,
         max=COUNT_MAX,
     ),
-    name: str = typer.Option("", "--name", "-n", help="Job name (default: the program's name)."),
+    name: str | None = typer.Option(
+        None, "--name", "-n", help="Job name (default: the program's name).", callback=not_empty
+    ),
     priority: int = typer.Option(
         0, "--priority", "-p", help="Higher runs first, within its tier.", min=COUNT_MIN, max=COUNT_MAX
     ),
@@ -148,12 +154,15 @@ def submit(
         "--tier",
         "-t",
         help=f"Service tier: {' > '.join(reversed(TIERS))}; a higher one runs first, may preempt lower ones.",
+        callback=not_empty,
     ),
     ranks: int = typer.Option(
         1, "--ranks", help="Processes to start (torchrun-style ranks).", min=COUNT_MIN, max=COUNT_MAX
     ),
     env: list[str] = typer.Option([], "--env", "-e", help="Extra KEY=VALUE for the job."),
-    cwd: str = typer.Option(None, "--cwd", help="Working directory (default: the current one)."),
+    cwd: str | None = typer.Option(
+        None, "--cwd", help="Working directory (default: the current one).", callback=not_empty
+    ),
     wait: bool = typer.Option(False, "--wait", "-W", help="Wait for the job; exit with its status."),
     checkpoint_every: float = typer.Option(
         None, "--checkpoint-every", help="Seconds between periodic checkpoints (0: none; default: daemon's)."
@@ -209,7 +218,7 @@ def submit(
             raise CliError(f"{flag} must be at least 1, not {given}", EXIT_USAGE)
     request = pb.SubmitRequest(
         command=command,
-        name=name,
+        name=name or "",
         priority=priority,
         ranks=ranks,
         cwd=directory,
@@ -238,14 +247,14 @@ def ps(
     output_format: str = OutputOption,
     header: bool = HeaderOption,
     watch: bool = typer.Option(False, "--watch", "-w", help="After the list, print each change."),
-    user: str = typer.Option("", "--user", "-u", help="Only this user's jobs."),
+    user: str | None = typer.Option(None, "--user", "-u", help="Only this user's jobs.", callback=not_empty),
     cluster_wide: bool = typer.Option(False, "--cluster", "-c", help="The jobs of every node of the lab."),
     socket: str = SocketOption,
 ) -> None:
     """List jobs (queued and running; -a for all; --cluster for every node's)."""
     fmt = _output_format(output_format, ("wide", "json"))
     with_header = _header(header)
-    request = pb.ListJobsRequest(all=all_jobs, user=user)
+    request = pb.ListJobsRequest(all=all_jobs, user=user or "")
     if cluster_wide:
         if watch:
             raise CliError("--watch lists this node's jobs only; leave out --cluster", EXIT_USAGE)
@@ -616,10 +625,32 @@ def doctor(
 cluster.register(app)
 
 
+_CLICK_EXCEPTIONS: Any = sys.modules[typer.BadParameter.__module__]
+"""The exceptions module of the click that typer runs: its own copy since typer 0.26, click's before."""
+
+
+def _usage_line(error: Any) -> str:
+    """Click's usage error as one line naming where the command's help is, like every other error
+    of `sing` (click's own four lines put the error last, after the usage and a hint)."""
+    command = error.ctx.command_path if error.ctx is not None else "sing"
+    message: str = error.format_message().removesuffix(".")
+    if message[:2].istitle():
+        message = message[0].lower() + message[1:]
+    return f"{message}; see `{command} -h`"
+
+
 def main() -> None:
     """Entry point of `sing`: run the app; errors become one line on stderr and an exit code."""
     try:
-        app()
+        status = app(prog_name="sing", standalone_mode=False)
+    except getattr(_CLICK_EXCEPTIONS, "NoArgsIsHelpError", ()) as error:
+        error.show()
+        raise SystemExit(error.exit_code) from None
+    except _CLICK_EXCEPTIONS.ClickException as error:
+        usage = isinstance(error, _CLICK_EXCEPTIONS.UsageError)
+        fail(_usage_line(error) if usage else error.format_message(), error.exit_code)
+    except typer.Abort:
+        fail("aborted", EXIT_FAILURE)
     except CliError as error:
         fail(error.message, error.code)
     except grpc.RpcError as error:
@@ -627,6 +658,7 @@ def main() -> None:
         fail(failure.message, failure.code)
     except BrokenPipeError:
         os._exit(EXIT_OK)
+    raise SystemExit(status if isinstance(status, int) else EXIT_OK)
 
 
 if __name__ == "__main__":

@@ -10,5 +10,15 @@ JOB_ID_MIN, JOB_ID_MAX = -(2**63), 2**63 - 1
 COUNT_MIN, COUNT_MAX = -(2**31), 2**31 - 1
 """Counts (devices, ranks, restarts, lines) and priorities travel as int32."""
 
+
+def not_empty(value: str | None) -> str | None:
+    """Refuse an empty value given for a text parameter (an unset shell variable, often), which the
+    daemon would otherwise take for the parameter left out."""
+    if value == "":
+        raise typer.BadParameter("must not be empty")
+    return value
+
+
 JobIdArgument = typer.Argument(..., metavar="ID", min=JOB_ID_MIN, max=JOB_ID_MAX)
 JobIdsArgument = typer.Argument(..., metavar="ID...", min=JOB_ID_MIN, max=JOB_ID_MAX)
+SocketOption = typer.Option(None, "--socket", envvar="SING_SOCKET", help="Daemon socket.", callback=not_empty)

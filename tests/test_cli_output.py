@@ -58,6 +58,47 @@ def test_version() -> None:
         assert (result.code, result.out, result.err) == (0, f"sing {__version__}\n", "")
 
 
+@pytest.mark.parametrize(
+    ("args", "command", "said"),
+    [
+        (["submit", "--bogus", "--", "true"], "sing submit", "no such option: --bogus"),
+        (["ps", "extra"], "sing ps", "got unexpected extra argument"),
+        (["show", "abc"], "sing show", "invalid value for 'ID': 'abc' is not a valid int range"),
+        (["show"], "sing show", "missing argument 'ID'"),
+        (["bogus"], "sing", "no such command 'bogus'"),
+    ],
+)
+def test_a_usage_error_is_one_line_with_where_to_find_help(args: list[str], command: str, said: str) -> None:
+    """Click's usage errors took four lines (usage, hint, a blank, the error), unlike every other
+    error of `sing`, and named the program after however it was started."""
+    result = run_sing(args, socket_path=None)
+    assert result.code == 2 and result.out == "", result
+    assert result.err.count("\n") == 1 and result.err.startswith(f"sing: {said}"), result.err
+    assert result.err.endswith(f"; see `{command} -h`\n"), result.err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["submit", "--tier", "", "--", "true"],
+        ["submit", "--name", "", "--", "true"],
+        ["submit", "--cwd", "", "--", "true"],
+        ["ps", "--user", ""],
+        ["ps", "--socket", ""],
+        ["migrate", "1", "--to", ""],
+        ["cluster", "init", "--cluster", ""],
+        ["cluster", "init", "--name", ""],
+        ["cluster", "join", "", "--token", "abcdef.0123456789abcdef", "--ca-hash", "sha256:00"],
+    ],
+)
+def test_an_empty_option_value_is_a_usage_error(args: list[str], tmp_path: Path) -> None:
+    """An empty value (often an unset shell variable) was taken for the option left out: `--tier ""`
+    queued a standard job, `--cwd ""` ran it in the current folder, `--user ""` listed everyone's."""
+    result = run_sing(args, socket_path=tmp_path / "absent.sock")
+    assert result.code == 2, result
+    assert "must not be empty" in result.err and result.err.count("\n") == 1, result.err
+
+
 def test_show_says_how_many_devices_a_job_holds_and_its_range() -> None:
     """What a Slurm or kubectl user expects: the devices held now, then the elastic range (not the
     size asked at submission), which ones, and for a job holding none, what it waits for."""
