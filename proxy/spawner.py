@@ -7,7 +7,8 @@ then for each request that arrives on its private socketpair it forks a child th
 everything the job's user lacks - supplementary groups, gids and uids, every capability
 (including the bounding and ambient sets), the right to gain privileges through exec, and core
 dumps and ptrace by that user - and runs the server's `main` with the file descriptors the daemon
-passed along. Only the daemon holds the other end of the socketpair.
+passed along. Only the daemon holds the other end of the socketpair. Being the servers' parent,
+it also tells the daemon how one ended (`SpawnerClient.ended`), which the daemon cannot learn.
 
 `SpawnerClient` is the daemon's side; it imports only the standard library.
 """
@@ -35,6 +36,8 @@ from typing import Any
 MAX_REQUEST_BYTES = 64 << 10
 MAX_FDS = 64
 ORPHAN_CHECK_SECONDS = 1.0
+ENDED_KEPT = 1024
+"""How many ended children's wait statuses the spawner keeps for the daemon to ask about."""
 PRELOAD = ("torch", "singularity.proxy.server.__main__")
 
 PR_SET_DUMPABLE = 4
@@ -118,6 +121,15 @@ class SpawnerClient:
         if "error" in reply:
             raise SpawnError(str(reply["error"]))
         return int(reply["pid"])
+
+    def ended(self, pid: int) -> int | None:
+        """How a process this spawner started ended, as a wait status (None: it runs, it was not
+        started by this spawner, or its end is long forgotten), since only its parent can know."""
+        with self._lock:
+            self._channel.send(json.dumps({"ended": pid}).encode())
+            reply = json.loads(self._channel.recv(MAX_REQUEST_BYTES) or b"{}")
+        status = reply.get("status")
+        return status if isinstance(status, int) else None
 
     def close(self) -> None:
         """Stop the spawner; the processes it started keep running."""
@@ -258,11 +270,27 @@ def _child(request: dict[str, Any], received: list[int], channel: socket.socket,
         os._exit(code)
 
 
+_ended: dict[int, int] = {}
+"""The wait statuses of the children reaped last, by PID, until the daemon asks for them."""
+
+
 def _reap(*_: Any) -> None:
-    """Collect ended children so they do not stay zombies while the spawner lives."""
+    """Collect ended children so they do not stay zombies while the spawner lives, keeping how
+    each ended for the daemon (which watches them, but only a parent learns a wait status)."""
     with contextlib.suppress(ChildProcessError):
-        while os.waitpid(-1, os.WNOHANG)[0] > 0:
-            pass
+        while True:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                return
+            _ended[pid] = status
+            while len(_ended) > ENDED_KEPT:
+                del _ended[next(iter(_ended))]
+
+
+def _ended_status(pid: Any) -> int | None:
+    """The wait status of an ended child, once (None: unknown, or still running)."""
+    _reap()
+    return _ended.pop(pid, None) if isinstance(pid, int) else None
 
 
 def _validate(request: Any, received: list[int]) -> dict[str, Any]:
@@ -316,7 +344,11 @@ def serve(channel: socket.socket) -> int:
         if not body:
             return 0
         try:
-            request = _validate(json.loads(body), received)
+            message = json.loads(body)
+            if isinstance(message, dict) and "ended" in message:
+                channel.send(json.dumps({"status": _ended_status(message["ended"])}).encode())
+                continue
+            request = _validate(message, received)
             channel.send(json.dumps(_start(request, received, channel)).encode())
         except (SpawnError, OSError, ValueError) as error:
             channel.send(json.dumps({"error": str(error)}).encode())

@@ -400,7 +400,7 @@ class Daemon:
             detail = "the job's supervisor was killed before it recorded an exit status"
             self.report_event(job_id, ProcessesLost(detail))
         else:
-            self.report_event(job_id, status.as_stimulus())
+            self.report_event(job_id, replace(status.as_stimulus(), device_lost=self.devices.lost(job_id)))
 
     def report_event(self, job_id: int, stimulus: Stimulus) -> None:
         """Feed the state machine something that happened to the job (its processes ended, a

@@ -146,6 +146,26 @@ def test_exit_outcomes(code: int | None, sig: int | None, error: str, state: Job
     assert ReleaseDevices() in decision.actions and Reschedule() in decision.actions
 
 
+LOST = "its device proxy (device 0) was killed by SIGKILL"
+
+
+@pytest.mark.parametrize(
+    ("code", "sig", "state", "reason"),
+    [
+        (1, None, JobState.FAILED, f"{LOST}, and the program exited with code 1"),
+        (None, signal.SIGSEGV, JobState.FAILED, f"{LOST}, and the program was killed by SIGSEGV"),
+        (0, None, JobState.COMPLETED, "exited with code 0"),
+    ],
+)
+def test_a_failure_after_a_device_proxy_ended_says_so_first(
+    code: int | None, sig: int | None, state: JobState, reason: str
+) -> None:
+    """A job whose proxy server was killed failed with only "exited with code 1"."""
+    decision = decide(facts(JobState.RUNNING), Exited(code, sig, device_lost=LOST), now=2.0)
+    assert decision.transition is not None
+    assert (decision.transition.to_state, decision.transition.reason) == (state, reason)
+
+
 def test_exit_after_cancel_request_is_cancelled() -> None:
     decision = decide(facts(JobState.RUNNING, cancel=True), Exited(None, signal.SIGTERM), now=0)
     assert decision.transition is not None

@@ -11,6 +11,7 @@ import functools
 import json
 import os
 import random
+import signal
 import subprocess
 import time
 from collections.abc import Sequence
@@ -367,6 +368,29 @@ def test_proxy_servers_survive_a_daemon_restart(daemon_root: Path) -> None:
         assert daemon.sing("wait", str(job), timeout=300).code == 0
         assert daemon.sing("logs", str(job)).out == expected
         wait_until(functools.partial(ended, pid))
+
+
+DEVICE_LOOP = """
+import time, torch
+x = torch.ones(4, device="cuda")
+print("started", flush=True)
+while True:
+    x = x + 1
+    x.sum().item()
+    time.sleep(0.05)
+"""
+
+
+def test_a_job_whose_device_proxy_is_killed_fails_saying_so(daemon: Daemon) -> None:
+    """The job failed with "exited with code 1" alone: its program's error when its proxy went away."""
+    job = daemon.submit(PYTHON, "-c", DEVICE_LOOP, options=JOB_OPTIONS)
+    wait_until(lambda: "started" in daemon.sing("logs", str(job)).out, timeout=120)
+    pid, device = server_of(daemon, job)
+    os.kill(pid, signal.SIGKILL)
+    failed = daemon.wait_state(job, "FAILED", timeout=60)
+    assert failed["events"][-1]["reason"] == (
+        f"its device proxy (device {device}) was killed by SIGKILL, and the program exited with code 1"
+    )
 
 
 def ended(pid: int) -> bool:

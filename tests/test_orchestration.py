@@ -245,6 +245,9 @@ class FakeDevices:
     def health(self, device: int) -> DeviceHealth:
         return DeviceHealth("")
 
+    def lost(self, job_id: int) -> str:
+        return ""
+
     async def verdicts(self, job_id: int, devices: Sequence[int]) -> list[dict[str, Any]]:
         self.calls.append(("verdicts", job_id))
         return [self.verdict for _ in devices]

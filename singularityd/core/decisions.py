@@ -187,10 +187,18 @@ def _ended(job: JobFacts, stimulus: Exited | ProcessesLost, now: float) -> Decis
         target = JobState.CANCELLED if job.cancel_requested else JobState.FAILED
         return Decision(check_transition(job.job_id, state, target, stimulus.detail, now), release)
     code, sig, error = stimulus.exit_code, stimulus.signal, stimulus.error
+    succeeded = code == 0 and sig is None and not error
     how = error or describe_exit(code, sig)
+    if stimulus.device_lost and not succeeded:
+        ended = how if error or sig is None else f"was {how}"
+        how = (
+            f"{stimulus.device_lost}; {error}"
+            if error
+            else f"{stimulus.device_lost}, and the program {ended}"
+        )
     if job.cancel_requested:
         target, reason = JobState.CANCELLED, f"cancelled ({how})"
-    elif code == 0 and sig is None and not error:
+    elif succeeded:
         target, reason = JobState.COMPLETED, how
     elif job.restarts_used < job.max_restarts and state is JobState.RUNNING:
         return _restarted(job, how, now)

@@ -53,6 +53,8 @@ class Exited:
     error: str = ""
     cpu_seconds: float | None = None
     max_rss_bytes: int | None = None
+    device_lost: str = ""
+    """How the job lost a device while it ran (its proxy server ended), which a failure follows from."""
 
 
 @dataclass(frozen=True)

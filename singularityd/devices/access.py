@@ -211,6 +211,9 @@ class DeviceAccess(Protocol):
     def health(self, device: int) -> DeviceHealth:
         """How the way to this device is doing (blocks for at most a couple of seconds)."""
 
+    def lost(self, job_id: int) -> str:
+        """How the job lost its way to a device while it held it ('' if it did not), for its failure."""
+
     async def verdicts(self, job_id: int, devices: Sequence[int]) -> list[dict[str, Any]]:
         """What each of the job's devices says of its ranks there: data-parallel replicas or not
         (proxy/control.py `replicas`; none where no proxy judges)."""
@@ -376,6 +379,10 @@ class ProxiedDevices:
 
         return await _translated_async(self.pool.on_servers(job_id, devices, verdict, STATUS_TIMEOUT_SECONDS))
 
+    def lost(self, job_id: int) -> str:
+        """How the first of the job's proxy servers that ended under it ended ('' if none did)."""
+        return self.pool.lost(job_id)
+
     def health(self, device: int) -> DeviceHealth:
         """Idle while no job's server runs on it, starting while one is being spawned; then up,
         with its sessions, if the server answers."""
@@ -467,6 +474,10 @@ class DirectDevices:
     async def verdicts(self, job_id: int, devices: Sequence[int]) -> list[dict[str, Any]]:
         """No proxy judges the job's ranks."""
         return []
+
+    def lost(self, job_id: int) -> str:
+        """No proxy stands between jobs and the device: none can end under a job."""
+        return ""
 
     def health(self, device: int) -> DeviceHealth:
         """No proxy stands between jobs and the device."""

@@ -40,6 +40,7 @@ from pathlib import Path
 from singularity.proxy import bootstrap_path
 from singularity.proxy.control import ControlError, ProxyControl
 from singularity.proxy.spawner import SpawnerClient, SpawnError, SpawnRequest
+from singularityd.core.decisions import describe_exit
 from singularityd.devices.inventory import Device
 from singularityd.devices.splicing import device_slots
 from singularityd.jobs.processes import ProcessWatch, process_start_ticks
@@ -121,6 +122,24 @@ class SpawningServers:
     devices: tuple[int, ...]
 
 
+def proxy_end(device: int, status: int | None) -> str:
+    """How a job's proxy server ended, from its wait status (None: unknown), as its failure says it."""
+    server = f"its device proxy (device {device})"
+    if status is None:
+        return f"{server} ended"
+    if os.WIFSIGNALED(status):
+        return f"{server} was {describe_exit(None, os.WTERMSIG(status))}"
+    return f"{server} {describe_exit(os.waitstatus_to_exitcode(status), None)}"
+
+
+@dataclass
+class LostServer:
+    """A job's server that ended while the job held it: which device, and how it ended once known."""
+
+    device: int
+    how: str
+
+
 class ProxyServers:
     """The proxy servers of every job: started with the job, stopped with it, adopted on restart."""
 
@@ -145,6 +164,8 @@ class ProxyServers:
         self._watches: dict[tuple[int, int], ProcessWatch] = {}
         self._starting: dict[int, SpawningServers] = {}
         """Jobs whose servers are being spawned (forgetting a job makes late ones stop)."""
+        self._lost: dict[int, LostServer] = {}
+        """The first server of each job that ended while the job held it."""
         self._owner_mode = os.geteuid() == 0
 
     # -- places -------------------------------------------------------------------------------------
@@ -403,11 +424,30 @@ class ProxyServers:
             return  # stopped on purpose
         watch.close()
         self._record(job_id, device).unlink(missing_ok=True)
-        log.warning("job %d: the proxy server of device %d (pid %d) ended", job_id, device, pid)
+        lost = LostServer(device, proxy_end(device, None))
+        self._lost.setdefault(job_id, lost)
+        spawner = self._spawner
+        if spawner is None or not spawner.done() or spawner.exception() is not None:
+            log.warning("job %d: the proxy server of device %d (pid %d) ended", job_id, device, pid)
+            return
+
+        def learned(asked: asyncio.Future[int | None]) -> None:
+            status = None if asked.cancelled() or asked.exception() is not None else asked.result()
+            lost.how = proxy_end(device, status)
+            log.warning("job %d: %s (pid %d)", job_id, lost.how, pid)
+
+        asked = asyncio.get_running_loop().run_in_executor(None, spawner.result().ended, pid)
+        asked.add_done_callback(learned)
+
+    def lost(self, job_id: int) -> str:
+        """How the first of the job's servers that ended while the job held it ended ('' if none did)."""
+        lost = self._lost.get(job_id)
+        return lost.how if lost is not None else ""
 
     def forget(self, job_id: int) -> None:
         """Stop the job's servers and remove everything they had: sockets, temporary files, records."""
         self._starting.pop(job_id, None)
+        self._lost.pop(job_id, None)
         for job, device in [key for key in self._watches if key[0] == job_id]:
             watch = self._watches.pop((job, device))
             watch.signal(signal.SIGKILL)

@@ -128,6 +128,22 @@ def test_bad_request_is_refused_and_spawner_lives_on(spawner: SpawnerClient, ope
     os.kill(pid, 9)
 
 
+def test_the_spawner_says_how_a_server_it_started_ended(spawner: SpawnerClient, open_dir: Path) -> None:
+    """Only a parent learns how a process ended: the daemon, which watches the servers through a
+    pidfd, saw a killed one only as ended, and a job's failure could not say its proxy was killed."""
+    pid, _ = start_server_as_nobody(spawner, open_dir / "job")
+    assert spawner.ended(pid) is None, "it still runs"
+    os.kill(pid, signal.SIGKILL)
+    status = None
+    deadline = time.monotonic() + 30
+    while status is None and time.monotonic() < deadline:
+        status = spawner.ended(pid)
+        time.sleep(0.05)
+    assert status is not None and os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert spawner.ended(pid) is None, "told once"
+    assert spawner.ended(1) is None, "not its child"
+
+
 ORPHANING_DAEMON = """
 import os, signal, sys, time
 from singularity.proxy.spawner import SpawnerClient
