@@ -6,13 +6,16 @@ killed daemon, and the sizes a post-dump script records.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -21,11 +24,12 @@ from singularityd.checkpoint import (
     FileRecord,
     ImageStore,
     Manifest,
+    NoValidCheckpoint,
     Verdict,
     locate_criu,
 )
 from singularityd.checkpoint import store as store_module
-from singularityd.checkpoint.criu import parse_stats, summarize_log
+from singularityd.checkpoint.criu import Criu, parse_stats, summarize_log
 from singularityd.checkpoint.criu_discovery import parse_version, privilege_problem, tcp_problem
 from singularityd.checkpoint.dump_script import (
     FAILED_LOGS_KEPT,
@@ -46,12 +50,14 @@ from singularityd.checkpoint.manifest import (
     FileFact,
     FileKind,
     ManifestError,
+    Skipped,
     choose_latest,
     digest_problems,
     plan_prune,
     structural_problems,
 )
 from singularityd.checkpoint.precheck import DaemonFacts, ProcFacts, tree_problems
+from singularityd.checkpoint.restoring import Restorer
 from singularityd.checkpoint.staging import staged_folder
 from tests.conftest import requires_root
 
@@ -293,6 +299,24 @@ def test_a_daemon_killed_while_recording_a_stopping_dump_leaves_it_recordable(
     assert not (pending.path / ".intent.json").exists()
     store.record_intent(pending, {"criu_version": "4.2"})  # as if killed just after the manifest
     assert store.interrupted("7") is None and not (pending.path / ".intent.json").exists()
+
+
+def test_a_deleted_newest_checkpoint_is_reported_and_its_number_not_reused(tmp_path: Path) -> None:
+    """A newest checkpoint whose folder was deleted was passed over in silence: the job resumed from
+    an older one with no word of it, and its number went to the next checkpoint."""
+    store = ImageStore(tmp_path / "store", trusted_uid=os.getuid())
+    uid, gid = os.getuid(), os.getgid()
+    for _ in range(2):
+        pending = store.begin("7", owner_uid=uid, owner_gid=gid)
+        (pending.path / "images" / "core-1.img").write_bytes(b"image")
+        store.finish(pending, leave_running=True, criu_version="4.2")
+    assert store.vanished("7") == []
+    shutil.rmtree(store.checkpoint_dir("7", 2))
+    assert store.vanished("7") == [Skipped(2, "its folder is gone: deleted outside singularityd")]
+    shutil.rmtree(store.checkpoint_dir("7", 1))
+    with pytest.raises(NoValidCheckpoint, match="2: its folder is gone"):
+        asyncio.run(Restorer(cast(Criu, None), store).restore_latest("7"))
+    assert store.begin("7", owner_uid=uid, owner_gid=gid).seq == 3
 
 
 @requires_root

@@ -88,7 +88,7 @@ class Restorer:
         checkpoint, the sha256 of files hashed as they arrived here, so they are not read again.
         """
         with self.store.locked(job_id):
-            skipped: list[Skipped] = []
+            skipped: list[Skipped] = self.store.vanished(job_id)
             for seq in reversed(self.store.seqs(job_id)):
                 known = known_digests if known_digests is not None and known_digests.seq == seq else None
                 result = await run_to_completion(

@@ -41,6 +41,7 @@ from singularityd.checkpoint.manifest import (
     FileRecord,
     Manifest,
     ManifestError,
+    Skipped,
     Verdict,
     choose_latest,
     digest_problems,
@@ -55,6 +56,9 @@ RESERVE_NAME = ".reserve"
 INTENT_NAME = ".intent.json"
 """Written before a dump that stops the job: what recording the checkpoint needs, so that a
 daemon restarted after dying in the middle can still record a dump that CRIU finished."""
+NEWEST_NAME = ".newest"
+"""In a job's folder: the number of its newest complete checkpoint, so that one whose folder was
+deleted behind the daemon's back is reported when a restore passes over it, and never renumbered."""
 STAGED_MARK = ".staged.json"
 """In a checkpoint folder whose process images are staged in memory (checkpoint.staging), removed
 once its manifest is written: a folder with it and no manifest was cut short and is removed."""
@@ -170,6 +174,20 @@ class ImageStore:
         """The directory of checkpoint `seq` of a job."""
         return self.job_dir(job_id) / seq_dir_name(seq)
 
+    def _newest_recorded(self, job_id: str) -> int | None:
+        """The newest complete checkpoint's number as finish() recorded it (None: none recorded)."""
+        try:
+            return int(read_trusted(self.job_dir(job_id) / NEWEST_NAME, self.trusted_uid))
+        except (OSError, ValueError):
+            return None
+
+    def vanished(self, job_id: str) -> list[Skipped]:
+        """The newest complete checkpoint, when its folder is gone (deleted outside the daemon)."""
+        newest = self._newest_recorded(job_id)
+        if newest is None or newest <= max(self.seqs(job_id), default=0):
+            return []
+        return [Skipped(newest, "its folder is gone: deleted outside singularityd")]
+
     def seqs(self, job_id: str) -> list[int]:
         """Sequence numbers of the job's checkpoint directories, complete or not, ascending."""
         try:
@@ -211,7 +229,8 @@ class ImageStore:
                 f"not enough space for a checkpoint of job {job_id}: about "
                 f"{needed_bytes / 2**20:.0f} MiB needed, {free / 2**20:.0f} MiB free in {jd}"
             )
-        seq = next_seq(self.seqs(job_id))
+        newest = self._newest_recorded(job_id)
+        seq = next_seq([*self.seqs(job_id), *([] if newest is None else [newest])])
         path = jd / seq_dir_name(seq)
         try:
             path.mkdir(mode=0o700)
@@ -339,6 +358,9 @@ class ImageStore:
                 (path / INTENT_NAME).unlink()
         except OSError as e:
             raise CheckpointError(_space_message(path, e)) from e
+        if pending.seq > (self._newest_recorded(pending.job_id) or 0):
+            with contextlib.suppress(OSError):
+                write_durably(self.job_dir(pending.job_id) / NEWEST_NAME, str(pending.seq))
         os.chown(path, pending.owner_uid, pending.owner_gid)
         os.chmod(path, 0o700)
         return manifest
@@ -465,6 +487,8 @@ class ImageStore:
         """Remove every checkpoint folder of a job, complete or not (its CRIU logs stay)."""
         for seq in self.seqs(job_id):
             shutil.rmtree(self.checkpoint_dir(job_id, seq), ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            (self.job_dir(job_id) / NEWEST_NAME).unlink()
 
     @contextlib.contextmanager
     def sealed(self, job_id: str, seq: int) -> Iterator[Path]:
