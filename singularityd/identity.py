@@ -23,6 +23,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 RELAY_CHUNK = 256 * 1024
+PIPE_END_SECONDS = 5.0
+"""How long a stopping relay waits for the connections it closed to end before cancelling them (a
+cancelled handler makes asyncio log a CancelledError traceback)."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,8 @@ class IdentityRelay:
         self.allowed_uids = allowed_uids
         self.socket_mode = socket_mode
         self._server: asyncio.Server | None = None
-        self._pipes: set[asyncio.Task[None]] = set()
+        self._pipes: dict[asyncio.Task[None], tuple[asyncio.StreamWriter, ...]] = {}
+        """Each connection being piped: its handler's task and the streams of both its sides."""
 
     async def start(self) -> None:
         """Bind the public socket (replacing a stale one) with the configured permissions."""
@@ -114,13 +118,18 @@ class IdentityRelay:
         os.chmod(self.public_socket, self.socket_mode)
 
     async def stop(self) -> None:
-        """Stop accepting and close the relayed connections."""
+        """Stop accepting and close the relayed connections, letting their handlers end on their own."""
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()
-        for task in list(self._pipes):
-            task.cancel()
+        for streams in list(self._pipes.values()):
+            for stream in streams:
+                stream.close()
+        if self._pipes:
+            _, stuck = await asyncio.wait(list(self._pipes), timeout=PIPE_END_SECONDS)
+            for task in stuck:
+                task.cancel()
         with contextlib.suppress(FileNotFoundError):
             self.public_socket.unlink()
 
@@ -142,13 +151,13 @@ class IdentityRelay:
             return
         task = asyncio.current_task()
         assert task is not None
-        self._pipes.add(task)
+        self._pipes[task] = (writer, upstream_writer)
         try:
             await asyncio.gather(
                 _pipe(reader, upstream_writer), _pipe(upstream_reader, writer), return_exceptions=True
             )
         finally:
-            self._pipes.discard(task)
+            self._pipes.pop(task, None)
             for stream in (writer, upstream_writer):
                 stream.close()
 
