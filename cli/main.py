@@ -61,6 +61,10 @@ HeaderOption = typer.Option(
 )
 
 
+FOLLOW_GIVE_UP_SECONDS = 60.0
+"""How long `logs -f` waits for a daemon that went away: a restart takes seconds, a stop is for good."""
+
+
 def _output_format(value: str | None, allowed: tuple[str, ...]) -> str:
     """The -o in force: the flag (checked), else sing.toml's `output` where this command has it."""
     choices = ("table", *allowed)
@@ -337,7 +341,9 @@ def logs(
     if not path.exists():
         raise CliError(unreachable_message(path), EXIT_UNAVAILABLE)
     out = sys.stdout.buffer
-    follower = LogFollower(path, job_id, rank, follow=follow, tail=tail)
+    follower = LogFollower(
+        path, job_id, rank, follow=follow, tail=tail, give_up_seconds=FOLLOW_GIVE_UP_SECONDS
+    )
     with stopped_by_ctrl_c(follower.cancel) as interrupted:
         for data in follower:
             out.write(data)

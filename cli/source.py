@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import grpc
 
 from singularity.cli import output
-from singularity.cli.client import Connection, rpc_error, unreachable_message
+from singularity.cli.client import LOST_CONNECTION, Connection, rpc_error, unreachable_message
 from singularity.cli.errors import EXIT_UNAVAILABLE, CliError
 from singularityd.api.v1 import singularity_pb2 as pb
 
@@ -103,6 +103,7 @@ class LogFollower:
         follow: bool = True,
         tail: int | None = None,
         retry_seconds: float = 1.0,
+        give_up_seconds: float | None = None,
     ) -> None:
         self.socket_path = socket_path
         self.request = pb.LogsRequest(id=job_id, rank=rank, follow=follow)
@@ -110,6 +111,8 @@ class LogFollower:
             self.request.tail = tail
         self.offset: int | None = None
         self.retry_seconds = retry_seconds
+        self.give_up_seconds = give_up_seconds
+        """How long the daemon may stay away before following ends with an error (None: for ever)."""
         self._cancelled = threading.Event()
         self._call: Any = None
 
@@ -122,6 +125,7 @@ class LogFollower:
 
     def __iter__(self) -> Iterator[bytes]:
         self._first_contact()
+        away_since: float | None = None
         while not self._cancelled.is_set():
             connection = Connection(self.socket_path)
             request = pb.LogsRequest()
@@ -139,10 +143,24 @@ class LogFollower:
                     return
                 if error.code() not in RETRYABLE:
                     raise rpc_error(error, self.socket_path) from None
+                if away_since is None or any(sign in (error.details() or "") for sign in LOST_CONNECTION):
+                    away_since = time.monotonic()
+                self._give_up_after(away_since)
                 self._cancelled.wait(self.retry_seconds)
             finally:
                 self._call = None
                 connection.close()
+
+    def _give_up_after(self, away_since: float) -> None:
+        """End following (CliError, exit 3) once the daemon has been away longer than allowed: it
+        stopped rather than restarted."""
+        if self.give_up_seconds is None or time.monotonic() - away_since < self.give_up_seconds:
+            return
+        raise CliError(
+            f"singularityd at {self.socket_path} stopped and has not come back for "
+            f"{self.give_up_seconds:g}s; stopped following job {self.request.id}",
+            EXIT_UNAVAILABLE,
+        )
 
     def _first_contact(self) -> None:
         """Fail at once when the daemon cannot be reached or has no such job (later, it is retried)."""

@@ -17,6 +17,7 @@ import pytest
 from singularity.cli import output
 from singularity.cli.config import CliSettings, parse_settings
 from singularity.cli.errors import CliError
+from singularity.cli.source import LogFollower
 from singularityd import __version__
 from singularityd.api.v1 import singularity_pb2 as pb
 from tests.conftest import requires_root
@@ -339,6 +340,20 @@ def test_resume_wait_returns_once_running(daemon: Daemon) -> None:
     assert resumer.wait(60) == 0
     job = daemon.job(held)
     assert job["state"] == "RUNNING" and not job["starting"]
+
+
+def test_logs_follow_ends_with_one_line_when_the_daemon_stays_away(tmp_path: Path) -> None:
+    """A follower of a daemon stopped for good (not restarted) waited for ever, saying nothing."""
+    follower = LogFollower(tmp_path / "gone.sock", 7, retry_seconds=0.05, give_up_seconds=0.5)
+    follower._first_contact = lambda: None  # type: ignore[method-assign]
+    began = time.monotonic()
+    with pytest.raises(CliError) as ended:
+        list(follower)
+    assert ended.value.code == 3 and time.monotonic() - began < 10
+    assert ended.value.message == (
+        f"singularityd at {tmp_path / 'gone.sock'} stopped and has not come back for 0.5s; "
+        "stopped following job 7"
+    )
 
 
 def test_logs_follow_survives_a_daemon_restart(daemon: Daemon) -> None:
