@@ -62,7 +62,7 @@ from singularityd.devices.access import DeviceAccess, DeviceError
 from singularityd.devices.inventory import Device, Inventory, refresh
 from singularityd.errors import StateConflict, StoreUnwritable, not_found
 from singularityd.jobs import work
-from singularityd.jobs.processes import Processes, ProcessId
+from singularityd.jobs.processes import Processes, ProcessId, missing_status_reason
 from singularityd.jobs.record import JobRuntime
 from singularityd.observe.feed import ChangeFeed, JobDecided, RoundPlanned
 from singularityd.scheduling.round import ClusterView, JobView, plan_round
@@ -397,8 +397,7 @@ class Daemon:
             record.watch = None
         status = self.processes.exit_status(job_id)
         if status is None:
-            detail = "the job's supervisor was killed before it recorded an exit status"
-            self.report_event(job_id, ProcessesLost(detail))
+            self.report_event(job_id, ProcessesLost(missing_status_reason(self.processes.paths(job_id))))
         else:
             self.report_event(job_id, replace(status.as_stimulus(), device_lost=self.devices.lost(job_id)))
 

@@ -10,6 +10,7 @@ here is tried once at start (`probe_user_namespaces`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -210,6 +211,8 @@ async def run_launcher(spec: dict[str, Any], paths: JobPaths) -> int:
     """
     for stale in (paths.status, paths.pid):
         stale.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # no room now: the status is written without a reserve
+        launcher.reserve_status(str(paths.status))
     rewind_files(dict.fromkeys([*spec["rank_logs"], spec["supervisor_log"]], 0))
     paths.spec.unlink(missing_ok=True)
     fd = os.open(paths.spec, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)

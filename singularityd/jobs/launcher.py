@@ -53,6 +53,9 @@ IFF_UP = 0x1
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
+STATUS_RESERVE_BYTES = 64 * 1024
+"""Room set aside for a job's final status: its ranks' outcomes for a thousand ranks."""
+RESERVE_SUFFIX = ".reserve"
 EXIT_LAUNCH_ERROR = 127
 IDENTITY_MAP = "0 0 4294967295\n"
 SUPERVISE_FLAG = "--supervise"
@@ -156,11 +159,30 @@ def _open_log(path: str, uid: int, gid: int) -> int:
     return fd
 
 
+def reserve_status(path: str) -> None:
+    """Set aside room on disk for the job's final status (a file of zeros beside it, which the
+    supervisor overwrites in place), so that a disk full by the time the job ends cannot cost the
+    job its exit code; raises OSError when there is no room even now."""
+    fd = os.open(f"{path}{RESERVE_SUFFIX}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(bytes(STATUS_RESERVE_BYTES))
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
 def _write_status(path: str, status: dict[str, Any]) -> None:
-    """Write the job's final status atomically (temporary file, then rename)."""
-    temporary = f"{path}.tmp"
-    with open(temporary, "w") as handle:
-        json.dump(status, handle)
+    """Write the job's final status atomically (into the room reserved for it, else a temporary
+    file, then rename)."""
+    data = json.dumps(status).encode()
+    temporary = f"{path}{RESERVE_SUFFIX}"
+    try:
+        fd = os.open(temporary, os.O_WRONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        temporary = f"{path}.tmp"
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+        handle.truncate(len(data))
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(temporary, path)

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import psutil
 
 from singularityd.core.stimuli import Exited
 from singularityd.jobs.launch import LaunchError, launch_spec, run_launcher
+from singularityd.jobs.launcher import STATUS_RESERVE_BYTES, reserve_status
 from singularityd.jobs.paths import JobPaths
 from singularityd.store import JobRecord
 
@@ -89,6 +91,18 @@ def read_pid_file(paths: JobPaths) -> tuple[int, int] | None:
     except (OSError, ValueError):
         return None
     return pid, ticks
+
+
+def missing_status_reason(paths: JobPaths) -> str:
+    """Why a job's supervisor ended without recording a status: the disk of the job's folder full
+    (it could not write one), else it was killed."""
+    try:
+        full = shutil.disk_usage(paths.root).free < STATUS_RESERVE_BYTES
+    except OSError:
+        full = False
+    if full:
+        return f"the job's supervisor could not record its exit status: the disk holding {paths.root} is full"
+    return "the job's supervisor was killed before it recorded an exit status"
 
 
 def read_exit_status(paths: JobPaths) -> ExitStatus | None:
@@ -274,10 +288,13 @@ class HostProcesses:
         return usage(pid)
 
     def forget_outcome(self, job_id: int) -> None:
-        """Remove the status and PID files of an earlier run (before a restore)."""
+        """Remove the status and PID files of an earlier run (before a restore), and set room aside
+        for the status the restored supervisor will write (it may come from another node)."""
         paths = self.paths(job_id)
         paths.status.unlink(missing_ok=True)
         paths.pid.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            reserve_status(str(paths.status))
 
     def adopt_restored(self, job_id: int, pid: int) -> ProcessId:
         """Record a restored supervisor as the job's process."""
