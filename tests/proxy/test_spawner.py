@@ -132,8 +132,10 @@ def test_the_spawner_says_how_a_server_it_started_ended(spawner: SpawnerClient, 
     """Only a parent learns how a process ended: the daemon, which watches the servers through a
     pidfd, saw a killed one only as ended, and a job's failure could not say its proxy was killed."""
     pid, _ = start_server_as_nobody(spawner, open_dir / "job")
-    assert spawner.ended(pid) is None, "it still runs"
-    os.kill(pid, signal.SIGKILL)
+    try:
+        assert spawner.ended(pid) is None, "it still runs"
+    finally:
+        os.kill(pid, signal.SIGKILL)
     status = None
     deadline = time.monotonic() + 30
     while status is None and time.monotonic() < deadline:
