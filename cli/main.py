@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import math
 import os
-import pwd
-import stat
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 import typer
 
-from singularity.cli import cluster, output
+from singularity.cli import cluster, machine, output
 from singularity.cli.client import LOST_CONNECTION, connect, resolve_socket, rpc_error, unreachable_message
-from singularity.cli.config import settings
 from singularity.cli.errors import (
     EXIT_CONFLICT,
     EXIT_FAILURE,
@@ -33,9 +30,13 @@ from singularity.cli.errors import (
 from singularity.cli.params import (
     COUNT_MAX,
     COUNT_MIN,
+    HeaderOption,
     JobIdArgument,
     JobIdsArgument,
+    OutputOption,
     SocketOption,
+    chosen_format,
+    chosen_header,
     not_empty,
 )
 from singularity.cli.progress import Progress
@@ -53,32 +54,8 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-OutputOption = typer.Option(
-    None, "--output", "-o", help="table (default), wide or json; default from sing.toml's `output`."
-)
-HeaderOption = typer.Option(
-    None, "--header/--no-header", help="Print or omit the header line (default from sing.toml, else print)."
-)
-
-
 FOLLOW_GIVE_UP_SECONDS = 60.0
 """How long `logs -f` waits for a daemon that went away: a restart takes seconds, a stop is for good."""
-
-
-def _output_format(value: str | None, allowed: tuple[str, ...]) -> str:
-    """The -o in force: the flag (checked), else sing.toml's `output` where this command has it."""
-    choices = ("table", *allowed)
-    if value is None:
-        configured = settings().output
-        return configured if configured in choices else "table"
-    if value not in choices:
-        raise CliError(f"-o must be one of {', '.join(choices)}, not {value!r}", EXIT_USAGE)
-    return value
-
-
-def _header(flag: bool | None) -> bool:
-    """Whether to print header lines: the flag, else sing.toml's `no_header`."""
-    return flag if flag is not None else not settings().no_header
 
 
 def _version(value: bool) -> None:
@@ -256,8 +233,8 @@ def ps(
     socket: str = SocketOption,
 ) -> None:
     """List jobs (queued and running; -a for all; --cluster for every node's)."""
-    fmt = _output_format(output_format, ("wide", "json"))
-    with_header = _header(header)
+    fmt = chosen_format(output_format, ("wide", "json"))
+    with_header = chosen_header(header)
     request = pb.ListJobsRequest(all=all_jobs, user=user or "")
     if cluster_wide:
         if watch:
@@ -309,13 +286,13 @@ def show(
     socket: str = SocketOption,
 ) -> None:
     """Show a job: its spec, devices, usage, checkpoints, pending reason and event timeline."""
-    fmt = _output_format(output_format, ("wide", "json"))
+    fmt = chosen_format(output_format, ("wide", "json"))
     with connect(socket) as stub:
         detail = stub.GetJob(pb.JobRef(id=job_id))
     if fmt == "json":
         print(output.to_json(output.job_detail_dict(detail)))
     else:
-        print(output.job_detail_text(detail, wide=fmt == "wide", header=_header(header)))
+        print(output.job_detail_text(detail, wide=fmt == "wide", header=chosen_header(header)))
 
 
 @app.command()
@@ -489,145 +466,7 @@ def wait(
     raise SystemExit(_job_status(job))
 
 
-@app.command()
-def devices(
-    output_format: str = OutputOption,
-    header: bool = HeaderOption,
-    socket: str = SocketOption,
-) -> None:
-    """List the devices the daemon owns, their proxies and the jobs on them."""
-    fmt = _output_format(output_format, ("wide", "json"))
-    with connect(socket) as stub:
-        found = stub.ListDevices(pb.ListDevicesRequest()).devices
-    if fmt == "json":
-        print(output.to_json([output.device_dict(d) for d in found]))
-    else:
-        text = output.devices_table(found, wide=fmt == "wide", header=_header(header))
-        if text:
-            print(text)
-
-
-@app.command()
-def top(
-    all_jobs: bool = typer.Option(False, "--all", "-a", help="Include ended jobs."),
-    interval: float = typer.Option(
-        None,
-        "--interval",
-        "-n",
-        help="Seconds between refreshes (default: sing.toml's refresh_seconds, else 1).",
-    ),
-    socket: str = SocketOption,
-) -> None:
-    """A live view of devices and jobs, with actions (preempt, suspend, resume, cancel, checkpoint)."""
-    refresh = interval if interval is not None else settings().refresh_seconds
-    if not (math.isfinite(refresh) and refresh >= 0.1):
-        raise CliError(f"--interval must be at least 0.1 seconds, not {refresh:g}", EXIT_USAGE)
-    if not (sys.stdin.isatty() and sys.stdout.isatty()):
-        raise CliError("sing top needs a terminal (for scripts: sing ps -o json, sing ps -w)", EXIT_USAGE)
-    path = resolve_socket(socket)
-    if not path.exists():
-        raise CliError(unreachable_message(path), EXIT_UNAVAILABLE)
-    try:
-        from singularity.cli.top.app import TopApp
-    except ImportError as error:
-        raise CliError(f"sing top needs textual ({error}): pip install 'singularityd[tui]'") from None
-    from singularity.cli.source import DaemonSource
-
-    source = DaemonSource(path)
-    try:
-        TopApp(source, refresh_seconds=refresh, all_jobs=all_jobs).run()
-    finally:
-        source.close()
-
-
-class _Checks:
-    """The findings of `sing doctor`, printed as they come (text) or at the end (JSON)."""
-
-    def __init__(self, as_json: bool) -> None:
-        self.as_json = as_json
-        self.found: list[dict[str, str]] = []
-        self.healthy = True
-
-    def add(self, status: str, label: str, detail: str) -> bool:
-        """Record one finding ("ok", "FAIL" or "info"); whether it is not a failure."""
-        self.found.append({"check": label, "status": status, "detail": detail})
-        self.healthy &= status != "FAIL"
-        if not self.as_json:
-            print(f"[{status}] {label}: {detail}")
-        return status != "FAIL"
-
-    def check(self, ok: bool, label: str, detail: str) -> bool:
-        """An ok-or-FAIL finding."""
-        return self.add("ok" if ok else "FAIL", label, detail)
-
-    def finish(self, code: int | None = None) -> NoReturn:
-        """Print the JSON form if asked and exit: the given code, else 0 when healthy, else 1."""
-        if self.as_json:
-            print(output.to_json(self.found))
-        raise SystemExit(code if code is not None else EXIT_OK if self.healthy else EXIT_FAILURE)
-
-
-@app.command()
-def doctor(
-    output_format: str = typer.Option(None, "--output", "-o", help="json: the findings as JSON."),
-    socket: str = SocketOption,
-) -> None:
-    """Check the set-up: daemon reachable, socket permissions, CRIU, NVML."""
-    if output_format not in (None, "json"):
-        raise CliError(f"-o must be json, not {output_format!r}", EXIT_USAGE)
-    checks = _Checks(output_format == "json")
-    path = resolve_socket(socket)
-    try:
-        found = path.stat()
-        mode = found.st_mode
-        try:
-            owner = pwd.getpwuid(found.st_uid).pw_name
-        except KeyError:
-            owner = str(found.st_uid)
-        usable = stat.S_ISSOCK(mode) and os.access(path, os.R_OK | os.W_OK)
-        checks.check(
-            usable,
-            "socket",
-            f"{path} ({stat.filemode(mode)}, owner {owner})" + ("" if usable else ": not usable by you"),
-        )
-    except FileNotFoundError:
-        checks.check(False, "socket", unreachable_message(path))
-        checks.finish(EXIT_UNAVAILABLE)
-    except OSError as error:
-        checks.check(False, "socket", f"{path}: {error.strerror}")
-        checks.finish(EXIT_UNAVAILABLE)
-    try:
-        with connect(socket) as stub:
-            info = stub.GetDaemonInfo(pb.DaemonInfoRequest())
-    except CliError as error:
-        checks.check(False, "daemon", error.message)
-        checks.finish(error.code)
-    checks.check(True, "daemon", f"singularityd {info.version} ({info.mode} mode), state in {info.state_dir}")
-    checks.check(
-        True,
-        "identity",
-        f"you are {info.caller_user} (uid {info.caller_uid})"
-        + (", an admin" if info.caller_is_admin else ""),
-    )
-    checks.check(True, "devices", f"{info.device_count} {info.device_kind} device(s)")
-    nvml_ok = info.device_kind == "nvml" or not info.nvml_status.startswith("unavailable")
-    checks.add("ok" if nvml_ok else "info", "nvml", info.nvml_status)
-    criu_ok = not info.criu_unavailable_reason
-    checks.check(
-        criu_ok,
-        "criu",
-        f"CRIU {info.criu_version} at {info.criu_path}"
-        if criu_ok
-        else f"checkpoints unavailable: {info.criu_unavailable_reason}",
-    )
-    checks.check(
-        info.pid_namespaces or info.mode == "user",
-        "isolation",
-        "jobs run in their own PID namespace" if info.pid_namespaces else "no PID namespaces (user mode)",
-    )
-    checks.finish()
-
-
+machine.register(app)
 cluster.register(app)
 
 
