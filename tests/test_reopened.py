@@ -51,9 +51,8 @@ def test_a_mapping_needs_writing_only_when_shared_and_writable() -> None:
     assert mapping_access("---p") == R
 
 
-def test_only_paths_criu_reopens_are_checked() -> None:
-    assert by_path("/home/a/data.bin")
-    assert not by_path("/dev/shm/x (deleted)")
+def test_only_files_by_path_are_checked() -> None:
+    assert by_path("/home/a/data.bin") and by_path("/dev/shm/x (deleted)")  # deleted: by link count
     assert not by_path("socket:[123]") and not by_path("pipe:[9]") and not by_path("anon_inode:[eventfd]")
     maps = textwrap.dedent(
         """\
@@ -64,10 +63,7 @@ def test_only_paths_criu_reopens_are_checked() -> None:
         7f03-7f04 rw-s 00000000 fd:00 12                         /data/with spaces.bin
         """
     )
-    assert mapped_files(maps) == [
-        ("55d0-55d1", "r--p", "/usr/bin/sleep"),
-        ("7f03-7f04", "rw-s", "/data/with spaces.bin"),
-    ]
+    assert mapped_files(maps) == [("55d0-55d1", "r--p"), ("7f00-7f01", "rw-s"), ("7f03-7f04", "rw-s")]
 
 
 def test_a_process_checks_as_its_filesystem_ids() -> None:
@@ -160,6 +156,25 @@ def test_files_a_process_holds_but_its_user_may_not_open_are_found(locked_room: 
         problems = reopened_problems(holder.pid)
         assert problems == [f"fd {fd} {secret}: its user may not open it for writing"], problems
         os.chown(secret, owner.pw_uid, owner.pw_gid)
+        assert reopened_problems(holder.pid) == []
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@requires_root
+def test_a_file_named_as_deleted_is_checked_and_one_deleted_is_not(locked_room: Path) -> None:
+    """A file whose name ends in ' (deleted)', as /proc writes a deleted one's, is still reopened by
+    CRIU by its path: it is checked; a file really deleted (no link left) is restored from the
+    images, and is not."""
+    owner = pwd.getpwnam(other_user())
+    named = locked_room / "secret (deleted)"
+    (locked_room / "secret").rename(named)
+    holder, fd = start_holder(HOLDER, named, "/", owner.pw_uid, owner.pw_gid)
+    try:
+        problems = reopened_problems(holder.pid)
+        assert f"fd {fd} {named}: its user cannot reach it (Permission denied)" in problems, problems
+        named.unlink()
         assert reopened_problems(holder.pid) == []
     finally:
         holder.kill()

@@ -26,7 +26,6 @@ from singularityd.checkpoint.precheck import tree_pids
 PROBE = Path(reopen_probe.__file__)
 PROBE_TIMEOUT_S = 60.0
 O_PATH = 0o10000000
-DELETED = " (deleted)"
 
 
 @dataclass(frozen=True)
@@ -80,18 +79,19 @@ def mapping_access(perms: str) -> int:
 
 
 def by_path(target: str) -> bool:
-    """Whether a /proc link target is a path CRIU reopens (not a socket, pipe, anonymous or
-    deleted file, which it rebuilds from the images)."""
-    return target.startswith("/") and not target.endswith(DELETED)
+    """Whether a /proc link target is a path (not a socket, pipe or anonymous file, which CRIU
+    rebuilds from the images; a deleted file is told by its link count, not by its name)."""
+    return target.startswith("/")
 
 
-def mapped_files(maps: str) -> list[tuple[str, str, str]]:
-    """(address range, permissions, path) of each mapping of a file by path in /proc/PID/maps."""
+def mapped_files(maps: str) -> list[tuple[str, str]]:
+    """(address range, permissions) of each mapping of a file in /proc/PID/maps (its path is read
+    from map_files, which does not escape it)."""
     found = []
     for line in maps.splitlines():
         fields = line.split(maxsplit=5)
         if len(fields) == 6 and by_path(fields[5]):
-            found.append((fields[0], fields[1], fields[5]))
+            found.append((fields[0], fields[1]))
     return found
 
 
@@ -107,8 +107,9 @@ def file_ids(status: str) -> tuple[int, int, tuple[int, ...]] | None:
     return uid, gid, groups
 
 
-def _held(path: str, at: str, access: int, what: str) -> HeldFile | None:
-    """The file at /proc link `at`, by path, if CRIU reopens it by path."""
+def _held(at: str, access: int, what: str) -> HeldFile | None:
+    """The file at /proc link `at`, if CRIU reopens it by path: not one deleted (no link left,
+    whatever its name says), whose content CRIU restores from the images."""
     try:
         target = os.readlink(at)
         if not by_path(target):
@@ -116,7 +117,9 @@ def _held(path: str, at: str, access: int, what: str) -> HeldFile | None:
         st = os.stat(at)
     except OSError:
         return None
-    return HeldFile(path or target, access, st.st_dev, st.st_ino, what)
+    if st.st_nlink == 0:
+        return None
+    return HeldFile(target, access, st.st_dev, st.st_ino, what)
 
 
 def held_files(pid: int) -> Holder | None:
@@ -130,8 +133,8 @@ def held_files(pid: int) -> Holder | None:
     if ids is None or ids[0] == 0:
         return None
     found: list[HeldFile | None] = [
-        _held("", f"{base}/cwd", os.X_OK, "the working directory"),
-        _held("", f"{base}/exe", os.X_OK, "the program"),
+        _held(f"{base}/cwd", os.X_OK, "the working directory"),
+        _held(f"{base}/exe", os.X_OK, "the program"),
     ]
     try:
         fds = os.listdir(f"{base}/fd")
@@ -146,13 +149,13 @@ def held_files(pid: int) -> Holder | None:
             )
         except (OSError, StopIteration, ValueError, IndexError):
             continue
-        found.append(_held("", f"{base}/fd/{fd}", fd_access(flags), f"fd {fd}"))
+        found.append(_held(f"{base}/fd/{fd}", fd_access(flags), f"fd {fd}"))
     try:
         maps = Path(f"{base}/maps").read_text()
     except OSError:
         maps = ""
-    for span, perms, path in mapped_files(maps):
-        found.append(_held(path, f"{base}/map_files/{span}", mapping_access(perms), "a mapped file"))
+    for span, perms in mapped_files(maps):
+        found.append(_held(f"{base}/map_files/{span}", mapping_access(perms), "a mapped file"))
     files = tuple(dict.fromkeys(f for f in found if f is not None))
     return Holder(pid, ids[0], ids[1], ids[2], namespace, files)
 
