@@ -406,7 +406,7 @@ def test_post_dump_script_records_sizes(tmp_path: Path) -> None:
     out = tmp_path / "sizes"
     script = tmp_path / "s.sh"
     paths = [str(a), str(tmp_path / "missing")]
-    script.write_text(post_dump_script(paths, out))
+    script.write_text(post_dump_script(paths, out, images=tmp_path, in_flight_out=tmp_path / "in-flight"))
     script.chmod(0o700)
     subprocess.run([str(script)], env={"CRTOOLS_SCRIPT_ACTION": "pre-dump"}, check=True)
     assert not out.exists()
@@ -421,7 +421,7 @@ def test_post_dump_script_of_a_dump_without_the_lock_fails_on_a_tcp_connection(t
     images.mkdir()
     out = tmp_path / "sizes"
     script = tmp_path / "s.sh"
-    script.write_text(post_dump_script([], out, images))
+    script.write_text(post_dump_script([], out, images, images=images, in_flight_out=tmp_path / "in-flight"))
     script.chmod(0o700)
     post_dump = {"CRTOOLS_SCRIPT_ACTION": "post-dump"}
     assert subprocess.run([str(script)], env=post_dump).returncode == 0 and out.exists()

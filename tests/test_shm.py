@@ -147,7 +147,11 @@ def test_a_name_outside_dev_shm_is_refused(tmp_path: Path) -> None:
 def _run_script(tmp_path: Path, copies: list[str]) -> int:
     """Run a final dump's action script with these copy lines, as CRIU runs it after the dump."""
     script = tmp_path / "post-dump.sh"
-    script.write_text(post_dump_script([], tmp_path / "sizes", None, copies))
+    script.write_text(
+        post_dump_script(
+            [], tmp_path / "sizes", None, copies, images=tmp_path, in_flight_out=tmp_path / "out"
+        )
+    )
     env = {**os.environ, "CRTOOLS_SCRIPT_ACTION": "post-dump"}
     return subprocess.run(["sh", str(script)], env=env, check=False).returncode
 

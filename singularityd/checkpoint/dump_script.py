@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import shlex
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from singularityd.checkpoint import image_files
+from singularityd.checkpoint.image_files import FILES_IN_FLIGHT_EXIT
 
 TCP_STREAM_IMAGES = "tcp-stream-*.img"
 """CRIU's image of an established TCP connection: one may not appear in a dump without the lock."""
@@ -21,18 +25,30 @@ TCP_REFUSED_EXIT = 75
 
 
 def post_dump_script(
-    paths: Sequence[str], out: Path, refuse_tcp_in: Path | None = None, copies: Sequence[str] = ()
+    paths: Sequence[str],
+    out: Path,
+    refuse_tcp_in: Path | None = None,
+    copies: Sequence[str] = (),
+    *,
+    images: Path,
+    in_flight_out: Path,
 ) -> str:
-    """A CRIU action script that records the sizes of `paths` while the tree is still frozen, then
-    runs the shell lines `copies` (shm.prepare_copies); with `refuse_tcp_in` (a dump without the
-    network lock) it first fails if that images folder holds an established TCP connection, so that
-    CRIU lets the tree run on instead of killing it."""
+    """A CRIU action script that fails if the `images` hold a file in flight in a socket queue
+    (its paths into `in_flight_out`: see image_files), then records the sizes of `paths` while the
+    tree is still frozen and runs the shell lines `copies` (shm.prepare_copies); with
+    `refuse_tcp_in` (a dump without the network lock) it first fails if that images folder holds
+    an established TCP connection. CRIU lets the tree run on when it fails, instead of killing it."""
     lines = [f"stat -L -c %s -- {shlex.quote(p)} 2>/dev/null || echo -1" for p in paths]
     body = "\n".join(lines) or ":"
     refuse = ""
     if refuse_tcp_in is not None:
         found = f"{shlex.quote(str(refuse_tcp_in))}/{TCP_STREAM_IMAGES}"
         refuse = f'for image in {found}; do [ -e "$image" ] && exit {TCP_REFUSED_EXIT}; done\n'
+    scan = " ".join(shlex.quote(str(part)) for part in (sys.executable, "-S", image_files.__file__, images))
+    queues = shlex.quote(str(images / image_files.SOCKET_QUEUES))
+    refuse += (
+        f"[ ! -e {queues} ] || {scan} > {shlex.quote(str(in_flight_out))} || exit {FILES_IN_FLIGHT_EXIT}\n"
+    )
     return (
         "#!/bin/sh\n"
         '[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\n'
@@ -41,10 +57,16 @@ def post_dump_script(
     )
 
 
-def dump_files(logs: Path, seq: int) -> tuple[Path, Path, Path]:
-    """The final dump of checkpoint `seq`: CRIU's log, its action script, the sizes it records."""
+def dump_files(logs: Path, seq: int) -> tuple[Path, Path, Path, Path]:
+    """The final dump of checkpoint `seq`: CRIU's log, its action script, the sizes it records, the
+    files in flight it found."""
     tag = f"{seq:08d}"
-    return logs / f"dump-{tag}.log", logs / f"post-dump-{tag}.sh", logs / f"sizes-{tag}.txt"
+    return (
+        logs / f"dump-{tag}.log",
+        logs / f"post-dump-{tag}.sh",
+        logs / f"sizes-{tag}.txt",
+        logs / f"in-flight-{tag}.txt",
+    )
 
 
 FAILED_LOGS_KEPT = 5

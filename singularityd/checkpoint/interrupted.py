@@ -78,7 +78,7 @@ async def settle_interrupted(checkpointer: Checkpointer, job_id: str, wait_s: fl
         pending, intent = found
         if not await criu_done_with(pending.images, wait_s):
             return f"checkpoint {pending.seq} is still being dumped by CRIU after {wait_s:.0f}s; left alone"
-        dump_log, script, sizes_file = dump_files(store.logs_dir(job_id), pending.seq)
+        dump_log, script, sizes_file, in_flight = dump_files(store.logs_dir(job_id), pending.seq)
         try:
             if not await asyncio.to_thread(dump_finished, dump_log):
                 await asyncio.to_thread(store.abort, pending)
@@ -86,7 +86,7 @@ async def settle_interrupted(checkpointer: Checkpointer, job_id: str, wait_s: fl
                 return f"checkpoint {pending.seq} {why}"
             return await asyncio.to_thread(_record, checkpointer, pending, intent, sizes_file)
         finally:
-            for leftover in (script, sizes_file):
+            for leftover in (script, sizes_file, in_flight):
                 with contextlib.suppress(FileNotFoundError):
                     leftover.unlink()
 

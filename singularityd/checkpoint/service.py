@@ -52,6 +52,23 @@ PAGES_IMAGES = "pages-*.img"
 AfterDump = Callable[[DumpStats], Awaitable[Mapping[str, Any]]]
 
 
+def _refuse_files_in_flight(job_id: str, found: Path) -> None:
+    """CheckpointError if the dump's action script found files in flight in a socket queue (see
+    image_files): the tree runs on, and a checkpoint taken once they are received will do."""
+    try:
+        paths = found.read_text().splitlines()
+    except OSError:
+        return
+    if paths:
+        shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+        raise CheckpointError(
+            f"cannot checkpoint job {job_id} now: a process of it sent {shown} over a Unix socket "
+            "and none has received it yet; CRIU would reopen it by its path as root at the restore, "
+            "where a changed path could hand the job a file its user may not open. The job runs on; "
+            "checkpoint it again once it has been received"
+        )
+
+
 def _refuse_unlocked_tcp(job_id: str, image_dir: Path, lock_network: bool) -> None:
     """CheckpointError if a dump taken without CRIU's network lock holds an established TCP connection."""
     if not lock_network and any(image_dir.glob(TCP_STREAM_IMAGES)):
@@ -386,7 +403,7 @@ class Checkpointer(Restorer):
         lets the tree run on, and the dump is taken again under the lock."""
         logs = self.store.logs_dir(pending.job_id)
         tag = f"{pending.seq:08d}"
-        dump_log, script_file, sizes_file = dump_files(logs, pending.seq)
+        dump_log, script_file, sizes_file, in_flight_file = dump_files(logs, pending.seq)
         pre_stats: list[DumpStats] = []
         parent: str | None = None
         for i in range(1, rounds + 1):
@@ -416,13 +433,17 @@ class Checkpointer(Restorer):
         try:
             while True:
                 refusing = not leave_running and not lock_network
-                script: Path | None = None
-                if rewind_paths or refusing or copies:
-                    script = script_file
-                    script.write_text(
-                        post_dump_script(rewind_paths, sizes_file, image_dir if refusing else None, copies)
+                script_file.write_text(
+                    post_dump_script(
+                        rewind_paths,
+                        sizes_file,
+                        image_dir if refusing else None,
+                        copies,
+                        images=image_dir,
+                        in_flight_out=in_flight_file,
                     )
-                    script.chmod(0o700)
+                )
+                script_file.chmod(0o700)
                 written_before = set(os.listdir(image_dir)) if refusing else set()
                 hasher = GrowingFileHasher(image_dir, pending.path, PAGES_IMAGES) if following else None
                 try:
@@ -435,11 +456,12 @@ class Checkpointer(Restorer):
                             parent_image_dir=parent,
                             track_mem=rounds > 0,
                             external_unix_inodes=external_unix_inodes,
-                            action_script=script,
+                            action_script=script_file,
                             external_mounts=mounts,
                             lock_network=lock_network,
                         )
                 except CriuError as error:
+                    _refuse_files_in_flight(pending.job_id, in_flight_file)
                     if not refusing or not any(image_dir.glob(TCP_STREAM_IMAGES)):
                         error.log_path = keep_failed_log(dump_log)
                         raise
@@ -455,7 +477,7 @@ class Checkpointer(Restorer):
                 with contextlib.suppress(OSError):
                     sizes = parse_sizes(rewind_paths, sizes_file.read_text())
         finally:
-            for f in (script_file, sizes_file):
+            for f in (script_file, sizes_file, in_flight_file):
                 with contextlib.suppress(FileNotFoundError):
                     f.unlink()
         followed = hasher.prefixes() if hasher is not None else {}
