@@ -132,6 +132,24 @@ def test_never_written_into_another_users_file_nor_through_a_link(tmp_path: Path
     assert target.read_bytes() == b"untouched"
 
 
+def test_a_fifo_in_place_of_a_file_stops_the_restore_at_once(tmp_path: Path, names: list[str]) -> None:
+    """A FIFO the job's user made under a saved file's name, with or without a reader: the write-back
+    refuses it at once (its open waited for a reader for ever, holding the restore and the job's
+    devices), and never writes into it."""
+    _saved(tmp_path, [SharedFile(names[0], os.getuid(), os.getgid(), 0o600)], [b"saved"])
+    fifo = SHM / names[0]
+    os.mkfifo(fifo, 0o666)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        with pytest.raises(SharedMemoryError, match="something other than a regular file has its name"):
+            write_back(tmp_path)
+        assert os.read(reader, 100) == b""
+    finally:
+        os.close(reader)
+    with pytest.raises(SharedMemoryError, match="cannot put"):
+        write_back(tmp_path)  # no reader: the open fails at once
+
+
 def test_a_name_outside_dev_shm_is_refused(tmp_path: Path) -> None:
     """A checkpoint's list naming a path outside /dev/shm is refused, whatever wrote it."""
     folder = tmp_path / SHM_IMAGES

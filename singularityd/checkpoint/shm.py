@@ -206,11 +206,14 @@ def _open_to_write(path: Path, saved: SharedFile) -> int:
             os.close(fd)
             raise
         return fd
-    fd = os.open(path, flags)
+    fd = os.open(path, flags | os.O_NONBLOCK)  # a FIFO put there must not hold the restore for ever
     found = os.fstat(fd)
     if stat.S_ISREG(found.st_mode) and found.st_uid == saved.uid:
+        os.set_blocking(fd, True)
         return fd
     os.close(fd)
+    if not stat.S_ISREG(found.st_mode):
+        raise SharedMemoryError(f"cannot put {path} back: something other than a regular file has its name")
     raise SharedMemoryError(f"cannot put {path} back: another user's file has its name")
 
 
