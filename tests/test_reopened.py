@@ -26,9 +26,11 @@ from singularityd.checkpoint.reopened import (
     held_files,
     mapped_files,
     mapping_access,
+    mount_point_of,
     probe_requests,
     reopened_problems,
     summary,
+    watches,
 )
 from tests.conftest import requires_root
 from tests.helpers import other_user, python_for_user, running_daemon, wait_until
@@ -179,6 +181,57 @@ def test_a_file_named_as_deleted_is_checked_and_one_deleted_is_not(locked_room: 
     finally:
         holder.kill()
         holder.wait()
+
+
+WATCHER = """
+import ctypes, os, sys, time
+folder, uid, gid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.inotify_init1(0)
+assert libc.inotify_add_watch(fd, folder.encode(), 0x100) > 0   # as CRIU, root, restores it by path
+os.setgroups([]); os.setresgid(gid, gid, gid); os.setresuid(uid, uid, uid)
+print(fd, flush=True)
+time.sleep(60)
+"""
+
+
+@requires_root
+def test_an_inotify_watch_on_a_folder_its_user_may_not_read_is_found(locked_room: Path) -> None:
+    """A watch names the files made in its folder: one on a folder the user may not read (CRIU
+    restored it by a path swapped for a link) is named; one on their own folder is not."""
+    owner = pwd.getpwnam(other_user())
+    holder, fd = start_holder(WATCHER, locked_room, owner.pw_uid, owner.pw_gid)
+    try:
+        problems = reopened_problems(holder.pid)
+        assert problems == [f"a watch of fd {fd} {locked_room}: its user may not open it for reading"], (
+            problems
+        )
+        os.chown(locked_room, owner.pw_uid, owner.pw_gid)
+        assert reopened_problems(holder.pid) == []
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_the_inodes_a_watch_descriptor_watches_are_read_from_its_fdinfo() -> None:
+    info = (
+        "pos:\t0\nflags:\t00\nmnt_id:\t17\nino:\t1044\n"
+        "inotify wd:1 ino:3f7e8 sdev:fe00000 mask:100 ignored_mask:0 fhandle-bytes:8 fhandle-type:1 "
+        "f_handle:e8f7030000000000\n"
+        "fanotify ino:2a sdev:800001 mflags:0 mask:1 ignored_mask:0 fhandle-bytes:8 fhandle-type:1 "
+        "f_handle:2a00000000000000\n"
+        "fanotify mnt_id:20 mflags:0 mask:1 ignored_mask:0\n"
+    )
+    found = watches(info)
+    assert [(os.major(w.dev), os.minor(w.dev), w.ino, w.handle_type) for w in found] == [
+        (0xFE, 0, 0x3F7E8, 1),
+        (8, 1, 0x2A, 1),
+    ]
+    assert found[0].handle == bytes.fromhex("e8f7030000000000")
+    mountinfo = "22 1 254:0 / / rw - ext4 /dev/root rw\n30 22 8:1 / /data\\040set rw - ext4 /dev/sda1 rw\n"
+    assert mount_point_of(mountinfo, os.makedev(8, 1)) == "/data set"
+    assert mount_point_of(mountinfo, os.makedev(254, 0)) == "/"
+    assert mount_point_of(mountinfo, os.makedev(9, 9)) is None
 
 
 SHADOWED = """

@@ -6,14 +6,18 @@ between the checkpoint and the restore, and root would hand their process a file
 open. So CRIU leaves the restored processes stopped, and each process not running as root has
 what it holds opened again by path as its own user, in its mount namespace and root (see
 reopen_probe.py): every path must lead to the same file, which that user may access as the
-process does. `held_files` reads what a process holds from /proc (pure parsers beside it);
+process does (inotify and fanotify watches, restored by path too, included: the inode each
+watches must be one its user may read). `held_files` reads what a process holds from /proc (pure
+parsers beside it);
 `reopened_problems` runs the probe.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import struct
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
@@ -25,6 +29,7 @@ from singularityd.checkpoint.precheck import tree_pids
 
 PROBE = Path(reopen_probe.__file__)
 PROBE_TIMEOUT_S = 60.0
+_libc = ctypes.CDLL(None, use_errno=True)
 O_PATH = 0o10000000
 
 
@@ -122,6 +127,76 @@ def _held(at: str, access: int, what: str) -> HeldFile | None:
     return HeldFile(target, access, st.st_dev, st.st_ino, what)
 
 
+@dataclass(frozen=True)
+class Watch:
+    """An inode an inotify or fanotify descriptor watches (CRIU restores the watch by a path it
+    recorded, so it too may now watch another inode), with the file handle that finds it."""
+
+    dev: int
+    ino: int
+    handle_type: int
+    handle: bytes
+
+
+def watches(fdinfo: str) -> list[Watch]:
+    """The inodes an inotify or fanotify descriptor's /proc fdinfo says it watches (pure)."""
+    found = []
+    for line in fdinfo.splitlines():
+        if not line.startswith(("inotify ", "fanotify ")):
+            continue
+        items = dict(item.split(":", 1) for item in line.split()[1:] if ":" in item)
+        try:
+            sdev = int(items["sdev"], 16)  # the kernel's own encoding: major << 20 | minor
+            handle = bytes.fromhex(items["f_handle"])
+            found.append(
+                Watch(
+                    os.makedev(sdev >> 20, sdev & 0xFFFFF),
+                    int(items["ino"], 16),
+                    int(items["fhandle-type"], 16),
+                    handle,
+                )
+            )
+        except (KeyError, ValueError):
+            continue
+    return found
+
+
+def mount_point_of(mountinfo: str, dev: int) -> str | None:
+    """Where a file system of device `dev` is mounted, from /proc/PID/mountinfo (pure)."""
+    wanted = f"{os.major(dev)}:{os.minor(dev)}"
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if len(fields) > 4 and fields[2] == wanted:
+            return fields[4].replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n")
+    return None
+
+
+def _watched(pid: int, watch: Watch, what: str) -> HeldFile | None:
+    """The watched inode, by the path it has now (found by its file handle); None if it cannot be
+    found (a watch on an inode gone: nothing of it to read)."""
+    try:
+        point = mount_point_of(Path(f"/proc/{pid}/mountinfo").read_text(), watch.dev)
+        if point is None:
+            return None
+        mount = os.open(f"/proc/{pid}/root{point}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        handle = struct.pack("Ii", len(watch.handle), watch.handle_type) + watch.handle
+        fd = _libc.open_by_handle_at(mount, ctypes.create_string_buffer(handle, len(handle)), O_PATH)
+    finally:
+        os.close(mount)
+    if fd < 0:
+        return None
+    try:
+        st = os.fstat(fd)
+        return HeldFile(os.readlink(f"/proc/self/fd/{fd}"), os.R_OK, st.st_dev, st.st_ino, what)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def held_files(pid: int) -> Holder | None:
     """What process `pid` holds by path and whom it runs as (None for root or a process gone)."""
     base = f"/proc/{pid}"
@@ -142,14 +217,12 @@ def held_files(pid: int) -> Holder | None:
         fds = []
     for fd in fds:
         try:
-            flags = next(
-                int(line.split()[1], 8)
-                for line in Path(f"{base}/fdinfo/{fd}").read_text().splitlines()
-                if line.startswith("flags:")
-            )
+            info = Path(f"{base}/fdinfo/{fd}").read_text()
+            flags = next(int(line.split()[1], 8) for line in info.splitlines() if line.startswith("flags:"))
         except (OSError, StopIteration, ValueError, IndexError):
             continue
         found.append(_held(f"{base}/fd/{fd}", fd_access(flags), f"fd {fd}"))
+        found += [_watched(pid, watch, f"a watch of fd {fd}") for watch in watches(info)]
     try:
         maps = Path(f"{base}/maps").read_text()
     except OSError:
