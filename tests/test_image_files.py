@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from singularityd.checkpoint import CheckpointError, CriuInfo
-from singularityd.checkpoint.image_files import files_in_flight
+from singularityd.checkpoint.image_files import files_in_flight, made_by_name
 from tests.checkpoint_helpers import (
     SYSTEM_PYTHON,
     checkpointer_in,
@@ -83,6 +83,35 @@ def test_a_fifo_in_a_queue_is_found_by_the_path_it_names(tmp_path: Path) -> None
     (tmp_path / "files.img").write_bytes(image(fifo, regular_file(37, "/home/a/fifo"), memfd))
     (tmp_path / "sk-queues.img").write_bytes(image(packet_with_rights(38, 36), trailing=b"z"))
     assert files_in_flight(tmp_path) == ["/home/a/fifo"]
+
+
+def unix_socket(file_id: int, name: bytes, folder: bytes = b"") -> bytes:
+    body = number(1, file_id) + nested(11, name) + (nested(14, folder) if folder else b"")
+    return number(1, 5) + number(2, file_id) + nested(16, body)
+
+
+def test_what_criu_makes_again_by_path_is_listed(tmp_path: Path) -> None:
+    """Sockets bound to a path (absolute, or relative to the folder CRIU recorded) and deleted files
+    CRIU re-creates; not abstract or unbound sockets, nor a file it reopens by a kept link."""
+    (tmp_path / "files.img").write_bytes(
+        image(
+            unix_socket(40, b"/tmp/pymp-1/listener-2\0"),
+            unix_socket(41, b"rel.sock\0", b"/home/a/run"),
+            unix_socket(42, b"\0abstract"),
+            unix_socket(43, b""),
+            regular_file(44, "/dev/shm/torch_1"),
+            regular_file(45, "/home/a/linked"),
+            regular_file(46, "/home/a/open"),
+        )
+    )
+    (tmp_path / "remap-fpath.img").write_bytes(
+        image(number(1, 44) + number(2, 1) + number(3, 1), number(1, 45) + number(2, 2) + number(3, 0))
+    )
+    assert made_by_name(tmp_path) == [
+        ("a Unix socket bound to", "/tmp/pymp-1/listener-2"),
+        ("a Unix socket bound to", "/home/a/run/rel.sock"),
+        ("a deleted file or folder re-created beside", "/dev/shm/torch_1"),
+    ]
 
 
 def test_a_damaged_image_is_an_error_not_a_pass(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import socket
 import subprocess
 import textwrap
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from singularityd.checkpoint.reopened import (
     fd_access,
     file_ids,
     held_files,
+    link_on_the_way,
     mapped_files,
     mapping_access,
     mount_point_of,
@@ -234,6 +236,21 @@ def test_the_inodes_a_watch_descriptor_watches_are_read_from_its_fdinfo() -> Non
     assert mount_point_of(mountinfo, os.makedev(9, 9)) is None
 
 
+@requires_root
+def test_a_folder_on_the_way_that_is_now_another_users_link_is_named(daemon_root: Path) -> None:
+    owner = pwd.getpwnam(other_user())
+    (daemon_root / "real").mkdir()
+    (daemon_root / "rootlink").symlink_to(daemon_root / "real")
+    (daemon_root / "userlink").symlink_to(daemon_root / "real")
+    os.lchown(daemon_root / "userlink", owner.pw_uid, owner.pw_gid)
+    assert link_on_the_way(str(daemon_root / "real" / "sock")) == ""
+    assert link_on_the_way(str(daemon_root / "rootlink" / "sock")) == ""  # root's links stay root's
+    assert link_on_the_way(str(daemon_root / "userlink")) == ""  # the last name: CRIU binds over it
+    found = link_on_the_way(str(daemon_root / "userlink" / "sub" / "sock"))
+    assert found == f"{daemon_root / 'userlink'} is now a link owned by uid {owner.pw_uid}"
+    assert link_on_the_way("/no/such/folder/sock") == ""
+
+
 SHADOWED = """
 import ctypes, os, sys, time
 held, other, uid, gid = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -329,3 +346,64 @@ def test_a_restore_that_would_hand_the_job_a_file_its_user_may_not_open_is_refus
         assert daemon.sing("logs", str(job)).out.splitlines()[-1] == "end"
     assert (home / "mine" / "data").read_bytes() == b"WRITTEN!"
     assert (room / "data").read_bytes() == b"rootonly"
+
+
+LISTENER = """
+import os, socket, sys, time
+path, release = sys.argv[1], sys.argv[2]
+listener = socket.socket(socket.AF_UNIX)
+listener.bind(path)
+listener.listen()
+print("bound", flush=True)
+while not os.path.exists(release):
+    time.sleep(0.05)
+print("end", flush=True)
+"""
+
+
+@requires_root
+@pytest.mark.slow
+def test_a_restore_that_would_bind_a_socket_through_another_users_link_is_refused(daemon_root: Path) -> None:
+    """CRIU unlinks what is at a bound socket's path and binds there, as root: the job's user swaps
+    the socket's folder for a link to root's folder holding root's socket; the restore is refused
+    before CRIU runs, root's socket stays, and with the folder put back the job resumes."""
+    owner = pwd.getpwnam(other_user())
+    python = python_for_user(owner.pw_name)
+    if python is None:
+        pytest.skip(f"no Python with this project importable by {owner.pw_name} here")
+    home = daemon_root / "home"
+    (home / "run").mkdir(parents=True)
+    for path in (home, home / "run"):
+        os.chown(path, owner.pw_uid, owner.pw_gid)
+    room = daemon_root / "room"
+    room.mkdir()
+    roots = socket.socket(socket.AF_UNIX)
+    roots.bind(str(room / "sock"))
+    script = home / "listener.py"
+    script.write_text(LISTENER)
+    release = daemon_root / "release"
+    try:
+        with running_daemon(daemon_root, virtual_devices=1) as daemon:
+            job = daemon.submit(
+                *python, str(script), str(home / "run" / "sock"), str(release), user=owner.pw_name
+            )
+            wait_until(lambda: "bound" in daemon.sing("logs", str(job)).out, timeout=60)
+            assert daemon.sing("suspend", str(job), user=owner.pw_name).code == 0
+            (home / "run").rename(home / "put-aside")
+            (home / "run").symlink_to(room)
+            os.lchown(home / "run", owner.pw_uid, owner.pw_gid)
+            refused = daemon.sing("resume", "--wait", str(job), user=owner.pw_name, timeout=120)
+            assert refused.code != 0 and "restore refused, the checkpoint is kept" in refused.err, refused.err
+            assert (
+                f"a Unix socket bound to {home / 'run' / 'sock'}: {home / 'run'} is now a link" in refused.err
+            )
+            assert (room / "sock").is_socket() and (room / "sock").stat().st_uid == 0
+            assert daemon.job(job)["state"] == "SUSPENDED"
+            (home / "run").unlink()
+            (home / "put-aside").rename(home / "run")
+            again = daemon.sing("resume", "--wait", str(job), user=owner.pw_name, timeout=120)
+            assert again.code == 0, again.err
+            release.touch()
+            daemon.wait_ok(job, timeout=120)
+    finally:
+        roots.close()

@@ -10,7 +10,10 @@ CRIU's images: two magic words, then entries, each a little-endian u32 size and 
 message (a queued packet's bytes follow its entry). The few fields read here, by number:
 files.img `file_entry` {type 1, id 2, reg 3 {name 6}, fifo 17 {regf_id 3}} (type 1 a regular
 file, 3 a FIFO, whose path is the regular-file entry it names); sk-queues.img `sk_packet_entry`
-{length 2, scm 4 {type 1, rights 2}}; remap-fpath.img `remap_file_path_entry` {orig_id 1}.
+{length 2, scm 4 {type 1, rights 2}}; remap-fpath.img `remap_file_path_entry` {orig_id 1,
+remap_type 3 (1: a ghost, a deleted file whose content the images hold)}; a Unix socket's
+file_entry field 16 {name 11, name_dir 14}. `made_by_name` lists what CRIU makes again by path
+(bound sockets, ghosts), which the restorer checks before CRIU runs.
 Standalone (the standard library only): `python -S image_files.py IMAGES` prints the paths, one
 a line, and exits FILES_IN_FLIGHT_EXIT when there are any.
 """
@@ -29,6 +32,9 @@ REGULAR_FILE = 1
 FIFO = 3
 REGULAR_FILE_FIELD = 3
 FIFO_FIELD = 17
+UNIX_SOCKET = 5
+UNIX_SOCKET_FIELD = 16
+GHOST = 1
 SCM_RIGHTS = 1
 MAGIC_BYTES = 8
 
@@ -131,6 +137,38 @@ def files_in_flight(images: Path) -> list[str]:
             name = _message(entry, REGULAR_FILE_FIELD).get(6, [b""])[0]
             paths.append(name.decode(errors="replace") if isinstance(name, bytes) else str(name))
     return paths
+
+
+def made_by_name(images: Path) -> list[tuple[str, str]]:
+    """(what, path) of each thing CRIU makes again by its path, as root, at the restore: the Unix
+    sockets bound to a path (it unlinks what is there, binds, and gives the socket its owner and
+    mode) and the deleted files and folders it re-creates beside where they were."""
+    ghosts = {
+        orig
+        for remap in entries(images / "remap-fpath.img")
+        if _integers(remap, 3) == [GHOST]
+        for orig in _integers(remap, 1)
+    }
+    made = []
+    for entry in entries(images / "files.img"):
+        kind, ids = _integers(entry, 1), _integers(entry, 2)
+        if kind == [UNIX_SOCKET]:
+            socket = _message(entry, UNIX_SOCKET_FIELD)
+            name = _text(socket, 11).rstrip("\0")
+            if name and not name.startswith("\0"):  # an abstract name is no path
+                folder = _text(socket, 14)
+                made.append(("a Unix socket bound to", name if name.startswith("/") else f"{folder}/{name}"))
+        elif kind == [REGULAR_FILE] and ids and ids[0] in ghosts:
+            made.append(
+                ("a deleted file or folder re-created beside", _text(_message(entry, REGULAR_FILE_FIELD), 6))
+            )
+    return made
+
+
+def _text(message: Fields, number: int) -> str:
+    """A string or bytes field, as text ('' when there is none)."""
+    value = message.get(number, [b""])[0]
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def _message(message: Fields, number: int) -> Fields:

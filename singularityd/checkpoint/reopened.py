@@ -9,7 +9,8 @@ reopen_probe.py): every path must lead to the same file, which that user may acc
 process does (inotify and fanotify watches, restored by path too, included: the inode each
 watches must be one its user may read). `held_files` reads what a process holds from /proc (pure
 parsers beside it);
-`reopened_problems` runs the probe.
+`reopened_problems` runs the probe. What CRIU makes again by path before the processes exist (bound
+Unix sockets, deleted files) is checked before it runs: `named_path_problems`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import stat
 import struct
 import subprocess
 import sys
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from singularityd.checkpoint import reopen_probe
+from singularityd.checkpoint.image_files import made_by_name
 from singularityd.checkpoint.precheck import tree_pids
 
 PROBE = Path(reopen_probe.__file__)
@@ -284,6 +287,33 @@ def _run_probe(request: dict[str, object]) -> list[str]:
         last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
         return [f"the files of pid {request['pid']} could not be checked: {last}"]
     return [str(p) for p in problems]
+
+
+def link_on_the_way(path: str) -> str:
+    """The first folder on the way to `path` (its last name aside) that is now a link owned by
+    another than root, said plainly, or ''; such a link, put there since the checkpoint, would
+    take what CRIU unlinks, binds, creates or gives an owner there by path, as root, elsewhere."""
+    current = ""
+    for part in [p for p in path.split("/") if p][:-1]:
+        current += f"/{part}"
+        try:
+            found = os.lstat(current)
+        except OSError:
+            return ""
+        if stat.S_ISLNK(found.st_mode) and found.st_uid != 0:
+            return f"{current} is now a link owned by uid {found.st_uid}"
+    return ""
+
+
+def named_path_problems(images: Path) -> list[str]:
+    """Why CRIU may not make again by path what the images hold (bound Unix sockets, deleted files:
+    image_files.made_by_name): a link on the way that root does not own; a blocking function."""
+    problems = []
+    for what, path in made_by_name(images):
+        link = link_on_the_way(path)
+        if link:
+            problems.append(f"{what} {path}: {link}")
+    return problems
 
 
 def summary(problems: Sequence[str], most: int = 3) -> str:

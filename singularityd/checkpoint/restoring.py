@@ -20,7 +20,7 @@ from singularityd.checkpoint.criu import LEAVE_STOPPED, Criu, RestoreOutcome, ru
 from singularityd.checkpoint.errors import CheckpointError, NoValidCheckpoint
 from singularityd.checkpoint.manifest import IMAGES_DIR, Manifest, Skipped, Verdict
 from singularityd.checkpoint.precheck import signal_tree
-from singularityd.checkpoint.reopened import reopened_problems, summary
+from singularityd.checkpoint.reopened import named_path_problems, reopened_problems, summary
 from singularityd.checkpoint.shm import write_back
 from singularityd.checkpoint.store import ImageStore, rewind_files
 
@@ -148,6 +148,13 @@ class Restorer:
                 fds = dict(await asyncio.to_thread(inherit_fds, manifest))
             else:
                 fds = dict(inherit_fds or {})
+            links = await asyncio.to_thread(named_path_problems, path / IMAGES_DIR)
+            if links:
+                raise CheckpointError(
+                    "restore refused, the checkpoint is kept: CRIU would make again by path, as root, "
+                    f"{summary(links)}; put back what was replaced on those paths since the checkpoint, "
+                    "then resume again"
+                )
             rewound = rewind_files(manifest.rewind_sizes) if rewind else {}
             await asyncio.to_thread(write_back, path / IMAGES_DIR)
             logs = self.store.logs_dir(job_id)
