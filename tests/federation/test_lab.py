@@ -283,7 +283,7 @@ def test_bad_moves_are_refused_with_one_line_and_the_job_keeps_running(lab: Lab)
     wait_until(lambda: steps_done(a, job) > 3, timeout=120)
     expect_refusal(a, ["migrate", "999999999", "--to", "node-b"], 4, "not found")
     expect_refusal(a, ["migrate", str(job), "--to", "node-z"], 2, "no peer named node-z")
-    expect_refusal(a, ["migrate", str(job), "--to", ""], 2, "needs the name of a peer")
+    expect_refusal(a, ["migrate", str(job), "--to", ""], 2, "must not be empty")
     expect_refusal(a, ["migrate", str(job), "--to", "node-a"], 2, "already on node-a")
     expect_refusal(b, ["migrate", str(job), "--to", "node-c"], 4, "not found")
 
