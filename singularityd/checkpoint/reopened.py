@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import stat
 import struct
 import subprocess
@@ -28,6 +29,7 @@ from pathlib import Path
 
 from singularityd.checkpoint import reopen_probe
 from singularityd.checkpoint.image_files import made_by_name
+from singularityd.checkpoint.namespaces import parse_mountinfo
 from singularityd.checkpoint.precheck import tree_pids
 
 PROBE = Path(reopen_probe.__file__)
@@ -167,10 +169,9 @@ def watches(fdinfo: str) -> list[Watch]:
 def mount_point_of(mountinfo: str, dev: int) -> str | None:
     """Where a file system of device `dev` is mounted, from /proc/PID/mountinfo (pure)."""
     wanted = f"{os.major(dev)}:{os.minor(dev)}"
-    for line in mountinfo.splitlines():
-        fields = line.split()
-        if len(fields) > 4 and fields[2] == wanted:
-            return fields[4].replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n")
+    for mount in parse_mountinfo(mountinfo):
+        if mount.device == wanted:
+            return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), mount.mount_point)
     return None
 
 
