@@ -177,6 +177,15 @@ def tree_holds_tcp(pids: Sequence[int]) -> bool:
     return False
 
 
+def status_fields(status: str) -> dict[str, str]:
+    """The fields of a /proc/PID/status text by name, their values stripped (pure)."""
+    fields: dict[str, str] = {}
+    for line in status.splitlines():
+        key, _, value = line.partition(":")
+        fields[key] = value.strip()
+    return fields
+
+
 def read_proc_facts(pid: int, *, with_tcp: bool) -> ProcFacts | None:
     """Facts about one process from /proc, or None when it is gone."""
     try:
@@ -185,10 +194,7 @@ def read_proc_facts(pid: int, *, with_tcp: bool) -> ProcFacts | None:
         netns = os.stat(f"/proc/{pid}/ns/net").st_ino
     except OSError:
         return None
-    fields: dict[str, str] = {}
-    for line in status.splitlines():
-        key, _, value = line.partition(":")
-        fields[key] = value.strip()
+    fields = status_fields(status)
     targets: list[str] = []
     with contextlib.suppress(OSError):
         for fd in os.listdir(f"/proc/{pid}/fd"):

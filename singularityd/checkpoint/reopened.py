@@ -30,7 +30,7 @@ from pathlib import Path
 from singularityd.checkpoint import reopen_probe
 from singularityd.checkpoint.image_files import made_by_name
 from singularityd.checkpoint.namespaces import parse_mountinfo
-from singularityd.checkpoint.precheck import tree_pids
+from singularityd.checkpoint.precheck import status_fields, tree_pids
 
 PROBE = Path(reopen_probe.__file__)
 PROBE_TIMEOUT_S = 60.0
@@ -107,7 +107,7 @@ def mapped_files(maps: str) -> list[tuple[str, str]]:
 
 def file_ids(status: str) -> tuple[int, int, tuple[int, ...]] | None:
     """The filesystem uid and gid and the groups in /proc/PID/status (None if unreadable)."""
-    lines = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    lines = status_fields(status)
     try:
         uid = int(lines["Uid"].split()[3])
         gid = int(lines["Gid"].split()[3])
