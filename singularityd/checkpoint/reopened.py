@@ -60,14 +60,10 @@ class Holder:
     namespace: int
     files: tuple[HeldFile, ...]
 
-    def same_user_and_view(self, other: Holder) -> bool:
-        """Whether the two processes check their files alike (one probe serves both)."""
-        return (self.uid, self.gid, self.groups, self.namespace) == (
-            other.uid,
-            other.gid,
-            other.groups,
-            other.namespace,
-        )
+    @property
+    def user_and_view(self) -> tuple[int, int, tuple[int, ...], int]:
+        """Who checks its files and in which mount namespace: processes alike share one probe."""
+        return self.uid, self.gid, self.groups, self.namespace
 
 
 def fd_access(flags: int) -> int:
@@ -239,15 +235,13 @@ def held_files(pid: int) -> Holder | None:
 
 def probe_requests(holders: Iterable[Holder]) -> list[dict[str, object]]:
     """One probe request for each user and view of the files, each file once (pure)."""
-    groups: list[tuple[Holder, dict[tuple[str, int, int, int], str]]] = []
+    groups: dict[
+        tuple[int, int, tuple[int, ...], int], tuple[Holder, dict[tuple[str, int, int, int], str]]
+    ] = {}
     for holder in holders:
-        group = next((g for g in groups if g[0].same_user_and_view(holder)), None)
-        if group is None:
-            group = (holder, {})
-            groups.append(group)
+        _, files = groups.setdefault(holder.user_and_view, (holder, {}))
         for each in holder.files:
-            key = (each.path, each.access, each.dev, each.ino)
-            group[1].setdefault(key, each.what)
+            files.setdefault((each.path, each.access, each.dev, each.ino), each.what)
     return [
         {
             "pid": first.pid,
@@ -256,7 +250,7 @@ def probe_requests(holders: Iterable[Holder]) -> list[dict[str, object]]:
             "groups": list(first.groups),
             "files": [[*key, what] for key, what in files.items()],
         }
-        for first, files in groups
+        for first, files in groups.values()
     ]
 
 
