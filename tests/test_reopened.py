@@ -35,7 +35,7 @@ from singularityd.checkpoint.reopened import (
     watches,
 )
 from tests.conftest import requires_root
-from tests.helpers import other_user, python_for_user, running_daemon, wait_until
+from tests.helpers import Daemon, other_user, python_for_user, running_daemon, wait_until
 
 R, W, X = os.R_OK, os.W_OK, os.X_OK
 
@@ -120,12 +120,30 @@ def locked_room(daemon_root: Path) -> Iterator[Path]:
     yield room
 
 
+def python_of(user: str) -> list[str]:
+    """A Python command line `user` may run, with this project importable; skips where none is."""
+    python = python_for_user(user)
+    if python is None:
+        pytest.skip(f"no Python with this project importable by {user} here")
+    return python
+
+
+def resumes_once_put_back(
+    daemon: Daemon, job: int, user: str, link: Path, aside: Path, release: Path
+) -> None:
+    """Put the folder set aside back in place of the link: the job resumes and ends well."""
+    link.unlink()
+    aside.rename(link)
+    again = daemon.sing("resume", "--wait", str(job), user=user, timeout=120)
+    assert again.code == 0, again.err
+    release.touch()
+    daemon.wait_ok(job, timeout=120)
+
+
 def start_holder(script: str, *args: object) -> tuple[subprocess.Popen[str], int]:
     """Run a holder script as root, with a Python another user can run; the process and the fd it
     printed once it dropped to that user."""
-    python = python_for_user(other_user())
-    if python is None:
-        pytest.skip("no Python another user can run here")
+    python = python_of(other_user())
     holder = subprocess.Popen([*python, "-c", script, *map(str, args)], stdout=subprocess.PIPE, text=True)
     assert holder.stdout is not None
     line = holder.stdout.readline()
@@ -304,9 +322,7 @@ def test_a_restore_that_would_hand_the_job_a_file_its_user_may_not_open_is_refus
     root-only folder: the restore is refused, the job stays suspended with its checkpoint, root's
     file is untouched; with the folder put back, the job resumes and ends as it would have."""
     owner = pwd.getpwnam(other_user())
-    python = python_for_user(owner.pw_name)
-    if python is None:
-        pytest.skip(f"no Python with this project importable by {owner.pw_name} here")
+    python = python_of(owner.pw_name)
     home = daemon_root / "home"
     home.mkdir()
     (home / "mine").mkdir()
@@ -337,12 +353,7 @@ def test_a_restore_that_would_hand_the_job_a_file_its_user_may_not_open_is_refus
         assert "Traceback" not in refused.err
         assert daemon.job(job)["state"] == "SUSPENDED"
         assert (room / "data").read_bytes() == b"rootonly"
-        (home / "mine").unlink()
-        (home / "put-aside").rename(home / "mine")
-        again = daemon.sing("resume", "--wait", str(job), user=owner.pw_name, timeout=120)
-        assert again.code == 0, again.err
-        release.touch()
-        daemon.wait_ok(job, timeout=120)
+        resumes_once_put_back(daemon, job, owner.pw_name, home / "mine", home / "put-aside", release)
         assert daemon.sing("logs", str(job)).out.splitlines()[-1] == "end"
     assert (home / "mine" / "data").read_bytes() == b"WRITTEN!"
     assert (room / "data").read_bytes() == b"rootonly"
@@ -368,9 +379,7 @@ def test_a_restore_that_would_bind_a_socket_through_another_users_link_is_refuse
     the socket's folder for a link to root's folder holding root's socket; the restore is refused
     before CRIU runs, root's socket stays, and with the folder put back the job resumes."""
     owner = pwd.getpwnam(other_user())
-    python = python_for_user(owner.pw_name)
-    if python is None:
-        pytest.skip(f"no Python with this project importable by {owner.pw_name} here")
+    python = python_of(owner.pw_name)
     home = daemon_root / "home"
     (home / "run").mkdir(parents=True)
     for path in (home, home / "run"):
@@ -399,11 +408,6 @@ def test_a_restore_that_would_bind_a_socket_through_another_users_link_is_refuse
             )
             assert (room / "sock").is_socket() and (room / "sock").stat().st_uid == 0
             assert daemon.job(job)["state"] == "SUSPENDED"
-            (home / "run").unlink()
-            (home / "put-aside").rename(home / "run")
-            again = daemon.sing("resume", "--wait", str(job), user=owner.pw_name, timeout=120)
-            assert again.code == 0, again.err
-            release.touch()
-            daemon.wait_ok(job, timeout=120)
+            resumes_once_put_back(daemon, job, owner.pw_name, home / "run", home / "put-aside", release)
     finally:
         roots.close()
