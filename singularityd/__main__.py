@@ -22,14 +22,17 @@ import logging
 import signal
 import socket
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from singularityd import __version__
 from singularityd.api.server import ApiServer
 from singularityd.checkpoint import Checkpointer, CheckpointUnavailable, Criu, ImageStore, locate_criu
 from singularityd.checkpoint.coordinator import JobCheckpoints
+from singularityd.checkpoint.criu_discovery import CriuInfo
 from singularityd.checkpoint.interface import Checkpoints, CriuStatus, NoCheckpoints
 from singularityd.checkpoint.precheck import CAP_SYS_RESOURCE, have_capability
+from singularityd.checkpoint.restore_guard import FOLDER_NAME, build_restore_guard
 from singularityd.checkpoint.staging import RECORD_NAME, StagingArea, remove_recorded
 from singularityd.config import (
     LIVE_OPTIONS,
@@ -103,6 +106,14 @@ def staging_area(config: Config, images: ImageStore) -> StagingArea | None:
     return area
 
 
+def with_restore_guard(info: CriuInfo, folder: Path) -> CriuInfo:
+    """`info` with the restore guard built for restores of other users' jobs, or the reason it is not."""
+    library, problem = build_restore_guard(folder)
+    if problem:
+        log.warning("other users' jobs are restored without the restore guard: %s", problem)
+    return replace(info, restore_guard=library, restore_guard_problem=problem)
+
+
 async def checkpoints_for(config: Config, devices: DeviceAccess) -> Checkpoints:
     """CRIU checkpoints when a usable CRIU is found, else the reason there are none."""
     try:
@@ -112,11 +123,13 @@ async def checkpoints_for(config: Config, devices: DeviceAccess) -> Checkpoints:
         return NoCheckpoints(CriuStatus("", "", str(error)))
     images = ImageStore(config.checkpoints)
     staging = await asyncio.to_thread(staging_area, config, images)
+    if not config.user_mode:
+        info = await asyncio.to_thread(with_restore_guard, info, config.state_dir / FOLDER_NAME)
     checkpointer = Checkpointer(
         Criu(info), images, keep=config.checkpoint_keep, pre_copy=config.checkpoint_pre_copy, staging=staging
     )
     log.info("CRIU %s (%s); checkpoints in %s", info.version_text, info.source, config.checkpoints)
-    status = CriuStatus(" ".join(info.argv), info.version_text, "")
+    status = CriuStatus(" ".join(info.argv), info.version_text, "", info.restore_guard_problem)
     return JobCheckpoints(checkpointer, devices, status, PreCopy(config.proxy_pre_copy))
 
 

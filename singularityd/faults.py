@@ -29,6 +29,8 @@ STOPPING_DUMP_DONE = "stopping-dump-done"
 STOPPED_DUMP_RECORDED = "stopped-dump-recorded"
 """A dump that stops the job is complete and its manifest durable; the job's new state (stopped)
 is not stored yet."""
+RESTORE_CHECKED = "restore-checked"
+"""A restore has checked the paths CRIU will make again by name and not yet run CRIU."""
 STAGED_MOVE_RUNNING = "staged-move-running"
 """A checkpoint taken in place was dumped to memory, the job runs again, and its process images are
 being moved to disk (one file moved); the manifest is not written yet."""

@@ -374,10 +374,13 @@ print("end", flush=True)
 
 @requires_root
 @pytest.mark.slow
-def test_a_restore_that_would_bind_a_socket_through_another_users_link_is_refused(daemon_root: Path) -> None:
-    """CRIU unlinks what is at a bound socket's path and binds there, as root: the job's user swaps
-    the socket's folder for a link to root's folder holding root's socket; the restore is refused
-    before CRIU runs, root's socket stays, and with the folder put back the job resumes."""
+def test_a_restore_that_would_bind_a_root_jobs_socket_through_a_users_link_is_refused(
+    daemon_root: Path,
+) -> None:
+    """CRIU unlinks what is at a bound socket's path and binds there, as root (a root job's restore
+    runs without the restore guard): a user who owns the folder of the job's socket swaps it for a
+    link to root's folder holding root's socket; the restore is refused before CRIU runs, root's
+    socket stays, and with the folder put back the job resumes."""
     owner = pwd.getpwnam(other_user())
     python = python_of(owner.pw_name)
     home = daemon_root / "home"
@@ -393,21 +396,19 @@ def test_a_restore_that_would_bind_a_socket_through_another_users_link_is_refuse
     release = daemon_root / "release"
     try:
         with running_daemon(daemon_root, virtual_devices=1) as daemon:
-            job = daemon.submit(
-                *python, str(script), str(home / "run" / "sock"), str(release), user=owner.pw_name
-            )
+            job = daemon.submit(*python, str(script), str(home / "run" / "sock"), str(release))
             wait_until(lambda: "bound" in daemon.sing("logs", str(job)).out, timeout=60)
-            assert daemon.sing("suspend", str(job), user=owner.pw_name).code == 0
+            assert daemon.sing("suspend", str(job)).code == 0
             (home / "run").rename(home / "put-aside")
             (home / "run").symlink_to(room)
             os.lchown(home / "run", owner.pw_uid, owner.pw_gid)
-            refused = daemon.sing("resume", "--wait", str(job), user=owner.pw_name, timeout=120)
+            refused = daemon.sing("resume", "--wait", str(job), timeout=120)
             assert refused.code != 0 and "restore refused, the checkpoint is kept" in refused.err, refused.err
             assert (
                 f"a Unix socket bound to {home / 'run' / 'sock'}: {home / 'run'} is now a link" in refused.err
             )
             assert (room / "sock").is_socket() and (room / "sock").stat().st_uid == 0
             assert daemon.job(job)["state"] == "SUSPENDED"
-            resumes_once_put_back(daemon, job, owner.pw_name, home / "run", home / "put-aside", release)
+            resumes_once_put_back(daemon, job, "root", home / "run", home / "put-aside", release)
     finally:
         roots.close()

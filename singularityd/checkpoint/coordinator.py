@@ -52,6 +52,7 @@ from singularityd.devices.access import (
     PreCopy,
 )
 from singularityd.devices.proxies import ProxyConnection, Reconnection
+from singularityd.devices.proxy_servers import JobIdentity
 from singularityd.devices.splicing import SavedLayout
 from singularityd.units import human_bytes
 
@@ -386,9 +387,11 @@ class JobCheckpoints:
         devices: tuple[int, ...],
         logical: int | None = None,
         known_digests: KnownDigests | None = None,
+        user: JobIdentity | None = None,
     ) -> Restoration:
-        """Restore the newest good checkpoint, reconnecting the processes to their devices (the job
-        sees `logical` devices; its checkpoint may have held another number of them: a resize)."""
+        """Restore the newest good checkpoint of `user`'s job, reconnecting the processes to their
+        devices (the job sees `logical` devices; its checkpoint may have held another number of
+        them: a resize)."""
         began = time.monotonic()
         opened: list[socket.socket] = []
         loading: list[float] = []
@@ -410,7 +413,7 @@ class JobCheckpoints:
 
         try:
             result = await self.checkpointer.restore_latest(
-                str(job_id), inherit_fds=reconnect, known_digests=known_digests
+                str(job_id), inherit_fds=reconnect, known_digests=known_digests, user=user
             )
         except (CheckpointError, DeviceError, OSError) as error:
             with contextlib.suppress(DeviceError):

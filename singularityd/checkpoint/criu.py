@@ -18,12 +18,16 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from singularityd import faults
 from singularityd.checkpoint.criu_discovery import CriuInfo
 from singularityd.checkpoint.errors import CheckpointUnavailable, CriuError
 from singularityd.checkpoint.namespaces import ExternalMounts, dump_mount_args, restore_argv_in_yard
+from singularityd.checkpoint.restore_guard import guard_environment
+
+if TYPE_CHECKING:
+    from singularityd.devices.proxy_servers import JobIdentity
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +69,11 @@ ERROR_HINTS: tuple[tuple[str, str], ...] = (
     ("Iptables configuration failed", "network locking with iptables failed"),
     ("Tracking memory is not available", "the kernel has no memory dirty tracking"),
     ("In-flight connection", "a listening socket has a connection not yet accepted"),
+    (
+        "Can't unlink socket",
+        "a path the job had bound holds something its user may not remove (a folder on the way "
+        "replaced since the checkpoint?)",
+    ),
     ("Address already in use", "an address the job had bound is in use (is the job running?)"),
     (FORK_RETRY_PATTERN, "a PID that the images need is still taken"),
     (
@@ -221,7 +230,10 @@ async def run_to_completion(aw: Awaitable[T]) -> T:
 
 
 async def _run_to_end(
-    argv: Sequence[str], pass_fds: Sequence[int] = (), started: Callable[[], None] | None = None
+    argv: Sequence[str],
+    pass_fds: Sequence[int] = (),
+    started: Callable[[], None] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> tuple[int, str, str, float]:
     loop = asyncio.get_running_loop()
     start = loop.time()
@@ -232,6 +244,7 @@ async def _run_to_end(
         stderr=asyncio.subprocess.PIPE,
         pass_fds=tuple(pass_fds),
         start_new_session=True,
+        env=None if env is None else {**os.environ, **env},
     )
     if started is not None:
         started()
@@ -258,10 +271,12 @@ async def _run_retrying(
     before: Callable[[], None] | None = None,
     started: Callable[[], None] | None = None,
     pass_fds: Sequence[int] = (),
+    env: Mapping[str, str] | None = None,
 ) -> CriuRun:
     """Run CRIU until it succeeds, trying again while its log names a `transient` cause (up to that
     cause's attempts in all, awaiting its `between` first); CriuError with the log's reason
-    otherwise. `before` runs before each attempt, `started` once the first has started."""
+    otherwise. `before` runs before each attempt, `started` once the first has started; `env` is
+    added to CRIU's environment."""
     total = 0.0
     tries: Counter[str] = Counter()
     attempt = 0
@@ -269,7 +284,7 @@ async def _run_retrying(
         attempt += 1
         if before is not None:
             before()
-        rc, out, err, wall = await _run_to_end(argv, pass_fds, started if attempt == 1 else None)
+        rc, out, err, wall = await _run_to_end(argv, pass_fds, started if attempt == 1 else None, env)
         total += wall
         if rc == 0:
             return CriuRun(out + err, total, attempt)
@@ -488,6 +503,18 @@ class Criu:
         argv += dump_mount_args(external_mounts or {})
         return await _run_dump(argv, log_file, f"pre-dump of pid {pid}", pid=pid, options=self.options)
 
+    def guards(self, user: JobIdentity | None) -> bool:
+        """Whether a restore of `user`'s job runs with the restore guard: CRIU's changes by name
+        then carry that user's rights (for a user other than root, where the guard was built)."""
+        return user is not None and user.uid != 0 and bool(self.info.restore_guard)
+
+    def _guard_environment(self, user: JobIdentity | None, *places: Path | None) -> dict[str, str] | None:
+        """CRIU's added environment for a restore of `user`'s job: the restore guard's, or none."""
+        if user is None or not self.guards(user):
+            return None
+        folders = sorted({place if place.is_dir() else place.parent for place in places if place is not None})
+        return guard_environment(self.info.restore_guard, user.uid, user.gid, user.groups, folders)
+
     def restore_argv(
         self,
         image_dir: Path,
@@ -521,6 +548,7 @@ class Criu:
         inherit_fds: Mapping[str, int] | None = None,
         external_mounts: ExternalMounts | None = None,
         mount_yard: Path | None = None,
+        user: JobIdentity | None = None,
     ) -> RestoreOutcome:
         """Restore the tree in `image_dir` detached from CRIU, its processes left stopped (SIGSTOP:
         see checkpoint.reopened for why); return its root's host PID.
@@ -530,7 +558,8 @@ class Criu:
         dumped from its own PID namespace gets a new one, so its PIDs never clash with running
         processes. "Can't fork for PID" (a dumped process not yet reaped) is retried briefly. A job
         dumped with its own mount namespace (`external_mounts` not None, as recorded at the dump)
-        is restored through `mount_yard`, an empty directory of the daemon's.
+        is restored through `mount_yard`, an empty directory of the daemon's. A job of `user` other
+        than root is restored under the restore guard (checkpoint.restore_guard) when it was built.
         """
         fds = dict(inherit_fds or {})
         if mount_yard is not None:
@@ -559,6 +588,7 @@ class Criu:
             },
             before=forget_pid,
             pass_fds=sorted(set(fds.values())),
+            env=self._guard_environment(user, image_dir, log_file, pidfile, mount_yard),
         )
         try:
             pid = int(pidfile.read_text().strip())

@@ -34,6 +34,10 @@ class CriuInfo:
     dirty_tracking_reason: str = ""
     tcp_problem: str = ""
     network_lock: str = "iptables"
+    restore_guard: str = ""
+    """The built restore guard (checkpoint.restore_guard) preloaded into restores of other users' jobs."""
+    restore_guard_problem: str = ""
+    """Why a root daemon has no restore guard, if it has none."""
 
     @property
     def version_text(self) -> str:

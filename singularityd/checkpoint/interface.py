@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from singularityd.checkpoint.errors import CheckpointError
 from singularityd.checkpoint.pause import Downtime, Pause, RestoreParts
 from singularityd.checkpoint.restoring import KnownDigests
+from singularityd.devices.proxy_servers import JobIdentity
 
 BeforePause = Callable[[Path], Awaitable[None]]
 """Awaited with a checkpoint's images folder once its device state is pre-copied, before the pause."""
@@ -39,6 +40,8 @@ class CriuStatus:
     path: str
     version: str
     unavailable_reason: str
+    restore_guard_problem: str = ""
+    """Why CRIU restores other users' jobs without the restore guard (checkpoint.restore_guard)."""
 
 
 @dataclass(frozen=True)
@@ -157,9 +160,11 @@ class Checkpoints(Protocol):
         devices: tuple[int, ...],
         logical: int | None = None,
         known_digests: KnownDigests | None = None,
+        user: JobIdentity | None = None,
     ) -> Restoration:
-        """Restore the job onto these devices, seen as `logical` ones; CheckpointError says why it
-        could not be. `known_digests`: files hashed as they arrived (see Checkpointer.restore_latest)."""
+        """Restore `user`'s job onto these devices, seen as `logical` ones; CheckpointError says why
+        it could not be. `known_digests`: files hashed as they arrived (see
+        Checkpointer.restore_latest)."""
 
     async def resume_parked(self, job_id: int, devices: tuple[int, ...]) -> None:
         """Let go a job a killed daemon may have left parked in its proxies mid-checkpoint."""
@@ -221,6 +226,7 @@ class NoCheckpoints:
         devices: tuple[int, ...],
         logical: int | None = None,
         known_digests: KnownDigests | None = None,
+        user: JobIdentity | None = None,
     ) -> Restoration:
         """Always fails, saying why."""
         raise CheckpointError(f"checkpoints are unavailable here: {self.status.unavailable_reason}")

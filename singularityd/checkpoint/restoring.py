@@ -3,8 +3,9 @@ adds the dumping half).
 
 On restore it takes the job's newest checkpoint that verifies against its manifest, saying why
 each newer one was passed over, cuts the files recorded at the dump back to their sizes then, and
-has CRIU restore the tree with the replacement fds of its external sockets, stopped until the
-files CRIU reopened for it are found to be its user's to hold (checkpoint.reopened). All methods are
+has CRIU restore the tree with the replacement fds of its external sockets, under the restore
+guard for another user's job (checkpoint.restore_guard), stopped until the files CRIU reopened
+for it are found to be its user's to hold (checkpoint.reopened). All methods are
 coroutines; file hashing and other blocking work run in threads.
 """
 
@@ -15,7 +16,9 @@ import signal
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from singularityd import faults
 from singularityd.checkpoint.criu import LEAVE_STOPPED, Criu, RestoreOutcome, run_to_completion
 from singularityd.checkpoint.errors import CheckpointError, NoValidCheckpoint
 from singularityd.checkpoint.manifest import IMAGES_DIR, Manifest, Skipped, Verdict
@@ -23,6 +26,9 @@ from singularityd.checkpoint.precheck import signal_tree
 from singularityd.checkpoint.reopened import named_path_problems, reopened_problems, summary
 from singularityd.checkpoint.shm import write_back
 from singularityd.checkpoint.store import ImageStore, rewind_files
+
+if TYPE_CHECKING:
+    from singularityd.devices.proxy_servers import JobIdentity
 
 InheritFds = Mapping[str, int] | Callable[[Manifest], Mapping[str, int]]
 
@@ -76,8 +82,9 @@ class Restorer:
         rewind: bool = True,
         deep_verify: bool = True,
         known_digests: KnownDigests | None = None,
+        user: JobIdentity | None = None,
     ) -> RestoreResult:
-        """Restore the job from its newest checkpoint that verifies.
+        """Restore the job of `user` from its newest checkpoint that verifies.
 
         Each newer checkpoint that fails verification is skipped and reported in the result (the
         daemon logs these as events); NoValidCheckpoint is raised when none verifies. A CRIU
@@ -91,9 +98,10 @@ class Restorer:
             skipped: list[Skipped] = self.store.vanished(job_id)
             for seq in reversed(self.store.seqs(job_id)):
                 known = known_digests if known_digests is not None and known_digests.seq == seq else None
-                result = await run_to_completion(
-                    self._try_restore(job_id, seq, inherit_fds, rewind, deep_verify, tuple(skipped), known)
+                attempt = self._try_restore(
+                    job_id, seq, inherit_fds, rewind, deep_verify, tuple(skipped), known, user
                 )
+                result = await run_to_completion(attempt)
                 if isinstance(result, RestoreResult):
                     return result
                 skipped.append(Skipped(seq, result.reason))
@@ -108,11 +116,12 @@ class Restorer:
         inherit_fds: InheritFds | None = None,
         rewind: bool = True,
         deep_verify: bool = True,
+        user: JobIdentity | None = None,
     ) -> RestoreResult:
-        """Restore the job from checkpoint `seq`, which must verify."""
+        """Restore the job of `user` from checkpoint `seq`, which must verify."""
         with self.store.locked(job_id):
             result = await run_to_completion(
-                self._try_restore(job_id, seq, inherit_fds, rewind, deep_verify, ())
+                self._try_restore(job_id, seq, inherit_fds, rewind, deep_verify, (), None, user)
             )
         if isinstance(result, RestoreResult):
             return result
@@ -127,6 +136,7 @@ class Restorer:
         deep_verify: bool,
         skipped: tuple[Skipped, ...],
         known: KnownDigests | None = None,
+        user: JobIdentity | None = None,
     ) -> RestoreResult | Verdict:
         if known is not None and known.checked_by_caller and not self.restores_stopped:
             raise ValueError("only a restore leaving the processes stopped leaves checksums to its caller")
@@ -148,13 +158,16 @@ class Restorer:
                 fds = dict(await asyncio.to_thread(inherit_fds, manifest))
             else:
                 fds = dict(inherit_fds or {})
-            links = await asyncio.to_thread(named_path_problems, path / IMAGES_DIR)
+            # Under the guard CRIU makes nothing by name as root, so no link on the way can misdirect it.
+            guarded = self.criu.guards(user)
+            links = [] if guarded else await asyncio.to_thread(named_path_problems, path / IMAGES_DIR)
             if links:
                 raise CheckpointError(
                     "restore refused, the checkpoint is kept: CRIU would make again by path, as root, "
                     f"{summary(links)}; put back what was replaced on those paths since the checkpoint, "
                     "then resume again"
                 )
+            await faults.held_at(faults.RESTORE_CHECKED)
             rewound = rewind_files(manifest.rewind_sizes) if rewind else {}
             await asyncio.to_thread(write_back, path / IMAGES_DIR)
             logs = self.store.logs_dir(job_id)
@@ -166,6 +179,7 @@ class Restorer:
                 inherit_fds=fds,
                 external_mounts=manifest.external_mounts,
                 mount_yard=None if manifest.external_mounts is None else logs / "mount-yard",
+                user=user,
             )
             await self._let_run_if_allowed(outcome.pid)
         return RestoreResult(

@@ -287,7 +287,9 @@ class Arrivals:
         daemon.processes.forget_outcome(job_number)
         restore_began = time.monotonic()
         try:
-            restored = await self.frozen.restore(job_number, devices, logical, known_digests=known)
+            restored = await self.frozen.restore(
+                job_number, devices, logical, known_digests=known, user=identity(job)
+            )
         except CheckpointError:
             # Wrong memory can make CRIU itself fail (its restorer runs inside the restored
             # processes): then the wrong image, not CRIU's symptom, is the reason given.

@@ -55,7 +55,7 @@ async def restore(
         logical = logical_devices(job.spec.ranks, job.spec.gpus)
         await devices.admit(job.id, identity(job), job.devices, logical)
         processes.forget_outcome(job.id)
-        restored = await checkpoints.restore(job.id, job.devices, logical)
+        restored = await checkpoints.restore(job.id, job.devices, logical, user=identity(job))
     except NoValidCheckpoint as error:
         return RestoreFailed(str(error))
     except (CheckpointError, DeviceError, OSError) as error:
