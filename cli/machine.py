@@ -148,6 +148,15 @@ def doctor(
         if criu_ok
         else f"checkpoints unavailable: {info.criu_unavailable_reason}",
     )
+    if criu_ok and info.mode == "system":
+        checks.check(
+            not info.restore_guard_problem,
+            "restore guard",
+            "CRIU restores other users' jobs with their rights"
+            if not info.restore_guard_problem
+            else f"CRIU would restore other users' jobs with root's rights by path: "
+            f"{info.restore_guard_problem}; install a C compiler and restart the daemon",
+        )
     checks.check(
         info.pid_namespaces or info.mode == "user",
         "isolation",

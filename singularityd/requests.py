@@ -176,6 +176,7 @@ class Requests:
             criu_version=criu.version,
             started_at=daemon.started_at,
             pid_namespaces=not config.user_mode,
+            restore_guard_problem=criu.restore_guard_problem,
         )
 
     # Acting

@@ -221,6 +221,12 @@ def test_doctor_json(daemon: Daemon) -> None:
     found = {check["check"]: check for check in result.json()}
     assert {"socket", "daemon", "identity", "devices", "nvml", "criu", "isolation"} <= set(found)
     assert found["daemon"]["status"] == "ok" and __version__ in found["daemon"]["detail"]
+    if found["criu"]["status"] == "ok" and "system mode" in found["daemon"]["detail"]:
+        assert found["restore guard"] == {
+            "check": "restore guard",
+            "status": "ok",
+            "detail": "CRIU restores other users' jobs with their rights",
+        }
     assert result.code == (1 if any(c["status"] == "FAIL" for c in found.values()) else 0)
 
 

@@ -63,6 +63,7 @@ class DaemonFacts:
     criu_version: str
     started_at: float
     pid_namespaces: bool
+    restore_guard_problem: str
 
 
 class JobService(Protocol):

@@ -469,7 +469,7 @@ class DaemonInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DaemonInfo(_message.Message):
-    __slots__ = ("version", "mode", "socket", "state_dir", "caller_uid", "caller_user", "caller_is_admin", "device_kind", "device_count", "nvml_status", "criu_unavailable_reason", "criu_path", "criu_version", "started_at", "pid_namespaces")
+    __slots__ = ("version", "mode", "socket", "state_dir", "caller_uid", "caller_user", "caller_is_admin", "device_kind", "device_count", "nvml_status", "criu_unavailable_reason", "criu_path", "criu_version", "started_at", "pid_namespaces", "restore_guard_problem")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     SOCKET_FIELD_NUMBER: _ClassVar[int]
@@ -485,6 +485,7 @@ class DaemonInfo(_message.Message):
     CRIU_VERSION_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     PID_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_GUARD_PROBLEM_FIELD_NUMBER: _ClassVar[int]
     version: str
     mode: str
     socket: str
@@ -500,4 +501,5 @@ class DaemonInfo(_message.Message):
     criu_version: str
     started_at: float
     pid_namespaces: bool
-    def __init__(self, version: _Optional[str] = ..., mode: _Optional[str] = ..., socket: _Optional[str] = ..., state_dir: _Optional[str] = ..., caller_uid: _Optional[int] = ..., caller_user: _Optional[str] = ..., caller_is_admin: _Optional[bool] = ..., device_kind: _Optional[str] = ..., device_count: _Optional[int] = ..., nvml_status: _Optional[str] = ..., criu_unavailable_reason: _Optional[str] = ..., criu_path: _Optional[str] = ..., criu_version: _Optional[str] = ..., started_at: _Optional[float] = ..., pid_namespaces: _Optional[bool] = ...) -> None: ...
+    restore_guard_problem: str
+    def __init__(self, version: _Optional[str] = ..., mode: _Optional[str] = ..., socket: _Optional[str] = ..., state_dir: _Optional[str] = ..., caller_uid: _Optional[int] = ..., caller_user: _Optional[str] = ..., caller_is_admin: _Optional[bool] = ..., device_kind: _Optional[str] = ..., device_count: _Optional[int] = ..., nvml_status: _Optional[str] = ..., criu_unavailable_reason: _Optional[str] = ..., criu_path: _Optional[str] = ..., criu_version: _Optional[str] = ..., started_at: _Optional[float] = ..., pid_namespaces: _Optional[bool] = ..., restore_guard_problem: _Optional[str] = ...) -> None: ...
