@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 def human_bytes(count: float) -> str:
     """1536 -> '1.5K'; binary units, like ps and nvtop."""
@@ -10,6 +12,12 @@ def human_bytes(count: float) -> str:
             return f"{count:.0f}{unit}" if unit == "B" else f"{count:.1f}{unit}"
         count /= 1024
     return f"{count:.1f}T"
+
+
+def first_few(items: Sequence[str], separator: str = "; ", most: int = 3) -> str:
+    """The first `most` items on one line, and how many more: "a; b; c; and 2 more"."""
+    more = len(items) - most
+    return separator.join(items[:most]) + (f"{separator}and {more} more" if more > 0 else "")
 
 
 def counted(count: int, noun: str) -> str:

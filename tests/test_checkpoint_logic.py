@@ -155,7 +155,7 @@ def test_digest_choice_and_prune() -> None:
     ]
     choice = choose_latest(vs)
     assert choice.seq == 2
-    assert [(s.seq, s.reason) for s in choice.skipped] == [(4, "incomplete"), (3, "a; b; c (and 1 more)")]
+    assert [(s.seq, s.reason) for s in choice.skipped] == [(4, "incomplete"), (3, "a; b; c; and 1 more")]
     assert choose_latest([Verdict.bad(1, ["x"])]).seq is None
     assert plan_prune(vs, keep=1) == [1, 3, 4]
     assert plan_prune(vs, keep=5) == [3, 4]

@@ -31,9 +31,9 @@ from singularityd.checkpoint.reopened import (
     mount_point_of,
     probe_requests,
     reopened_problems,
-    summary,
     watches,
 )
+from singularityd.units import first_few
 from tests.conftest import requires_root
 from tests.helpers import Daemon, other_user, python_for_user, running_daemon, wait_until
 
@@ -90,8 +90,9 @@ def test_one_probe_serves_the_processes_of_one_user_and_view_each_file_once() ->
 
 
 def test_a_summary_shows_the_first_problems_and_counts_the_rest() -> None:
-    assert summary(["a", "b"]) == "a; b"
-    assert summary(["a", "b", "c", "d", "e"]) == "a; b; c; and 2 more"
+    assert first_few(["a", "b"]) == "a; b"
+    assert first_few(["a", "b", "c", "d", "e"]) == "a; b; c; and 2 more"
+    assert first_few(["a", "b", "c", "d"], ", ") == "a, b, c, and 1 more"
 
 
 HOLDER = """

@@ -12,6 +12,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from singularityd.units import first_few
+
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 IMAGES_DIR = "images"
@@ -234,9 +236,7 @@ class Verdict:
     @staticmethod
     def bad(seq: int, problems: Sequence[str]) -> Verdict:
         """A checkpoint that failed, with its problems joined into one line."""
-        shown = "; ".join(problems[:3])
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        return Verdict(seq, False, shown + more)
+        return Verdict(seq, False, first_few(problems))
 
 
 @dataclass(frozen=True)

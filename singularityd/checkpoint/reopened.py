@@ -23,7 +23,7 @@ import stat
 import struct
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -309,10 +309,3 @@ def named_path_problems(images: Path) -> list[str]:
         if link:
             problems.append(f"{what} {path}: {link}")
     return problems
-
-
-def summary(problems: Sequence[str], most: int = 3) -> str:
-    """The first few problems on one line, and how many more."""
-    shown = "; ".join(problems[:most])
-    more = len(problems) - most
-    return shown + (f"; and {more} more" if more > 0 else "")

@@ -23,9 +23,10 @@ from singularityd.checkpoint.criu import LEAVE_STOPPED, Criu, RestoreOutcome, ru
 from singularityd.checkpoint.errors import CheckpointError, NoValidCheckpoint
 from singularityd.checkpoint.manifest import IMAGES_DIR, Manifest, Skipped, Verdict
 from singularityd.checkpoint.precheck import signal_tree
-from singularityd.checkpoint.reopened import named_path_problems, reopened_problems, summary
+from singularityd.checkpoint.reopened import named_path_problems, reopened_problems
 from singularityd.checkpoint.shm import write_back
 from singularityd.checkpoint.store import ImageStore, rewind_files
+from singularityd.units import first_few
 
 if TYPE_CHECKING:
     from singularityd.devices.proxy_servers import JobIdentity
@@ -164,7 +165,7 @@ class Restorer:
             if links:
                 raise CheckpointError(
                     "restore refused, the checkpoint is kept: CRIU would make again by path, as root, "
-                    f"{summary(links)}; put back what was replaced on those paths since the checkpoint, "
+                    f"{first_few(links)}; put back what was replaced on those paths since the checkpoint, "
                     "then resume again"
                 )
             await faults.held_at(faults.RESTORE_CHECKED)
@@ -203,7 +204,7 @@ class Restorer:
             await asyncio.to_thread(signal_tree, pid, signal.SIGKILL)
             raise CheckpointError(
                 "restore refused, the checkpoint is kept: CRIU reopened by path files that the job's "
-                f"user may not open now ({summary(problems)}); put back what was moved or replaced on "
+                f"user may not open now ({first_few(problems)}); put back what was moved or replaced on "
                 "those paths since the checkpoint, then resume again"
             )
         if not self.restores_stopped:

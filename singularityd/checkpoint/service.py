@@ -45,6 +45,7 @@ from singularityd.checkpoint.store import (
     PendingCheckpoint,
     tree_anon_bytes,
 )
+from singularityd.units import first_few
 
 PAGES_IMAGES = "pages-*.img"
 """CRIU's images of process memory: nearly all of a dump's bytes, each written from start to end."""
@@ -60,7 +61,7 @@ def _refuse_files_in_flight(job_id: str, found: Path) -> None:
     except OSError:
         return
     if paths:
-        shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+        shown = first_few(paths, ", ")
         raise CheckpointError(
             f"cannot checkpoint job {job_id} now: a process of it sent {shown} over a Unix socket "
             "and none has received it yet; CRIU would reopen it by its path as root at the restore, "
