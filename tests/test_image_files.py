@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from singularityd.checkpoint import CheckpointError, CriuInfo
-from singularityd.checkpoint.image_files import files_in_flight, made_by_name
+from singularityd.checkpoint.image_files import files_in_flight, made_by_name, stopped_at_dump
 from tests.checkpoint_helpers import (
     SYSTEM_PYTHON,
     checkpointer_in,
@@ -112,6 +112,18 @@ def test_what_criu_makes_again_by_path_is_listed(tmp_path: Path) -> None:
         ("a Unix socket bound to", "/home/a/run/rel.sock"),
         ("a deleted file or folder re-created beside", "/dev/shm/torch_1"),
     ]
+
+
+def test_the_processes_stopped_at_the_dump_are_found_by_their_pid(tmp_path: Path) -> None:
+    def core(state: int | None) -> bytes:
+        return number(1, 1) + (nested(3, number(1, state) + number(2, 0)) if state is not None else b"")
+
+    (tmp_path / "core-1.img").write_bytes(image(core(1)))  # running
+    (tmp_path / "core-7.img").write_bytes(image(core(3)))  # stopped
+    (tmp_path / "core-8.img").write_bytes(image(core(None)))  # a thread: no task core
+    (tmp_path / "core-9.img").write_bytes(image(core(6)))  # a zombie
+    assert stopped_at_dump(tmp_path) == {7}
+    assert stopped_at_dump(tmp_path / "none") == set()
 
 
 def test_a_damaged_image_is_an_error_not_a_pass(tmp_path: Path) -> None:

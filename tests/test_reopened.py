@@ -13,6 +13,7 @@ import pwd
 import socket
 import subprocess
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -413,3 +414,49 @@ def test_a_restore_that_would_bind_a_root_jobs_socket_through_a_users_link_is_re
             resumes_once_put_back(daemon, job, "root", home / "run", home / "put-aside", release)
     finally:
         roots.close()
+
+
+STOPS_ITS_WORKER = """
+import os, signal, sys, time
+release = sys.argv[1]
+worker = os.fork()
+if worker == 0:
+    while True:
+        print("working", flush=True)
+        time.sleep(0.05)
+time.sleep(0.3)
+os.kill(worker, signal.SIGSTOP)
+os.waitpid(worker, os.WUNTRACED)
+print("stopped the worker", flush=True)
+while not os.path.exists(release):
+    time.sleep(0.05)
+print("released", flush=True)
+time.sleep(0.5)
+os.kill(worker, signal.SIGCONT)
+time.sleep(0.3)
+os.kill(worker, signal.SIGKILL)
+print("end", flush=True)
+"""
+
+
+@requires_root
+@pytest.mark.slow
+def test_a_process_its_user_stopped_stays_stopped_across_a_preemption(daemon_root: Path) -> None:
+    """A restore leaves every process stopped until it has checked them, then lets them run: but not
+    one the job had stopped itself, which runs again only when the job continues it."""
+    script = daemon_root / "stopper.py"
+    script.write_text(STOPS_ITS_WORKER)
+    release = daemon_root / "release"
+    with running_daemon(daemon_root, virtual_devices=1) as daemon:
+        job = daemon.submit(*python_of("root"), str(script), str(release))
+        wait_until(lambda: "stopped the worker" in daemon.sing("logs", str(job)).out, timeout=60)
+        assert daemon.sing("suspend", str(job)).code == 0
+        resumed = daemon.sing("resume", "--wait", str(job), timeout=120)
+        assert resumed.code == 0, resumed.err
+        time.sleep(1)
+        release.touch()
+        daemon.wait_ok(job, timeout=120)
+        lines = daemon.sing("logs", str(job)).out.splitlines()
+    stopped, released = lines.index("stopped the worker"), lines.index("released")
+    assert "working" not in lines[stopped:released], lines
+    assert "working" in lines[released:], "continued by the job, the worker works again"

@@ -12,8 +12,9 @@ files.img `file_entry` {type 1, id 2, reg 3 {name 6}, fifo 17 {regf_id 3}} (type
 file, 3 a FIFO, whose path is the regular-file entry it names); sk-queues.img `sk_packet_entry`
 {length 2, scm 4 {type 1, rights 2}}; remap-fpath.img `remap_file_path_entry` {orig_id 1,
 remap_type 3 (1: a ghost, a deleted file whose content the images hold)}; a Unix socket's
-file_entry field 16 {name 11, name_dir 14}. `made_by_name` lists what CRIU makes again by path
-(bound sockets, ghosts), which the restorer checks before CRIU runs.
+file_entry field 16 {name 11, name_dir 14}; core-PID.img `core_entry` {tc 3 {task_state 1}}.
+`made_by_name` lists what CRIU makes again by path (bound sockets, ghosts), which the restorer
+checks before CRIU runs; `stopped_at_dump` the processes a restore must leave stopped.
 Standalone (the standard library only): `python -S image_files.py IMAGES` prints the paths, one
 a line, and exits FILES_IN_FLIGHT_EXIT when there are any.
 """
@@ -37,6 +38,8 @@ UNIX_SOCKET_FIELD = 16
 GHOST = 1
 SCM_RIGHTS = 1
 MAGIC_BYTES = 8
+TASK_CORE_FIELD = 3
+TASK_STOPPED = 3
 
 Fields = dict[int, list[int | bytes]]
 
@@ -163,6 +166,18 @@ def made_by_name(images: Path) -> list[tuple[str, str]]:
                 ("a deleted file or folder re-created beside", _text(_message(entry, REGULAR_FILE_FIELD), 6))
             )
     return made
+
+
+def stopped_at_dump(images: Path) -> set[int]:
+    """The PIDs (as the dumped tree saw them) of the processes that were stopped (SIGSTOP) when
+    dumped: a restore that leaves every process stopped must not let these run."""
+    stopped = set()
+    for core in images.glob("core-*.img"):
+        pid = core.name.removeprefix("core-").removesuffix(".img")
+        for entry in entries(core):
+            if pid.isdigit() and _integers(_message(entry, TASK_CORE_FIELD), 1) == [TASK_STOPPED]:
+                stopped.add(int(pid))
+    return stopped
 
 
 def _text(message: Fields, number: int) -> str:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
+import signal
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -146,6 +147,25 @@ def signal_tree(pid: int, sig: int) -> None:
     for each in tree_pids(pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(each, sig)
+
+
+def continue_tree(pid: int, stopped_at_dump: Collection[int] = ()) -> None:
+    """SIGCONT a process and its descendants, but for those that were stopped when dumped (their
+    PIDs as the dumped tree saw them, the last of NSpid), which a restore must leave stopped."""
+    for each in tree_pids(pid):
+        if stopped_at_dump and namespace_pid(each) in stopped_at_dump:
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(each, signal.SIGCONT)
+
+
+def namespace_pid(pid: int) -> int | None:
+    """The process's PID in its own PID namespace (None when it is gone)."""
+    try:
+        nspid = status_fields(Path(f"/proc/{pid}/status").read_text()).get("NSpid", "").split()
+    except OSError:
+        return None
+    return int(nspid[-1]) if nspid else None
 
 
 TCP_LISTEN = 0x0A

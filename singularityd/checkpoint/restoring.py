@@ -16,13 +16,15 @@ import signal
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from singularityd import faults
 from singularityd.checkpoint.criu import LEAVE_STOPPED, Criu, RestoreOutcome, run_to_completion
 from singularityd.checkpoint.errors import CheckpointError, NoValidCheckpoint
+from singularityd.checkpoint.image_files import stopped_at_dump
 from singularityd.checkpoint.manifest import IMAGES_DIR, Manifest, Skipped, Verdict
-from singularityd.checkpoint.precheck import signal_tree
+from singularityd.checkpoint.precheck import continue_tree, signal_tree
 from singularityd.checkpoint.reopened import named_path_problems, reopened_problems
 from singularityd.checkpoint.shm import write_back
 from singularityd.checkpoint.store import ImageStore, rewind_files
@@ -30,6 +32,13 @@ from singularityd.units import first_few
 
 if TYPE_CHECKING:
     from singularityd.devices.proxy_servers import JobIdentity
+
+
+def continue_as_dumped(pid: int, images: Path) -> None:
+    """Let run the tree under `pid` that a restore from `images` left stopped, but for the
+    processes that were stopped when dumped (their user stopped them)."""
+    continue_tree(pid, stopped_at_dump(images))
+
 
 InheritFds = Mapping[str, int] | Callable[[Manifest], Mapping[str, int]]
 
@@ -182,7 +191,7 @@ class Restorer:
                 mount_yard=None if manifest.external_mounts is None else logs / "mount-yard",
                 user=user,
             )
-            await self._let_run_if_allowed(outcome.pid)
+            await self._let_run_if_allowed(outcome.pid, path / IMAGES_DIR)
         return RestoreResult(
             job_id=job_id,
             seq=seq,
@@ -195,10 +204,10 @@ class Restorer:
             hashed_bytes=verdict.hashed_bytes,
         )
 
-    async def _let_run_if_allowed(self, pid: int) -> None:
+    async def _let_run_if_allowed(self, pid: int, images: Path) -> None:
         """Check what CRIU reopened for the stopped tree under `pid` (see checkpoint.reopened); kill
-        the tree and raise CheckpointError if a process may not keep it, else let it run (unless the
-        caller asked for it stopped)."""
+        the tree and raise CheckpointError if a process may not keep it, else let it run as it was
+        dumped from `images` (unless the caller asked for it stopped)."""
         problems = await asyncio.to_thread(reopened_problems, pid)
         if problems:
             await asyncio.to_thread(signal_tree, pid, signal.SIGKILL)
@@ -208,7 +217,7 @@ class Restorer:
                 "those paths since the checkpoint, then resume again"
             )
         if not self.restores_stopped:
-            await asyncio.to_thread(signal_tree, pid, signal.SIGCONT)
+            await asyncio.to_thread(continue_as_dumped, pid, images)
 
     async def latest_valid(self, job_id: str) -> tuple[Manifest | None, tuple[Skipped, ...]]:
         """The newest checkpoint that verifies (checksums included) and the newer ones skipped."""

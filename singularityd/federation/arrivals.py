@@ -35,9 +35,9 @@ from singularityd.checkpoint.criu import LEAVE_STOPPED, Criu
 from singularityd.checkpoint.errors import CheckpointError
 from singularityd.checkpoint.hashing import hash_open_files, open_for_hashing
 from singularityd.checkpoint.interface import Checkpoints
-from singularityd.checkpoint.manifest import ManifestError, digest_problems
-from singularityd.checkpoint.precheck import signal_tree
-from singularityd.checkpoint.restoring import KnownDigests
+from singularityd.checkpoint.manifest import IMAGES_DIR, ManifestError, digest_problems
+from singularityd.checkpoint.precheck import continue_tree, signal_tree
+from singularityd.checkpoint.restoring import KnownDigests, continue_as_dumped
 from singularityd.checkpoint.service import Checkpointer
 from singularityd.checkpoint.store import ImageStore
 from singularityd.core.states import JobState, was_suspended_when_set_aside
@@ -338,7 +338,13 @@ class Arrivals:
         process = ProcessId(job.init_pid, job.init_start_ticks or 0) if job.init_pid else None
         self._set_arriving_epoch(job_id, None)
         if process is not None and daemon.processes.alive(process):
-            signal_tree(process.pid, signal.SIGCONT)
+            seqs = self.images.seqs(str(job_id))  # the newest is the one restored
+            if seqs:
+                continue_as_dumped(
+                    process.pid, self.images.checkpoint_dir(str(job_id), seqs[-1]) / IMAGES_DIR
+                )
+            else:
+                continue_tree(process.pid)
             reason = f"{why}: running here"
             daemon.apply(job_id, Arrived(process.pid, process.start_ticks, job.devices, reason))
             return
