@@ -34,7 +34,6 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 CLONE_NEWNS = 0x00020000
@@ -358,17 +357,18 @@ def _record_pid(spec: dict[str, Any], pid: int, ticks: int) -> None:
     os.replace(f"{spec['pid_path']}.tmp", spec["pid_path"])
 
 
-def launch(spec: dict[str, Any], spec_path: str) -> int:
+def launch(spec: dict[str, Any], spec_path: str = "") -> int:
     """Fork the supervisor (in new namespaces when asked) and return its host PID.
 
-    A job in a PID namespace also gets a mount namespace with a /proc of that PID namespace, the
-    supervisor exec'd inside it (see _take_own_proc). The supervisor works in /, which every
-    machine has: CRIU restores its working directory by path, on this machine or a peer (each
-    rank enters the job's own directory).
+    The supervisor works in /, which every machine has: CRIU restores its working directory by
+    path, on this machine or a peer, and its parasite briefly makes a directory there to dump a
+    job whose /proc is not its PID namespace's (each rank enters the job's own directory).
     """
     os.chdir("/")
     if spec.get("user_namespace"):
-        pid, ticks = launch_in_user_namespace(spec, _supervisor_argv(spec_path))
+        pid, ticks = launch_in_user_namespace(
+            spec, [sys.executable, "-S", os.path.abspath(__file__), SUPERVISE_FLAG, spec_path]
+        )
         _record_pid(spec, pid, ticks)
         return pid
     if spec.get("pid_namespace"):
@@ -376,16 +376,9 @@ def launch(spec: dict[str, Any], spec_path: str) -> int:
     sys.stdout.flush()
     pid = os.fork()
     if pid == 0:
-        if spec.get("pid_namespace"):
-            _exec_supervisor(_supervisor_argv(spec_path), spec.get("status_path"), _take_own_proc)
         _run_supervisor(spec)
     _record_pid(spec, pid, _start_ticks(pid))
     return pid
-
-
-def _supervisor_argv(spec_path: str) -> list[str]:
-    """The command that runs the supervisor of the job whose spec is at `spec_path`."""
-    return [sys.executable, "-S", os.path.abspath(__file__), SUPERVISE_FLAG, spec_path]
 
 
 def _read_exactly(fd: int, size: int) -> bytes:
@@ -475,23 +468,10 @@ def launch_in_user_namespace(spec: dict[str, Any], supervisor_argv: list[str]) -
 
 def _wait_and_exec_supervisor(go_fd: int, argv: list[str], status_path: str | None) -> None:
     """In the job's init: wait for the launcher's go, take a mount namespace, exec the supervisor."""
-
-    def take_mount_namespace() -> bool:
-        if _read_exactly(go_fd, 1) != b"g":
-            return False
-        _unshare(CLONE_NEWNS, "CLONE_NEWNS")
-        return True
-
-    _exec_supervisor(argv, status_path, take_mount_namespace)
-
-
-def _exec_supervisor(argv: list[str], status_path: str | None, prepare: Callable[[], bool]) -> None:
-    """In the job's init: `prepare` its namespaces (False: the launcher gave up), then exec the
-    supervisor, so that even its executable is opened in them (CRIU dumps them with the job);
-    a failure is written to the job's status, and this process exits."""
     error: BaseException | str = "the launcher gave up"
     try:
-        if prepare():
+        if _read_exactly(go_fd, 1) == b"g":
+            _unshare(CLONE_NEWNS, "CLONE_NEWNS")
             os.execv(argv[0], argv)
     except BaseException as failure:
         error = failure
@@ -515,7 +495,8 @@ def _replace_proc_for(init: int) -> None:
     if mounter == 0:
         code = 1
         try:
-            _mount_own_proc()
+            _check(_libc.umount2(b"/proc", MNT_DETACH), "umount /proc")
+            _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
             code = 0
         except OSError as error:
             os.write(errors_w, str(error).encode())
@@ -527,22 +508,6 @@ def _replace_proc_for(init: int) -> None:
     os.close(errors_r)
     if status != 0:
         raise OSError(f"cannot give the job its own /proc: {message or status}")
-
-
-def _mount_own_proc() -> None:
-    """Mount a proc of this process's PID namespace at /proc in place of the one there."""
-    _check(_libc.umount2(b"/proc", MNT_DETACH), "umount /proc")
-    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-
-
-def _take_own_proc() -> bool:
-    """In the init of a job's PID namespace (without a user namespace): a private copy of the mount
-    namespace with a /proc of the job's PID namespace, so that /proc/PID names the job's processes
-    by the PIDs they see (psutil.Process(), /proc/<os.getpid()>), not the host's."""
-    _unshare(CLONE_NEWNS, "CLONE_NEWNS")
-    _mount(None, "/", None, MS_REC | MS_PRIVATE)
-    _mount_own_proc()
-    return True
 
 
 def _start_ticks(pid: int) -> int:
