@@ -32,7 +32,7 @@ from singularityd.checkpoint.coordinator import JobCheckpoints
 from singularityd.checkpoint.criu_discovery import CriuInfo
 from singularityd.checkpoint.interface import Checkpoints, CriuStatus, NoCheckpoints
 from singularityd.checkpoint.precheck import CAP_SYS_RESOURCE, have_capability
-from singularityd.checkpoint.restore_guard import FOLDER_NAME, build_restore_guard
+from singularityd.checkpoint.restore_guard import FOLDER_NAME, build_restore_guard, load_problem
 from singularityd.checkpoint.staging import RECORD_NAME, StagingArea, remove_recorded
 from singularityd.config import (
     LIVE_OPTIONS,
@@ -109,6 +109,9 @@ def staging_area(config: Config, images: ImageStore) -> StagingArea | None:
 def with_restore_guard(info: CriuInfo, folder: Path) -> CriuInfo:
     """`info` with the restore guard built for restores of other users' jobs, or the reason it is not."""
     library, problem = build_restore_guard(folder)
+    if not problem:
+        problem = load_problem(library, info.argv)
+        library = "" if problem else library
     if problem:
         log.warning("other users' jobs are restored without the restore guard: %s", problem)
     return replace(info, restore_guard=library, restore_guard_problem=problem)

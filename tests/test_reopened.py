@@ -319,10 +319,15 @@ print("end", flush=True)
 
 @requires_root
 @pytest.mark.slow
-def test_a_restore_that_would_hand_the_job_a_file_its_user_may_not_open_is_refused(daemon_root: Path) -> None:
-    """The job's user swaps a folder on the path of a file the suspended job holds for a link to a
-    root-only folder: the restore is refused, the job stays suspended with its checkpoint, root's
-    file is untouched; with the folder put back, the job resumes and ends as it would have."""
+@pytest.mark.parametrize("change", ["swapped", "taken"])
+def test_a_restore_that_would_hand_the_job_a_file_its_user_may_not_open_is_refused(
+    daemon_root: Path, change: str
+) -> None:
+    """Between suspend and resume, the job's user swaps a folder on the path of a file the job
+    holds for a link to a root-only folder (CRIU, under the restore guard, opens through a link
+    only as the user), or root takes that file (no link: CRIU opens it, the check after refuses):
+    either way the restore is refused, the job stays suspended with its checkpoint, root's file is
+    untouched; once put back, the job resumes and ends as it would have."""
     owner = pwd.getpwnam(other_user())
     python = python_of(owner.pw_name)
     home = daemon_root / "home"
@@ -346,16 +351,29 @@ def test_a_restore_that_would_hand_the_job_a_file_its_user_may_not_open_is_refus
         daemon.wait_state(job, "RUNNING")
         wait_until(lambda: "ownbytes" in daemon.sing("logs", str(job)).out, timeout=60)
         assert daemon.sing("suspend", str(job), user=owner.pw_name).code == 0
-        (home / "mine").rename(home / "put-aside")
-        (home / "mine").symlink_to(room)
+        held = home / "mine" / "data"
+        if change == "swapped":
+            (home / "mine").rename(home / "put-aside")
+            (home / "mine").symlink_to(room)
+        else:
+            os.chown(held, 0, 0)
         refused = daemon.sing("resume", "--wait", str(job), user=owner.pw_name, timeout=120)
         assert refused.code != 0
-        assert "restore refused, the checkpoint is kept" in refused.err, refused.err
-        assert f"fd 3 {room / 'data'}: its user" in refused.err, refused.err
+        if change == "swapped":
+            assert "a file the job held is not its user's to open by its path now" in refused.err, refused.err
+        else:
+            assert "restore refused, the checkpoint is kept" in refused.err, refused.err
+            assert f"fd 3 {held}: its user may not open it" in refused.err, refused.err
         assert "Traceback" not in refused.err
         assert daemon.job(job)["state"] == "SUSPENDED"
         assert (room / "data").read_bytes() == b"rootonly"
-        resumes_once_put_back(daemon, job, owner.pw_name, home / "mine", home / "put-aside", release)
+        if change == "swapped":
+            resumes_once_put_back(daemon, job, owner.pw_name, home / "mine", home / "put-aside", release)
+        else:
+            os.chown(held, owner.pw_uid, owner.pw_gid)
+            assert daemon.sing("resume", "--wait", str(job), user=owner.pw_name, timeout=120).code == 0
+            release.touch()
+            daemon.wait_ok(job, timeout=120)
         assert daemon.sing("logs", str(job)).out.splitlines()[-1] == "end"
     assert (home / "mine" / "data").read_bytes() == b"WRITTEN!"
     assert (room / "data").read_bytes() == b"rootonly"
@@ -374,6 +392,25 @@ print("end", flush=True)
 """
 
 
+def users_socket_folder_and_roots_socket(
+    root: Path, owner: pwd.struct_passwd
+) -> tuple[Path, Path, socket.socket, Path]:
+    """The scene of a socket swap under `root`: `owner`'s folder home (with home/run, where
+    LISTENER, written as home/listener.py, is to bind), and root's folder room holding root's
+    socket (open until closed); (home, room, root's socket, the script)."""
+    home = root / "home"
+    (home / "run").mkdir(parents=True)
+    for path in (home, home / "run"):
+        os.chown(path, owner.pw_uid, owner.pw_gid)
+    room = root / "room"
+    room.mkdir()
+    roots = socket.socket(socket.AF_UNIX)
+    roots.bind(str(room / "sock"))
+    script = home / "listener.py"
+    script.write_text(LISTENER)
+    return home, room, roots, script
+
+
 @requires_root
 @pytest.mark.slow
 def test_a_restore_that_would_bind_a_root_jobs_socket_through_a_users_link_is_refused(
@@ -385,16 +422,7 @@ def test_a_restore_that_would_bind_a_root_jobs_socket_through_a_users_link_is_re
     socket stays, and with the folder put back the job resumes."""
     owner = pwd.getpwnam(other_user())
     python = python_of(owner.pw_name)
-    home = daemon_root / "home"
-    (home / "run").mkdir(parents=True)
-    for path in (home, home / "run"):
-        os.chown(path, owner.pw_uid, owner.pw_gid)
-    room = daemon_root / "room"
-    room.mkdir()
-    roots = socket.socket(socket.AF_UNIX)
-    roots.bind(str(room / "sock"))
-    script = home / "listener.py"
-    script.write_text(LISTENER)
+    home, room, roots, script = users_socket_folder_and_roots_socket(daemon_root, owner)
     release = daemon_root / "release"
     try:
         with running_daemon(daemon_root, virtual_devices=1) as daemon:

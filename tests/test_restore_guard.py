@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import os
 import pwd
-import socket
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,10 +19,17 @@ from pathlib import Path
 import pytest
 
 from singularityd import faults
-from singularityd.checkpoint.restore_guard import build_restore_guard, guard_environment
+from singularityd.checkpoint import CriuInfo
+from singularityd.checkpoint.restore_guard import build_restore_guard, guard_environment, load_problem
+from tests.checkpoint_helpers import SYSTEM_PYTHON
 from tests.conftest import requires_root
 from tests.helpers import other_user, running_daemon, wait_until
-from tests.test_reopened import LISTENER, python_of, resumes_once_put_back
+from tests.test_reopened import (
+    LISTENER,
+    python_of,
+    resumes_once_put_back,
+    users_socket_folder_and_roots_socket,
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +60,12 @@ def test_the_guard_is_built_once_into_a_root_only_folder(tmp_path: Path) -> None
     assert folder.stat().st_mode & 0o777 == 0o700 and os.listdir(folder) == [Path(first).name]
 
 
+def test_the_guard_is_found_active_in_criu_and_nowhere_else(library: str, criu_info: CriuInfo) -> None:
+    """It acts only in a program named criu (not in a wrapper script CRIU is run through)."""
+    assert load_problem(library, criu_info.argv) == ""
+    assert load_problem(library, ["/bin/true"]).startswith("it is not active in /bin/true")
+
+
 def test_without_a_compiler_the_reason_is_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     assert build_restore_guard(tmp_path / "guard") == ("", "no C compiler (cc) is installed to build it")
@@ -65,7 +76,11 @@ def guarded(library: str, code: str, *, places: tuple[Path, ...] = (), user: str
     of its steps, printed as `step: outcome`, gave."""
     owner = pwd.getpwnam(user or other_user())
     groups = os.getgrouplist(owner.pw_name, owner.pw_gid)
-    env = {**os.environ, **guard_environment(library, owner.pw_uid, owner.pw_gid, groups, places)}
+    env = {
+        **os.environ,
+        "LD_PRELOAD": library,
+        **guard_environment(owner.pw_uid, owner.pw_gid, groups, places),
+    }
     prelude = (
         "import os, socket, sys\n"
         "def step(name, change):\n"
@@ -75,9 +90,16 @@ def guarded(library: str, code: str, *, places: tuple[Path, ...] = (), user: str
         "        print(f'{name}: {error.strerror}')\n"
         "def create(path):\n"
         "    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))\n"
+        "def opened(path, flags=os.O_RDONLY):\n"
+        "    os.close(os.open(path, flags))\n"
     )
     run = subprocess.run(
-        [sys.executable, "-S", "-c", prelude + code], env=env, capture_output=True, text=True, timeout=60
+        ["criu-like", "-S", "-c", prelude + code],
+        executable=SYSTEM_PYTHON,  # named criu*, as the guard acts only in CRIU
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert run.returncode == 0, run.stderr
     return dict(line.split(": ", 1) for line in run.stdout.splitlines())
@@ -99,7 +121,11 @@ def test_changes_in_roots_folders_are_refused_and_in_the_users_own_made_as_the_u
     victim = ground / "victim"
     victim.write_text("root's")
     victim.chmod(0o600)
+    os.mkfifo(ground / "fifo", 0o600)
     own = users_folder(ground, "own")
+    (own / "link").symlink_to(ground)
+    (ground / "mine").write_text("the user's")
+    os.chown(ground / "mine", pwd.getpwnam(other_user()).pw_uid, -1)
     outcome = guarded(
         library,
         f"""
@@ -111,7 +137,11 @@ step("remove root's file", lambda: os.unlink({str(victim)!r}))
 step("bind in root's folder", lambda: socket.socket(socket.AF_UNIX).bind({str(ground / "sock")!r}))
 step("create in own folder", lambda: create({str(own / "file")!r}))
 step("bind in own folder", lambda: socket.socket(socket.AF_UNIX).bind({str(own / "sock")!r}))
-step("read root's file", lambda: os.close(os.open({str(victim)!r}, os.O_RDONLY)))
+step("read root's file", lambda: opened({str(victim)!r}))
+step("read root's file through a link", lambda: opened({str(own / "link" / "victim")!r}))
+step("open root's FIFO through a link", lambda: opened({str(own / "link" / "fifo")!r}, os.O_RDWR))
+step("read own file through a link", lambda: opened({str(own / "link" / "mine")!r}))
+step("read a file of /proc", lambda: opened("/proc/self/status"))
 """,
     )
     assert outcome == {
@@ -123,7 +153,11 @@ step("read root's file", lambda: os.close(os.open({str(victim)!r}, os.O_RDONLY))
         "bind in root's folder": "Permission denied",
         "create in own folder": "ok",
         "bind in own folder": "ok",
-        "read root's file": "ok",  # opens that make nothing stay root's (checkpoint.reopened checks them)
+        "read root's file": "ok",  # by a path without links: checkpoint.reopened checks it after
+        "read root's file through a link": "Permission denied",
+        "open root's FIFO through a link": "Permission denied",
+        "read own file through a link": "ok",
+        "read a file of /proc": "ok",
     }
     owner = pwd.getpwnam(other_user())
     assert (
@@ -201,17 +235,8 @@ def test_a_folder_swapped_after_the_restores_check_gains_the_user_nothing(
     fails with the checkpoint kept, and with the folder put back the job resumes."""
     owner = pwd.getpwnam(other_user())
     python = python_of(owner.pw_name)
-    home = daemon_root / "home"
-    (home / "run").mkdir(parents=True)
-    for path in (home, home / "run"):
-        os.chown(path, owner.pw_uid, owner.pw_gid)
-    room = daemon_root / "room"
-    room.mkdir()
-    roots = socket.socket(socket.AF_UNIX)
-    roots.bind(str(room / "sock"))
+    home, room, roots, script = users_socket_folder_and_roots_socket(daemon_root, owner)
     roots_inode = (room / "sock").stat().st_ino
-    script = home / "listener.py"
-    script.write_text(LISTENER)
     release, hold = daemon_root / "release", daemon_root / "hold-restore-checked"
     monkeypatch.setenv(faults.ENV, faults.RESTORE_CHECKED)
     monkeypatch.setenv(faults.HOLD_ENV, str(hold))

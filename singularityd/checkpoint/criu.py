@@ -24,7 +24,7 @@ from singularityd import faults
 from singularityd.checkpoint.criu_discovery import CriuInfo
 from singularityd.checkpoint.errors import CheckpointUnavailable, CriuError
 from singularityd.checkpoint.namespaces import ExternalMounts, dump_mount_args, restore_argv_in_yard
-from singularityd.checkpoint.restore_guard import guard_environment
+from singularityd.checkpoint.restore_guard import guard_environment, preloading
 
 if TYPE_CHECKING:
     from singularityd.devices.proxy_servers import JobIdentity
@@ -69,6 +69,11 @@ ERROR_HINTS: tuple[tuple[str, str], ...] = (
     ("Iptables configuration failed", "network locking with iptables failed"),
     ("Tracking memory is not available", "the kernel has no memory dirty tracking"),
     ("In-flight connection", "a listening socket has a connection not yet accepted"),
+    (
+        "on restore: Permission denied",
+        "a file the job held is not its user's to open by its path now (a folder on the way "
+        "replaced by a link since the checkpoint?)",
+    ),
     (
         "Can't unlink socket",
         "a path the job had bound holds something its user may not remove (a folder on the way "
@@ -513,7 +518,7 @@ class Criu:
         if user is None or not self.guards(user):
             return None
         folders = sorted({place if place.is_dir() else place.parent for place in places if place is not None})
-        return guard_environment(self.info.restore_guard, user.uid, user.gid, user.groups, folders)
+        return guard_environment(user.uid, user.gid, user.groups, folders)
 
     def restore_argv(
         self,
@@ -524,9 +529,11 @@ class Criu:
         inherit_fds: Mapping[str, int],
         external_mounts: ExternalMounts | None = None,
         mount_yard: Path | None = None,
+        preload: str = "",
     ) -> list[str]:
-        """The command line of a restore: CRIU, or CRIU in a mount yard for a job with its own mounts."""
-        argv = [*self.info.argv, "restore", *self._common(image_dir, log_file)]
+        """The command line of a restore: CRIU, or CRIU in a mount yard for a job with its own
+        mounts; CRIU alone (not the yard's wrapper) with the library `preload` preloaded."""
+        argv = [*preloading(preload), *self.info.argv, "restore", *self._common(image_dir, log_file)]
         argv += ["--restore-detached", "--pidfile", str(pidfile), *self._socket_args()]
         for key, fd in inherit_fds.items():
             argv += ["--inherit-fd", f"fd[{fd}]:{key}"]
@@ -571,6 +578,7 @@ class Criu:
             inherit_fds=fds,
             external_mounts=external_mounts,
             mount_yard=mount_yard,
+            preload=self.info.restore_guard if self.guards(user) else "",
         )
 
         def forget_pid() -> None:

@@ -1,16 +1,23 @@
 /*
  * The restore guard: preloaded into CRIU when it restores a job of a user other than root, it makes
- * every change CRIU makes to the filesystem by name (create, remove, rename, link, change owner or
- * mode, bind or connect a Unix socket) with the job user's filesystem rights, so a folder the user
- * swaps for a link while CRIU works gains them nothing: the kernel checks each change as the user's.
+ * every change CRIU makes to the filesystem by name (create, remove, rename, link, change owner
+ * or mode, bind or connect a Unix socket) with the job user's filesystem rights, and every open
+ * that meets a link on its way, so a folder the user swaps for a link while CRIU works gains them
+ * nothing: the kernel checks each as the user's. The paths CRIU records are those the kernel
+ * shows, which hold no link; an open without one stays root's (the job's supervisor runs as root,
+ * its program may be in a folder only root may enter), and the daemon then checks that the user
+ * may hold what the restored processes hold (checkpoint/reopened.py).
  *
- * CRIU's own work (its images, logs and temporary folders) keeps root's rights: a change is made as
- * root only when its path reaches, through folders only root may change, one of the places named
- * in SING_RESTORE_GUARD_PLACES or a temporary folder CRIU made (named like CRIU's, owned by root).
+ * CRIU's own work keeps root's rights: a path reached, through folders only root may change, into
+ * one of the places named in SING_RESTORE_GUARD_PLACES or a temporary folder CRIU made (named like
+ * CRIU's, owned by root); and a file of /proc that is not reached through a process's root,
+ * working directory or open files.
  *
- * Environment: SING_RESTORE_GUARD_UID, _GID, _GROUPS (comma-separated) and _PLACES (colon-separated
- * folders). Without a non-zero UID the guard does nothing. Opens that create nothing are left to
- * root (the daemon checks what the restored processes hold, see checkpoint/reopened.py).
+ * Environment: LD_PRELOAD (removed once loaded into CRIU, so that the programs CRIU runs do not
+ * get the guard), SING_RESTORE_GUARD_UID, _GID, _GROUPS (comma-separated) and _PLACES
+ * (colon-separated folders); with SING_RESTORE_GUARD_PROBE set, the guard says on stderr that it
+ * is active. It does nothing in a program not named criu (a wrapper script on the way) or
+ * without a non-zero UID.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -25,12 +32,15 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <linux/openat2.h>
+#include <sys/statfs.h>
 #include <sys/types.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #define MAX_GROUPS 256
 #define MAX_PLACES 8
+#define PROC_SUPER_MAGIC 0x9fa0
 
 static int guard_active;
 static uid_t guard_uid;
@@ -54,6 +64,9 @@ __attribute__((constructor)) static void guard_init(void)
 	char buffer[PATH_MAX];
 	struct stat st;
 
+	if (strncmp(program_invocation_short_name, "criu", 4) != 0)
+		return;
+	unsetenv("LD_PRELOAD");
 	if (!uid || !gid || atol(uid) <= 0)
 		return;
 	guard_uid = (uid_t)atol(uid);
@@ -78,6 +91,8 @@ __attribute__((constructor)) static void guard_init(void)
 		p = end ? end + 1 : NULL;
 	}
 	guard_active = 1;
+	if (getenv("SING_RESTORE_GUARD_PROBE"))
+		fprintf(stderr, "restore guard: active for uid %u\n", (unsigned)guard_uid);
 }
 
 static int is_place(const struct stat *st)
@@ -109,6 +124,47 @@ static int only_root_changes(const struct stat *dir, const struct stat *child)
 }
 
 /*
+ * Whether `path` (absolute) names a file of this process's /proc (a proc mount) that is no way
+ * into the filesystem: not a process's root, working directory, program, open file or mapped
+ * file followed further, nor one of those links when the operation follows it to a folder's
+ * content. Those are CRIU's business (its own processes' state, the job's namespaces, sysctls).
+ */
+static int proc_ground(const char *path)
+{
+	static const char *const ways_in[] = {"root", "cwd", NULL};
+	static const char *const link_folders[] = {"fd", "map_files", NULL};
+	struct statfs fs;
+	const char *p = path + strlen("/proc");
+	int after_link_folder = 0;
+
+	if (statfs("/proc", &fs) < 0 || fs.f_type != PROC_SUPER_MAGIC)
+		return 0;
+	while (*p) {
+		const char *end;
+		size_t len;
+
+		while (*p == '/')
+			p++;
+		if (!*p)
+			break;
+		end = strchrnul(p, '/');
+		len = (size_t)(end - p);
+		if (after_link_folder == 2 || (len == 2 && strncmp(p, "..", 2) == 0))
+			return 0; /* beyond /proc/PID/fd/N: into what the link leads to */
+		if (after_link_folder == 1)
+			after_link_folder = 2;
+		for (int i = 0; ways_in[i]; i++)
+			if (len == strlen(ways_in[i]) && strncmp(p, ways_in[i], len) == 0 && *end)
+				return 0;
+		for (int i = 0; link_folders[i]; i++)
+			if (len == strlen(link_folders[i]) && strncmp(p, link_folders[i], len) == 0)
+				after_link_folder = 1;
+		p = end;
+	}
+	return 1;
+}
+
+/*
  * Whether `path` (absolute, no "..") names CRIU's own ground: reached from "/" through folders only
  * root may change, passing through or naming a guarded place or a temporary folder of CRIU's.
  * `follow_last`: the operation follows a link at the end of the path.
@@ -121,6 +177,11 @@ static int criu_ground(const char *path, int follow_last)
 	int inside = 0, verdict = 0;
 	const char *p = path;
 
+	if (strncmp(path, "/proc/", 6) == 0) {
+		if (dir >= 0)
+			close(dir);
+		return proc_ground(path);
+	}
 	if (dir < 0)
 		return 0;
 	if (fstat(dir, &dir_st) < 0)
@@ -287,27 +348,53 @@ static mode_t mode_argument(int flags, va_list args)
 	return (flags & O_CREAT) || (flags & O_TMPFILE) == O_TMPFILE ? (mode_t)va_arg(args, int) : 0;
 }
 
-#define OPEN_WRAPPER(name)                                                                    \
-	int name(const char *path, int flags, ...)                                            \
-	{                                                                                     \
-		va_list args;                                                                 \
-		mode_t mode;                                                                  \
-		va_start(args, flags);                                                        \
-		mode = mode_argument(flags, args);                                            \
-		va_end(args);                                                                 \
-		GUARDED(!creates(flags) || as_root(AT_FDCWD, path, follows(flags)),           \
-			REAL(name)(path, flags, mode));                                       \
+/*
+ * open and openat (open(path) is openat(AT_FDCWD, path)). One that creates is a change (above).
+ * One that does not is root's on CRIU's ground, and otherwise root's only along a path without a
+ * link (openat2 RESOLVE_NO_SYMLINKS: a link met on the way fails it, race-free), relative to a
+ * known folder, not to a working directory CRIU may have changed into through a link; else the
+ * user's. So a link swapped in never leads root's open anywhere (a device opened has effects).
+ */
+static int guarded_openat(int dirfd, const char *path, int flags, mode_t mode)
+{
+	int (*real)(int, const char *, int, ...) = (int (*)(int, const char *, int, ...))dlsym(RTLD_NEXT, "openat64");
+	struct open_how how = {.flags = (unsigned long long)flags, .mode = mode, .resolve = RESOLVE_NO_SYMLINKS};
+	struct saved_rights saved;
+	int fd;
+
+	if (as_root(dirfd, path, follows(flags)))
+		return real(dirfd, path, flags, mode);
+	if (!creates(flags) && path && (path[0] == '/' || dirfd != AT_FDCWD)) {
+		fd = (int)syscall(SYS_openat2, dirfd, path, &how, sizeof(how));
+		if (fd >= 0 || (errno != ELOOP && errno != ENOSYS && errno != EINVAL && errno != E2BIG))
+			return fd; /* else a link on the way, or no openat2 here (Linux < 5.6), or its stricter flags */
 	}
-#define OPENAT_WRAPPER(name)                                                                  \
-	int name(int dirfd, const char *path, int flags, ...)                                 \
-	{                                                                                     \
-		va_list args;                                                                 \
-		mode_t mode;                                                                  \
-		va_start(args, flags);                                                        \
-		mode = mode_argument(flags, args);                                            \
-		va_end(args);                                                                 \
-		GUARDED(!creates(flags) || as_root(dirfd, path, follows(flags)),              \
-			REAL(name)(dirfd, path, flags, mode));                                \
+	if (take_user_rights(&saved) < 0)
+		return -1;
+	fd = real(dirfd, path, flags, mode);
+	give_back_rights(&saved);
+	return fd;
+}
+
+#define OPEN_WRAPPER(name)                                               \
+	int name(const char *path, int flags, ...)                       \
+	{                                                                \
+		va_list args;                                            \
+		mode_t mode;                                             \
+		va_start(args, flags);                                   \
+		mode = mode_argument(flags, args);                       \
+		va_end(args);                                            \
+		return guarded_openat(AT_FDCWD, path, flags, mode);      \
+	}
+#define OPENAT_WRAPPER(name)                                             \
+	int name(int dirfd, const char *path, int flags, ...)            \
+	{                                                                \
+		va_list args;                                            \
+		mode_t mode;                                             \
+		va_start(args, flags);                                   \
+		mode = mode_argument(flags, args);                       \
+		va_end(args);                                            \
+		return guarded_openat(dirfd, path, flags, mode);         \
 	}
 
 OPEN_WRAPPER(open)

@@ -42,13 +42,40 @@ def build_restore_guard(folder: Path) -> tuple[str, str]:
     return str(library), ""
 
 
-def guard_environment(
-    library: str, uid: int, gid: int, groups: Sequence[int], places: Sequence[Path]
-) -> dict[str, str]:
-    """The environment that preloads the guard into CRIU for a job of `uid`; `places` are the
+def load_problem(library: str, criu_argv: Sequence[str]) -> str:
+    """Why the guard would not be active in this CRIU (it is named otherwise, or ignores
+    LD_PRELOAD), or "" when `criu --version` with it preloaded says it is."""
+    probe = {
+        "SING_RESTORE_GUARD_UID": "65534",
+        "SING_RESTORE_GUARD_GID": "65534",
+        "SING_RESTORE_GUARD_PROBE": "1",
+    }
+    try:
+        run = subprocess.run(
+            [*preloading(library), *criu_argv, "--version"],
+            env={**os.environ, **probe},
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"CRIU could not be run with it: {error}"
+    if "restore guard: active" not in run.stderr:
+        return f"it is not active in {criu_argv[-1]} (CRIU must be a program named criu*, not static)"
+    return ""
+
+
+def preloading(library: str) -> list[str]:
+    """The command prefix that runs a program with `library` preloaded (none for ""): through
+    env(1), so that a wrapper exec'ing that command (the mount yard's Python) runs without it."""
+    return [shutil.which("env") or "/usr/bin/env", f"LD_PRELOAD={library}"] if library else []
+
+
+def guard_environment(uid: int, gid: int, groups: Sequence[int], places: Sequence[Path]) -> dict[str, str]:
+    """The environment that sets the preloaded guard for a job of `uid`; `places` are the
     root-only folders of CRIU's own work (images, logs), where it keeps root's rights."""
     return {
-        "LD_PRELOAD": library,
         "SING_RESTORE_GUARD_UID": str(uid),
         "SING_RESTORE_GUARD_GID": str(gid),
         "SING_RESTORE_GUARD_GROUPS": ",".join(str(group) for group in groups),
