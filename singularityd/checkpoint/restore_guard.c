@@ -124,10 +124,10 @@ static int only_root_changes(const struct stat *dir, const struct stat *child)
 }
 
 /*
- * Whether `path` (absolute) names a file of this process's /proc (a proc mount) that is no way
- * into the filesystem: not a process's root, working directory, program, open file or mapped
- * file followed further, nor one of those links when the operation follows it to a folder's
- * content. Those are CRIU's business (its own processes' state, the job's namespaces, sysctls).
+ * Whether `path` (absolute) names a file of this process's /proc (a proc mount) that leads no
+ * further into the filesystem: not through a process's root or working directory, nor beyond the
+ * link of an open or mapped file. Those files are CRIU's business (its own processes' state, the
+ * job's namespaces, sysctls).
  */
 static int proc_ground(const char *path)
 {
