@@ -1,8 +1,9 @@
-"""CRIU's changes to the filesystem by name carry the job user's rights, not root's
-(singularityd/checkpoint/restore_guard.c, preloaded into CRIU for another user's restore).
+"""CRIU's changes to the filesystem by name, and its opens through a link, carry the job user's
+rights, not root's (singularityd/checkpoint/restore_guard.c, preloaded into CRIU for another
+user's restore).
 
-The guard is tested alone, preloaded into a real process that makes the changes CRIU makes, and
-whole: a real daemon held just after its restore's path check, while the job's user swaps the
+The guard is tested alone, preloaded into a real process that makes the changes and opens CRIU
+makes, and whole: a real daemon held just after its restore's path check, while the job's user swaps the
 folder of the job's bound socket for a link to root's folder, then CRIU restoring for real.
 """
 
