@@ -26,6 +26,7 @@ from singularityd.checkpoint.interface import (
     Restoration,
     StoredCheckpoint,
 )
+from singularityd.checkpoint.restoring import KnownDigests
 from singularityd.config import Config
 from singularityd.core.decisions import PREEMPTION_BACKOFF_SECONDS, Activity
 from singularityd.core.states import JobState
@@ -172,7 +173,14 @@ class FakeCheckpoints:
         seq = self.stored[target.job_id] = self.stored.get(target.job_id, 0) + 1
         return CheckpointTaken(seq, 0.0, 100, 0.01, f"checkpoint {seq} (100B)")
 
-    async def restore(self, job_id: int, devices: tuple[int, ...], logical: int | None = None) -> Restoration:
+    async def restore(
+        self,
+        job_id: int,
+        devices: tuple[int, ...],
+        logical: int | None = None,
+        known_digests: KnownDigests | None = None,
+        user: JobIdentity | None = None,
+    ) -> Restoration:
         return Restoration(500 + job_id, self.stored[job_id], ((9, "no manifest"),))
 
     async def settle_interrupted(self, job_id: int) -> str:
