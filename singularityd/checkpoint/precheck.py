@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,21 +141,14 @@ def tree_pids(root: int) -> list[int]:
     return out
 
 
-def signal_tree(pid: int, sig: int) -> None:
-    """Send a signal to a process and all its descendants."""
+def signal_tree(pid: int, sig: int, sparing: Collection[int] = ()) -> None:
+    """Send a signal to a process and all its descendants, but for those whose PID in their own
+    namespace (the last of NSpid) is in `sparing`."""
     for each in tree_pids(pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(each, sig)
-
-
-def continue_tree(pid: int, stopped_at_dump: Collection[int] = ()) -> None:
-    """SIGCONT a process and its descendants, but for those that were stopped when dumped (their
-    PIDs as the dumped tree saw them, the last of NSpid), which a restore must leave stopped."""
-    for each in tree_pids(pid):
-        if stopped_at_dump and namespace_pid(each) in stopped_at_dump:
+        if sparing and namespace_pid(each) in sparing:
             continue
         with contextlib.suppress(ProcessLookupError):
-            os.kill(each, signal.SIGCONT)
+            os.kill(each, sig)
 
 
 def namespace_pid(pid: int) -> int | None:

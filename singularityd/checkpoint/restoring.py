@@ -24,7 +24,7 @@ from singularityd.checkpoint.criu import LEAVE_STOPPED, Criu, RestoreOutcome, ru
 from singularityd.checkpoint.errors import CheckpointError, NoValidCheckpoint
 from singularityd.checkpoint.image_files import stopped_at_dump
 from singularityd.checkpoint.manifest import IMAGES_DIR, Manifest, Skipped, Verdict
-from singularityd.checkpoint.precheck import continue_tree, signal_tree
+from singularityd.checkpoint.precheck import signal_tree
 from singularityd.checkpoint.reopened import named_path_problems, reopened_problems
 from singularityd.checkpoint.shm import write_back
 from singularityd.checkpoint.store import ImageStore, rewind_files
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 def continue_as_dumped(pid: int, images: Path) -> None:
     """Let run the tree under `pid` that a restore from `images` left stopped, but for the
     processes that were stopped when dumped (their user stopped them)."""
-    continue_tree(pid, stopped_at_dump(images))
+    signal_tree(pid, signal.SIGCONT, sparing=stopped_at_dump(images))
 
 
 InheritFds = Mapping[str, int] | Callable[[Manifest], Mapping[str, int]]

@@ -36,7 +36,7 @@ from singularityd.checkpoint.errors import CheckpointError
 from singularityd.checkpoint.hashing import hash_open_files, open_for_hashing
 from singularityd.checkpoint.interface import Checkpoints
 from singularityd.checkpoint.manifest import IMAGES_DIR, ManifestError, digest_problems
-from singularityd.checkpoint.precheck import continue_tree, signal_tree
+from singularityd.checkpoint.precheck import signal_tree
 from singularityd.checkpoint.restoring import KnownDigests, continue_as_dumped
 from singularityd.checkpoint.service import Checkpointer
 from singularityd.checkpoint.store import ImageStore
@@ -344,7 +344,7 @@ class Arrivals:
                     process.pid, self.images.checkpoint_dir(str(job_id), seqs[-1]) / IMAGES_DIR
                 )
             else:
-                continue_tree(process.pid)
+                signal_tree(process.pid, signal.SIGCONT)
             reason = f"{why}: running here"
             daemon.apply(job_id, Arrived(process.pid, process.start_ticks, job.devices, reason))
             return
