@@ -29,8 +29,9 @@ from singularityd.checkpoint import (
     locate_criu,
 )
 from singularityd.checkpoint import store as store_module
-from singularityd.checkpoint.criu import Criu, parse_stats, summarize_log
+from singularityd.checkpoint.criu import Criu, parse_stats
 from singularityd.checkpoint.criu_discovery import parse_version, privilege_problem, tcp_problem
+from singularityd.checkpoint.criu_log import summarize_log
 from singularityd.checkpoint.dump_script import (
     FAILED_LOGS_KEPT,
     TCP_REFUSED_EXIT,

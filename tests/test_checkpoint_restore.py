@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from singularityd.checkpoint import CheckpointError, CheckpointUnavailable, Criu, CriuInfo, Manifest
-from singularityd.checkpoint.criu import FORK_RETRY_PATTERN, PARASITE_PROC_DIR
+from singularityd.checkpoint.criu_log import FORK_RETRY_PATTERN, PARASITE_PROC_DIR
 from tests.checkpoint_helpers import (
     COUNTER,
     HOLD,
